@@ -1,0 +1,39 @@
+# kidx: set-up, the main job on embedded defaults, and the tests.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup run test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: a bare requirement would pull a CUDA build of several GB.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[local,dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The main job on embedded defaults: a local SQLite file (./data/kidx.db), the local model.
+run: setup
+	$(VENV)/bin/kidx init
+	$(PY) ops/scripts/load_corpus.py ../shared/corpus/rustbook
+	$(VENV)/bin/kidx index --all --inline
+	$(VENV)/bin/kidx status
+	$(VENV)/bin/kidx search "how does ownership move a String" -k 3
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: setup
+	$(PY) bench/chunking.py
+
+clean:
+	rm -rf $(VENV) data .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,251 @@
+"""Structural chunker: exact slices, bounds, fences, headings, overlap, determinism."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from worker.chunking import MAX_CHUNK_SIZE, chunk_structure
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "rustbook"
+FENCE_LINE = re.compile(r"^[ \t]*(?:`{3,}|~{3,})", re.M)
+
+# -- generators ------------------------------------------------------------------------------
+
+word = st.text(alphabet="abcdefghijklmnopqrstuvwxyzéß", min_size=1, max_size=12)
+long_word = st.text(alphabet="xyz", min_size=200, max_size=2500)
+sentence = st.builds(
+    lambda ws, end: " ".join(ws).capitalize() + end,
+    st.lists(word | st.just("`code`") | st.just("#tag"), min_size=1, max_size=40),
+    st.sampled_from([".", "!", "?", ":", ""]),
+)
+paragraph = st.lists(sentence, min_size=1, max_size=12).map(" ".join) | long_word
+heading = st.builds(
+    lambda level, ws: "#" * level + " " + " ".join(ws),
+    st.integers(1, 6),
+    st.lists(word, min_size=1, max_size=6),
+)
+setext = st.builds(
+    lambda ws, ch: " ".join(ws) + "\n" + ch * 3,
+    st.lists(word, min_size=1, max_size=6),
+    st.sampled_from("=-"),
+)
+code_line = st.sampled_from(
+    ["# a comment, not a heading", "", "fn main() {}", "let x = 1;", "    indented", "## two"]
+) | st.lists(word, max_size=8).map(" ".join)
+fenced = st.builds(
+    lambda info, lines: f"```{info}\n" + "\n".join(lines) + "\n```",
+    st.sampled_from(["", "rust", "sh", "text"]),
+    st.lists(code_line, min_size=0, max_size=120),
+)
+listing = st.lists(sentence, min_size=1, max_size=6).map(lambda xs: "\n".join("- " + x for x in xs))
+block = st.one_of(paragraph, paragraph, heading, setext, fenced, listing)
+markdown = st.lists(block, min_size=0, max_size=40).map("\n\n".join)
+raw_text = st.lists(
+    st.sampled_from([*list("ab .\n\n\n#`~=-\t\r"), "```", "# h", "\n\n## s\n", "word "]),
+    max_size=1500,
+).map("".join)
+# Small bounds exercise every split level on inputs hypothesis can shrink.
+small_bounds = st.sampled_from(
+    [
+        {},
+        {"max_size": 300, "min_size": 40, "overlap": 30, "window": 80},
+        {"max_size": 120, "min_size": 10, "overlap": 20, "window": 30},
+    ]
+)
+
+PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def covered_positions(chunks) -> set[int]:
+    seen: set[int] = set()
+    for c in chunks:
+        seen.update(range(c.start, c.end))
+    return seen
+
+
+def fences_in(content: str) -> int:
+    return len(FENCE_LINE.findall(content))
+
+
+# -- properties ------------------------------------------------------------------------------
+
+
+@PROPS
+@given(st.one_of(markdown, raw_text), small_bounds)
+def test_content_is_the_exact_source_slice(text, bounds):
+    for c in chunk_structure(text, **bounds):
+        assert c.content == text[c.start : c.end]
+        assert c.content.strip(), "no chunk is only white space"
+
+
+@PROPS
+@given(st.one_of(markdown, raw_text), small_bounds)
+def test_every_non_space_character_is_in_some_chunk(text, bounds):
+    seen = covered_positions(chunk_structure(text, **bounds))
+    missing = [i for i, ch in enumerate(text) if not ch.isspace() and i not in seen]
+    assert not missing
+
+
+@PROPS
+@given(st.one_of(markdown, raw_text), small_bounds)
+def test_no_chunk_exceeds_the_maximum(text, bounds):
+    limit = bounds.get("max_size", MAX_CHUNK_SIZE)
+    assert all(len(c.content) <= limit for c in chunk_structure(text, **bounds))
+
+
+@PROPS
+@given(st.one_of(markdown, raw_text), small_bounds)
+def test_deterministic(text, bounds):
+    assert chunk_structure(text, **bounds) == chunk_structure(text, **bounds)
+
+
+@PROPS
+@given(markdown, small_bounds)
+def test_fences_balanced_unless_a_single_block_exceeds_the_maximum(text, bounds):
+    for c in chunk_structure(text, **bounds):
+        if c.fence_open or c.fence_close:
+            # A part of an oversized block: re-fenced for the embedder, so *its* text balances.
+            assert fences_in(c.embedding_input("t")) % 2 == 0
+        else:
+            assert fences_in(c.content) % 2 == 0, c.content
+
+
+@PROPS
+@given(markdown)
+def test_indices_are_consecutive_and_starts_ascend(text):
+    chunks = chunk_structure(text)
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert all(a.start < b.start and a.end <= b.end for a, b in itertools.pairwise(chunks))
+
+
+# -- examples --------------------------------------------------------------------------------
+
+
+def test_heading_inside_a_fence_is_not_a_section():
+    body = "Some prose about shells. " * 30
+    text = (
+        f"# Real\n\n{body}\n\n```sh\n# not a heading\necho hi\n```\n\n"
+        f"{body}\n\n## Second\n\n{body}\n\n{body}\n\n{body}"
+    )
+    chunks = chunk_structure(text)
+    assert len(chunks) > 1
+    paths = {h for c in chunks for h in c.headings}
+    assert "not a heading" not in paths
+    assert {"Real", "Second"} <= paths
+
+
+def test_setext_headings_start_sections():
+    para = "Words in a paragraph that goes on for a while. " * 20
+    text = f"Title\n=====\n\n{para}\n\nPart two\n--------\n\n{para}\n\n{para}\n\n{para}"
+    chunks = chunk_structure(text)
+    assert any(c.headings == ("Title", "Part two") for c in chunks)
+    assert chunks[0].headings == ("Title",)
+
+
+def test_thematic_break_after_a_list_is_not_a_heading():
+    text = "- one\n- two\n---\n\n" + "Prose. " * 400
+    assert all("- two" not in c.headings for c in chunk_structure(text))
+
+
+def test_a_long_sentence_is_cut_at_a_word_boundary():
+    text = " ".join(["averyordinaryword"] * 400)  # one 7199-character sentence, no full stop
+    chunks = chunk_structure(text)
+    assert len(chunks) >= 5
+    assert all(len(c.content) <= MAX_CHUNK_SIZE for c in chunks)
+    for c in chunks:
+        assert c.content.startswith("averyordinaryword")
+        assert c.content.endswith("averyordinaryword")
+
+
+def test_one_enormous_word_is_cut_hard_and_still_covered():
+    text = "x" * 4000
+    chunks = chunk_structure(text)
+    assert all(len(c.content) <= MAX_CHUNK_SIZE for c in chunks)
+    assert len(covered_positions(chunks)) == 4000
+
+
+def test_oversized_fence_parts_are_refenced_for_the_embedder_only():
+    code = "\n".join(f"let value_{i} = compute({i});" for i in range(200))
+    text = f"# Code\n\nIntro line.\n\n```rust\n{code}\n```\n\nAfter the code."
+    chunks = chunk_structure(text)
+    parts = [c for c in chunks if c.fence_open or c.fence_close]
+    assert len(parts) >= 3
+    middle = parts[1]
+    assert middle.fence_open == "```rust" and middle.fence_close == "```"
+    assert not middle.content.startswith("```")
+    embedded = middle.embedding_input("Doc")
+    assert "\n```rust\n" in embedded and embedded.endswith("\n```")
+    # Cut at line ends inside the block, and the overlap is whole lines too.
+    for a, b in itertools.pairwise(parts):
+        assert text[b.start - 1] == "\n"
+        assert text[a.end - 1] == ";"
+
+
+def test_parts_of_an_oversized_section_overlap_by_at_most_the_overlap():
+    paras = [
+        f"Paragraph {i} says something rather specific about item {i}. " * 4 for i in range(30)
+    ]
+    text = "# One long section\n\n" + "\n\n".join(paras)
+    chunks = chunk_structure(text)
+    assert len(chunks) > 3
+    overlaps = [a.end - b.start for a, b in itertools.pairwise(chunks)]
+    assert all(0 < o <= 100 for o in overlaps), overlaps
+    for a, b in itertools.pairwise(chunks):
+        shared = text[b.start : a.end]
+        assert a.content.endswith(shared) and b.content.startswith(shared)
+
+
+def test_no_overlap_across_a_heading():
+    para = "A sentence of prose in a section that is of moderate length here. " * 12
+    text = "\n\n".join(f"## Section {i}\n\n{para}\n\n{para}" for i in range(6))
+    chunks = chunk_structure(text)
+    for a, b in itertools.pairwise(chunks):
+        if text.startswith("## ", b.start):
+            assert a.end <= b.start
+
+
+def test_embedding_input_carries_title_and_heading_path():
+    para = "Ownership moves values between variables in Rust programs. " * 10
+    text = f"# Ownership\n\n{para}\n\n## Moves\n\n{para}\n\n{para}\n\n### Deep\n\n{para}\n\n{para}"
+    chunks = chunk_structure(text)
+    last = chunks[-1]
+    assert last.headings[:2] == ("Ownership", "Moves")
+    assert last.embedding_input("The Book").startswith("The Book\nOwnership > Moves")
+
+
+def test_small_text_is_one_chunk_and_blank_text_none():
+    assert [c.content for c in chunk_structure("  hello  \n")] == ["hello"]
+    assert chunk_structure(" \n\t ") == []
+
+
+def _corpus_chapter(name: str = "ch04-01-what-is-ownership.md") -> str:
+    return (CORPUS / name).read_text(encoding="utf-8")
+
+
+def test_corpus_chapter_bounds_and_sizes():
+    text = _corpus_chapter()
+    chunks = chunk_structure(text)
+    assert len(chunks) >= 15
+    sizes = sorted(len(c.content) for c in chunks)
+    assert max(sizes) <= MAX_CHUNK_SIZE
+    assert sizes[len(sizes) // 2] >= 700
+    assert sum(1 for s in sizes if s < 200) <= 1
+
+
+def test_edit_locality_on_a_corpus_chapter():
+    """An inserted paragraph near the top changes only the chunks around it."""
+    text = _corpus_chapter()
+    before = Counter(c.embedding_input("t") for c in chunk_structure(text))
+    anchor = text.index("\n\n", 2000)
+    inserted = "This paragraph was inserted by a test to see what moves. " * 4
+    edited = text[:anchor] + "\n\n" + inserted + text[anchor:]
+    after = Counter(c.embedding_input("t") for c in chunk_structure(edited))
+    changed = sum((after - before).values())
+    assert 1 <= changed <= 3
+    assert sum(before.values()) - changed >= 15

@@ -1,0 +1,55 @@
+"""The chunk every chunker returns, and the exact text the embedder is given for it."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import NamedTuple
+
+MAX_CHUNK_SIZE = 1500
+MIN_CHUNK_SIZE = 200
+OVERLAP_SIZE = 100
+
+
+class ChunkMethod(enum.StrEnum):
+    """Which chunker produced a chunk (the seed's `ChunkMethod`)."""
+
+    LLM = "llm"
+    STRUCTURE = "structure"
+
+
+class Chunk(NamedTuple):
+    """A slice `text[start:end]` of an item's text, with the context the embedder needs.
+
+    `fence_open` / `fence_close` are set only on the parts of a fenced block that alone exceeds
+    the maximum: the embedder sees each part re-fenced, the stored content stays an exact slice.
+    A NamedTuple rather than a frozen dataclass: as immutable, and four times cheaper to build
+    (the chunker builds one per chunk of every text).
+    """
+
+    index: int
+    start: int
+    end: int
+    content: str
+    headings: tuple[str, ...] = ()
+    method: ChunkMethod = ChunkMethod.STRUCTURE
+    summary: str | None = None
+    fence_open: str | None = None
+    fence_close: str | None = None
+
+    def embedding_input(self, title: str) -> str:
+        """Title, heading path, summary, then the (re-fenced) content: what is embedded."""
+        head = [line for line in (title.strip(), " > ".join(self.headings)) if line]
+        if self.summary:
+            head.append(self.summary)
+        body = self.content
+        if self.fence_open:
+            body = f"{self.fence_open}\n{body}"
+        if self.fence_close:
+            body = f"{body}\n{self.fence_close}"
+        return "\n".join(head) + "\n\n" + body if head else body
+
+
+def text_hash(text: str) -> str:
+    """Stable hash of a text (content hashes, embedder-input hashes)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()

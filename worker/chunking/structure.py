@@ -1,0 +1,475 @@
+"""Structural chunking: headings first, then paragraphs, sentences, lines, words, characters.
+
+Why it looks the way it does:
+
+* Every chunk is an exact slice `text[start:end]` (the seed's own sentence splitter glued words
+  together; LESSONS.md). Offsets are the truth, content is derived from them.
+* Boundaries are chosen by content, not by position, so that an edit moves only the chunks around
+  it (greedy packing re-cuts everything after an insertion). A candidate boundary is a heading, a
+  paragraph break or the edge of a fenced block; each has a strength derived from the text at that
+  point (headings beat paragraphs, shallower headings beat deeper ones, ties by a hash of the text).
+  A candidate becomes a cut when it is the strongest within `window` characters on either side: a
+  property of the text near it only. A section that fits into one chunk is never cut inside.
+* A region between two cuts that is still too long is split at its strongest candidate that keeps
+  both sides within bounds, else at a sentence end, a line end, a space, or (last resort) hard.
+  Nothing is ever longer than `max_size`.
+* Parts of an oversized section overlap: each part ends with up to `overlap` characters (whole
+  words) of the next one. The overlap is taken from the *start* of the next part, so appending to a
+  paragraph at the end of a part does not change its neighbour.
+* Headings and fences are recognised outside fenced code only (`# comment` in a shell block is not
+  a section). A fenced block is split only when it alone exceeds the maximum; its parts are
+  re-fenced in the text given to the embedder (`Chunk.fence_open` / `fence_close`).
+
+The scanner is one regular expression over the whole text, so the per-line work happens in C;
+on the Rust Book this chunker is faster than semantic-text-splitter's Rust MarkdownSplitter
+(bench/chunking.py), which a markdown-it-py parse (about 5 MB/s here) could not be.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import zlib
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from worker.chunking.base import (
+    MAX_CHUNK_SIZE,
+    MIN_CHUNK_SIZE,
+    OVERLAP_SIZE,
+    Chunk,
+    ChunkMethod,
+)
+
+WINDOW = 500
+"""A paragraph break becomes a cut only if no stronger candidate lies within this distance."""
+
+# Anchored on "\n" and a look-ahead at the next character rather than on "^" with re.M: the
+# engine then skips ahead in C, which makes the scan about four times as fast (bench/chunking.py).
+# The text is scanned with a "\n" in front. Blank lines (most of the matches) are found by a
+# second expression, without a Python loop.
+_BLOCK_LINE = re.compile(
+    r"\n(?=[ \t#`~=-])(?:(?P<fence>[ \t]*(?:`{3,}|~{3,}))(?P<info>[^\n]*)"
+    r"|(?P<atx> {0,3}#{1,6})(?P<title>[ \t][^\n]*)?(?=\n|\Z)"
+    r"|(?P<setext> {0,3}(?:=+|-+)[ \t]*\r?)(?=\n|\Z))"
+)
+_BLANK_RUN = re.compile(
+    r"\n(?=[ \t\r\n])(?:[ \t]*\r?\n)+"
+)  # its end is where the next paragraph starts
+_BLANK_LINE = re.compile(r"[ \t]*\r?(?:\n|\Z)")
+_SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+")
+_LINE_END = re.compile(r"\n")
+_SPACE = re.compile(r"\s+")
+_FENCE_OR_HEADING_LINE = re.compile(r"^(?:[ \t]*(?:`{3,}|~{3,})| {0,3}#{1,6}(?:[ \t]|$))", re.M)
+_NOT_SETEXT = re.compile(r"[ \t]*(?:[-*+>|]|\d+[.)])(?:[ \t]|$)")  # list, quote, table
+_STRONG_BLOCK = re.compile(r"[ \t]*(?:`{3}|~{3}|<|\||>|[-*+][ \t]|\d+[.)][ \t])")
+_STRONG_FIRST = frozenset(" \t`~<|>-*+0123456789")
+_HEADING = 10.0  # strength of a heading candidate is above this; paragraph breaks are in [0, 1)
+
+
+class _Fence(NamedTuple):
+    start: int  # start of the opening line
+    end: int  # end of the closing line (or of the text, when never closed)
+    open_line: str
+    close_marker: str
+    closed: bool
+
+
+@dataclass(slots=True)
+class _Layout:
+    heading_pos: list[int]
+    heading_level: list[int]
+    heading_title: list[str]
+    breaks: list[int]  # paragraph starts and fence edges, ascending
+    fences: list[_Fence]
+
+
+def _atx_title(raw: str) -> str:
+    title = raw.strip()
+    stripped = title.rstrip("#")
+    if stripped != title and (not stripped or stripped[-1] in " \t"):
+        title = stripped.rstrip()
+    return title
+
+
+def _scan(text: str) -> _Layout:
+    """Headings, paragraph breaks and fenced blocks, outside fenced blocks."""
+    n = len(text)
+    blank_ends = [m.end() for m in _BLANK_RUN.finditer(text)]
+    if blank_ends and blank_ends[-1] >= n:
+        blank_ends.pop()
+    heading_pos: list[int] = []
+    heading_level: list[int] = []
+    heading_title: list[str] = []
+    edges: list[int] = []  # fence starts, and the line after each fence
+    fences: list[_Fence] = []
+    fence_start = -1
+    fence_char = ""
+    fence_len = 0
+    open_line = ""
+    prev_end = -2  # end of the last heading or fence line
+
+    for m in _BLOCK_LINE.finditer("\n" + text):
+        start = m.start()  # the line's start in `text` (the match starts at the "\n" before it)
+        end = m.end() - 1  # the end of the line (or of the match, for a setext underline)
+        kind = m.lastgroup
+        if fence_start >= 0:
+            if kind == "info":
+                marker = m.group("fence").lstrip(" \t")
+                if marker[0] == fence_char and len(marker) >= fence_len and not m["info"].strip():
+                    fences.append(_Fence(fence_start, end, open_line, fence_char * fence_len, True))
+                    fence_start = -1
+                    prev_end = end
+                    if end + 1 < n and not _BLANK_LINE.match(text, end + 1):
+                        edges.append(end + 1)
+            continue
+        if kind == "info":
+            marker = m.group("fence").lstrip(" \t")
+            if marker[0] == "`" and "`" in m["info"]:
+                continue  # ```inline code``` on a line of its own, not a fence
+            fence_start, fence_char, fence_len = start, marker[0], len(marker)
+            open_line = text[start:end].rstrip("\r")
+            edges.append(start)
+            prev_end = end
+        elif kind == "setext":  # a heading only if it directly follows paragraph text
+            k = bisect_right(blank_ends, start) - 1
+            para_start = max(blank_ends[k] if k >= 0 else 0, prev_end + 1)
+            if (
+                prev_end != start - 1
+                and (k < 0 or blank_ends[k] != start)
+                and start > para_start
+                and not _NOT_SETEXT.match(text, para_start)
+            ):
+                heading_pos.append(para_start)
+                heading_level.append(1 if text[start:end].lstrip()[0] == "=" else 2)
+                heading_title.append(" ".join(text[para_start:start].split()))
+                prev_end = end
+        else:  # ATX heading (`kind` is "atx" or "title")
+            heading_pos.append(start)
+            heading_level.append(len(m["atx"].strip()))
+            heading_title.append(_atx_title(m["title"] or ""))
+            prev_end = end
+    if fence_start >= 0:
+        fences.append(_Fence(fence_start, n, open_line, fence_char * fence_len, False))
+    return _Layout(
+        heading_pos, heading_level, heading_title, _outside(blank_ends, edges, fences), fences
+    )
+
+
+def _outside(blank_ends: list[int], edges: list[int], fences: list[_Fence]) -> list[int]:
+    """Paragraph breaks and fence edges, minus the blank lines inside fenced blocks."""
+    if not fences:
+        return blank_ends
+    kept: list[int] = []
+    i = 0
+    for f in fences:
+        j = bisect_right(blank_ends, f.start, i)
+        kept.extend(blank_ends[i:j])
+        i = bisect_left(blank_ends, f.end, j)
+    kept.extend(blank_ends[i:])
+    kept.extend(edges)
+    kept.sort()
+    return [p for k, p in enumerate(kept) if k == 0 or kept[k - 1] != p]
+
+
+def _hash01(text: str) -> float:
+    """A hash of `text` in [0, 1), stable across processes (unlike `hash()`)."""
+    return zlib.crc32(text.encode("utf-8", "surrogatepass")) / 4294967296.0
+
+
+def _break_strengths(text: str, breaks: list[int]) -> dict[int, float]:
+    """A break before a code block, list, table, quote or HTML block beats one between two
+    prose paragraphs: an inserted prose paragraph then rarely becomes a cut of its own. The
+    hash is of the text after the break, so appending to the paragraph before it changes
+    nothing. (One comprehension: this runs for every paragraph of every text.)"""
+    crc, strong, scale = zlib.crc32, _STRONG_BLOCK.match, 0.5 / 4294967296.0
+    try:
+        return {
+            p: crc(text[p : p + 48].encode()) * scale
+            + (0.5 if text[p] in _STRONG_FIRST and strong(text, p) else 0.0)
+            for p in breaks
+        }
+    except UnicodeEncodeError:  # a lone surrogate somewhere: the slower, lenient encoding
+        return {
+            p: crc(text[p : p + 48].encode("utf-8", "surrogatepass")) * scale
+            + (0.5 if text[p] in _STRONG_FIRST and strong(text, p) else 0.0)
+            for p in breaks
+        }
+
+
+class _Plan:
+    """Candidates, cuts and parts for one text."""
+
+    def __init__(self, text: str, max_size: int, min_size: int, overlap: int, window: int):
+        self.text = text
+        self.max_size = max_size
+        self.min_size = min_size
+        self.overlap = overlap
+        self.window = window
+        self.layout = lay = _scan(text)
+        self.first = len(text) - len(text.lstrip())
+        self.last = len(text.rstrip())
+        self.heading_set = set(lay.heading_pos)
+        # Every candidate position with its strength, ascending by position.
+        strength = _break_strengths(text, lay.breaks)
+        for p, level, title in zip(lay.heading_pos, lay.heading_level, lay.heading_title):
+            strength[p] = _HEADING + (7 - level) + _hash01(title) * 0.5
+        pos = sorted(strength)
+        self.cand_pos = pos[bisect_right(pos, self.first) : bisect_left(pos, self.last)]
+        self.cand_strength = [strength[p] for p in self.cand_pos]
+        big = max_size - overlap
+        self.big_fences = [f for f in lay.fences if f.end - f.start > big]
+        self.small_fences = [(f.start, f.end) for f in lay.fences if f.end - f.start <= big]
+
+    # -- cuts -------------------------------------------------------------------------------
+
+    def _fitting_sections(self) -> list[tuple[int, int]]:
+        """Outermost spans (sections, and the text before the first heading) that fit whole."""
+        lay, limit = self.layout, self.max_size
+        spans: list[tuple[int, int]] = []
+        if lay.heading_pos and lay.heading_pos[0] - self.first <= limit:
+            spans.append((self.first, lay.heading_pos[0]))
+        ends = _section_ends(lay.heading_pos, lay.heading_level, len(self.text))
+        covered = -1
+        for pos, end in zip(lay.heading_pos, ends):
+            if pos >= covered and end - pos <= limit:
+                spans.append((pos, end))
+                covered = end
+        return spans
+
+    def cuts(self) -> list[int]:
+        """Candidates that are the strongest within `window` on both sides, outside fitting
+        sections; the text's own start and end count as infinitely strong."""
+        pos, strength = self.cand_pos, self.cand_strength
+        allowed = [True] * len(pos)
+        for s, e in self._fitting_sections():
+            for i in range(bisect_right(pos, s), bisect_left(pos, e)):
+                allowed[i] = False
+        live = [i for i in range(len(pos)) if allowed[i]]
+        w, lo_edge, hi_edge = self.window, self.first + self.window, self.last - self.window
+        result: list[int] = []
+        for k, i in enumerate(live):
+            p, s = pos[i], strength[i]
+            if p < lo_edge or p > hi_edge:
+                continue
+            j = k - 1
+            ok = True
+            while j >= 0 and pos[live[j]] >= p - w:
+                if strength[live[j]] >= s:
+                    ok = False
+                    break
+                j -= 1
+            if ok:
+                j = k + 1
+                while j < len(live) and pos[live[j]] <= p + w:
+                    if strength[live[j]] > s:
+                        ok = False
+                        break
+                    j += 1
+            if ok:
+                result.append(p)
+        return result
+
+    # -- parts ------------------------------------------------------------------------------
+
+    def _trim(self, a: int, c: int) -> tuple[int, int]:
+        text = self.text  # character loops: the white space at a boundary is a few characters
+        while a < c and text[a].isspace():
+            a += 1
+        while c > a and text[c - 1].isspace():
+            c -= 1
+        return a, c
+
+    def _limit(self, c: int) -> int:
+        """A part that will carry an overlap into the next one must leave room for it."""
+        if c >= self.last or c in self.heading_set:
+            return self.max_size
+        return self.max_size - self.overlap
+
+    def _inside_small_fence(self, p: int) -> bool:
+        fences = self.small_fences
+        k = bisect_right(fences, (p, math.inf)) - 1
+        return k >= 0 and fences[k][0] < p < fences[k][1]
+
+    def _pick_in(self, lo: int, hi: int, ideal: int) -> int:
+        """The strongest candidate in [lo, hi]; else the sentence end, line end or space nearest
+        to `ideal` that is not inside a fenced block small enough to stay whole; else -1."""
+        pos, strength = self.cand_pos, self.cand_strength
+        i, j = bisect_left(pos, lo), bisect_right(pos, hi)
+        if i < j:
+            return pos[max(range(i, j), key=strength.__getitem__)]
+        for pattern in (_SENTENCE_END, _LINE_END, _SPACE):
+            best = -1
+            for m in pattern.finditer(self.text, lo, hi):
+                p = m.end()
+                closer = best < 0 or abs(p - ideal) < abs(best - ideal)
+                if p <= hi and closer and not self._inside_small_fence(p):
+                    best = p
+            if best >= 0:
+                return best
+        return -1
+
+    def _pick(self, a: int, c: int) -> int:
+        """Where the first part of the oversized region [a, c) ends."""
+        limit = self.max_size - self.overlap
+        count = math.ceil((c - a) / limit)
+        ideal = a + (c - a) // count
+        lo = max(a + self.min_size, c - (count - 1) * limit)
+        hi = min(a + limit, c - self.min_size)
+        for lo_, hi_ in ((lo, hi), (a + 1, min(a + limit, c - 1))):
+            if lo_ <= hi_:
+                p = self._pick_in(lo_, hi_, ideal)
+                if p > a:
+                    return p
+        # No boundary at all (one enormous word): a hard cut, moved out of a small fence.
+        p = min(max(ideal, a + 1), a + limit)
+        fences = self.small_fences
+        k = bisect_right(fences, (p, math.inf)) - 1
+        if k >= 0 and fences[k][0] < p < fences[k][1]:
+            fs, fe = fences[k]
+            p = fs if fs > a else fe
+        return p
+
+    def split(self, a: int, c: int) -> list[tuple[int, int]]:
+        """Split the region [a, c) into parts within bounds."""
+        parts: list[tuple[int, int]] = []
+        a, c = self._trim(a, c)
+        while a < c:
+            if c - a <= self._limit(c):
+                parts.append((a, c))
+                break
+            p = self._pick(a, c)
+            left = self._trim(a, p)
+            if left[0] < left[1]:
+                parts.append(left)
+            a, c = self._trim(p, c)
+        return parts
+
+    def merge_small(self, parts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Merge parts under the minimum into a neighbour, when the union stays within bounds."""
+        out = list(parts)
+        i = 0
+        while i < len(out) and len(out) > 1:
+            s, e = out[i]
+            if e - s >= self.min_size:
+                i += 1
+                continue
+            options = []
+            if i > 0:
+                ps = out[i - 1][0]
+                if e - ps <= self._limit(e):
+                    options.append((e - ps, i - 1))
+            if i + 1 < len(out):
+                ne = out[i + 1][1]
+                if ne - s <= self._limit(ne):
+                    options.append((ne - s, i))
+            if not options:
+                i += 1
+                continue
+            _, k = min(options)
+            out[k : k + 2] = [(out[k][0], out[k + 1][1])]
+            i = max(k, 0)
+        return out
+
+    def overlap_end(self, part: tuple[int, int], nxt: tuple[int, int]) -> int:
+        """End of a part extended by up to `overlap` characters of whole words of the next part,
+        never into a fence line or a heading, never past the maximum size."""
+        s, end = part
+        if nxt[0] in self.heading_set or self.overlap <= 0:
+            return end
+        start = nxt[0]
+        stop = min(start + self.overlap, nxt[1], s + self.max_size)
+        piece = self.text[start:stop]
+        if "`" in piece or "~" in piece or "#" in piece:
+            m = _FENCE_OR_HEADING_LINE.search(piece)
+            if m:
+                piece = piece[: m.start()]
+        if start + len(piece) < nxt[1] and piece:
+            if any(f.start < start < f.end for f in self.big_fences):
+                cut = piece.rfind("\n")  # inside code: whole lines
+            else:
+                cut = max(piece.rfind(" "), piece.rfind("\n"), piece.rfind("\t"))
+            piece = piece[:cut] if cut > 0 else ""
+        piece = piece.rstrip()
+        return start + len(piece) if piece else end
+
+    def fence_context(self, s: int, e: int) -> tuple[str | None, str | None]:
+        """The opening line and closing marker a part of an oversized fence needs."""
+        fence_open = fence_close = None
+        for f in self.big_fences:
+            if f.start < s < f.end:
+                fence_open = f.open_line
+            if f.start < e < f.end or (not f.closed and f.start < e):
+                fence_close = f.close_marker
+        return fence_open, fence_close
+
+
+def _section_ends(pos: list[int], level: list[int], n: int) -> list[int]:
+    """Where each heading's section (with its subsections) ends."""
+    ends = [n] * len(pos)
+    stack: list[int] = []
+    for i, lv in enumerate(level):
+        while stack and level[stack[-1]] >= lv:
+            ends[stack.pop()] = pos[i]
+        stack.append(i)
+    return ends
+
+
+def _heading_paths(lay: _Layout) -> list[tuple[str, ...]]:
+    paths: list[tuple[str, ...]] = []
+    stack: list[tuple[int, str]] = []
+    for lv, title in zip(lay.heading_level, lay.heading_title):
+        while stack and stack[-1][0] >= lv:
+            stack.pop()
+        stack.append((lv, title))
+        paths.append(tuple(t for _, t in stack if t))
+    return paths
+
+
+def chunk_structure(
+    text: str,
+    *,
+    max_size: int = MAX_CHUNK_SIZE,
+    min_size: int = MIN_CHUNK_SIZE,
+    overlap: int = OVERLAP_SIZE,
+    window: int = WINDOW,
+) -> list[Chunk]:
+    """Split `text` into structural chunks (see the module docstring)."""
+    if not 0 <= overlap < max_size // 2 or not 0 <= min_size <= max_size // 2:
+        raise ValueError("need 0 <= overlap < max_size/2 and 0 <= min_size <= max_size/2")
+    if not text.strip():
+        return []
+    plan = _Plan(text, max_size, min_size, overlap, window)
+    if plan.last - plan.first <= max_size:
+        regions = [(plan.first, plan.last)]
+        parts = regions
+    else:
+        bounds = [plan.first, *plan.cuts(), plan.last]
+        parts = []
+        for a, c in itertools.pairwise(bounds):
+            parts.extend(plan.split(a, c))
+        parts = plan.merge_small(parts)
+
+    heading_pos = plan.layout.heading_pos
+    paths = [(), *_heading_paths(plan.layout)]
+    chunks: list[Chunk] = []
+    last = len(parts) - 1
+    for k, (s, e) in enumerate(parts):
+        end = plan.overlap_end((s, e), parts[k + 1]) if k < last else e
+        fence_open, fence_close = plan.fence_context(s, end) if plan.big_fences else (None, None)
+        chunks.append(
+            Chunk(
+                k,
+                s,
+                end,
+                text[s:end],
+                paths[bisect_right(heading_pos, s)],
+                ChunkMethod.STRUCTURE,
+                None,
+                fence_open,
+                fence_close,
+            )
+        )
+    return chunks
