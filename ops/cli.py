@@ -1,0 +1,327 @@
+"""The `kidx` command. Exceptions become one-line messages here, at the edge, never tracebacks.
+
+Every command takes `--db PATH` (default KIDX_DB) and `--json` (machine-readable stdout; logs
+go to stderr either way).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from worker.errors import Cancelled, ConfigError, IndexAborted, InvalidInput, KidxError
+from worker.log import configure_logging
+from worker.settings import Settings, load_settings
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class Ctx:
+    """What every command gets: the settings (built once) and the output mode."""
+
+    def __init__(self, settings: Settings, as_json: bool) -> None:
+        self.settings = settings
+        self.json = as_json
+
+    def store(self) -> Any:
+        from worker.store import open_store
+
+        return open_store(self.settings)
+
+    def embedder(self, db: Any) -> Any:
+        from worker.providers import build_embedder
+
+        return build_embedder(self.settings.embedding, dimensions=db.dimensions)
+
+    def emit(self, data: Any, human: Callable[[], None]) -> None:
+        if self.json:
+            click.echo(json.dumps(data, ensure_ascii=False, default=str))
+        else:
+            human()
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    err.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+    sys.exit(code)
+
+
+def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
+    """A subcommand with --db and --json, whose errors become one line and exit status 1."""
+
+    def wrap(fn: Callable[..., Any]) -> Any:
+        @group.command(name or fn.__name__.replace("_", "-"))
+        @click.option(
+            "--db",
+            "db_path",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="SQLite file (default: KIDX_DB or ./data/kidx.db).",
+        )
+        @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+        @functools.wraps(fn)
+        def run(db_path: Path | None, as_json: bool, **kwargs: Any) -> None:
+            try:
+                settings = load_settings(**({"db": db_path} if db_path else {}))
+                configure_logging(
+                    fmt=settings.log_format, level=settings.log_level, secrets=settings.secrets()
+                )
+                fn(Ctx(settings, as_json), **kwargs)
+            except ConfigError as e:
+                fail(str(e), 2)
+            except (KidxError, Cancelled) as e:
+                fail(str(e))
+            except OSError as e:
+                fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
+
+        return run
+
+    return wrap
+
+
+@click.group()
+@click.version_option(package_name="kidx")
+def cli() -> None:
+    """kidx: notes, files, URLs and code into chunks with vectors in SQLite + sqlite-vec."""
+
+
+def read_text(text: str | None, file: Path | None) -> str:
+    if (text is None) == (file is None):
+        raise InvalidInput("give exactly one of --text and --file")
+    if file is None:
+        return text or ""
+    if not file.is_file():
+        raise InvalidInput(f"not a readable file: {file}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+# -- init ------------------------------------------------------------------------------------
+
+
+@command(cli)
+def init(ctx: Ctx) -> None:
+    """Create the database (or bring it up to date) and show what it runs with."""
+    from worker.store.schema import SCHEMA_VERSION
+
+    with ctx.store() as db:
+        info = {
+            "db": str(ctx.settings.db),
+            "schema_version": SCHEMA_VERSION,
+            "sqlite_vec": db.vec_version,
+            "vec_error": db.vec_error,
+            "dimensions": db.dimensions,
+            "dimensions_from": db.resolution.source,
+            "provider": ctx.settings.embedding.provider,
+            "model": ctx.settings.embedding.model,
+        }
+
+    def human() -> None:
+        vec = info["sqlite_vec"] or f"unavailable ({info['vec_error']})"
+        out.print(f"database {info['db']} (schema {info['schema_version']})")
+        out.print(f"sqlite-vec {vec}; {info['dimensions']} dimensions ({info['dimensions_from']})")
+        out.print(f"embedding provider {info['provider']}, model {info['model']}")
+
+    ctx.emit(info, human)
+
+
+# -- add / update ----------------------------------------------------------------------------
+
+
+@cli.group()
+def add() -> None:
+    """Add an item."""
+
+
+@command(add, "note")
+@click.option("--title", required=True, help="The note's title.")
+@click.option("--text", help="The note's text.")
+@click.option("--file", "file", type=click.Path(path_type=Path), help="Read the text from a file.")
+@click.option("--inline", is_flag=True, help="Index it now, in this process.")
+def add_note(ctx: Ctx, title: str, text: str | None, file: Path | None, inline: bool) -> None:
+    """Add a note; prints its id."""
+    from worker.store.items import add_item
+
+    content = read_text(text, file)
+    with ctx.store() as db:
+        item_id = add_item(db, kind="note", title=title, content=content)
+        result = _index_inline(ctx, db, [item_id]) if inline else None
+    ctx.emit({"id": item_id, "index": result}, lambda: out.print(item_id))
+
+
+@command(cli)
+@click.argument("item", type=int)
+@click.option("--text", help="The new text.")
+@click.option("--file", "file", type=click.Path(path_type=Path), help="Read the text from a file.")
+@click.option("--title", help="A new title.")
+def update(ctx: Ctx, item: int, text: str | None, file: Path | None, title: str | None) -> None:
+    """Replace an item's text (index it again to see the change in search)."""
+    from worker.store.items import update_content
+
+    content = read_text(text, file)
+    with ctx.store() as db:
+        update_content(db, item, content, title=title)
+    ctx.emit({"id": item, "updated": True}, lambda: out.print(f"item {item} updated"))
+
+
+# -- index -----------------------------------------------------------------------------------
+
+
+def _index_inline(ctx: Ctx, db: Any, ids: list[int]) -> list[dict[str, Any]]:
+    from worker.pipeline import index_item
+
+    embedder = ctx.embedder(db)
+    results = []
+    try:
+        for item_id in ids:
+            try:
+                results.append(index_item(db, item_id, embedder=embedder).as_dict())
+            except (IndexAborted, InvalidInput) as e:
+                results.append({"item_id": item_id, "status": "failed", "error": str(e)})
+    finally:
+        if embedder is not None:
+            embedder.close()
+    return results
+
+
+@command(cli)
+@click.argument("items", type=int, nargs=-1)
+@click.option("--all", "all_items", is_flag=True, help="Every item.")
+@click.option("--inline", is_flag=True, help="Run the pipeline in this process (no broker).")
+def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool) -> None:
+    """Index items: chunk, embed, write."""
+    from worker.store.items import all_item_ids, get_item
+
+    if bool(items) == all_items:
+        raise InvalidInput("give item ids or --all (not both)")
+    if not inline:
+        raise InvalidInput(
+            "queueing for the workers is not built yet; add --inline to index in this process"
+        )
+    with ctx.store() as db:
+        ids = all_item_ids(db) if all_items else list(items)
+        for item_id in ids:
+            get_item(db, item_id)  # unknown ids fail before any work
+        results = _index_inline(ctx, db, ids)
+
+    def human() -> None:
+        table = Table(
+            "item", "status", "method", "chunks", "reused", "embedded", "failed", "ms", "error"
+        )
+        for r in results:
+            table.add_row(
+                *(
+                    str(r.get(k) if r.get(k) is not None else "")
+                    for k in (
+                        "item_id",
+                        "status",
+                        "chunk_method",
+                        "chunks",
+                        "reused",
+                        "embedded",
+                        "failed",
+                        "duration_ms",
+                        "error",
+                    )
+                )
+            )
+        out.print(table)
+
+    ctx.emit(results, human)
+    if any(r["status"] == "failed" for r in results):
+        sys.exit(1)
+
+
+# -- chunks / search / status ----------------------------------------------------------------
+
+
+@command(cli)
+@click.argument("item", type=int)
+def chunks(ctx: Ctx, item: int) -> None:
+    """An item's chunks: index, method, has_embedding, summary, offsets, length."""
+    from worker.store.items import list_chunks
+
+    with ctx.store() as db:
+        rows = list_chunks(db, item)
+
+    def human() -> None:
+        table = Table("#", "method", "vector", "start", "end", "length", "summary")
+        for r in rows:
+            table.add_row(
+                str(r["chunk_index"]),
+                r["chunk_method"],
+                "yes" if r["has_embedding"] else "no",
+                str(r["start_offset"]),
+                str(r["end_offset"]),
+                str(r["length"]),
+                r["summary"] or "",
+            )
+        out.print(table)
+
+    ctx.emit(rows, human)
+
+
+@command(cli)
+@click.argument("query")
+@click.option("-k", "k", type=click.IntRange(1, 1000), default=10, show_default=True)
+def search(ctx: Ctx, query: str, k: int) -> None:
+    """The items nearest to QUERY, one hit per item, best first."""
+    from worker.retrieval import search as run_search
+
+    with ctx.store() as db:
+        embedder = ctx.embedder(db)
+        if embedder is None:
+            raise InvalidInput("search needs an embedding provider (KIDX_EMBEDDING__PROVIDER)")
+        try:
+            result = run_search(db, query, embedder, k=k)
+        finally:
+            embedder.close()
+    if result.reason:
+        err.print(f"note: served by the in-memory fallback: {result.reason}")
+    hits = [h.as_dict() for h in result.hits]
+
+    def human() -> None:
+        table = Table("score", "item", "kind", "title", "chunk", "snippet")
+        for h in result.hits:
+            table.add_row(
+                f"{h.score:.3f}", str(h.item_id), h.kind, h.title, str(h.chunk_index), h.snippet
+            )
+        out.print(table)
+
+    ctx.emit(hits, human)
+
+
+@command(cli)
+@click.argument("item", type=int, required=False)
+def status(ctx: Ctx, item: int | None) -> None:
+    """The index state of one item, or of every item."""
+    from worker.store.items import STATE_COLUMNS, get_state, list_states
+
+    with ctx.store() as db:
+        data: Any = get_state(db, item) if item is not None else list_states(db)
+
+    def human() -> None:
+        rows = [data] if isinstance(data, dict) else data
+        table = Table(*STATE_COLUMNS)
+        for r in rows:
+            table.add_row(*("" if r[c] is None else str(r[c]) for c in STATE_COLUMNS))
+        out.print(table)
+
+    ctx.emit(data, human)
+
+
+def main() -> None:
+    cli(prog_name="kidx")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Shared fixtures: a real SQLite file with sqlite-vec, a real HTTP stand-in on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from ops.standin import StandIn  # noqa: E402
+from worker.providers import build_embedder  # noqa: E402
+from worker.providers.base import EmbeddingModel  # noqa: E402
+from worker.settings import EmbeddingSettings  # noqa: E402
+from worker.store import Database, connect  # noqa: E402
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "rustbook"
+DIMS = 64
+
+
+def corpus_text(name: str) -> str:
+    path = CORPUS / name
+    if not path.is_file():
+        raise FileNotFoundError(f"the corpus must be beside the checkout: {path}")
+    return path.read_text(encoding="utf-8")
+
+
+@pytest.fixture
+def standin() -> Iterator[StandIn]:
+    with StandIn(dimensions=DIMS) as server:
+        yield server
+
+
+def standin_settings(server: StandIn, **overrides: object) -> EmbeddingSettings:
+    values: dict[str, object] = {
+        "provider": "openai",
+        "model": "standin-embed",
+        "base_url": server.base_url,
+        "dimensions": DIMS,
+        "api_key": "sk-test-key-not-for-logs",
+        "batch_size": 8,
+        "max_retries": 1,
+        "backoff": 0.01,
+        "backoff_max": 0.05,
+        "timeout": 2.0,
+    }
+    values.update(overrides)
+    return EmbeddingSettings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def emb_settings(standin: StandIn) -> EmbeddingSettings:
+    return standin_settings(standin)
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "kidx.db"
+
+
+@pytest.fixture
+def db(db_path: Path, emb_settings: EmbeddingSettings) -> Iterator[Database]:
+    database = connect(db_path, embedding=emb_settings)
+    yield database
+    database.close()
+
+
+@pytest.fixture
+def embedder(db: Database, emb_settings: EmbeddingSettings) -> Iterator[EmbeddingModel]:
+    model = build_embedder(emb_settings, dimensions=db.dimensions)
+    assert model is not None
+    yield model
+    model.close()
+
+
+class FakeEmbedder(EmbeddingModel):
+    """Records its calls; deterministic vectors. For unit tests of our own logic only."""
+
+    def __init__(self, dimensions: int = DIMS, model_id: str = "fake") -> None:
+        self.dimensions = dimensions
+        self.model_id = model_id
+        self.batch_size = 8
+        self.calls: list[list[str]] = []
+
+    def embed_batch(self, texts: list[str]) -> np.ndarray:
+        self.calls.append(list(texts))
+        rng = [np.random.default_rng(zlib.crc32(t.encode())) for t in texts]
+        return np.stack([r.standard_normal(self.dimensions) for r in rng]).astype(np.float32)

@@ -1,0 +1,222 @@
+"""The per-item pipeline against a real SQLite file with sqlite-vec and the HTTP stand-in."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from conftest import DIMS, corpus_text
+from worker.chunking import chunk, text_hash
+from worker.errors import Cancelled, IndexAborted
+from worker.pipeline import index_item
+from worker.store.items import add_item, get_state, list_chunks, update_content
+
+CHAPTER = "ch10-02-traits.md"  # 20 chunks
+
+
+def embedding_inputs(title: str, text: str) -> list[str]:
+    return [c.embedding_input(title) for c in chunk(text)]
+
+
+def snapshot(db, item_id: int) -> dict[str, object]:
+    """Everything the index holds for an item, to compare before and after."""
+    ids = [r[0] for r in db.all("SELECT id FROM note_chunks WHERE item_id = ?", (item_id,))]
+    marks = ",".join("?" * len(ids)) or "NULL"
+    return {
+        "chunks": db.all(
+            "SELECT id, chunk_index, content, embed_hash FROM note_chunks WHERE item_id = ? "
+            "ORDER BY chunk_index",
+            (item_id,),
+        ),
+        "vectors": db.all(
+            f"SELECT chunk_id, model, vector FROM note_chunk_embeddings WHERE chunk_id IN ({marks}) "
+            "ORDER BY chunk_id",
+            ids,
+        ),
+        "vec": db.all(
+            f"SELECT chunk_id FROM vec_chunk_embeddings WHERE chunk_id IN ({marks}) "
+            "ORDER BY chunk_id",
+            ids,
+        ),
+        "whole": db.all("SELECT item_id FROM vec_note_embeddings WHERE item_id = ?", (item_id,)),
+    }
+
+
+def test_no_provider_writes_nothing_and_skips(db):
+    item = add_item(db, kind="note", title="T", content="Some text to index.")
+    result = index_item(db, item, embedder=None)
+    assert result.status == "skipped"
+    assert get_state(db, item)["status"] == "skipped"
+    assert "no embedding provider" in get_state(db, item)["last_error"]
+    assert db.scalar("SELECT count(*) FROM note_chunks") == 0
+    assert db.scalar("SELECT count(*) FROM note_chunk_embeddings") == 0
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == 0
+
+
+def test_first_run_embeds_every_chunk_and_mirrors_it(db, embedder, standin):
+    text = corpus_text(CHAPTER)
+    item = add_item(db, kind="note", title="Traits", content=text)
+    result = index_item(db, item, embedder=embedder)
+    expected = embedding_inputs("Traits", text)
+    assert result.status == "indexed" and result.chunks == len(expected) == 20
+    assert sorted(standin.texts) == sorted(expected)
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == 20
+    rows = db.all("SELECT content, start_offset, end_offset FROM note_chunks WHERE item_id = ?",
+                  (item,))
+    assert all(content == text[s:e] for content, s, e in rows)
+    # Vectors are the provider's, stored as float32 in both places.
+    blob = db.scalar("SELECT vector FROM note_chunk_embeddings LIMIT 1")
+    assert len(blob) == 4 * DIMS
+
+
+@pytest.mark.parametrize("edit", ["sentence", "insert_near_top"])
+def test_an_edit_sends_only_changed_chunks(db, embedder, standin, edit):
+    text = corpus_text(CHAPTER)
+    item = add_item(db, kind="note", title="Traits", content=text)
+    index_item(db, item, embedder=embedder)
+    if edit == "sentence":
+        at = text.index(".\n\n", len(text) // 2) + 1  # the end of a prose paragraph
+        edited = text[:at] + " One more sentence, added by the test." + text[at:]
+    else:
+        at = text.index(".\n\n", 300) + 1
+        edited = text[:at] + "\n\nA paragraph inserted near the top by the test." + text[at:]
+    update_content(db, item, edited)
+    standin.texts.clear()
+    result = index_item(db, item, embedder=embedder)
+    before = Counter(embedding_inputs("Traits", text))
+    after = Counter(embedding_inputs("Traits", edited))
+    changed = sorted((after - before).elements())
+    assert 1 <= len(changed) <= 3
+    assert sorted(standin.texts) == changed  # exactly the new chunks, nothing else
+    assert result.embedded == len(changed) and result.reused == result.chunks - len(changed)
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == result.chunks
+
+
+def test_content_changed_directly_in_the_database_is_seen(db, embedder, standin):
+    item = add_item(db, kind="note", title="T", content="First version of the note.")
+    index_item(db, item, embedder=embedder)
+    db.execute("UPDATE knowledge_items SET content = 'Second version, written by a host app.' "
+               "WHERE id = ?", (item,))
+    standin.texts.clear()
+    index_item(db, item, embedder=embedder)
+    assert standin.texts == ["T\n\nSecond version, written by a host app."]
+    assert db.scalar("SELECT content FROM note_chunks WHERE item_id = ?", (item,)).startswith(
+        "Second"
+    )
+    state = db.one("SELECT indexed_hash FROM item_index_state WHERE item_id = ?", (item,))
+    assert state[0] == text_hash("Second version, written by a host app.")
+
+
+def test_missing_vec_rows_are_restored_and_orphans_deleted_without_a_provider_call(
+    db, embedder, standin
+):
+    item = add_item(db, kind="note", title="Traits", content=corpus_text(CHAPTER))
+    index_item(db, item, embedder=embedder)
+    ids = [r[0] for r in db.all("SELECT id FROM note_chunks WHERE item_id = ? LIMIT 4", (item,))]
+    for cid in ids:
+        db.execute("DELETE FROM vec_chunk_embeddings WHERE chunk_id = ?", (cid,))
+    orphan = np.ones(DIMS, dtype="<f4").tobytes()
+    db.execute("INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (987654, ?)", (orphan,))
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == 20 - 4 + 1
+    requests = standin.requests
+    result = index_item(db, item, embedder=embedder)
+    assert standin.requests == requests  # no provider call at all
+    assert result.repaired == 5
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == 20
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings WHERE chunk_id = 987654") == 0
+
+
+def test_three_consecutive_failures_abort_with_previous_index_intact(db, embedder, standin):
+    text = corpus_text(CHAPTER)
+    item = add_item(db, kind="note", title="Traits", content=text)
+    index_item(db, item, embedder=embedder)
+    before = snapshot(db, item)
+    # Every chunk of the new version is refused (400): three in a row abort the run.
+    update_content(db, item, text.replace("trait", "POISON trait"))
+    standin.poison = "POISON"
+    first_run = standin.requests
+    with pytest.raises(IndexAborted) as caught:
+        index_item(db, item, embedder=embedder)
+    assert "3 consecutive vector failures" in str(caught.value)
+    assert "HTTP 400" in str(caught.value)
+    assert snapshot(db, item) == before
+    state = get_state(db, item)
+    assert state["status"] == "failed" and "HTTP 400" in state["last_error"]
+    # The first batch fails, its texts are tried alone until three fail in a row: the run
+    # stops there, and never sends the later batches.
+    assert 1 + 3 <= standin.requests - first_run <= 1 + 8
+
+
+def test_a_dead_provider_aborts_naming_the_cause(db, embedder, standin):
+    item = add_item(db, kind="note", title="Traits", content=corpus_text(CHAPTER))
+    standin.fail_status = 503
+    with pytest.raises(IndexAborted) as caught:
+        index_item(db, item, embedder=embedder)
+    assert "HTTP 503" in str(caught.value) and "after 2 attempts" in str(caught.value)
+    assert db.scalar("SELECT count(*) FROM note_chunks") == 0
+    assert get_state(db, item)["status"] == "failed"
+
+
+def test_one_isolated_failure_leaves_the_item_partial(db, embedder, standin):
+    text = corpus_text(CHAPTER)
+    chunks = chunk(text)
+    target = chunks[5]
+    marker = "ISOLATED-FAILURE"
+    # Poison one chunk only: the marker goes into a word that only chunk 5 contains.
+    pos = target.start + target.content.index(" ", 200 if target.content.find(" ", 200) > 0 else 0)
+    edited = text[:pos] + " " + marker + text[pos:]
+    item = add_item(db, kind="note", title="Traits", content=edited)
+    standin.poison = marker
+    result = index_item(db, item, embedder=embedder)
+    assert result.status == "partial" and result.failed >= 1
+    rows = list_chunks(db, item)
+    without = [r for r in rows if not r["has_embedding"]]
+    assert 1 <= len(without) <= 2  # the chunk (and its overlapping neighbour, if it shares it)
+    assert all(marker in db.scalar(
+        "SELECT content FROM note_chunks WHERE item_id = ? AND chunk_index = ?",
+        (item, r["chunk_index"])) for r in without)
+    assert "have no vector" in get_state(db, item)["last_error"]
+    # The next run embeds only what is missing, once the provider takes it.
+    standin.poison = None
+    standin.texts.clear()
+    again = index_item(db, item, embedder=embedder)
+    assert again.status == "indexed" and len(standin.texts) == len(without)
+
+
+def test_single_chunk_note_has_a_whole_item_vector_until_it_grows(db, embedder):
+    item = add_item(db, kind="note", title="Short", content="A short note about borrowing.")
+    index_item(db, item, embedder=embedder)
+    assert db.scalar("SELECT count(*) FROM vec_note_embeddings WHERE item_id = ?", (item,)) == 1
+    assert db.scalar("SELECT count(*) FROM note_embeddings WHERE item_id = ?", (item,)) == 1
+    update_content(db, item, corpus_text(CHAPTER))
+    index_item(db, item, embedder=embedder)
+    assert db.scalar("SELECT count(*) FROM vec_note_embeddings WHERE item_id = ?", (item,)) == 0
+    assert db.scalar("SELECT count(*) FROM note_embeddings WHERE item_id = ?", (item,)) == 0
+
+
+def test_cancellation_rolls_back_and_is_not_a_failure(db, embedder, standin):
+    text = corpus_text(CHAPTER)
+    item = add_item(db, kind="note", title="Traits", content=text)
+    index_item(db, item, embedder=embedder)
+    before = snapshot(db, item)
+    update_content(db, item, text.replace("trait", "feature"))
+    calls = iter([False, False, True])  # cancelled after the first batch
+
+    with pytest.raises(Cancelled):
+        index_item(db, item, embedder=embedder, cancel=lambda: next(calls, True))
+    assert snapshot(db, item) == before
+    state = get_state(db, item)
+    assert state["status"] == "cancelled" and state["last_error"] is None
+    assert index_item(db, item, embedder=embedder).status == "indexed"
+
+
+def test_wrong_dimension_from_the_provider_is_never_written(db, embedder, standin):
+    item = add_item(db, kind="note", title="T", content="Text for the wrong dimension test.")
+    standin.dimensions = DIMS * 2
+    with pytest.raises(IndexAborted) as caught:
+        index_item(db, item, embedder=embedder)
+    assert f"{DIMS * 2} dimensions" in str(caught.value)
+    assert standin.requests == 1  # no per-text retries: every text would fail the same way
+    assert db.scalar("SELECT count(*) FROM note_chunk_embeddings") == 0

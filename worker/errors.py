@@ -1,0 +1,81 @@
+"""The exceptions kidx raises, so that callers can tell what retrying would do.
+
+    KidxError
+    ├── ConfigError              the settings are wrong; nothing will work until they change
+    ├── InvalidInput             bad input (an empty note, an unreadable file)
+    ├── ItemNotFound             no item with that id
+    ├── WrongTaskKind            a task of the wrong kind for its item
+    ├── StoreError               the database cannot do what was asked
+    ├── ProviderError            an embedding or chat provider failed
+    │   ├── TransientProviderError   retrying later may help: 408/409/429/5xx, timeouts, resets
+    │   └── PermanentProviderError   retrying cannot help: 400/401/403, exhausted quota
+    │       └── BadAnswer            the answer was unusable: wrong count, dimension, non-finite
+    └── IndexAborted             too many vectors failed in a row; the previous index is intact
+
+    Cancelled                    not a failure: a task was revoked; nothing was written
+
+`Cancelled` is deliberately outside `KidxError`, so `except KidxError` never swallows it.
+"""
+
+from __future__ import annotations
+
+
+class KidxError(Exception):
+    """Base of every error kidx raises on purpose."""
+
+
+class ConfigError(KidxError):
+    """The settings are invalid or incomplete."""
+
+
+class InvalidInput(KidxError):
+    """Input that kidx refuses, with the reason."""
+
+
+class ItemNotFound(KidxError):
+    """No knowledge item has that id."""
+
+    def __init__(self, item_id: int) -> None:
+        super().__init__(f"no item with id {item_id}")
+        self.item_id = item_id
+
+
+class WrongTaskKind(KidxError):
+    """A task was sent for an item of a kind it does not handle."""
+
+
+class StoreError(KidxError):
+    """The database could not do what was asked."""
+
+
+class ProviderError(KidxError):
+    """An embedding or chat provider failed."""
+
+
+class TransientProviderError(ProviderError):
+    """The provider failed in a way that may pass: retry later."""
+
+
+class PermanentProviderError(ProviderError):
+    """The provider refused in a way that retrying will not change.
+
+    `per_input`: the refusal may concern one text of the batch (a 400 for an over-long input,
+    a NaN in one vector), so each text is worth trying alone; otherwise (401, exhausted quota,
+    the wrong dimension) every text would fail the same way.
+    """
+
+    def __init__(self, message: str, *, per_input: bool = False) -> None:
+        super().__init__(message)
+        self.per_input = per_input
+
+
+class BadAnswer(PermanentProviderError):
+    """The provider answered, but the answer cannot be used."""
+
+
+class IndexAborted(KidxError):
+    """Three vectors in a row failed, so the item's run was abandoned and rolled back."""
+
+
+class Cancelled(Exception):
+    """The run was cancelled (revoked); it rolled back and is not a failure."""

@@ -1,0 +1,105 @@
+"""structlog set-up, called once, only from process entry points (CLI, worker, beat).
+
+Events of chunking start with `[Chunk]`, those of item embedding with `[KI Embed]` (the seed's
+prefixes). structlog goes through the standard library's logging, so Celery's own lines get the
+same JSON shape. Secrets never reach a line: values of secret-looking keys are masked and every
+configured secret value is replaced wherever it appears.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections.abc import Iterable, MutableMapping
+from typing import Any, TextIO
+
+import structlog
+
+CHUNK = "[Chunk]"
+KI_EMBED = "[KI Embed]"
+_SECRET_KEY = re.compile(r"api_?key|token|password|secret|authorization", re.I)
+_MASK = "***"
+
+
+class Redact:
+    """A processor that masks secret-looking keys and scrubs known secret values."""
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        self.secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
+
+    def _scrub(self, value: Any) -> Any:
+        if isinstance(value, str):
+            for s in self.secrets:
+                if s in value:
+                    value = value.replace(s, _MASK)
+            return value
+        if isinstance(value, dict):
+            return {
+                k: _MASK if _SECRET_KEY.search(str(k)) else self._scrub(v) for k, v in value.items()
+            }
+        if isinstance(value, list | tuple):
+            return type(value)(self._scrub(v) for v in value)
+        if isinstance(value, BaseException):
+            return self._scrub(f"{type(value).__name__}: {value}")
+        return value
+
+    def __call__(self, _logger: Any, _name: str, event: MutableMapping[str, Any]) -> Any:
+        for key in list(event):
+            if key != "event" and _SECRET_KEY.search(key):
+                event[key] = _MASK
+            else:
+                event[key] = self._scrub(event[key])
+        return event
+
+
+def configure_logging(
+    *,
+    fmt: str = "auto",
+    level: str = "info",
+    secrets: Iterable[str] = (),
+    stream: TextIO | None = None,
+) -> None:
+    """Configure structlog and the standard library's logging for this process."""
+    stream = stream or sys.stderr
+    as_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+        Redact(secrets),
+    ]
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if as_json
+        else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("httpx", "httpcore", "sentence_transformers", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def get_logger(name: str) -> Any:
+    """A structlog logger; before `configure_logging` it prints through structlog's defaults."""
+    return structlog.get_logger(name)

@@ -1,0 +1,21 @@
+"""Embedding providers: OpenAI-compatible over httpx, local sentence-transformers, or none."""
+
+from __future__ import annotations
+
+from worker.providers.base import EmbeddingModel, from_blob, to_blob
+from worker.settings import EmbeddingSettings
+
+__all__ = ["EmbeddingModel", "build_embedder", "from_blob", "to_blob"]
+
+
+def build_embedder(settings: EmbeddingSettings, *, dimensions: int | None) -> EmbeddingModel | None:
+    """The configured provider expecting `dimensions`, or None for `none` (the pipeline skips)."""
+    if settings.provider == "none":
+        return None
+    if settings.provider == "local":
+        from worker.providers.local import LocalEmbeddings
+
+        return LocalEmbeddings(settings, dimensions=dimensions)
+    from worker.providers.openai import OpenAIEmbeddings
+
+    return OpenAIEmbeddings(settings, dimensions=dimensions)

@@ -1,0 +1,85 @@
+"""The one interface every embedding model implements: `embed_batch(texts)`.
+
+Like simonw/llm: a model implements one method; batching and validation live here, reuse and
+writing live in the pipeline, so every provider gets them the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from worker.errors import BadAnswer
+
+
+class EmbeddingModel(ABC):
+    """An embedding model. Subclasses implement `embed_batch`; callers use `embed`."""
+
+    #: the model's name, recorded with every vector (reuse is keyed on it)
+    model_id: str = ""
+    #: how many texts one call may carry
+    batch_size: int = 64
+    #: the dimension every vector must have (None: learn it from the first answer)
+    dimensions: int | None = None
+
+    @abstractmethod
+    def embed_batch(self, texts: list[str]) -> Sequence[Sequence[float]] | np.ndarray:
+        """Embed at most `batch_size` texts, in order."""
+
+    def batches(self, texts: Sequence[str]) -> Iterator[list[str]]:
+        for i in range(0, len(texts), self.batch_size):
+            yield list(texts[i : i + self.batch_size])
+
+    def embed_checked(self, texts: list[str]) -> np.ndarray:
+        """One batch, validated: the right count, the right dimension, finite values."""
+        answer = self.embed_batch(texts)
+        try:
+            vectors = np.asarray(answer, dtype=np.float32)
+        except (ValueError, TypeError) as e:
+            raise BadAnswer(
+                f"{self.model_id}: vectors of unequal length or not numbers ({e})", per_input=True
+            ) from None
+        if vectors.ndim != 2 or vectors.shape[0] != len(texts):
+            got = vectors.shape[0] if vectors.ndim >= 1 else 0
+            raise BadAnswer(
+                f"{self.model_id}: asked for {len(texts)} vectors, got {got}", per_input=True
+            )
+        if self.dimensions is not None and vectors.shape[1] != self.dimensions:
+            raise BadAnswer(
+                f"{self.model_id}: vectors have {vectors.shape[1]} dimensions, the index expects "
+                f"{self.dimensions} (set KIDX_EMBEDDING__DIMENSIONS to the model's dimension, "
+                "or switch back to the model the index was built with)"
+            )
+        if not np.isfinite(vectors).all():
+            raise BadAnswer(
+                f"{self.model_id}: the answer contains NaN or infinite values", per_input=True
+            )
+        if vectors.shape[1] == 0:
+            raise BadAnswer(f"{self.model_id}: empty vectors")
+        return vectors
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """All texts, in batches, validated; an (n, d) float32 array."""
+        if not texts:
+            return np.zeros((0, self.dimensions or 0), dtype=np.float32)
+        return np.concatenate([self.embed_checked(b) for b in self.batches(texts)])
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most models hold nothing
+        """Release connections or models (optional)."""
+
+
+def to_blob(vector: np.ndarray) -> bytes:
+    """float32 little-endian, the layout sqlite-vec reads (float64 would be read as 2x dims)."""
+    return np.asarray(vector, dtype="<f4").tobytes()
+
+
+def from_blob(blob: bytes) -> np.ndarray:
+    return np.frombuffer(blob, dtype="<f4")
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rand: float) -> float:
+    """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2**attempt)]."""
+    return rand * min(cap, base * math.pow(2, attempt))

@@ -1,0 +1,170 @@
+"""Any OpenAI-compatible `/v1/embeddings` (OpenAI, Ollama, vLLM, text-embeddings-inference,
+LM Studio) over httpx.
+
+Retries what may pass (408, 409, 429, 5xx, timeouts, connection errors) with exponential backoff
+and full jitter, honouring `Retry-After` when it is within the cap; a longer wait is not spent
+holding a worker: it raises `TransientProviderError` with `retry_after` set, for the task queue
+to retry later. Never retries 400/401/403 or a 429 that says the quota is exhausted.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from worker.errors import BadAnswer, PermanentProviderError, TransientProviderError
+from worker.providers.base import EmbeddingModel, backoff_delay
+from worker.settings import EmbeddingSettings
+
+RETRYABLE = frozenset({408, 409, 429, 500, 502, 503, 504})
+PER_INPUT = frozenset({400, 413, 422})  # may concern one input only: worth trying alone
+USER_AGENT = "kidx/0.1 (+https://github.com/kidx)"
+
+
+class ProviderHTTPError(PermanentProviderError):
+    """A permanent HTTP refusal; `per_input` when it may concern one text of the batch."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message, per_input=status in PER_INPUT)
+        self.status = status
+
+
+class RetryLater(TransientProviderError):
+    """Transient; `retry_after` (seconds) when the server said how long to wait."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float | None:
+    """Seconds to wait from `retry-after-ms` or `Retry-After` (seconds or an HTTP date)."""
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            return max(0.0, float(ms) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value).timestamp()
+        except (TypeError, ValueError):
+            return None
+        return max(0.0, when - (time.time() if now is None else now))
+
+
+def _error_detail(response: httpx.Response) -> tuple[str, str]:
+    """The server's error code and message, from an OpenAI-style body if there is one."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return "", " ".join(response.text.split())[:200]
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        code = str(err.get("code") or err.get("type") or "")
+        return code, " ".join(str(err.get("message") or "").split())[:200]
+    if isinstance(err, str):
+        return "", err[:200]
+    return "", " ".join(response.text.split())[:200]
+
+
+class OpenAIEmbeddings(EmbeddingModel):
+    """Embeddings from an OpenAI-compatible server."""
+
+    def __init__(
+        self,
+        settings: EmbeddingSettings,
+        *,
+        dimensions: int | None,
+        client: httpx.Client | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.settings = settings
+        self.model_id = settings.model
+        self.batch_size = settings.batch_size
+        self.dimensions = dimensions
+        self._sleep = sleep
+        self._rand = rand
+        headers = {"User-Agent": USER_AGENT}
+        if settings.api_key is not None and settings.api_key.get_secret_value():
+            headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
+        self.client = client or httpx.Client(
+            base_url=settings.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(settings.timeout, connect=settings.connect_timeout),
+        )
+        self._where = f"{settings.model} at {settings.base_url}"
+
+    def embed_batch(self, texts: list[str]) -> list[list[float]]:
+        body: dict[str, Any] = {"model": self.model_id, "input": texts, "encoding_format": "float"}
+        if self.settings.sends_dimensions():
+            body["dimensions"] = self.settings.dimensions
+        return self._parse(self._post("/embeddings", body), len(texts))
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        s = self.settings
+        attempts = s.max_retries + 1
+        cause = ""
+        for attempt in range(attempts):
+            wait: float | None = None
+            try:
+                response = self.client.post(path, json=body)
+            except httpx.TimeoutException:
+                cause = f"timed out after {s.timeout:g}s"
+            except httpx.TransportError as e:
+                cause = f"connection failed ({type(e).__name__}: {e})"
+            else:
+                if response.status_code == 200:
+                    try:
+                        return response.json()
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        raise BadAnswer(f"{self._where}: the answer is not JSON") from None
+                code, message = _error_detail(response)
+                cause = f"HTTP {response.status_code}" + (f" {code}" if code else "")
+                cause += f": {message}" if message else ""
+                quota = response.status_code == 429 and "insufficient_quota" in (code + message)
+                if response.status_code not in RETRYABLE or quota:
+                    raise ProviderHTTPError(f"{self._where}: {cause}", status=response.status_code)
+                wait = parse_retry_after(response.headers)
+                if wait is not None and wait > s.retry_after_max:
+                    raise RetryLater(
+                        f"{self._where}: {cause} (asked to wait {wait:g}s)", retry_after=wait
+                    )
+            if attempt + 1 < attempts:
+                if wait is None:
+                    wait = backoff_delay(attempt, s.backoff, s.backoff_max, self._rand())
+                self._sleep(wait)
+        raise RetryLater(f"{self._where}: {cause} (after {attempts} attempts)")
+
+    def _parse(self, answer: Any, count: int) -> list[list[float]]:
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(data, list):
+            raise BadAnswer(f"{self._where}: the answer has no 'data' list")
+        by_index: dict[int, list[float]] = {}
+        for position, item in enumerate(data):
+            if not isinstance(item, dict) or not isinstance(item.get("embedding"), list):
+                raise BadAnswer(f"{self._where}: item {position} of 'data' has no embedding")
+            index = item.get("index", position)
+            if not isinstance(index, int) or index in by_index:
+                raise BadAnswer(f"{self._where}: bad or repeated index {index!r} in 'data'")
+            by_index[index] = item["embedding"]
+        if len(by_index) != count or set(by_index) != set(range(count)):
+            raise BadAnswer(
+                f"{self._where}: asked for {count} vectors, got {len(by_index)}", per_input=True
+            )
+        return [by_index[i] for i in range(count)]
+
+    def close(self) -> None:
+        self.client.close()

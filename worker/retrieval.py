@@ -1,0 +1,157 @@
+"""search(): KNN over the vec0 tables, or in-memory cosine over the relational vectors when
+sqlite-vec, a vec table or the right dimension is missing. Same result shape either way, and
+the result says which path served it.
+
+One hit per item (its best chunk, or its whole-item vector), ordered by distance: the seed's
+application listed note hits before chunk hits and showed one note twice (LESSONS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from worker.errors import InvalidInput
+from worker.providers.base import EmbeddingModel
+from worker.store.db import Database
+from worker.store.vec import vec_table_dimensions
+
+SNIPPET = 160
+FALLBACK_BLOCK = 20_000  # vectors scored at a time, so memory stays bounded
+
+
+@dataclass
+class Hit:
+    item_id: int
+    title: str
+    kind: str
+    chunk_index: int
+    score: float  # cosine similarity
+    snippet: str
+    via: str  # "vec" or "fallback"
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class SearchResult:
+    hits: list[Hit]
+    via: str
+    reason: str | None = None  # why the fallback served, when it did
+
+
+def _vec_unavailable(db: Database, dims: int) -> str | None:
+    if not db.vec_loaded:
+        return f"sqlite-vec is not loaded ({db.vec_error or 'unknown reason'})"
+    tables = vec_table_dimensions(db)
+    for name in ("vec_chunk_embeddings", "vec_note_embeddings"):
+        if tables[name] is None:
+            return f"{name} is missing"
+        if tables[name] != dims:
+            return f"{name} has {tables[name]} dimensions, the query has {dims}"
+    return None
+
+
+def search(db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> SearchResult:
+    """The k items nearest to `query`, each by its best chunk."""
+    if not query.strip():
+        raise InvalidInput("the query is empty")
+    if k < 1:
+        raise InvalidInput("k must be at least 1")
+    vector = embedder.embed([query])[0]
+    reason = _vec_unavailable(db, len(vector))
+    if reason is None:
+        best = _knn_vec(db, vector, k, embedder.model_id)
+        via = "vec"
+    else:
+        best = _knn_fallback(db, vector, k, embedder.model_id)
+        via = "fallback"
+    return SearchResult(_hits(db, best, via, k), via, reason)
+
+
+# (item_id -> (distance, chunk_index)) for the best chunk of each item
+Best = dict[int, tuple[float, int]]
+
+
+def _merge(best: Best, item_id: int, distance: float, chunk_index: int) -> None:
+    if item_id not in best or distance < best[item_id][0]:
+        best[item_id] = (distance, chunk_index)
+
+
+def _knn_vec(db: Database, vector: np.ndarray, k: int, model: str) -> Best:
+    blob = np.asarray(vector, dtype="<f4").tobytes()
+    total = db.scalar("SELECT count(*) FROM note_chunk_embeddings") or 0
+    fetch = min(max(4 * k, 32), max(total, 1))
+    while True:
+        best: Best = {}
+        rows = db.all(
+            "SELECT c.item_id, c.chunk_index, v.distance FROM "
+            "(SELECT chunk_id, distance FROM vec_chunk_embeddings WHERE embedding MATCH ? "
+            " AND k = ?) v "
+            "JOIN note_chunks c ON c.id = v.chunk_id "
+            "JOIN note_chunk_embeddings e ON e.chunk_id = v.chunk_id AND e.model = ?",
+            (blob, fetch, model),
+        )
+        for item_id, chunk_index, distance in rows:
+            _merge(best, item_id, distance, chunk_index)
+        if len(best) >= k or fetch >= total:
+            break
+        fetch = min(fetch * 4, total)
+    for item_id, distance in db.all(
+        "SELECT v.item_id, v.distance FROM "
+        "(SELECT item_id, distance FROM vec_note_embeddings WHERE embedding MATCH ? AND k = ?) v "
+        "JOIN note_embeddings e ON e.item_id = v.item_id AND e.model = ?",
+        (blob, k, model),
+    ):
+        _merge(best, item_id, distance, 0)
+    return best
+
+
+def _knn_fallback(db: Database, vector: np.ndarray, k: int, model: str) -> Best:
+    """Exact cosine in memory over the relational vectors of the current model and dimension."""
+    q = np.asarray(vector, dtype=np.float32)
+    q = q / (np.linalg.norm(q) or 1.0)
+    dims = len(q)
+    best: Best = {}
+    queries = (
+        "SELECT c.item_id, c.chunk_index, e.vector FROM note_chunk_embeddings e "
+        "JOIN note_chunks c ON c.id = e.chunk_id WHERE e.model = ? AND e.dimensions = ? "
+        "AND e.rowid > ? ORDER BY e.rowid LIMIT ?",
+        "SELECT e.item_id, 0, e.vector FROM note_embeddings e "
+        "WHERE e.model = ? AND e.dimensions = ? AND e.rowid > ? ORDER BY e.rowid LIMIT ?",
+    )
+    for sql in queries:
+        last = -1
+        while True:
+            rows = db.all(
+                sql.replace("SELECT ", "SELECT e.rowid, ", 1), (model, dims, last, FALLBACK_BLOCK)
+            )
+            if not rows:
+                break
+            last = rows[-1][0]
+            matrix = np.frombuffer(b"".join(r[3] for r in rows), dtype="<f4").reshape(-1, dims)
+            norms = np.linalg.norm(matrix, axis=1)
+            norms[norms == 0] = 1.0
+            distances = 1.0 - (matrix @ q) / norms
+            for (_, item_id, chunk_index, _), d in zip(rows, distances, strict=True):
+                _merge(best, item_id, float(d), chunk_index)
+    return best
+
+
+def _hits(db: Database, best: Best, via: str, k: int) -> list[Hit]:
+    ranked = sorted(best.items(), key=lambda kv: (kv[1][0], kv[0]))[:k]
+    hits = []
+    for item_id, (distance, chunk_index) in ranked:
+        row = db.one(
+            "SELECT i.title, i.kind, c.content FROM knowledge_items i "
+            "LEFT JOIN note_chunks c ON c.item_id = i.id AND c.chunk_index = ? WHERE i.id = ?",
+            (chunk_index, item_id),
+        )
+        if row is None:
+            continue
+        title, kind, content = row
+        snippet = " ".join((content or "").split())[:SNIPPET]
+        hits.append(Hit(item_id, title, kind, chunk_index, round(1.0 - distance, 6), snippet, via))
+    return hits

@@ -1,0 +1,180 @@
+"""One Settings object for every process, read from the environment (prefix KIDX_, nesting __).
+
+Validated when built (structlog/httpx style): a bad value fails at start-up with the variable's
+name, never on the hundredth task.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from worker.errors import ConfigError
+
+DEFAULT_DIMENSIONS = 1536
+LOCAL_DEFAULT_MODEL = "all-MiniLM-L6-v2"
+OPENAI_DEFAULT_MODEL = "text-embedding-3-small"
+
+
+class KnownModel(BaseModel):
+    """What kidx knows of a model without calling it."""
+
+    dimensions: int
+    shortenable: bool = False  # accepts a `dimensions` parameter (OpenAI text-embedding-3)
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    LOCAL_DEFAULT_MODEL: KnownModel(dimensions=384),
+    "sentence-transformers/all-MiniLM-L6-v2": KnownModel(dimensions=384),
+    "text-embedding-3-small": KnownModel(dimensions=1536, shortenable=True),
+    "text-embedding-3-large": KnownModel(dimensions=3072, shortenable=True),
+    "text-embedding-ada-002": KnownModel(dimensions=1536),
+    "nomic-embed-text": KnownModel(dimensions=768),
+    "mxbai-embed-large": KnownModel(dimensions=1024),
+}
+
+
+def _split_list(value: object) -> object:
+    """Accept `a,b` (and JSON lists) for list settings given in the environment."""
+    if isinstance(value, str):
+        value = value.strip()
+        if value.startswith("["):
+            import json
+
+            return json.loads(value)
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class EmbeddingSettings(BaseModel):
+    """The embedding provider (`KIDX_EMBEDDING__*`)."""
+
+    provider: Literal["openai", "local", "none"] = "local"
+    model: str = ""
+    base_url: str = "https://api.openai.com/v1"
+    api_key: SecretStr | None = None
+    dimensions: int | None = Field(default=None, gt=0, le=16000)
+    batch_size: int = Field(default=64, ge=1, le=2048)
+    timeout: float = Field(default=30.0, gt=0)
+    connect_timeout: float = Field(default=5.0, gt=0)
+    max_retries: int = Field(default=4, ge=0, le=20)
+    backoff: float = Field(default=0.5, ge=0)
+    backoff_max: float = Field(default=20.0, ge=0)
+    retry_after_max: float = Field(default=60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _default_model(self) -> EmbeddingSettings:
+        if not self.model:
+            self.model = LOCAL_DEFAULT_MODEL if self.provider == "local" else OPENAI_DEFAULT_MODEL
+        return self
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http(s) URL such as http://127.0.0.1:11434/v1")
+        return v.rstrip("/")
+
+    def model_dimensions(self) -> int | None:
+        """The dimension the configured model produces, when known without calling it."""
+        known = KNOWN_MODELS.get(self.model)
+        if known is None:
+            return None
+        if known.shortenable and self.dimensions:
+            return self.dimensions
+        return known.dimensions
+
+    def sends_dimensions(self) -> bool:
+        """`dimensions` goes into requests only when set, to a model that may accept it."""
+        known = KNOWN_MODELS.get(self.model)
+        return (
+            self.provider == "openai"
+            and self.dimensions is not None
+            and (known is None or known.shortenable)
+        )
+
+
+class ChunkSettings(BaseModel):
+    """The chunk model for LLM chunking (`KIDX_CHUNK__*`); empty model = structural only."""
+
+    model: str = ""
+    base_url: str = "https://api.openai.com/v1"
+    api_key: SecretStr | None = None
+    timeout: float = Field(default=60.0, gt=0)
+
+
+class FlowerSettings(BaseModel):
+    """Flower, the Tasks page (`KIDX_FLOWER__*`)."""
+
+    user: str = "admin"
+    password: SecretStr | None = None
+    port: int = Field(default=5555, gt=0, lt=65536)
+
+
+class FilesSettings(BaseModel):
+    """Where files may be read from (`KIDX_FILES__ROOTS`, comma-separated)."""
+
+    roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    max_bytes: int = Field(default=50_000_000, gt=0)
+
+    _split = field_validator("roots", mode="before")(_split_list)
+
+
+class UrlSettings(BaseModel):
+    """URL fetching (`KIDX_URLS__*`); loopback and private ranges only when allowed here."""
+
+    allow_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    _split = field_validator("allow_hosts", mode="before")(_split_list)
+
+
+class Settings(BaseSettings):
+    """Everything configurable, from `KIDX_*` variables (and an optional `.env`)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KIDX_",
+        env_nested_delimiter="__",
+        env_file=".env",
+        extra="ignore",
+    )
+
+    db: Path = Path("./data/kidx.db")
+    vec: bool = True  # KIDX_VEC=off: never load sqlite-vec (retrieval falls back)
+    busy_timeout_ms: int = Field(default=30_000, ge=0)
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
+    chunk: ChunkSettings = Field(default_factory=ChunkSettings)
+    flower: FlowerSettings = Field(default_factory=FlowerSettings)
+    files: FilesSettings = Field(default_factory=FilesSettings)
+    urls: UrlSettings = Field(default_factory=UrlSettings)
+
+    @field_validator("vec", mode="before")
+    @classmethod
+    def _onoff(cls, v: object) -> object:
+        if isinstance(v, str) and v.strip().lower() in {"off", "no", "0", "false"}:
+            return False
+        if isinstance(v, str) and v.strip().lower() in {"on", "yes", "1", "true"}:
+            return True
+        return v
+
+    def secrets(self) -> list[str]:
+        """Every secret value, so that logging can redact them wherever they appear."""
+        values = [self.embedding.api_key, self.chunk.api_key, self.flower.password]
+        return [s.get_secret_value() for s in values if s and s.get_secret_value()]
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build the settings, turning a validation error into one readable ConfigError."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            name = "KIDX_" + "__".join(str(p).upper() for p in err["loc"])
+            problems.append(f"{name}: {err['msg']}")
+        raise ConfigError("invalid settings: " + "; ".join(problems)) from None

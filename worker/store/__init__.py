@@ -1,0 +1,65 @@
+"""The store: one `connect()` for the whole project, migrations, vec tables, repair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from worker.settings import EmbeddingSettings, Settings
+from worker.store.db import Database
+from worker.store.repair import RepairReport, repair_vectors
+from worker.store.schema import migrate
+from worker.store.vec import (
+    VEC_TABLES,
+    Resolution,
+    resolve_dimensions,
+    sync_vec_tables,
+    vec_ready,
+    vec_table_dimensions,
+)
+
+__all__ = [
+    "VEC_TABLES",
+    "Database",
+    "RepairReport",
+    "Resolution",
+    "connect",
+    "open_store",
+    "repair_vectors",
+    "resolve_dimensions",
+    "vec_ready",
+    "vec_table_dimensions",
+]
+
+
+def connect(
+    path: str | Path,
+    *,
+    embedding: EmbeddingSettings | None = None,
+    vec: bool = True,
+    busy_timeout_ms: int = 30_000,
+) -> Database:
+    """Open the database: WAL, busy timeout, foreign keys, migrations, sqlite-vec when it loads,
+    and the vec tables at the resolved dimension (rebuilt only when it changed)."""
+    db = Database(path, busy_timeout_ms=busy_timeout_ms)
+    try:
+        migrate(db)
+        if vec:
+            db.load_vec()
+        else:
+            db.vec_error = "disabled by KIDX_VEC=off"
+        db.resolution = resolve_dimensions(db, embedding or EmbeddingSettings())
+        sync_vec_tables(db, db.resolution.dimensions)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def open_store(settings: Settings) -> Database:
+    """`connect()` with everything taken from the settings."""
+    return connect(
+        settings.db,
+        embedding=settings.embedding,
+        vec=settings.vec,
+        busy_timeout_ms=settings.busy_timeout_ms,
+    )

@@ -1,0 +1,147 @@
+"""The connection: apsw (it bundles SQLite and can load extensions; Python's sqlite3 here cannot),
+WAL, a busy timeout, foreign keys, and `atomic()` write transactions that take the write lock
+up front (`BEGIN IMMEDIATE`), so that several writer processes queue instead of failing with
+`database is locked`.
+
+Never import Python's `sqlite3` into a process that uses this: two SQLite libraries in one
+process crashed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import apsw
+
+from worker.errors import StoreError
+from worker.log import get_logger
+
+if TYPE_CHECKING:
+    from worker.store.vec import Resolution
+
+log = get_logger("kidx.store")
+
+Params = Sequence[Any] | dict[str, Any]
+
+
+class Database:
+    """One SQLite connection with the project's settings and small query helpers."""
+
+    def __init__(self, path: str | Path, *, busy_timeout_ms: int = 30_000) -> None:
+        self.path = Path(path)
+        if str(path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.conn = apsw.Connection(str(path))
+        except apsw.Error as e:
+            raise StoreError(f"cannot open database {path}: {e}") from e
+        self.conn.set_busy_timeout(busy_timeout_ms)
+        self.execute("PRAGMA foreign_keys = ON")
+        mode = self.scalar("PRAGMA journal_mode = WAL")
+        if str(path) != ":memory:" and str(mode).lower() != "wal":
+            raise StoreError(f"cannot switch {path} to WAL (journal_mode is {mode})")
+        self.execute("PRAGMA synchronous = NORMAL")
+        self.vec_loaded = False
+        self.vec_version: str | None = None
+        self.vec_error: str | None = None
+        self._depth = 0
+        self.resolution: Resolution | None = None
+
+    # -- sqlite-vec -------------------------------------------------------------------------
+
+    def load_vec(self) -> bool:
+        """Load sqlite-vec; on failure remember why and carry on without it."""
+        try:
+            import sqlite_vec
+
+            self.conn.enable_load_extension(True)
+            self.conn.load_extension(sqlite_vec.loadable_path())
+            self.conn.enable_load_extension(False)
+            self.vec_version = self.scalar("SELECT vec_version()")
+            self.vec_loaded = True
+        except (ImportError, apsw.Error, AttributeError, OSError) as e:
+            self.vec_error = f"{type(e).__name__}: {e}"
+            log.warning("sqlite-vec unavailable, retrieval will fall back", reason=self.vec_error)
+        return self.vec_loaded
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def execute(self, sql: str, params: Params = ()) -> apsw.Cursor:
+        return self.conn.execute(sql, params)
+
+    def all(self, sql: str, params: Params = ()) -> list[tuple[Any, ...]]:
+        return list(self.conn.execute(sql, params))
+
+    def one(self, sql: str, params: Params = ()) -> tuple[Any, ...] | None:
+        for row in self.conn.execute(sql, params):
+            return row
+        return None
+
+    def scalar(self, sql: str, params: Params = ()) -> Any:
+        row = self.one(sql, params)
+        return row[0] if row else None
+
+    def dicts(self, sql: str, params: Params = ()) -> list[dict[str, Any]]:
+        cur = self.conn.cursor()
+        names: list[str] = []
+
+        def as_dict(c: apsw.Cursor, row: tuple[Any, ...]) -> dict[str, Any]:
+            if not names:  # the description is readable only while the statement runs
+                names.extend(d[0] for d in c.get_description())
+            return dict(zip(names, row, strict=True))
+
+        cur.row_trace = as_dict
+        return list(cur.execute(sql, params))
+
+    def table_exists(self, name: str) -> bool:
+        return bool(self.scalar("SELECT 1 FROM sqlite_master WHERE name = ?", (name,)))
+
+    # -- transactions -----------------------------------------------------------------------
+
+    @contextmanager
+    def atomic(self) -> Iterator[Database]:
+        """A write transaction (BEGIN IMMEDIATE); nested calls are savepoints."""
+        if self._depth == 0:
+            self.execute("BEGIN IMMEDIATE")
+        else:
+            self.execute(f"SAVEPOINT sp{self._depth}")
+        self._depth += 1
+        try:
+            yield self
+        except BaseException:
+            self._depth -= 1
+            if self._depth == 0:
+                self.execute("ROLLBACK")
+            else:
+                self.execute(f"ROLLBACK TO sp{self._depth}")
+                self.execute(f"RELEASE sp{self._depth}")
+            raise
+        else:
+            self._depth -= 1
+            if self._depth == 0:
+                self.execute("COMMIT")
+            else:
+                self.execute(f"RELEASE sp{self._depth}")
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._depth > 0
+
+    @property
+    def dimensions(self) -> int:
+        """The index's resolved dimension (set by `connect()`)."""
+        if self.resolution is None:
+            raise StoreError("dimensions are resolved by connect(); this Database was opened bare")
+        return self.resolution.dimensions
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,145 @@
+"""Knowledge items and their index state: the rows a host application and the CLI touch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from worker.chunking.base import text_hash
+from worker.errors import InvalidInput, ItemNotFound
+from worker.store.db import Database
+
+NOW = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
+
+
+class Status(enum.StrEnum):
+    """The lifecycle of an item's index."""
+
+    PENDING = "pending"  # never indexed, or its vectors must be remade
+    INDEXING = "indexing"  # a run is under way
+    INDEXED = "indexed"  # every chunk has its vector
+    PARTIAL = "partial"  # indexed, but some chunks have no vector (see last_error)
+    FAILED = "failed"  # the last run failed; the index before it is intact
+    SKIPPED = "skipped"  # nothing to do (no provider configured)
+    CANCELLED = "cancelled"  # the last run was revoked; the index before it is intact
+
+
+@dataclass(frozen=True)
+class Item:
+    id: int
+    kind: str
+    title: str
+    source: str | None
+    content: str
+    content_hash: str | None
+
+
+STATE_COLUMNS = (
+    "item_id",
+    "status",
+    "chunk_method",
+    "chunk_count",
+    "model",
+    "dimensions",
+    "last_error",
+    "duration_ms",
+)
+
+
+def add_item(
+    db: Database, *, kind: str, title: str, content: str, source: str | None = None
+) -> int:
+    """Insert an item and its `pending` state; returns the new id."""
+    if kind == "note" and not content.strip():
+        raise InvalidInput("the note is empty")
+    with db.atomic():
+        item_id = db.scalar(
+            "INSERT INTO knowledge_items(kind, title, source, content, content_hash) "
+            "VALUES (?, ?, ?, ?, ?) RETURNING id",
+            (kind, title, source, content, text_hash(content)),
+        )
+        db.execute("INSERT INTO item_index_state(item_id) VALUES (?)", (item_id,))
+    return int(item_id)
+
+
+def get_item(db: Database, item_id: int) -> Item:
+    row = db.one(
+        "SELECT id, kind, title, source, content, content_hash FROM knowledge_items WHERE id = ?",
+        (item_id,),
+    )
+    if row is None:
+        raise ItemNotFound(item_id)
+    return Item(*row)
+
+
+def update_content(db: Database, item_id: int, content: str, *, title: str | None = None) -> None:
+    """Replace an item's text (the next index run sees it; so does a direct UPDATE)."""
+    item = get_item(db, item_id)
+    if item.kind == "note" and not content.strip():
+        raise InvalidInput("the note is empty")
+    with db.atomic():
+        db.execute(
+            "UPDATE knowledge_items SET content = ?, content_hash = ?, "
+            f"title = coalesce(?, title), updated_at = {NOW} WHERE id = ?",
+            (content, text_hash(content), title, item_id),
+        )
+
+
+def set_state(db: Database, item_id: int, **fields: Any) -> None:
+    """Update columns of an item's index state (the row is created if a host app did not)."""
+    if "status" in fields:
+        fields["status"] = str(fields["status"])
+    names = list(fields)
+    with db.atomic():
+        db.execute(
+            "INSERT INTO item_index_state(item_id) VALUES (?) ON CONFLICT(item_id) DO NOTHING",
+            (item_id,),
+        )
+        if names:
+            sets = ", ".join(f"{n} = :{n}" for n in names)
+            db.execute(
+                f"UPDATE item_index_state SET {sets}, updated_at = {NOW} WHERE item_id = :item_id",
+                {**fields, "item_id": item_id},
+            )
+
+
+def get_state(db: Database, item_id: int) -> dict[str, Any]:
+    get_item(db, item_id)
+    rows = db.dicts(
+        f"SELECT {', '.join('s.' + c for c in STATE_COLUMNS)} FROM item_index_state s "
+        "WHERE s.item_id = ?",
+        (item_id,),
+    )
+    if rows:
+        return rows[0]
+    return {c: None for c in STATE_COLUMNS} | {"item_id": item_id, "status": "pending"}
+
+
+def list_states(db: Database) -> list[dict[str, Any]]:
+    cols = ", ".join(f"s.{c}" for c in STATE_COLUMNS[2:])
+    return db.dicts(
+        f"SELECT i.id AS item_id, coalesce(s.status, 'pending') AS status, {cols} "
+        "FROM knowledge_items i "
+        "LEFT JOIN item_index_state s ON s.item_id = i.id ORDER BY i.id"
+    )
+
+
+def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
+    """The seed's NoteChunkDto: index, method, has_embedding, summary, offsets, length."""
+    get_item(db, item_id)
+    rows = db.dicts(
+        "SELECT c.chunk_index, c.method AS chunk_method, "
+        "(e.chunk_id IS NOT NULL) AS has_embedding, c.summary, c.start_offset, c.end_offset, "
+        "length(c.content) AS length FROM note_chunks c "
+        "LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id "
+        "WHERE c.item_id = ? ORDER BY c.chunk_index",
+        (item_id,),
+    )
+    for row in rows:
+        row["has_embedding"] = bool(row["has_embedding"])
+    return rows
+
+
+def all_item_ids(db: Database) -> list[int]:
+    return [r[0] for r in db.all("SELECT id FROM knowledge_items ORDER BY id")]

@@ -1,0 +1,182 @@
+"""Numbered migrations of the relational tables. Each runs once, in its own transaction, and
+records its number in `index_meta`; running them again does nothing. The vec0 tables depend on
+the resolved dimension and on the extension, so `worker.store.vec` creates them."""
+
+from __future__ import annotations
+
+from worker.store.db import Database
+
+ITEM_KINDS = ("note", "file", "url", "code")
+STATUSES = ("pending", "indexing", "indexed", "partial", "failed", "skipped", "cancelled")
+
+_NOW = "(strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))"
+
+MIGRATIONS: list[tuple[int, str]] = [
+    (
+        1,
+        f"""
+CREATE TABLE IF NOT EXISTS index_meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS knowledge_items (
+    id           INTEGER PRIMARY KEY,
+    kind         TEXT NOT NULL CHECK (kind IN {ITEM_KINDS}),
+    title        TEXT NOT NULL DEFAULT '',
+    source       TEXT,
+    content      TEXT NOT NULL DEFAULT '',
+    content_hash TEXT,
+    created_at   TEXT NOT NULL DEFAULT {_NOW},
+    updated_at   TEXT NOT NULL DEFAULT {_NOW}
+);
+
+CREATE TABLE IF NOT EXISTS item_index_state (
+    item_id      INTEGER PRIMARY KEY REFERENCES knowledge_items(id) ON DELETE CASCADE,
+    status       TEXT NOT NULL DEFAULT 'pending' CHECK (status IN {STATUSES}),
+    indexed_hash TEXT,
+    chunk_method TEXT,
+    chunk_count  INTEGER NOT NULL DEFAULT 0,
+    model        TEXT,
+    dimensions   INTEGER,
+    last_error   TEXT,
+    last_task_id TEXT,
+    attempts     INTEGER NOT NULL DEFAULT 0,
+    duration_ms  INTEGER,
+    indexed_at   TEXT,
+    updated_at   TEXT NOT NULL DEFAULT {_NOW}
+);
+CREATE INDEX IF NOT EXISTS item_index_state_status ON item_index_state(status);
+
+CREATE TABLE IF NOT EXISTS note_chunks (
+    id           INTEGER PRIMARY KEY,
+    item_id      INTEGER NOT NULL REFERENCES knowledge_items(id) ON DELETE CASCADE,
+    chunk_index  INTEGER NOT NULL,
+    content      TEXT NOT NULL,
+    summary      TEXT,
+    method       TEXT NOT NULL CHECK (method IN ('llm', 'structure')),
+    start_offset INTEGER NOT NULL,
+    end_offset   INTEGER NOT NULL,
+    headings     TEXT NOT NULL DEFAULT '',
+    embed_hash   TEXT NOT NULL,
+    UNIQUE (item_id, chunk_index),
+    CHECK (end_offset > start_offset)
+);
+CREATE INDEX IF NOT EXISTS note_chunks_embed_hash ON note_chunks(item_id, embed_hash);
+
+CREATE TABLE IF NOT EXISTS note_chunk_embeddings (
+    chunk_id   INTEGER PRIMARY KEY REFERENCES note_chunks(id) ON DELETE CASCADE,
+    model      TEXT NOT NULL,
+    dimensions INTEGER NOT NULL CHECK (dimensions > 0),
+    created_at TEXT NOT NULL DEFAULT {_NOW},
+    vector     BLOB NOT NULL CHECK (length(vector) = 4 * dimensions)
+);
+CREATE INDEX IF NOT EXISTS note_chunk_embeddings_created ON note_chunk_embeddings(created_at);
+
+CREATE TABLE IF NOT EXISTS note_embeddings (
+    item_id    INTEGER PRIMARY KEY REFERENCES knowledge_items(id) ON DELETE CASCADE,
+    model      TEXT NOT NULL,
+    dimensions INTEGER NOT NULL CHECK (dimensions > 0),
+    created_at TEXT NOT NULL DEFAULT {_NOW},
+    vector     BLOB NOT NULL CHECK (length(vector) = 4 * dimensions)
+);
+
+CREATE TABLE IF NOT EXISTS memories (
+    id         INTEGER PRIMARY KEY,
+    content    TEXT NOT NULL,
+    created_at TEXT NOT NULL DEFAULT {_NOW}
+);
+
+CREATE TABLE IF NOT EXISTS memory_embeddings (
+    memory_id  INTEGER PRIMARY KEY REFERENCES memories(id) ON DELETE CASCADE,
+    model      TEXT NOT NULL,
+    dimensions INTEGER NOT NULL CHECK (dimensions > 0),
+    created_at TEXT NOT NULL DEFAULT {_NOW},
+    vector     BLOB NOT NULL CHECK (length(vector) = 4 * dimensions)
+);
+
+CREATE TABLE IF NOT EXISTS code_chunks (
+    id          INTEGER PRIMARY KEY,
+    item_id     INTEGER NOT NULL REFERENCES knowledge_items(id) ON DELETE CASCADE,
+    chunk_index INTEGER NOT NULL,
+    path        TEXT NOT NULL,
+    start_line  INTEGER NOT NULL,
+    end_line    INTEGER NOT NULL,
+    content     TEXT NOT NULL,
+    embed_hash  TEXT NOT NULL,
+    UNIQUE (item_id, chunk_index)
+);
+
+CREATE TABLE IF NOT EXISTS code_chunk_embeddings (
+    chunk_id   INTEGER PRIMARY KEY REFERENCES code_chunks(id) ON DELETE CASCADE,
+    model      TEXT NOT NULL,
+    dimensions INTEGER NOT NULL CHECK (dimensions > 0),
+    created_at TEXT NOT NULL DEFAULT {_NOW},
+    vector     BLOB NOT NULL CHECK (length(vector) = 4 * dimensions)
+);
+
+CREATE TABLE IF NOT EXISTS index_batches (
+    id                   INTEGER PRIMARY KEY,
+    kind                 TEXT NOT NULL CHECK (kind IN ('reindex', 'reconcile', 'retry')),
+    state                TEXT NOT NULL DEFAULT 'running'
+                         CHECK (state IN ('running', 'done', 'aborted')),
+    total                INTEGER NOT NULL DEFAULT 0,
+    ok                   INTEGER NOT NULL DEFAULT 0,
+    failed               INTEGER NOT NULL DEFAULT 0,
+    consecutive_failures INTEGER NOT NULL DEFAULT 0,
+    abort_reason         TEXT,
+    created_at           TEXT NOT NULL DEFAULT {_NOW},
+    finished_at          TEXT
+);
+
+CREATE TABLE IF NOT EXISTS index_jobs (
+    task_id     TEXT PRIMARY KEY,
+    task_name   TEXT NOT NULL,
+    item_id     INTEGER,
+    batch_id    INTEGER REFERENCES index_batches(id),
+    state       TEXT NOT NULL,
+    reason      TEXT,
+    attempt     INTEGER NOT NULL DEFAULT 0,
+    started_at  TEXT,
+    finished_at TEXT,
+    duration_ms INTEGER,
+    error       TEXT
+);
+CREATE INDEX IF NOT EXISTS index_jobs_item ON index_jobs(item_id);
+CREATE INDEX IF NOT EXISTS index_jobs_batch ON index_jobs(batch_id);
+""",
+    ),
+]
+
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+
+def schema_version(db: Database) -> int:
+    if not db.table_exists("index_meta"):
+        return 0
+    value = db.scalar("SELECT value FROM index_meta WHERE key = 'schema_version'")
+    return int(value) if value is not None else 0
+
+
+def migrate(db: Database) -> int:
+    """Apply the migrations this database has not seen; returns the schema version."""
+    if schema_version(db) >= SCHEMA_VERSION:
+        return SCHEMA_VERSION
+    with db.atomic():
+        current = schema_version(db)  # again, under the write lock: another process may have won
+        for number, sql in MIGRATIONS:
+            if number <= current:
+                continue
+            with db.atomic():
+                for statement in _statements(sql):
+                    db.execute(statement)
+                db.execute(
+                    "INSERT INTO index_meta(key, value) VALUES ('schema_version', ?) "
+                    "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    (str(number),),
+                )
+    return SCHEMA_VERSION
+
+
+def _statements(sql: str) -> list[str]:
+    return [s.strip() for s in sql.split(";\n") if s.strip()]

@@ -1,0 +1,163 @@
+"""The four vec0 tables: a mirror of the relational vectors that can always be rebuilt.
+
+Dimension resolution follows the seed, with one refinement: the most recent embedding row counts
+only if the configured model made it (with the configured `dimensions`, when that is set).
+Otherwise a model switch could never rebuild the tables: the old model's rows would keep
+winning, and the new model's vectors would have nowhere to go.
+
+    1. `dimensions` of the most recent embedding row of the configured model
+    2. the configured model's known dimension
+    3. `KIDX_EMBEDDING__DIMENSIONS` (default 1536)
+
+vec0 has no REPLACE and no UPSERT: a changed vector is always a DELETE then an INSERT.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from worker.log import KI_EMBED, get_logger
+from worker.settings import DEFAULT_DIMENSIONS, EmbeddingSettings
+from worker.store.db import Database
+
+log = get_logger("kidx.store")
+
+
+@dataclass(frozen=True)
+class VecTable:
+    name: str
+    key: str  # the vec table's primary key column
+    source: str  # the relational table of vectors it mirrors
+    source_key: str
+
+
+VEC_TABLES = (
+    VecTable("vec_note_embeddings", "item_id", "note_embeddings", "item_id"),
+    VecTable("vec_chunk_embeddings", "chunk_id", "note_chunk_embeddings", "chunk_id"),
+    VecTable("vec_memories", "memory_id", "memory_embeddings", "memory_id"),
+    VecTable("vec_work_code_chunks", "chunk_id", "code_chunk_embeddings", "chunk_id"),
+)
+VEC = {t.name: t for t in VEC_TABLES}
+EMBEDDING_TABLES = tuple(t.source for t in VEC_TABLES)
+_FLOAT_DIM = re.compile(r"float\[(\d+)\]")
+
+# Items whose vectors (chunk, whole-item or code) are of another dimension than `?`.
+ITEMS_WITH_OTHER_DIMENSIONS = """
+SELECT c.item_id FROM note_chunks c JOIN note_chunk_embeddings e ON e.chunk_id = c.id
+ WHERE e.dimensions != :d
+UNION SELECT item_id FROM note_embeddings WHERE dimensions != :d
+UNION SELECT c.item_id FROM code_chunks c JOIN code_chunk_embeddings e ON e.chunk_id = c.id
+ WHERE e.dimensions != :d
+"""
+
+
+@dataclass(frozen=True)
+class Resolution:
+    dimensions: int
+    source: str  # "embedding row", "model", "setting"
+
+
+def resolve_dimensions(db: Database, embedding: EmbeddingSettings) -> Resolution:
+    """The dimension the index should have now, in the seed's order (see the module doc)."""
+    where = "model = :model" + (" AND dimensions = :dims" if embedding.dimensions else "")
+    union = " UNION ALL ".join(
+        f"SELECT dimensions, created_at FROM {table} WHERE {where}" for table in EMBEDDING_TABLES
+    )
+    row = db.one(
+        f"SELECT dimensions FROM ({union}) ORDER BY created_at DESC LIMIT 1",
+        {"model": embedding.model, "dims": embedding.dimensions},
+    )
+    if row is not None:
+        return Resolution(int(row[0]), "embedding row")
+    known = embedding.model_dimensions()
+    if known:
+        return Resolution(known, "model")
+    return Resolution(embedding.dimensions or DEFAULT_DIMENSIONS, "setting")
+
+
+def vec_table_dimensions(db: Database) -> dict[str, int | None]:
+    """Each vec table's declared dimension, read from its definition (None: missing)."""
+    result: dict[str, int | None] = {t.name: None for t in VEC_TABLES}
+    for name, sql in db.all(
+        "SELECT name, sql FROM sqlite_master WHERE type = 'table' AND name IN (?, ?, ?, ?)",
+        [t.name for t in VEC_TABLES],
+    ):
+        m = _FLOAT_DIM.search(sql or "")
+        result[name] = int(m.group(1)) if m else None
+    return result
+
+
+def sync_vec_tables(db: Database, dimensions: int) -> bool:
+    """Make the four vec tables exist with `dimensions`; rebuild them when they differ.
+
+    Returns True when a rebuild happened. A rebuild drops and re-creates all four, re-fills them
+    from the relational vectors of that dimension and marks items whose vectors have another
+    dimension `pending`, all in one transaction. Nothing is written when all is in order, so
+    opening a connection does not re-mirror anything.
+    """
+    if not db.vec_loaded:
+        return False
+    if all(d == dimensions for d in vec_table_dimensions(db).values()):
+        return False
+    with db.atomic():
+        before = vec_table_dimensions(db)  # again, under the write lock
+        if all(d == dimensions for d in before.values()):
+            return False
+        refilled = {}
+        for t in VEC_TABLES:
+            db.execute(f"DROP TABLE IF EXISTS {t.name}")
+            db.execute(
+                f"CREATE VIRTUAL TABLE {t.name} USING vec0({t.key} INTEGER PRIMARY KEY, "
+                f"embedding float[{dimensions}] distance_metric=cosine)"
+            )
+            db.execute(
+                f"INSERT INTO {t.name}({t.key}, embedding) "
+                f"SELECT {t.source_key}, vector FROM {t.source} WHERE dimensions = ?",
+                (dimensions,),
+            )
+            refilled[t.name] = db.scalar(
+                f"SELECT count(*) FROM {t.source} WHERE dimensions = ?", (dimensions,)
+            )
+        pending = db.execute(
+            "UPDATE item_index_state SET status = 'pending', "
+            "updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') "
+            f"WHERE item_id IN ({ITEMS_WITH_OTHER_DIMENSIONS}) RETURNING item_id",
+            {"d": dimensions},
+        ).fetchall()
+        set_meta(db, "vec_dimensions", str(dimensions))
+    old = sorted({d for d in before.values() if d})
+    (log.warning if old else log.info)(
+        f"{KI_EMBED} vec tables rebuilt" if old else f"{KI_EMBED} vec tables created",
+        old_dimensions=old or None,
+        dimensions=dimensions,
+        refilled=refilled,
+        items_pending=len(pending),
+    )
+    return True
+
+
+def vec_ready(db: Database, dimensions: int) -> bool:
+    """sqlite-vec is loaded and all four tables exist with this dimension."""
+    return db.vec_loaded and all(d == dimensions for d in vec_table_dimensions(db).values())
+
+
+def vec_replace(db: Database, table: str, key: int, vector: bytes) -> None:
+    """Write one vector: DELETE then INSERT (vec0 rejects REPLACE)."""
+    t = VEC[table]
+    db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
+    db.execute(f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, ?)", (key, vector))
+
+
+def vec_delete(db: Database, table: str, keys: list[int]) -> None:
+    t = VEC[table]
+    for key in keys:
+        db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
+
+
+def set_meta(db: Database, key: str, value: str) -> None:
+    db.execute(
+        "INSERT INTO index_meta(key, value) VALUES (?, ?) "
+        "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+        (key, value),
+    )
