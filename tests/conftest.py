@@ -12,11 +12,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ops.standin import StandIn  # noqa: E402
-from worker.providers import build_embedder  # noqa: E402
-from worker.providers.base import EmbeddingModel  # noqa: E402
-from worker.settings import EmbeddingSettings  # noqa: E402
-from worker.store import Database, connect  # noqa: E402
+from ops.standin import StandIn
+from worker.providers import build_embedder
+from worker.providers.base import EmbeddingModel
+from worker.settings import EmbeddingSettings
+from worker.store import Database, connect
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "rustbook"
 DIMS = 64

@@ -31,8 +31,8 @@ def snapshot(db, item_id: int) -> dict[str, object]:
             (item_id,),
         ),
         "vectors": db.all(
-            f"SELECT chunk_id, model, vector FROM note_chunk_embeddings WHERE chunk_id IN ({marks}) "
-            "ORDER BY chunk_id",
+            "SELECT chunk_id, model, vector FROM note_chunk_embeddings "
+            f"WHERE chunk_id IN ({marks}) ORDER BY chunk_id",
             ids,
         ),
         "vec": db.all(
@@ -63,8 +63,9 @@ def test_first_run_embeds_every_chunk_and_mirrors_it(db, embedder, standin):
     assert result.status == "indexed" and result.chunks == len(expected) == 20
     assert sorted(standin.texts) == sorted(expected)
     assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == 20
-    rows = db.all("SELECT content, start_offset, end_offset FROM note_chunks WHERE item_id = ?",
-                  (item,))
+    rows = db.all(
+        "SELECT content, start_offset, end_offset FROM note_chunks WHERE item_id = ?", (item,)
+    )
     assert all(content == text[s:e] for content, s, e in rows)
     # Vectors are the provider's, stored as float32 in both places.
     blob = db.scalar("SELECT vector FROM note_chunk_embeddings LIMIT 1")
@@ -97,8 +98,11 @@ def test_an_edit_sends_only_changed_chunks(db, embedder, standin, edit):
 def test_content_changed_directly_in_the_database_is_seen(db, embedder, standin):
     item = add_item(db, kind="note", title="T", content="First version of the note.")
     index_item(db, item, embedder=embedder)
-    db.execute("UPDATE knowledge_items SET content = 'Second version, written by a host app.' "
-               "WHERE id = ?", (item,))
+    db.execute(
+        "UPDATE knowledge_items SET content = 'Second version, written by a host app.' "
+        "WHERE id = ?",
+        (item,),
+    )
     standin.texts.clear()
     index_item(db, item, embedder=embedder)
     assert standin.texts == ["T\n\nSecond version, written by a host app."]
@@ -118,7 +122,9 @@ def test_missing_vec_rows_are_restored_and_orphans_deleted_without_a_provider_ca
     for cid in ids:
         db.execute("DELETE FROM vec_chunk_embeddings WHERE chunk_id = ?", (cid,))
     orphan = np.ones(DIMS, dtype="<f4").tobytes()
-    db.execute("INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (987654, ?)", (orphan,))
+    db.execute(
+        "INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (987654, ?)", (orphan,)
+    )
     assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == 20 - 4 + 1
     requests = standin.requests
     result = index_item(db, item, embedder=embedder)
@@ -174,9 +180,14 @@ def test_one_isolated_failure_leaves_the_item_partial(db, embedder, standin):
     rows = list_chunks(db, item)
     without = [r for r in rows if not r["has_embedding"]]
     assert 1 <= len(without) <= 2  # the chunk (and its overlapping neighbour, if it shares it)
-    assert all(marker in db.scalar(
-        "SELECT content FROM note_chunks WHERE item_id = ? AND chunk_index = ?",
-        (item, r["chunk_index"])) for r in without)
+    assert all(
+        marker
+        in db.scalar(
+            "SELECT content FROM note_chunks WHERE item_id = ? AND chunk_index = ?",
+            (item, r["chunk_index"]),
+        )
+        for r in without
+    )
     assert "have no vector" in get_state(db, item)["last_error"]
     # The next run embeds only what is missing, once the provider takes it.
     standin.poison = None

@@ -19,8 +19,11 @@ from typing import Any
 import httpx
 
 from worker.errors import BadAnswer, PermanentProviderError, TransientProviderError
+from worker.log import KI_EMBED, get_logger
 from worker.providers.base import EmbeddingModel, backoff_delay
 from worker.settings import EmbeddingSettings
+
+log = get_logger("kidx.providers")
 
 RETRYABLE = frozenset({408, 409, 429, 500, 502, 503, 504})
 PER_INPUT = frozenset({400, 413, 422})  # may concern one input only: worth trying alone
@@ -145,6 +148,13 @@ class OpenAIEmbeddings(EmbeddingModel):
             if attempt + 1 < attempts:
                 if wait is None:
                     wait = backoff_delay(attempt, s.backoff, s.backoff_max, self._rand())
+                log.warning(
+                    f"{KI_EMBED} provider call failed, retrying",
+                    provider=self._where,
+                    reason=cause,
+                    attempt=attempt + 1,
+                    wait_s=round(wait, 3),
+                )
                 self._sleep(wait)
         raise RetryLater(f"{self._where}: {cause} (after {attempts} attempts)")
 

@@ -1,0 +1,84 @@
+"""Log lines: JSON, the seed's prefixes with their fields, and no secret ever."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from conftest import corpus_text
+
+SECRET = "sk-log-secret-0123456789"
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from worker.log import configure_logging
+    from worker.settings import load_settings
+    settings = load_settings()
+    configure_logging(fmt="json", secrets=settings.secrets())
+    from worker.pipeline import index_item
+    from worker.providers import build_embedder
+    from worker.store import open_store
+    from worker.store.items import add_item
+    db = open_store(settings)
+    model = build_embedder(settings.embedding, dimensions=db.dimensions)
+    item = add_item(db, kind="note", title="Slices", content=open(sys.argv[1]).read())
+    index_item(db, item, embedder=model, task_id="task-123")
+    try:
+        index_item(db, item + 1000, embedder=model)
+    except Exception as e:
+        import structlog
+        structlog.get_logger("kidx.test").error("[KI Embed] failed", reason=str(e),
+                                                 headers={"Authorization": "Bearer " + sys.argv[2]})
+    """
+)
+
+
+def test_log_lines_are_json_with_prefixes_fields_and_no_secret(tmp_path, standin):
+    chapter = tmp_path / "chapter.md"
+    chapter.write_text(corpus_text("ch04-03-slices.md"))
+    standin.fail_status, standin.fail_times = 503, 1  # one retry: its warning must be clean too
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HF_HUB_OFFLINE": "1",
+        "KIDX_DB": str(tmp_path / "log.db"),
+        "KIDX_EMBEDDING__PROVIDER": "openai",
+        "KIDX_EMBEDDING__MODEL": "standin-embed",
+        "KIDX_EMBEDDING__BASE_URL": standin.base_url,
+        "KIDX_EMBEDDING__DIMENSIONS": "64",
+        "KIDX_EMBEDDING__API_KEY": SECRET,
+        "KIDX_EMBEDDING__BACKOFF": "0.01",
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(chapter), SECRET],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=str(tmp_path),
+    )
+    assert run.returncode == 0, run.stderr
+    assert SECRET not in run.stderr and SECRET not in run.stdout
+    assert standin.headers and standin.headers[0]["authorization"] == f"Bearer {SECRET}"
+    lines = [json.loads(line) for line in run.stderr.splitlines() if line.strip()]
+    chunked = [e for e in lines if e["event"].startswith("[Chunk]")]
+    indexed = [e for e in lines if e["event"] == "[KI Embed] indexed"]
+    assert chunked and indexed
+    assert {"item_id", "task_id", "chunk_method", "chunk_count", "dimensions"} <= set(chunked[0])
+    assert {
+        "item_id",
+        "task_id",
+        "chunk_method",
+        "chunks",
+        "reused",
+        "embedded",
+        "dimensions",
+        "model",
+        "duration_ms",
+    } <= set(indexed[0])
+    assert indexed[0]["task_id"] == "task-123" and indexed[0]["dimensions"] == 64
+    failed = [e for e in lines if e["event"] == "[KI Embed] failed"]
+    assert failed and failed[0]["headers"] == {"Authorization": "***"}
+    assert all(e["level"] in {"info", "warning", "error"} and "timestamp" in e for e in lines)

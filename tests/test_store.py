@@ -1,0 +1,212 @@
+"""The store: connection settings, migrations, dimension resolution, rebuild, degraded modes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import DIMS, FakeEmbedder, corpus_text, standin_settings
+from worker.pipeline import index_item
+from worker.providers import build_embedder
+from worker.retrieval import search
+from worker.settings import EmbeddingSettings
+from worker.store import connect, resolve_dimensions, vec_table_dimensions
+from worker.store.items import add_item, get_state
+from worker.store.schema import SCHEMA_VERSION, migrate, schema_version
+
+
+def test_connection_is_wal_with_foreign_keys_busy_timeout_and_sqlite_vec(db, db_path):
+    assert db.scalar("PRAGMA journal_mode") == "wal"
+    assert db.scalar("PRAGMA foreign_keys") == 1
+    assert db.scalar("PRAGMA busy_timeout") == 30_000
+    assert db.vec_loaded and db.vec_version.startswith("v0.")
+    assert set(vec_table_dimensions(db).values()) == {DIMS}
+    for name in (
+        "vec_note_embeddings",
+        "vec_chunk_embeddings",
+        "vec_memories",
+        "vec_work_code_chunks",
+    ):
+        sql = db.scalar("SELECT sql FROM sqlite_master WHERE name = ?", (name,))
+        assert "distance_metric=cosine" in sql
+
+
+def test_migrations_are_idempotent(db, db_path, emb_settings):
+    tables = db.all("SELECT name, sql FROM sqlite_master ORDER BY name")
+    assert schema_version(db) == SCHEMA_VERSION
+    assert migrate(db) == SCHEMA_VERSION
+    again = connect(db_path, embedding=emb_settings)
+    assert again.all("SELECT name, sql FROM sqlite_master ORDER BY name") == tables
+    again.close()
+
+
+def test_reconnecting_does_not_rebuild_the_vec_tables(db, db_path, embedder, emb_settings):
+    item = add_item(db, kind="note", title="T", content="Some note text.")
+    index_item(db, item, embedder=embedder)
+    # A marker a rebuild would lose: rebuilt tables are re-filled from relational rows only.
+    marker = np.ones(DIMS, dtype="<f4").tobytes()
+    db.execute(
+        "INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (424242, ?)", (marker,)
+    )
+    again = connect(db_path, embedding=emb_settings)
+    assert again.scalar("SELECT count(*) FROM vec_chunk_embeddings WHERE chunk_id = 424242") == 1
+    assert get_state(again, item)["status"] == "indexed"
+    again.close()
+
+
+def test_deleting_an_item_cascades_to_its_chunks_and_vectors(db, embedder):
+    item = add_item(db, kind="note", title="T", content=corpus_text("ch04-03-slices.md"))
+    index_item(db, item, embedder=embedder)
+    db.execute("DELETE FROM knowledge_items WHERE id = ?", (item,))
+    assert db.scalar("SELECT count(*) FROM note_chunks") == 0
+    assert db.scalar("SELECT count(*) FROM note_chunk_embeddings") == 0
+
+
+# -- dimension resolution --------------------------------------------------------------------
+
+
+def _embedding_row(db, model: str, dims: int) -> None:
+    item = add_item(db, kind="note", title="x", content="x")
+    chunk_id = db.scalar(
+        "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, end_offset,"
+        " embed_hash) VALUES (?, 0, 'x', 'structure', 0, 1, 'h') RETURNING id",
+        (item,),
+    )
+    db.execute(
+        "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) VALUES (?,?,?,?)",
+        (chunk_id, model, dims, np.zeros(dims, dtype="<f4").tobytes()),
+    )
+
+
+def test_resolution_1_the_latest_embedding_row_of_the_configured_model(tmp_path):
+    db = connect(tmp_path / "a.db", vec=False)
+    settings = EmbeddingSettings(provider="openai", model="my-model")  # unknown model
+    _embedding_row(db, "my-model", 768)
+    _embedding_row(db, "other-model", 1024)  # more recent, but not this model's
+    assert resolve_dimensions(db, settings).dimensions == 768
+    assert resolve_dimensions(db, settings).source == "embedding row"
+    # The row beats the configured model's known dimension and the setting.
+    known = EmbeddingSettings(provider="local")  # all-MiniLM-L6-v2: 384
+    _embedding_row(db, "all-MiniLM-L6-v2", 999)
+    assert resolve_dimensions(db, known).dimensions == 999
+    db.close()
+
+
+def test_resolution_2_the_configured_models_dimension(tmp_path):
+    db = connect(tmp_path / "b.db", vec=False)
+    _embedding_row(db, "some-other-model", 1024)
+    local = EmbeddingSettings(provider="local")
+    assert (resolve_dimensions(db, local).dimensions, resolve_dimensions(db, local).source) == (
+        384,
+        "model",
+    )
+    shortened = EmbeddingSettings(provider="openai", model="text-embedding-3-large", dimensions=256)
+    assert resolve_dimensions(db, shortened).dimensions == 256
+    assert resolve_dimensions(db, EmbeddingSettings(provider="openai")).dimensions == 1536
+    db.close()
+
+
+def test_resolution_3_the_setting_default_1536(tmp_path):
+    db = connect(tmp_path / "c.db", vec=False)
+    unknown = EmbeddingSettings(provider="openai", model="mystery")
+    assert (resolve_dimensions(db, unknown).dimensions, resolve_dimensions(db, unknown).source) == (
+        1536,
+        "setting",
+    )
+    set_ = EmbeddingSettings(provider="openai", model="mystery", dimensions=100)
+    assert resolve_dimensions(db, set_).dimensions == 100
+    db.close()
+
+
+def test_dimension_change_rebuilds_and_refills_so_knn_keeps_working(tmp_path, standin):
+    path = tmp_path / "d.db"
+    settings_a = standin_settings(standin)  # 64 dimensions
+    db = connect(path, embedding=settings_a)
+    model_a = build_embedder(settings_a, dimensions=db.dimensions)
+    notes = {
+        add_item(db, kind="note", title=f"N{i}", content=f"Note number {i} about topic {i}."): i
+        for i in range(5)
+    }
+    for item in notes:
+        index_item(db, item, embedder=model_a)
+    db.close()
+
+    # Another model, another dimension: the tables are rebuilt at 32 and the items pending.
+    settings_b = standin_settings(standin, model="other-embed", dimensions=32)
+    db = connect(path, embedding=settings_b)
+    assert set(vec_table_dimensions(db).values()) == {32}
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == 0
+    assert {get_state(db, i)["status"] for i in notes} == {"pending"}
+    db.close()
+
+    # Back to the first model: rebuilt at 64 and re-filled from the relational rows, with no
+    # embedding call; KNN over the re-filled rows finds each note by its own text.
+    requests = standin.requests
+    db = connect(path, embedding=settings_a)
+    assert set(vec_table_dimensions(db).values()) == {DIMS}
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == 5
+    assert db.scalar("SELECT count(*) FROM vec_note_embeddings") == 5
+    assert standin.requests == requests
+    model_a = build_embedder(settings_a, dimensions=db.dimensions)
+    for item, i in notes.items():
+        result = search(db, f"N{i}\n\nNote number {i} about topic {i}.", model_a, k=3)
+        assert result.via == "vec"
+        assert result.hits[0].item_id == item
+        assert result.hits[0].score == pytest.approx(1.0, abs=1e-5)
+    db.close()
+
+
+# -- degraded modes --------------------------------------------------------------------------
+
+
+def test_without_sqlite_vec_everything_relational_works(tmp_path, standin):
+    settings = standin_settings(standin)
+    db = connect(tmp_path / "e.db", embedding=settings, vec=False)
+    assert not db.vec_loaded
+    assert not db.table_exists("vec_chunk_embeddings")
+    model = build_embedder(settings, dimensions=db.dimensions)
+    item = add_item(db, kind="note", title="Slices", content=corpus_text("ch04-03-slices.md"))
+    result = index_item(db, item, embedder=model)
+    assert result.status == "indexed" and result.chunks > 1
+    assert db.scalar("SELECT count(*) FROM note_chunk_embeddings") == result.chunks
+    found = search(db, "Slices\n\nanything", model, k=3)
+    assert found.via == "fallback" and "not loaded" in found.reason
+    db.close()
+    # Once sqlite-vec is back, the tables are created and filled from the relational rows.
+    db = connect(tmp_path / "e.db", embedding=settings)
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == result.chunks
+    db.close()
+
+
+def test_a_missing_vec_table_falls_back(db, embedder):
+    item = add_item(db, kind="note", title="T", content="A note about closures and iterators.")
+    index_item(db, item, embedder=embedder)
+    db.execute("DROP TABLE vec_chunk_embeddings")
+    result = search(db, "T\n\nA note about closures and iterators.", embedder, k=1)
+    assert result.via == "fallback" and "vec_chunk_embeddings is missing" in result.reason
+    assert result.hits[0].item_id == item
+
+
+def test_python_sqlite3_is_never_imported():
+    """Two SQLite libraries in one process crashed here: the engine must not load sqlite3."""
+    code = (
+        "import sys, worker.pipeline, worker.retrieval, worker.store, ops.cli, ops.standin;"
+        "import worker.providers.openai, worker.providers.local;"
+        "print('sqlite3' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_fake_embedder_model_mismatch_is_not_reused(db):
+    """A vector made by another model is never reused, even for identical text."""
+    item = add_item(db, kind="note", title="T", content="Identical text for two models.")
+    first = FakeEmbedder(model_id="model-one")
+    index_item(db, item, embedder=first)
+    second = FakeEmbedder(model_id="model-two")
+    result = index_item(db, item, embedder=second)
+    assert result.embedded == 1 and result.reused == 0 and len(second.calls) == 1
+    assert db.scalar("SELECT model FROM note_chunk_embeddings") == "model-two"
