@@ -7,15 +7,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from worker.store.db import Database
-from worker.store.vec import VEC, VEC_TABLES, vec_ready
+from worker.store.vec import VEC_TABLES, VecTable, vec_ready
 
-# Per vec table: SQL selecting relational ids of the given item (None: every row).
-_ITEM_SCOPE = {
-    "vec_note_embeddings": "SELECT item_id FROM note_embeddings WHERE item_id = :item",
-    "vec_chunk_embeddings": "SELECT id FROM note_chunks WHERE item_id = :item",
-    "vec_memories": None,
-    "vec_work_code_chunks": "SELECT id FROM code_chunks WHERE item_id = :item",
+# Relational vectors of one item, per vec table that holds item vectors.
+_ITEM_VECTORS = {
+    "vec_note_embeddings": "SELECT item_id, vector FROM note_embeddings "
+    "WHERE item_id = :item AND dimensions = :d",
+    "vec_chunk_embeddings": "SELECT e.chunk_id, e.vector FROM note_chunks c "
+    "JOIN note_chunk_embeddings e ON e.chunk_id = c.id "
+    "WHERE c.item_id = :item AND e.dimensions = :d",
+    "vec_work_code_chunks": "SELECT e.chunk_id, e.vector FROM code_chunks c "
+    "JOIN code_chunk_embeddings e ON e.chunk_id = c.id "
+    "WHERE c.item_id = :item AND e.dimensions = :d",
 }
+# The tables an item run checks for orphans (cheaply, by counting first).
+_ITEM_RUN_ORPHAN_TABLES = ("vec_note_embeddings", "vec_chunk_embeddings")
 
 
 @dataclass
@@ -28,44 +34,68 @@ class RepairReport:
         return sum(self.restored.values()) + sum(self.orphans_deleted.values())
 
 
-def repair_vectors(db: Database, dimensions: int, *, item_id: int | None = None) -> RepairReport:
-    """Restore missing vec rows (of one item, or all) and delete every orphan vec row.
+def _restore(
+    db: Database, t: VecTable, rows: list[tuple[int, bytes]], report: RepairReport
+) -> None:
+    present = set()
+    for key, _ in rows:
+        if db.one(f"SELECT 1 FROM {t.name} WHERE {t.key} = ?", (key,)):
+            present.add(key)
+    missing = [(k, v) for k, v in rows if k not in present]
+    for key, vector in missing:
+        db.execute(f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, ?)", (key, vector))
+    if missing:
+        report.restored[t.name] = report.restored.get(t.name, 0) + len(missing)
 
-    Runs inside the caller's transaction when there is one (the pipeline's write), else in its
-    own. Orphans are looked for in every table: a vec row without its relational row does not
-    say which item it belonged to.
+
+def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restore: bool) -> None:
+    """Compare both sides in full (id sets: a scan each, cheaper than a join into vec0)."""
+    mirrored = {r[0] for r in db.all(f"SELECT {t.key} FROM {t.name}")}
+    truth = {
+        r[0]: r[1]
+        for r in db.all(
+            f"SELECT {t.source_key}, {'vector' if restore else 'NULL'} FROM {t.source} "
+            "WHERE dimensions = ?",
+            (dims,),
+        )
+    }
+    orphans = mirrored - truth.keys()
+    for key in orphans:
+        db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
+    if orphans:
+        report.orphans_deleted[t.name] = len(orphans)
+    if restore:
+        missing = truth.keys() - mirrored
+        for key in missing:
+            db.execute(f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, ?)", (key, truth[key]))
+        if missing:
+            report.restored[t.name] = len(missing)
+
+
+def repair_vectors(db: Database, dimensions: int, *, item_id: int | None = None) -> RepairReport:
+    """Restore missing vec rows and delete orphans: of one item's tables, or everywhere.
+
+    For one item (the pipeline's write): its own vectors are checked one by one, and orphans
+    are looked for only when a table holds more vec rows than relational vectors (a count,
+    not a scan: an orphan does not say which item it belonged to). Without an item, every
+    table is compared in full. Runs inside the caller's transaction when there is one.
     """
     report = RepairReport()
     if not vec_ready(db, dimensions):
         return report
     with db.atomic():
         for t in VEC_TABLES:
-            scope = _ITEM_SCOPE[t.name] if item_id is not None else None
-            if item_id is not None and scope is None:
+            if item_id is None:
+                _sweep(db, t, dimensions, report, restore=True)
                 continue
-            where = f"AND r.{t.source_key} IN ({scope})" if scope else ""
-            missing = db.all(
-                f"SELECT r.{t.source_key}, r.vector FROM {t.source} r "
-                f"WHERE r.dimensions = :d {where} AND NOT EXISTS "
-                f"(SELECT 1 FROM {t.name} v WHERE v.{t.key} = r.{t.source_key})",
-                {"d": dimensions, "item": item_id},
-            )
-            for key, vector in missing:
-                db.execute(f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, ?)", (key, vector))
-            if missing:
-                report.restored[t.name] = len(missing)
-        for t in VEC_TABLES:
-            orphans = [
-                row[0]
-                for row in db.all(
-                    f"SELECT v.{t.key} FROM {t.name} v WHERE NOT EXISTS "
-                    f"(SELECT 1 FROM {t.source} r WHERE r.{t.source_key} = v.{t.key} "
-                    f"AND r.dimensions = :d)",
-                    {"d": dimensions},
+            if t.name in _ITEM_VECTORS:
+                rows = db.all(_ITEM_VECTORS[t.name], {"item": item_id, "d": dimensions})
+                _restore(db, t, rows, report)
+            if t.name in _ITEM_RUN_ORPHAN_TABLES:
+                mirrored = db.scalar(f"SELECT count(*) FROM {t.name}")
+                truth = db.scalar(
+                    f"SELECT count(*) FROM {t.source} WHERE dimensions = ?", (dimensions,)
                 )
-            ]
-            for key in orphans:
-                db.execute(f"DELETE FROM {VEC[t.name].name} WHERE {t.key} = ?", (key,))
-            if orphans:
-                report.orphans_deleted[t.name] = len(orphans)
+                if mirrored > truth:
+                    _sweep(db, t, dimensions, report, restore=False)
     return report
