@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import re
 from collections import Counter
 from pathlib import Path
 
@@ -11,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from worker.chunking import MAX_CHUNK_SIZE, chunk_structure
+from worker.chunking.markdown import scan
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "rustbook"
-FENCE_LINE = re.compile(r"^[ \t]*(?:`{3,}|~{3,})", re.M)
 
 # -- generators ------------------------------------------------------------------------------
 
@@ -60,6 +59,7 @@ small_bounds = st.sampled_from(
 )
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEWER = settings(PROPS, max_examples=120)
 
 
 def covered_positions(chunks) -> set[int]:
@@ -69,8 +69,10 @@ def covered_positions(chunks) -> set[int]:
     return seen
 
 
-def fences_in(content: str) -> int:
-    return len(FENCE_LINE.findall(content))
+def fences_closed(content: str) -> bool:
+    """Every fence opened in the text is closed in it (CommonMark's rules, not a line count:
+    a ```rust line inside a block is content)."""
+    return all(f.closed for f in scan(content).fences)
 
 
 # -- properties ------------------------------------------------------------------------------
@@ -111,9 +113,9 @@ def test_fences_balanced_unless_a_single_block_exceeds_the_maximum(text, bounds)
     for c in chunk_structure(text, **bounds):
         if c.fence_open or c.fence_close:
             # A part of an oversized block: re-fenced for the embedder, so *its* text balances.
-            assert fences_in(c.embedding_input("t")) % 2 == 0
+            assert fences_closed(c.embedding_input("t"))
         else:
-            assert fences_in(c.content) % 2 == 0, c.content
+            assert fences_closed(c.content), c.content
 
 
 @PROPS
@@ -249,3 +251,63 @@ def test_edit_locality_on_a_corpus_chapter():
     changed = sum((after - before).values())
     assert 1 <= changed <= 3
     assert sum(before.values()) - changed >= 15
+
+
+# -- with the previous version's chunks -------------------------------------------------------
+
+
+def _previous(text: str, **bounds) -> list[tuple[int, str]]:
+    return [(c.start, c.content) for c in chunk_structure(text, **bounds)]
+
+
+edit = st.tuples(st.integers(0, 10_000), st.integers(0, 400), markdown)
+
+
+def _apply(text: str, e: tuple[int, int, str]) -> str:
+    at, cut, insert = e
+    at = at % (len(text) + 1)
+    return text[:at] + insert[:300] + text[at + cut :]
+
+
+@FEWER
+@given(markdown, edit, small_bounds)
+def test_invariants_hold_given_any_previous_version(text, e, bounds):
+    edited = _apply(text, e)
+    limit = bounds.get("max_size", MAX_CHUNK_SIZE)
+    chunks = chunk_structure(edited, previous=_previous(text, **bounds), **bounds)
+    seen = covered_positions(chunks)
+    assert all(i in seen for i, ch in enumerate(edited) if not ch.isspace())
+    well_formed = all(f.closed for f in scan(edited).fences)  # an edit may open a fence
+    for c in chunks:
+        assert c.content == edited[c.start : c.end] and len(c.content) <= limit
+        if well_formed and not (c.fence_open or c.fence_close):
+            assert fences_closed(c.content), c.content
+    assert chunks == chunk_structure(edited, previous=_previous(text, **bounds), **bounds)
+
+
+@FEWER
+@given(markdown, small_bounds)
+def test_an_unchanged_text_keeps_its_chunks(text, bounds):
+    chunks = chunk_structure(text, **bounds)
+    again = chunk_structure(text, previous=[(c.start, c.content) for c in chunks], **bounds)
+    assert [(c.start, c.end) for c in again] == [(c.start, c.end) for c in chunks]
+
+
+def test_previous_cuts_keep_an_inserted_paragraph_to_one_chunk():
+    text = _corpus_chapter("ch10-02-traits.md")
+    first = chunk_structure(text)
+    before = Counter(c.embedding_input("t") for c in first)
+
+    def new_chunks(chunks) -> int:
+        return sum((Counter(c.embedding_input("t") for c in chunks) - before).values())
+
+    changed_with, changed_without = [], []
+    for k in range(2, 40):
+        at = text.index(".\n\n", k * 400) + 1
+        edited = text[:at] + "\n\nA short paragraph the test inserts here." + text[at:]
+        sticky = chunk_structure(edited, previous=[(c.start, c.content) for c in first])
+        plain = chunk_structure(edited)
+        changed_with.append(new_chunks(sticky))
+        changed_without.append(new_chunks(plain))
+    assert max(changed_with) <= 2
+    assert sum(changed_with) < sum(changed_without)

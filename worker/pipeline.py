@@ -44,7 +44,7 @@ MAX_CONSECUTIVE_FAILURES = 3
 NO_PROVIDER = "no embedding provider configured (KIDX_EMBEDDING__PROVIDER=none)"
 
 CancelCheck = Callable[[], bool]
-Chunker = Callable[[str], list[Chunk]]
+Chunker = Callable[[str, Sequence[tuple[int, str]] | None], list[Chunk]]
 
 
 @dataclass
@@ -140,7 +140,11 @@ def index_item(
         text = item_text(item)
         content_hash = text_hash(text)
         set_state(db, item_id, status=Status.INDEXING, last_task_id=task_id)
-        chunks = chunker(text)
+        previous = db.all(
+            "SELECT start_offset, content FROM note_chunks WHERE item_id = ? ORDER BY chunk_index",
+            (item_id,),
+        )
+        chunks = chunker(text, previous)
         method = chunks[0].method if chunks else ChunkMethod.STRUCTURE
         ilog.info(
             f"{CHUNK} chunked", chunk_method=str(method), chunk_count=len(chunks), dimensions=dims

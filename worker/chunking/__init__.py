@@ -1,5 +1,7 @@
 """Chunkers: structural now, LLM boundaries later; `chunk()` picks and falls back."""
 
+from collections.abc import Sequence
+
 from worker.chunking.base import (
     MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,
@@ -22,6 +24,10 @@ __all__ = [
 ]
 
 
-def chunk(text: str) -> list[Chunk]:
-    """Chunk an item's text with the best method available (structural, for now)."""
-    return chunk_structure(text)
+def chunk(text: str, previous: Sequence[tuple[int, str]] | None = None) -> list[Chunk]:
+    """Chunk an item's text with the best method available (structural, for now).
+
+    `previous`: the item's current chunks as (start offset, content), so that an edit re-cuts
+    only the chunks it touched.
+    """
+    return chunk_structure(text, previous=previous)

@@ -20,9 +20,14 @@ Why it looks the way it does:
   a section). A fenced block is split only when it alone exceeds the maximum; its parts are
   re-fenced in the text given to the embedder (`Chunk.fence_open` / `fence_close`).
 
-The scanner is one regular expression over the whole text, so the per-line work happens in C;
-on the Rust Book this chunker is faster than semantic-text-splitter's Rust MarkdownSplitter
-(bench/chunking.py), which a markdown-it-py parse (about 5 MB/s here) could not be.
+* Given the previous version's chunks, their cuts are kept wherever the text around them is
+  unchanged and the bounds still hold: only the chunks the edit touched are cut anew. Without
+  this, an inserted paragraph becomes a cut of its own about one time in five (a fresh candidate
+  beating its neighbours), and re-cuts two chunks instead of one (bench/chunking.py measures
+  both).
+
+The scanner (`worker/chunking/markdown.py`) is one regular expression over the whole text, so
+the per-line work happens in C.
 """
 
 from __future__ import annotations
@@ -32,8 +37,7 @@ import math
 import re
 import zlib
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Sequence
 
 from worker.chunking.base import (
     MAX_CHUNK_SIZE,
@@ -42,136 +46,18 @@ from worker.chunking.base import (
     Chunk,
     ChunkMethod,
 )
+from worker.chunking.markdown import Layout, scan
 
 WINDOW = 500
 """A paragraph break becomes a cut only if no stronger candidate lies within this distance."""
 
-# Anchored on "\n" and a look-ahead at the next character rather than on "^" with re.M: the
-# engine then skips ahead in C, which makes the scan about four times as fast (bench/chunking.py).
-# The text is scanned with a "\n" in front. Blank lines (most of the matches) are found by a
-# second expression, without a Python loop.
-_BLOCK_LINE = re.compile(
-    r"\n(?=[ \t#`~=-])(?:(?P<fence>[ \t]*(?:`{3,}|~{3,}))(?P<info>[^\n]*)"
-    r"|(?P<atx> {0,3}#{1,6})(?P<title>[ \t][^\n]*)?(?=\n|\Z)"
-    r"|(?P<setext> {0,3}(?:=+|-+)[ \t]*\r?)(?=\n|\Z))"
-)
-_BLANK_RUN = re.compile(
-    r"\n(?=[ \t\r\n])(?:[ \t]*\r?\n)+"
-)  # its end is where the next paragraph starts
-_BLANK_LINE = re.compile(r"[ \t]*\r?(?:\n|\Z)")
 _SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+")
 _LINE_END = re.compile(r"\n")
 _SPACE = re.compile(r"\s+")
 _FENCE_OR_HEADING_LINE = re.compile(r"^(?:[ \t]*(?:`{3,}|~{3,})| {0,3}#{1,6}(?:[ \t]|$))", re.M)
-_NOT_SETEXT = re.compile(r"[ \t]*(?:[-*+>|]|\d+[.)])(?:[ \t]|$)")  # list, quote, table
 _STRONG_BLOCK = re.compile(r"[ \t]*(?:`{3}|~{3}|<|\||>|[-*+][ \t]|\d+[.)][ \t])")
 _STRONG_FIRST = frozenset(" \t`~<|>-*+0123456789")
 _HEADING = 10.0  # strength of a heading candidate is above this; paragraph breaks are in [0, 1)
-
-
-class _Fence(NamedTuple):
-    start: int  # start of the opening line
-    end: int  # end of the closing line (or of the text, when never closed)
-    open_line: str
-    close_marker: str
-    closed: bool
-
-
-@dataclass(slots=True)
-class _Layout:
-    heading_pos: list[int]
-    heading_level: list[int]
-    heading_title: list[str]
-    breaks: list[int]  # paragraph starts and fence edges, ascending
-    fences: list[_Fence]
-
-
-def _atx_title(raw: str) -> str:
-    title = raw.strip()
-    stripped = title.rstrip("#")
-    if stripped != title and (not stripped or stripped[-1] in " \t"):
-        title = stripped.rstrip()
-    return title
-
-
-def _scan(text: str) -> _Layout:
-    """Headings, paragraph breaks and fenced blocks, outside fenced blocks."""
-    n = len(text)
-    blank_ends = [m.end() for m in _BLANK_RUN.finditer(text)]
-    if blank_ends and blank_ends[-1] >= n:
-        blank_ends.pop()
-    heading_pos: list[int] = []
-    heading_level: list[int] = []
-    heading_title: list[str] = []
-    edges: list[int] = []  # fence starts, and the line after each fence
-    fences: list[_Fence] = []
-    fence_start = -1
-    fence_char = ""
-    fence_len = 0
-    open_line = ""
-    prev_end = -2  # end of the last heading or fence line
-
-    for m in _BLOCK_LINE.finditer("\n" + text):
-        start = m.start()  # the line's start in `text` (the match starts at the "\n" before it)
-        end = m.end() - 1  # the end of the line (or of the match, for a setext underline)
-        kind = m.lastgroup
-        if fence_start >= 0:
-            if kind == "info":
-                marker = m.group("fence").lstrip(" \t")
-                if marker[0] == fence_char and len(marker) >= fence_len and not m["info"].strip():
-                    fences.append(_Fence(fence_start, end, open_line, fence_char * fence_len, True))
-                    fence_start = -1
-                    prev_end = end
-                    if end + 1 < n and not _BLANK_LINE.match(text, end + 1):
-                        edges.append(end + 1)
-            continue
-        if kind == "info":
-            marker = m.group("fence").lstrip(" \t")
-            if marker[0] == "`" and "`" in m["info"]:
-                continue  # ```inline code``` on a line of its own, not a fence
-            fence_start, fence_char, fence_len = start, marker[0], len(marker)
-            open_line = text[start:end].rstrip("\r")
-            edges.append(start)
-            prev_end = end
-        elif kind == "setext":  # a heading only if it directly follows paragraph text
-            k = bisect_right(blank_ends, start) - 1
-            para_start = max(blank_ends[k] if k >= 0 else 0, prev_end + 1)
-            if (
-                prev_end != start - 1
-                and (k < 0 or blank_ends[k] != start)
-                and start > para_start
-                and not _NOT_SETEXT.match(text, para_start)
-            ):
-                heading_pos.append(para_start)
-                heading_level.append(1 if text[start:end].lstrip()[0] == "=" else 2)
-                heading_title.append(" ".join(text[para_start:start].split()))
-                prev_end = end
-        else:  # ATX heading (`kind` is "atx" or "title")
-            heading_pos.append(start)
-            heading_level.append(len(m["atx"].strip()))
-            heading_title.append(_atx_title(m["title"] or ""))
-            prev_end = end
-    if fence_start >= 0:
-        fences.append(_Fence(fence_start, n, open_line, fence_char * fence_len, False))
-    return _Layout(
-        heading_pos, heading_level, heading_title, _outside(blank_ends, edges, fences), fences
-    )
-
-
-def _outside(blank_ends: list[int], edges: list[int], fences: list[_Fence]) -> list[int]:
-    """Paragraph breaks and fence edges, minus the blank lines inside fenced blocks."""
-    if not fences:
-        return blank_ends
-    kept: list[int] = []
-    i = 0
-    for f in fences:
-        j = bisect_right(blank_ends, f.start, i)
-        kept.extend(blank_ends[i:j])
-        i = bisect_left(blank_ends, f.end, j)
-    kept.extend(blank_ends[i:])
-    kept.extend(edges)
-    kept.sort()
-    return [p for k, p in enumerate(kept) if k == 0 or kept[k - 1] != p]
 
 
 def _hash01(text: str) -> float:
@@ -208,7 +94,7 @@ class _Plan:
         self.min_size = min_size
         self.overlap = overlap
         self.window = window
-        self.layout = lay = _scan(text)
+        self.layout = lay = scan(text)
         self.first = len(text) - len(text.lstrip())
         self.last = len(text.rstrip())
         self.heading_set = set(lay.heading_pos)
@@ -271,6 +157,46 @@ class _Plan:
             if ok:
                 result.append(p)
         return result
+
+    def keep_previous(self, previous: Sequence[tuple[int, str]], cuts: list[int]) -> list[int]:
+        """The previous version's cuts, where they can still be found, plus `cuts` only where a
+        region between them has grown past the maximum.
+
+        `previous` is the old chunks as (start offset, content). Each old chunk's start is looked
+        up by its first characters, at the occurrence nearest to where the shift so far puts it
+        (openings such as a code fence's repeat); it is kept if it is still a boundary: after
+        white space, outside a fenced block that stays whole.
+        """
+        text, tol = self.text, 4 * self.max_size
+        kept: list[int] = []
+        shift, last = 0, self.first
+        for old_start, content in previous[1:]:
+            probe = content[:96]
+            if len(probe.strip()) < 8:
+                continue
+            expected = old_start + shift
+            lo = max(last + 1, expected - tol)
+            after = text.find(probe, max(lo, expected), expected + tol + len(probe))
+            before = text.rfind(probe, lo, expected + len(probe) - 1)
+            found = [q for q in (after, before) if q >= 0]
+            if not found:
+                continue
+            p = min(found, key=lambda q: abs(q - expected))
+            if not self.first < p < self.last or not text[p - 1].isspace():
+                continue
+            if self._inside_small_fence(p):
+                continue
+            kept.append(p)
+            shift, last = p - old_start, p
+        if not kept:
+            return cuts
+        result = set(kept)
+        bounds = [self.first, *kept, self.last]
+        for a, c in itertools.pairwise(bounds):
+            if c - a > self._limit(c):
+                lo, hi = a + self.min_size, c - self.min_size
+                result.update(x for x in cuts if lo <= x <= hi)
+        return sorted(result)
 
     # -- parts ------------------------------------------------------------------------------
 
@@ -417,7 +343,7 @@ def _section_ends(pos: list[int], level: list[int], n: int) -> list[int]:
     return ends
 
 
-def _heading_paths(lay: _Layout) -> list[tuple[str, ...]]:
+def _heading_paths(lay: Layout) -> list[tuple[str, ...]]:
     paths: list[tuple[str, ...]] = []
     stack: list[tuple[int, str]] = []
     for lv, title in zip(lay.heading_level, lay.heading_title):
@@ -435,8 +361,13 @@ def chunk_structure(
     min_size: int = MIN_CHUNK_SIZE,
     overlap: int = OVERLAP_SIZE,
     window: int = WINDOW,
+    previous: Sequence[tuple[int, str]] | None = None,
 ) -> list[Chunk]:
-    """Split `text` into structural chunks (see the module docstring)."""
+    """Split `text` into structural chunks (see the module docstring).
+
+    `previous`: the chunks of the text's previous version, as (start offset, content) in
+    order; their cuts are kept where the text around them did not change.
+    """
     if not 0 <= overlap < max_size // 2 or not 0 <= min_size <= max_size // 2:
         raise ValueError("need 0 <= overlap < max_size/2 and 0 <= min_size <= max_size/2")
     if not text.strip():
@@ -446,7 +377,10 @@ def chunk_structure(
         regions = [(plan.first, plan.last)]
         parts = regions
     else:
-        bounds = [plan.first, *plan.cuts(), plan.last]
+        cuts = plan.cuts()
+        if previous:
+            cuts = plan.keep_previous(previous, cuts)
+        bounds = [plan.first, *cuts, plan.last]
         parts = []
         for a, c in itertools.pairwise(bounds):
             parts.extend(plan.split(a, c))

@@ -9,8 +9,10 @@ to retry later. Never retries 400/401/403 or a 429 that says the quota is exhaus
 
 from __future__ import annotations
 
+import datetime
 import email.utils
 import json
+import math
 import random
 import time
 from collections.abc import Callable
@@ -51,20 +53,25 @@ def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float
     ms = headers.get("retry-after-ms")
     if ms:
         try:
-            return max(0.0, float(ms) / 1000)
+            wait = float(ms) / 1000
         except ValueError:
-            pass
+            wait = math.nan
+        if math.isfinite(wait):
+            return max(0.0, wait)
     value = headers.get("retry-after")
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        wait = float(value)
     except ValueError:
         try:
-            when = email.utils.parsedate_to_datetime(value).timestamp()
-        except (TypeError, ValueError):
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
             return None
-        return max(0.0, when - (time.time() if now is None else now))
+        if when.tzinfo is None:  # the asctime form carries no zone; HTTP dates are GMT
+            when = when.replace(tzinfo=datetime.UTC)
+        return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    return max(0.0, wait) if math.isfinite(wait) else None
 
 
 def _error_detail(response: httpx.Response) -> tuple[str, str]:
@@ -101,8 +108,11 @@ class OpenAIEmbeddings(EmbeddingModel):
         self._sleep = sleep
         self._rand = rand
         headers = {"User-Agent": USER_AGENT}
-        if settings.api_key is not None and settings.api_key.get_secret_value():
-            headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
+        self._key = settings.api_key.get_secret_value() if settings.api_key else ""
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        if client is not None:
+            client.headers.update(headers)  # a client passed in gets the key too
         self.client = client or httpx.Client(
             base_url=settings.base_url,
             headers=headers,
@@ -120,10 +130,13 @@ class OpenAIEmbeddings(EmbeddingModel):
         s = self.settings
         attempts = s.max_retries + 1
         cause = ""
+        wait: float | None = None
         for attempt in range(attempts):
-            wait: float | None = None
+            wait = None
             try:
                 response = self.client.post(path, json=body)
+            except httpx.ConnectTimeout:
+                cause = f"connect timed out after {s.connect_timeout:g}s"
             except httpx.TimeoutException:
                 cause = f"timed out after {s.timeout:g}s"
             except httpx.TransportError as e:
@@ -135,6 +148,8 @@ class OpenAIEmbeddings(EmbeddingModel):
                     except (json.JSONDecodeError, UnicodeDecodeError):
                         raise BadAnswer(f"{self._where}: the answer is not JSON") from None
                 code, message = _error_detail(response)
+                if self._key:  # a server may echo the key back ("Incorrect API key: sk-...")
+                    message = message.replace(self._key, "***")
                 cause = f"HTTP {response.status_code}" + (f" {code}" if code else "")
                 cause += f": {message}" if message else ""
                 quota = response.status_code == 429 and "insufficient_quota" in (code + message)
@@ -156,7 +171,7 @@ class OpenAIEmbeddings(EmbeddingModel):
                     wait_s=round(wait, 3),
                 )
                 self._sleep(wait)
-        raise RetryLater(f"{self._where}: {cause} (after {attempts} attempts)")
+        raise RetryLater(f"{self._where}: {cause} (after {attempts} attempts)", retry_after=wait)
 
     def _parse(self, answer: Any, count: int) -> list[list[float]]:
         data = answer.get("data") if isinstance(answer, dict) else None
@@ -167,7 +182,7 @@ class OpenAIEmbeddings(EmbeddingModel):
             if not isinstance(item, dict) or not isinstance(item.get("embedding"), list):
                 raise BadAnswer(f"{self._where}: item {position} of 'data' has no embedding")
             index = item.get("index", position)
-            if not isinstance(index, int) or index in by_index:
+            if not isinstance(index, int) or isinstance(index, bool) or index in by_index:
                 raise BadAnswer(f"{self._where}: bad or repeated index {index!r} in 'data'")
             by_index[index] = item["embedding"]
         if len(by_index) != count or set(by_index) != set(range(count)):
