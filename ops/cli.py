@@ -9,16 +9,18 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from worker.errors import Cancelled, ConfigError, IndexAborted, InvalidInput, KidxError
-from worker.log import configure_logging
+from worker.log import Redact, configure_logging
 from worker.settings import Settings, load_settings
 
 out = Console(highlight=False, soft_wrap=True)
@@ -31,6 +33,7 @@ class Ctx:
     def __init__(self, settings: Settings, as_json: bool) -> None:
         self.settings = settings
         self.json = as_json
+        self.redact = Redact(settings.secrets())
 
     def store(self) -> Any:
         from worker.store import open_store
@@ -43,14 +46,25 @@ class Ctx:
         return build_embedder(self.settings.embedding, dimensions=db.dimensions)
 
     def emit(self, data: Any, human: Callable[[], None]) -> None:
+        """Print `data` as JSON, or call `human` to print it for people; no secret gets out
+        either way (a provider's error text may quote the key)."""
         if self.json:
-            click.echo(json.dumps(data, ensure_ascii=False, default=str))
+            click.echo(json.dumps(self.redact.scrub(data), ensure_ascii=False, default=str))
         else:
             human()
 
+    def table(self, headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+        """A table on stdout; cells as plain text (a title like "Plan [draft]" is not markup)."""
+        table = Table(*headers)
+        for row in rows:
+            table.add_row(*(Text(self.redact.scrub("" if c is None else str(c))) for c in row))
+        out.print(table)
 
-def fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+
+def fail(message: str, code: int = 1, redact: Redact | None = None) -> NoReturn:
+    if redact is not None:
+        message = redact.scrub(message)
+    err.print(f"[red]error:[/red] {escape(message)}", markup=True, highlight=False)
     sys.exit(code)
 
 
@@ -68,18 +82,21 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
         @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
         @functools.wraps(fn)
         def run(db_path: Path | None, as_json: bool, **kwargs: Any) -> None:
+            redact = None
             try:
                 settings = load_settings(**({"db": db_path} if db_path else {}))
+                redact = Redact(settings.secrets())
                 configure_logging(
                     fmt=settings.log_format, level=settings.log_level, secrets=settings.secrets()
                 )
                 fn(Ctx(settings, as_json), **kwargs)
             except ConfigError as e:
-                fail(str(e), 2)
+                fail(str(e), 2, redact)
             except (KidxError, Cancelled) as e:
-                fail(str(e))
+                fail(str(e), 1, redact)
             except OSError as e:
-                fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
+                message = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
+                fail(message, 1, redact)
 
         return run
 
@@ -154,8 +171,11 @@ def add_note(ctx: Ctx, title: str, text: str | None, file: Path | None, inline: 
     content = read_text(text, file)
     with ctx.store() as db:
         item_id = add_item(db, kind="note", title=title, content=content)
-        result = _index_inline(ctx, db, [item_id]) if inline else None
-    ctx.emit({"id": item_id, "index": result}, lambda: out.print(item_id))
+        results = _index_inline(ctx, db, [item_id]) if inline else []
+    ctx.emit({"id": item_id, "index": results or None}, lambda: out.print(item_id))
+    for r in results:
+        if r["status"] == "failed":
+            fail(f"item {item_id} was added, but indexing failed: {r['error']}", 1, ctx.redact)
 
 
 @command(cli)
@@ -174,6 +194,29 @@ def update(ctx: Ctx, item: int, text: str | None, file: Path | None, title: str 
 
 
 # -- index -----------------------------------------------------------------------------------
+
+
+RESULT_COLUMNS = (
+    "item_id",
+    "status",
+    "chunk_method",
+    "chunks",
+    "reused",
+    "embedded",
+    "failed",
+    "duration_ms",
+    "error",
+)
+
+
+def _show_results(ctx: Ctx, results: list[dict[str, Any]]) -> None:
+    """Print index results; exit status 1 when any item failed."""
+    ctx.emit(
+        results,
+        lambda: ctx.table(RESULT_COLUMNS, ([r.get(k) for k in RESULT_COLUMNS] for r in results)),
+    )
+    if any(r["status"] == "failed" for r in results):
+        sys.exit(1)
 
 
 def _index_inline(ctx: Ctx, db: Any, ids: list[int]) -> list[dict[str, Any]]:
@@ -213,32 +256,7 @@ def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool) -> No
             get_item(db, item_id)  # unknown ids fail before any work
         results = _index_inline(ctx, db, ids)
 
-    def human() -> None:
-        table = Table(
-            "item", "status", "method", "chunks", "reused", "embedded", "failed", "ms", "error"
-        )
-        for r in results:
-            table.add_row(
-                *(
-                    str(r.get(k) if r.get(k) is not None else "")
-                    for k in (
-                        "item_id",
-                        "status",
-                        "chunk_method",
-                        "chunks",
-                        "reused",
-                        "embedded",
-                        "failed",
-                        "duration_ms",
-                        "error",
-                    )
-                )
-            )
-        out.print(table)
-
-    ctx.emit(results, human)
-    if any(r["status"] == "failed" for r in results):
-        sys.exit(1)
+    _show_results(ctx, results)
 
 
 # -- chunks / search / status ----------------------------------------------------------------
@@ -253,21 +271,24 @@ def chunks(ctx: Ctx, item: int) -> None:
     with ctx.store() as db:
         rows = list_chunks(db, item)
 
-    def human() -> None:
-        table = Table("#", "method", "vector", "start", "end", "length", "summary")
-        for r in rows:
-            table.add_row(
-                str(r["chunk_index"]),
-                r["chunk_method"],
-                "yes" if r["has_embedding"] else "no",
-                str(r["start_offset"]),
-                str(r["end_offset"]),
-                str(r["length"]),
-                r["summary"] or "",
-            )
-        out.print(table)
-
-    ctx.emit(rows, human)
+    ctx.emit(
+        rows,
+        lambda: ctx.table(
+            ("#", "method", "vector", "start", "end", "length", "summary"),
+            (
+                (
+                    r["chunk_index"],
+                    r["chunk_method"],
+                    "yes" if r["has_embedding"] else "no",
+                    r["start_offset"],
+                    r["end_offset"],
+                    r["length"],
+                    r["summary"],
+                )
+                for r in rows
+            ),
+        ),
+    )
 
 
 @command(cli)
@@ -286,18 +307,17 @@ def search(ctx: Ctx, query: str, k: int) -> None:
         finally:
             embedder.close()
     if result.reason:
-        err.print(f"note: served by the in-memory fallback: {result.reason}")
-    hits = [h.as_dict() for h in result.hits]
-
-    def human() -> None:
-        table = Table("score", "item", "kind", "title", "chunk", "snippet")
-        for h in result.hits:
-            table.add_row(
-                f"{h.score:.3f}", str(h.item_id), h.kind, h.title, str(h.chunk_index), h.snippet
-            )
-        out.print(table)
-
-    ctx.emit(hits, human)
+        err.print(f"note: served by the in-memory fallback: {escape(result.reason)}")
+    ctx.emit(
+        [h.as_dict() for h in result.hits],
+        lambda: ctx.table(
+            ("score", "item", "kind", "title", "chunk", "snippet"),
+            (
+                (f"{h.score:.3f}", h.item_id, h.kind, h.title, h.chunk_index, h.snippet)
+                for h in result.hits
+            ),
+        ),
+    )
 
 
 @command(cli)
@@ -309,14 +329,8 @@ def status(ctx: Ctx, item: int | None) -> None:
     with ctx.store() as db:
         data: Any = get_state(db, item) if item is not None else list_states(db)
 
-    def human() -> None:
-        rows = [data] if isinstance(data, dict) else data
-        table = Table(*STATE_COLUMNS)
-        for r in rows:
-            table.add_row(*("" if r[c] is None else str(r[c]) for c in STATE_COLUMNS))
-        out.print(table)
-
-    ctx.emit(data, human)
+    rows = [data] if isinstance(data, dict) else data
+    ctx.emit(data, lambda: ctx.table(STATE_COLUMNS, ([r[c] for c in STATE_COLUMNS] for r in rows)))
 
 
 def main() -> None:

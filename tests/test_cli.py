@@ -377,10 +377,6 @@ def test_provider_down_during_index_fails_with_the_reason(kidx, standin):
     assert kidx.json("status", str(item))["last_error"] is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a short note indexed while the provider is down ends 'partial' with exit 0",
-)
 def test_provider_down_fails_a_short_note_too(kidx, standin):
     item = kidx.add("Short", "--text", "One chunk only.")
     standin.fail_status = 500
@@ -390,10 +386,6 @@ def test_provider_down_fails_a_short_note_too(kidx, standin):
     assert state["status"] == "failed" and "HTTP 500" in state["last_error"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a provider error that echoes the API key reaches stdout, stderr and last_error",
-)
 def test_api_key_echoed_by_the_provider_never_reaches_the_output(kidx, standin):
     item = kidx.add("Traits", "--file", str(CHAPTER))
     standin.fail_status = 401
@@ -489,7 +481,6 @@ def test_an_invalid_setting_names_the_variable(kidx, tmp_path, name, value):
     assert not (tmp_path / "kidx.db").exists(), "settings are checked before anything is written"
 
 
-@pytest.mark.xfail(strict=True, reason="error messages are printed as rich markup")
 @pytest.mark.parametrize("name", ["notes[draft].md", "notes[/draft].md"])
 def test_error_naming_a_path_with_brackets_shows_it_verbatim(kidx, tmp_path, name):
     missing = tmp_path / name
@@ -497,7 +488,6 @@ def test_error_naming_a_path_with_brackets_shows_it_verbatim(kidx, tmp_path, nam
     assert str(missing) in line
 
 
-@pytest.mark.xfail(strict=True, reason="table cells (titles, snippets) are printed as rich markup")
 def test_search_table_shows_a_title_with_brackets_verbatim(kidx, standin):
     title = "Plan [/wip] [draft]"
     item = kidx.add(title, "--text", "A note whose title has brackets.", inline=True)
@@ -507,7 +497,6 @@ def test_search_table_shows_a_title_with_brackets_verbatim(kidx, standin):
     assert "[/wip] [draft]" in table
 
 
-@pytest.mark.xfail(strict=True, reason="a file that is not SQLite as --db gives a traceback")
 def test_db_that_is_not_a_database_is_one_line(kidx, tmp_path):
     not_a_db = tmp_path / "notes.db"
     shutil.copyfile(CORPUS / "SUMMARY.md", not_a_db)

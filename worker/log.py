@@ -28,7 +28,8 @@ class Redact:
     def __init__(self, secrets: Iterable[str]) -> None:
         self.secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
 
-    def _scrub(self, value: Any) -> Any:
+    def scrub(self, value: Any) -> Any:
+        """`value` with secrets masked (strings, and inside dicts, lists and tuples)."""
         if isinstance(value, str):
             for s in self.secrets:
                 if s in value:
@@ -36,12 +37,12 @@ class Redact:
             return value
         if isinstance(value, dict):
             return {
-                k: _MASK if _SECRET_KEY.search(str(k)) else self._scrub(v) for k, v in value.items()
+                k: _MASK if _SECRET_KEY.search(str(k)) else self.scrub(v) for k, v in value.items()
             }
         if isinstance(value, list | tuple):
-            return type(value)(self._scrub(v) for v in value)
+            return type(value)(self.scrub(v) for v in value)
         if isinstance(value, BaseException):
-            return self._scrub(f"{type(value).__name__}: {value}")
+            return self.scrub(f"{type(value).__name__}: {value}")
         return value
 
     def __call__(self, _logger: Any, _name: str, event: MutableMapping[str, Any]) -> Any:
@@ -49,7 +50,7 @@ class Redact:
             if key != "event" and _SECRET_KEY.search(key):
                 event[key] = _MASK
             else:
-                event[key] = self._scrub(event[key])
+                event[key] = self.scrub(event[key])
         return event
 
 

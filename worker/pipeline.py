@@ -245,6 +245,8 @@ def _embed(
     """Embed what is not reused, in batches; a failing batch is retried text by text, so that
     one bad input costs one vector, not the batch."""
     todo = [i for i in range(len(plan.chunks)) if i not in plan.reuse]
+    if not todo:
+        return
     for start in range(0, len(todo), embedder.batch_size):
         _check(cancel)
         batch = todo[start : start + embedder.batch_size]
@@ -259,6 +261,10 @@ def _embed(
         else:
             _store(plan, batch, vectors)
             counter.ok()
+    if len(plan.failed) == len(todo):
+        # Not one new vector: the provider is down or refuses everything. Writing chunks
+        # without vectors would replace a working index with a useless one.
+        raise IndexAborted(f"no chunk could be embedded: {next(iter(plan.failed.values()))}")
 
 
 def _one_by_one(

@@ -36,14 +36,14 @@ class Database:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.conn = apsw.Connection(str(path))
+            self.conn.set_busy_timeout(busy_timeout_ms)
+            self.execute("PRAGMA foreign_keys = ON")
+            mode = self.scalar("PRAGMA journal_mode = WAL")
+            self.execute("PRAGMA synchronous = NORMAL")
         except apsw.Error as e:
-            raise StoreError(f"cannot open database {path}: {e}") from e
-        self.conn.set_busy_timeout(busy_timeout_ms)
-        self.execute("PRAGMA foreign_keys = ON")
-        mode = self.scalar("PRAGMA journal_mode = WAL")
+            raise StoreError(f"cannot open database {path}: {e}") from None
         if str(path) != ":memory:" and str(mode).lower() != "wal":
             raise StoreError(f"cannot switch {path} to WAL (journal_mode is {mode})")
-        self.execute("PRAGMA synchronous = NORMAL")
         self.vec_loaded = False
         self.vec_version: str | None = None
         self.vec_error: str | None = None
