@@ -9,14 +9,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from hypothesis import settings as hypothesis_settings
 
 from ops.standin import StandIn
 from worker.providers import build_embedder
 from worker.providers.base import EmbeddingModel
 from worker.settings import EmbeddingSettings
 from worker.store import Database, connect
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+hypothesis_settings.register_profile("default", max_examples=300)
+hypothesis_settings.register_profile("deep", max_examples=5000)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "rustbook"
 DIMS = 64

@@ -58,8 +58,10 @@ small_bounds = st.sampled_from(
     ]
 )
 
-PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FEWER = settings(PROPS, max_examples=120)
+# Example counts come from the hypothesis profile (tests/conftest.py): HYPOTHESIS_PROFILE=deep
+# for a long run.
+PROPS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEWER = settings(PROPS, max_examples=max(1, settings.default.max_examples * 2 // 5))
 
 
 def covered_positions(chunks) -> set[int]:

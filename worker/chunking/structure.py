@@ -164,8 +164,8 @@ class _Plan:
 
         `previous` is the old chunks as (start offset, content). Each old chunk's start is looked
         up by its first characters, at the occurrence nearest to where the shift so far puts it
-        (openings such as a code fence's repeat); it is kept if it is still a boundary: after
-        white space, outside a fenced block that stays whole.
+        (openings such as a code fence's repeat); it is kept unless it now falls inside a fenced
+        block that stays whole.
         """
         text, tol = self.text, 4 * self.max_size
         kept: list[int] = []
@@ -182,9 +182,7 @@ class _Plan:
             if not found:
                 continue
             p = min(found, key=lambda q: abs(q - expected))
-            if not self.first < p < self.last or not text[p - 1].isspace():
-                continue
-            if self._inside_small_fence(p):
+            if not self.first < p < self.last or self._inside_small_fence(p):
                 continue
             kept.append(p)
             shift, last = p - old_start, p
@@ -193,7 +191,8 @@ class _Plan:
         result = set(kept)
         bounds = [self.first, *kept, self.last]
         for a, c in itertools.pairwise(bounds):
-            if c - a > self._limit(c):
+            s, e = self._trim(a, c)
+            if e - s > self._limit(c):
                 lo, hi = a + self.min_size, c - self.min_size
                 result.update(x for x in cuts if lo <= x <= hi)
         return sorted(result)
