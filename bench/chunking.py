@@ -32,7 +32,6 @@ from worker.chunking.markdown import scan  # noqa: E402
 from worker.chunking.structure import chunk_structure  # noqa: E402
 
 DEFAULT_CORPUS = ROOT.parent / "shared" / "corpus" / "rustbook"
-FENCE_LINE = re.compile(r"^[ \t]*(?:`{3,}|~{3,})", re.M)
 WORDS = re.compile(r"[A-Za-z]{3,}")
 
 # A chunker here: text, title -> list of (start, end, embedding input).
@@ -92,11 +91,12 @@ def oversized_fences(text: str) -> list[tuple[int, int]]:
 
 
 def unbalanced(text: str, chunks: list[tuple[int, int, str]]) -> int:
-    """Chunks with an odd number of fence lines that are not a part of an oversized fence."""
+    """Chunks that open a fence they do not close, or close one they did not open (a stray
+    fence line opens a block), apart from parts of a fence that alone exceeds 1500."""
     big = oversized_fences(text)
     count = 0
     for s, e, _ in chunks:
-        if len(FENCE_LINE.findall(text[s:e])) % 2 == 0:
+        if all(f.closed for f in scan(text[s:e]).fences):
             continue
         if any(fs < e and s < fe for fs, fe in big):
             continue
