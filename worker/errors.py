@@ -74,7 +74,15 @@ class BadAnswer(PermanentProviderError):
 
 
 class IndexAborted(KidxError):
-    """Three vectors in a row failed, so the item's run was abandoned and rolled back."""
+    """The item's run was abandoned and rolled back (three vectors failed in a row, or the
+    provider refused outright); `transient` when a later retry may succeed."""
+
+    def __init__(
+        self, message: str, *, transient: bool = False, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.transient = transient
+        self.retry_after = retry_after
 
 
 class Cancelled(Exception):

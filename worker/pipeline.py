@@ -29,6 +29,7 @@ from worker.errors import (
     IndexAborted,
     PermanentProviderError,
     ProviderError,
+    TransientProviderError,
 )
 from worker.log import CHUNK, KI_EMBED, get_logger
 from worker.providers.base import EmbeddingModel, to_blob
@@ -78,6 +79,7 @@ class _Plan:
     reuse: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     vectors: dict[int, bytes] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
+    last_error: ProviderError | None = None
 
 
 class _FailureCounter:
@@ -91,11 +93,15 @@ class _FailureCounter:
     def ok(self) -> None:
         self.in_a_row = 0
 
-    def fail(self, chunk_index: int, cause: str) -> None:
+    def fail(self, chunk_index: int, cause: str, error: Exception | None = None) -> None:
         self.in_a_row += 1
         self.log.warning(f"{KI_EMBED} vector failed", chunk_index=chunk_index, reason=cause)
         if self.in_a_row >= self.limit:
-            raise IndexAborted(f"{self.limit} consecutive vector failures, last: {cause}")
+            raise IndexAborted(
+                f"{self.limit} consecutive vector failures, last: {cause}",
+                transient=isinstance(error, TransientProviderError),
+                retry_after=getattr(error, "retry_after", None),
+            )
 
 
 def _check(cancel: CancelCheck | None) -> None:
@@ -252,19 +258,21 @@ def _embed(
         batch = todo[start : start + embedder.batch_size]
         try:
             vectors = embedder.embed_checked([plan.inputs[i] for i in batch])
-        except PermanentProviderError as e:
-            if not e.per_input:
-                raise
-            _one_by_one(plan, batch, embedder, cancel, counter, str(e))
         except ProviderError as e:
-            _one_by_one(plan, batch, embedder, cancel, counter, str(e))
+            if isinstance(e, PermanentProviderError) and not e.per_input:
+                raise
+            _one_by_one(plan, batch, embedder, cancel, counter, e)
         else:
             _store(plan, batch, vectors)
             counter.ok()
     if len(plan.failed) == len(todo):
         # Not one new vector: the provider is down or refuses everything. Writing chunks
         # without vectors would replace a working index with a useless one.
-        raise IndexAborted(f"no chunk could be embedded: {next(iter(plan.failed.values()))}")
+        raise IndexAborted(
+            f"no chunk could be embedded: {next(iter(plan.failed.values()))}",
+            transient=isinstance(plan.last_error, TransientProviderError),
+            retry_after=getattr(plan.last_error, "retry_after", None),
+        )
 
 
 def _one_by_one(
@@ -273,27 +281,28 @@ def _one_by_one(
     embedder: EmbeddingModel,
     cancel: CancelCheck | None,
     counter: _FailureCounter,
-    cause: str,
+    error: ProviderError,
 ) -> None:
     if len(batch) == 1:
-        plan.failed[batch[0]] = cause
-        counter.fail(plan.chunks[batch[0]].index, cause)
+        _failed(plan, batch[0], counter, error)
         return
     for i in batch:
         _check(cancel)
         try:
             vectors = embedder.embed_checked([plan.inputs[i]])
-        except PermanentProviderError as e:
-            if not e.per_input:
-                raise
-            plan.failed[i] = str(e)
-            counter.fail(plan.chunks[i].index, str(e))
         except ProviderError as e:
-            plan.failed[i] = str(e)
-            counter.fail(plan.chunks[i].index, str(e))
+            if isinstance(e, PermanentProviderError) and not e.per_input:
+                raise
+            _failed(plan, i, counter, e)
         else:
             _store(plan, [i], vectors)
             counter.ok()
+
+
+def _failed(plan: _Plan, i: int, counter: _FailureCounter, error: ProviderError) -> None:
+    plan.failed[i] = str(error)
+    plan.last_error = error
+    counter.fail(plan.chunks[i].index, str(error), error)
 
 
 def _store(plan: _Plan, batch: Sequence[int], vectors: np.ndarray) -> None:

@@ -106,11 +106,36 @@ class ChunkSettings(BaseModel):
     timeout: float = Field(default=60.0, gt=0)
 
 
+class TaskSettings(BaseModel):
+    """The queue's reliability knobs (`KIDX_TASKS__*`), checked against each other at start."""
+
+    soft_time_limit: int = Field(default=600, gt=0)  # seconds; the task is cancelled cleanly
+    time_limit: int = Field(default=660, gt=0)  # seconds; the process is killed
+    visibility_timeout: int = Field(default=3600, gt=0)  # must exceed time_limit
+    max_retries: int = Field(default=5, ge=0)
+    retry_backoff: float = Field(default=2.0, ge=0)  # first retry after about this long
+    retry_backoff_max: float = Field(default=300.0, ge=0)
+    lock_ttl: int = Field(default=60, ge=3)  # renewed every third of it while a task runs
+    batch_abort_after: int = Field(default=3, ge=1)  # consecutive item failures
+    concurrency: int = Field(default=2, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TaskSettings:
+        if self.time_limit <= self.soft_time_limit:
+            raise ValueError("time_limit must exceed soft_time_limit")
+        if self.visibility_timeout <= self.time_limit:
+            raise ValueError(
+                "visibility_timeout must exceed time_limit, or Redis redelivers running tasks"
+            )
+        return self
+
+
 class FlowerSettings(BaseModel):
     """Flower, the Tasks page (`KIDX_FLOWER__*`)."""
 
-    user: str = "admin"
+    user: str = ""
     password: SecretStr | None = None
+    address: str = "127.0.0.1"
     port: int = Field(default=5555, gt=0, lt=65536)
 
 
@@ -145,10 +170,13 @@ class Settings(BaseSettings):
     vec: bool = True  # KIDX_VEC=off: never load sqlite-vec (retrieval falls back)
     busy_timeout_ms: int = Field(default=30_000, ge=0)
     broker_url: str = "redis://127.0.0.1:6379/0"
+    result_backend: str = ""  # empty: the broker's Redis
+    data_dir: Path = Path("./data")  # pid files, logs, Flower's and the workers' state
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
     chunk: ChunkSettings = Field(default_factory=ChunkSettings)
+    tasks: TaskSettings = Field(default_factory=TaskSettings)
     flower: FlowerSettings = Field(default_factory=FlowerSettings)
     files: FilesSettings = Field(default_factory=FilesSettings)
     urls: UrlSettings = Field(default_factory=UrlSettings)
@@ -161,6 +189,10 @@ class Settings(BaseSettings):
         if isinstance(v, str) and v.strip().lower() in {"on", "yes", "1", "true"}:
             return True
         return v
+
+    @property
+    def backend_url(self) -> str:
+        return self.result_backend or self.broker_url
 
     def secrets(self) -> list[str]:
         """Every secret value, so that logging can redact them wherever they appear."""

@@ -172,16 +172,19 @@ class _Plan:
         shift, last = 0, self.first
         for old_start, content in previous[1:]:
             probe = content[:96]
-            if len(probe.strip()) < 8:
-                continue
             expected = old_start + shift
-            lo = max(last + 1, expected - tol)
-            after = text.find(probe, max(lo, expected), expected + tol + len(probe))
-            before = text.rfind(probe, lo, expected + len(probe) - 1)
-            found = [q for q in (after, before) if q >= 0]
-            if not found:
-                continue
-            p = min(found, key=lambda q: abs(q - expected))
+            if len(probe.strip()) < 8:  # too short to search for: only exactly where expected
+                if expected <= last or not text.startswith(probe, expected):
+                    continue
+                p = expected
+            else:
+                lo = max(last + 1, expected - tol)
+                after = text.find(probe, max(lo, expected), expected + tol + len(probe))
+                before = text.rfind(probe, lo, expected + len(probe) - 1)
+                found = [q for q in (after, before) if q >= 0]
+                if not found:
+                    continue
+                p = min(found, key=lambda q: abs(q - expected))
             if not self.first < p < self.last or self._inside_small_fence(p):
                 continue
             kept.append(p)

@@ -123,25 +123,29 @@ CREATE TABLE IF NOT EXISTS index_batches (
     total                INTEGER NOT NULL DEFAULT 0,
     ok                   INTEGER NOT NULL DEFAULT 0,
     failed               INTEGER NOT NULL DEFAULT 0,
+    skipped              INTEGER NOT NULL DEFAULT 0,
     consecutive_failures INTEGER NOT NULL DEFAULT 0,
     abort_reason         TEXT,
     created_at           TEXT NOT NULL DEFAULT {_NOW},
     finished_at          TEXT
 );
 
+-- One row per run of a task: a retry is another run of the same task id.
 CREATE TABLE IF NOT EXISTS index_jobs (
-    task_id     TEXT PRIMARY KEY,
+    task_id     TEXT NOT NULL,
+    attempt     INTEGER NOT NULL DEFAULT 0,
     task_name   TEXT NOT NULL,
     item_id     INTEGER,
     batch_id    INTEGER REFERENCES index_batches(id),
     state       TEXT NOT NULL,
     reason      TEXT,
-    attempt     INTEGER NOT NULL DEFAULT 0,
     started_at  TEXT,
     finished_at TEXT,
     duration_ms INTEGER,
-    error       TEXT
+    error       TEXT,
+    PRIMARY KEY (task_id, attempt)
 );
+CREATE INDEX IF NOT EXISTS index_jobs_state ON index_jobs(state);
 CREATE INDEX IF NOT EXISTS index_jobs_item ON index_jobs(item_id);
 CREATE INDEX IF NOT EXISTS index_jobs_batch ON index_jobs(batch_id);
 """,

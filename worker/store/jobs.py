@@ -1,0 +1,164 @@
+"""Durable records of task runs (`index_jobs`) and batches (`index_batches`).
+
+Flower keeps what it saw; these rows keep what happened, for `kidx jobs` and the sweeps. A batch
+aborts after N consecutive failed runs (a provider that is down fails every item: there is no
+point in sending the rest); its remaining tasks then end as skipped with the batch's reason.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from worker.store.db import Database
+from worker.store.items import NOW
+
+
+class JobState(enum.StrEnum):
+    """What became of one run of a task."""
+
+    QUEUED = "queued"  # sent, not started
+    STARTED = "started"
+    SUCCESS = "success"
+    FAILED = "failed"  # final: no retry left, or a permanent error
+    RETRY = "retry"  # failed, and sent again with a delay
+    REVOKED = "revoked"  # cancelled: not a failure
+    COALESCED = "coalesced"  # the item was being indexed; that run will cover this one
+    SKIPPED = "skipped"  # nothing to do, or its batch was aborted
+
+
+class BatchState(enum.StrEnum):
+    RUNNING = "running"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+JOB_COLUMNS = (
+    "task_id", "attempt", "task_name", "item_id", "batch_id", "state", "reason", "started_at",
+    "finished_at", "duration_ms", "error",
+)  # fmt: skip
+
+
+def record_queued(
+    db: Database, task_id: str, task_name: str, item_id: int, batch_id: int | None,
+    reason: str | None,
+) -> None:  # fmt: skip
+    with db.atomic():
+        db.execute(
+            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, reason) "
+            "VALUES (?, 0, ?, ?, ?, 'queued', ?) ON CONFLICT(task_id, attempt) DO NOTHING",
+            (task_id, task_name, item_id, batch_id, reason),
+        )
+
+
+def record_start(
+    db: Database, task_id: str, attempt: int, task_name: str, item_id: int,
+    batch_id: int | None, reason: str | None,
+) -> None:  # fmt: skip
+    """A run starts (again, after a redelivery: the row is reset)."""
+    with db.atomic():
+        db.execute(
+            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, reason, "
+            f"started_at) VALUES (?, ?, ?, ?, ?, 'started', ?, {NOW}) "
+            "ON CONFLICT(task_id, attempt) DO UPDATE SET state = 'started', "
+            "started_at = excluded.started_at, finished_at = NULL, duration_ms = NULL, "
+            "error = NULL",
+            (task_id, attempt, task_name, item_id, batch_id, reason),
+        )
+
+
+def record_end(
+    db: Database, task_id: str, attempt: int, state: JobState, duration_ms: int,
+    error: str | None = None,
+) -> None:  # fmt: skip
+    with db.atomic():
+        db.execute(
+            f"UPDATE index_jobs SET state = ?, finished_at = {NOW}, duration_ms = ?, error = ? "
+            "WHERE task_id = ? AND attempt = ?",
+            (str(state), duration_ms, error, task_id, attempt),
+        )
+
+
+def list_jobs(
+    db: Database, *, failed: bool = False, batch_id: int | None = None, limit: int = 500
+) -> list[dict[str, Any]]:
+    where, params = [], []
+    if failed:
+        where.append("state = 'failed'")
+    if batch_id is not None:
+        where.append("batch_id = ?")
+        params.append(batch_id)
+    clause = ("WHERE " + " AND ".join(where)) if where else ""
+    return db.dicts(
+        f"SELECT {', '.join(JOB_COLUMNS)} FROM index_jobs {clause} "
+        "ORDER BY coalesce(started_at, '9999') DESC, rowid DESC LIMIT ?",
+        (*params, limit),
+    )
+
+
+# -- batches ---------------------------------------------------------------------------------
+
+BATCH_COLUMNS = (
+    "id", "kind", "state", "total", "ok", "failed", "skipped", "consecutive_failures",
+    "abort_reason", "created_at", "finished_at",
+)  # fmt: skip
+
+
+def create_batch(db: Database, kind: str, total: int) -> int:
+    with db.atomic():
+        return int(
+            db.scalar(
+                "INSERT INTO index_batches(kind, total) VALUES (?, ?) RETURNING id", (kind, total)
+            )
+        )
+
+
+def get_batch(db: Database, batch_id: int) -> dict[str, Any] | None:
+    rows = db.dicts(
+        f"SELECT {', '.join(BATCH_COLUMNS)} FROM index_batches WHERE id = ?", (batch_id,)
+    )
+    return rows[0] if rows else None
+
+
+def list_batches(db: Database, limit: int = 20) -> list[dict[str, Any]]:
+    return db.dicts(
+        f"SELECT {', '.join(BATCH_COLUMNS)} FROM index_batches ORDER BY id DESC LIMIT ?", (limit,)
+    )
+
+
+def batch_outcome(
+    db: Database, batch_id: int, outcome: str, reason: str | None, *, abort_after: int
+) -> dict[str, Any] | None:
+    """Count one run of a batch's task: `ok`, `failed` (final), `retry` (a failed attempt
+    that will run again), `skipped`. The Nth failure in a row aborts the batch."""
+    with db.atomic():
+        if outcome == "ok":
+            db.execute(
+                "UPDATE index_batches SET ok = ok + 1, consecutive_failures = 0 WHERE id = ?",
+                (batch_id,),
+            )
+        elif outcome in ("failed", "retry"):
+            final = 1 if outcome == "failed" else 0
+            db.execute(
+                "UPDATE index_batches SET failed = failed + ?, "
+                "consecutive_failures = consecutive_failures + 1 WHERE id = ?",
+                (final, batch_id),
+            )
+            db.execute(
+                "UPDATE index_batches SET state = 'aborted', abort_reason = ?, "
+                f"finished_at = {NOW} WHERE id = ? AND state = 'running' "
+                "AND consecutive_failures >= ?",
+                (
+                    f"aborted after {abort_after} consecutive failures; last: {reason}",
+                    batch_id,
+                    abort_after,
+                ),
+            )
+        elif outcome == "skipped":
+            db.execute("UPDATE index_batches SET skipped = skipped + 1 WHERE id = ?", (batch_id,))
+        db.execute(
+            f"UPDATE index_batches SET state = 'done', finished_at = {NOW} "
+            "WHERE id = ? AND state = 'running' AND ok + failed + skipped >= total",
+            (batch_id,),
+        )
+        return get_batch(db, batch_id)
