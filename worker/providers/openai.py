@@ -105,7 +105,7 @@ class OpenAIEmbeddings(EmbeddingModel):
         self.model_id = settings.model
         self.batch_size = settings.batch_size
         self.dimensions = dimensions
-        self._sleep = sleep
+        self.sleep = sleep
         self._rand = rand
         headers = {"User-Agent": USER_AGENT}
         self._key = settings.api_key.get_secret_value() if settings.api_key else ""
@@ -170,7 +170,7 @@ class OpenAIEmbeddings(EmbeddingModel):
                     attempt=attempt + 1,
                     wait_s=round(wait, 3),
                 )
-                self._sleep(wait)
+                self.sleep(wait)
         raise RetryLater(f"{self._where}: {cause} (after {attempts} attempts)", retry_after=wait)
 
     def _parse(self, answer: Any, count: int) -> list[list[float]]:

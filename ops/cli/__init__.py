@@ -1,0 +1,12 @@
+"""The `kidx` command: engine commands (`ops.cli.engine`) and queue commands (`ops.cli.queue`)."""
+
+from ops.cli import engine, queue  # noqa: F401 - they register their commands on `cli`
+from ops.cli.base import cli
+
+
+def main() -> None:
+    cli(prog_name="kidx")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""What every `kidx` command shares: the group, the settings, output, and errors at the edge.
+
+Every command takes `--db PATH` (default KIDX_DB) and `--json` (machine-readable stdout; logs
+go to stderr either way). Exceptions become one-line messages here, never tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from worker.errors import Cancelled, ConfigError, InvalidInput, KidxError
+from worker.log import Redact, configure_logging
+from worker.settings import Settings, load_settings
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class Ctx:
+    """What every command gets: the settings (built once) and the output mode."""
+
+    def __init__(self, settings: Settings, as_json: bool) -> None:
+        self.settings = settings
+        self.json = as_json
+        self.redact = Redact(settings.secrets())
+
+    def store(self) -> Any:
+        from worker.store import open_store
+
+        return open_store(self.settings)
+
+    def embedder(self, db: Any) -> Any:
+        from worker.providers import build_embedder
+
+        return build_embedder(self.settings.embedding, dimensions=db.dimensions)
+
+    def app(self) -> Any:
+        """A Celery app for these settings (the broker of KIDX_BROKER_URL)."""
+        from worker.app import create_app
+
+        return create_app(self.settings)
+
+    def redis(self) -> Any:
+        import redis
+
+        return redis.Redis.from_url(self.settings.broker_url)
+
+    def emit(self, data: Any, human: Callable[[], None]) -> None:
+        """Print `data` as JSON, or call `human` to print it for people; no secret gets out
+        either way (a provider's error text may quote the key)."""
+        if self.json:
+            click.echo(json.dumps(self.redact.scrub(data), ensure_ascii=False, default=str))
+        else:
+            human()
+
+    def table(self, headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+        """A table on stdout; cells as plain text (a title like "Plan [draft]" is not markup)."""
+        table = Table(*headers)
+        for row in rows:
+            table.add_row(*(Text(self.redact.scrub("" if c is None else str(c))) for c in row))
+        out.print(table)
+
+
+def fail(message: str, code: int = 1, redact: Redact | None = None) -> NoReturn:
+    if redact is not None:
+        message = redact.scrub(message)
+    err.print(f"[red]error:[/red] {escape(message)}", markup=True, highlight=False)
+    sys.exit(code)
+
+
+def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
+    """A subcommand with --db and --json, whose errors become one line and exit status 1."""
+
+    def wrap(fn: Callable[..., Any]) -> Any:
+        @group.command(name or fn.__name__.replace("_", "-"))
+        @click.option(
+            "--db",
+            "db_path",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="SQLite file (default: KIDX_DB or ./data/kidx.db).",
+        )
+        @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+        @functools.wraps(fn)
+        def run(db_path: Path | None, as_json: bool, **kwargs: Any) -> None:
+            redact = None
+            try:
+                settings = load_settings(**({"db": db_path} if db_path else {}))
+                redact = Redact(settings.secrets())
+                configure_logging(
+                    fmt=settings.log_format, level=settings.log_level, secrets=settings.secrets()
+                )
+                fn(Ctx(settings, as_json), **kwargs)
+            except ConfigError as e:
+                fail(str(e), 2, redact)
+            except (KidxError, Cancelled) as e:
+                fail(str(e), 1, redact)
+            except OSError as e:
+                message = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
+                fail(message, 1, redact)
+
+        return run
+
+    return wrap
+
+
+@click.group()
+@click.version_option(package_name="kidx")
+def cli() -> None:
+    """kidx: notes, files, URLs and code into chunks with vectors in SQLite + sqlite-vec."""
+
+
+def read_text(text: str | None, file: Path | None) -> str:
+    if (text is None) == (file is None):
+        raise InvalidInput("give exactly one of --text and --file")
+    if file is None:
+        return text or ""
+    if not file.is_file():
+        raise InvalidInput(f"not a readable file: {file}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})") from None

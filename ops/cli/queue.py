@@ -1,0 +1,182 @@
+"""Queue commands: enqueue, reindex, jobs, retry, cancel. They talk to the workers through the
+broker (KIDX_BROKER_URL); the durable record of every run is in the database (`index_jobs`)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ops.cli.base import Ctx, cli, command, err
+from worker.errors import InvalidInput
+
+JOB_SHOWN = ("task_id", "attempt", "task_name", "item_id", "batch_id", "state", "duration_ms",
+             "error")  # fmt: skip
+
+
+def _workers_online(app: Any) -> int:
+    try:
+        return len(app.control.ping(timeout=1.0) or [])
+    except Exception:
+        return 0
+
+
+def send_items(ctx: Ctx, ids: list[int], reason: str) -> list[dict[str, Any]]:
+    """Send the right task for each item; what was sent, for printing."""
+    from tasks.producer import enqueue
+    from worker.store.items import get_item
+
+    app = ctx.app()
+    with ctx.store() as db:
+        for item_id in ids:
+            get_item(db, item_id)  # unknown ids fail before anything is sent
+        sent = []
+        for item_id in ids:
+            task_id = enqueue(db, item_id, app=app, reason=reason)
+            sent.append({"item_id": item_id, "task_id": task_id})
+    if not ctx.json and not _workers_online(app):
+        err.print(
+            "note: no worker answered; the tasks wait in the queue until one starts "
+            "(celery -A worker.app worker)"
+        )
+    return sent
+
+
+def show_sent(ctx: Ctx, sent: list[dict[str, Any]]) -> None:
+    ctx.emit(
+        sent, lambda: ctx.table(("item", "task"), ((s["item_id"], s["task_id"]) for s in sent))
+    )
+
+
+@command(cli)
+@click.argument("items", type=int, nargs=-1, required=True)
+def enqueue(ctx: Ctx, items: tuple[int, ...]) -> None:
+    """Send the right task (GenerateEmbedding or GenerateKnowledgeItemEmbedding) per item."""
+    show_sent(ctx, send_items(ctx, list(items), "enqueue"))
+
+
+@command(cli)
+@click.option("--all", "all_items", is_flag=True, required=True, help="Every item.")
+@click.option("--wait", is_flag=True, help="Show progress until the batch ends.")
+@click.option("--timeout", type=float, default=None, help="Stop waiting after this many seconds.")
+def reindex(ctx: Ctx, all_items: bool, wait: bool, timeout: float | None) -> None:
+    """Re-index every item as one batch (it aborts after consecutive failures)."""
+    from tasks.producer import send_batch
+    from worker.store.items import all_item_ids
+    from worker.store.jobs import get_batch
+
+    app = ctx.app()
+    with ctx.store() as db:
+        ids = all_item_ids(db)
+        if not ids:
+            raise InvalidInput("there are no items to index")
+        batch_id, task_ids = send_batch(db, ids, app=app)
+    if not wait:
+        ctx.emit(
+            {"batch_id": batch_id, "tasks": len(task_ids)},
+            lambda: click.echo(f"batch {batch_id}: {len(task_ids)} tasks sent"),
+        )
+        return
+    if not _workers_online(app):
+        err.print("note: no worker answered yet; waiting for one to start")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with ctx.store() as db, Progress(
+        TextColumn(f"batch {batch_id}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
+        console=err, disable=ctx.json, transient=False,
+    ) as progress:  # fmt: skip
+        bar = progress.add_task("reindex", total=len(ids), detail="")
+        while True:
+            batch = get_batch(db, batch_id) or {}
+            done = batch["ok"] + batch["failed"] + batch["skipped"]
+            detail = f"ok {batch['ok']} failed {batch['failed']} skipped {batch['skipped']}"
+            progress.update(bar, completed=done, detail=detail)
+            if batch["state"] != "running" and (batch["state"] == "aborted" or done >= len(ids)):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+    _summary(ctx, batch)
+
+
+def _summary(ctx: Ctx, batch: dict[str, Any]) -> None:
+    def human() -> None:
+        click.echo(
+            f"batch {batch['id']} {batch['state']}: {batch['ok']} ok, {batch['failed']} failed, "
+            f"{batch['skipped']} skipped of {batch['total']}"
+        )
+        if batch["abort_reason"]:
+            click.echo(f"why: {batch['abort_reason']}")
+
+    ctx.emit(batch, human)
+    if batch["state"] != "done" or batch["failed"]:
+        sys.exit(1)
+
+
+@command(cli)
+@click.option("--failed", is_flag=True, help="Only failed runs.")
+@click.option("--batch", "batch_id", type=int, help="Only the runs of this batch.")
+@click.option("--limit", type=click.IntRange(1, 100_000), default=200, show_default=True)
+def jobs(ctx: Ctx, failed: bool, batch_id: int | None, limit: int) -> None:
+    """Task runs, newest first: state, duration, error."""
+    from worker.store.jobs import get_batch, list_jobs
+
+    with ctx.store() as db:
+        batch = get_batch(db, batch_id) if batch_id is not None else None
+        if batch_id is not None and batch is None:
+            raise InvalidInput(f"no batch with id {batch_id}")
+        rows = list_jobs(db, failed=failed, batch_id=batch_id, limit=limit)
+
+    def human() -> None:
+        if batch is not None:
+            click.echo(
+                f"batch {batch['id']} ({batch['kind']}) {batch['state']}: "
+                f"{batch['ok']} ok, {batch['failed']} failed, {batch['skipped']} skipped "
+                f"of {batch['total']}"
+            )
+            if batch["abort_reason"]:
+                click.echo(f"why: {batch['abort_reason']}")
+        ctx.table(JOB_SHOWN, ([r[c] for c in JOB_SHOWN] for r in rows))
+
+    ctx.emit({"batch": batch, "jobs": rows} if batch is not None else rows, human)
+
+
+@command(cli)
+@click.argument("items", type=int, nargs=-1)
+@click.option("--failed", is_flag=True, help="Every item whose index is failed.")
+def retry(ctx: Ctx, items: tuple[int, ...], failed: bool) -> None:
+    """Send items again (through the queue: the lock and batch rules apply)."""
+    if bool(items) == failed:
+        raise InvalidInput("give item ids or --failed (not both)")
+    ids = list(items)
+    if failed:
+        with ctx.store() as db:
+            ids = [
+                r[0]
+                for r in db.all(
+                    "SELECT item_id FROM item_index_state WHERE status = 'failed' ORDER BY item_id"
+                )
+            ]
+        if not ids:
+            ctx.emit([], lambda: click.echo("no failed items"))
+            return
+    show_sent(ctx, send_items(ctx, ids, "retry"))
+
+
+@command(cli)
+@click.argument("task_ids", nargs=-1, required=True)
+@click.option("--terminate", is_flag=True, help="Also signal the process running it.")
+def cancel(ctx: Ctx, task_ids: tuple[str, ...], terminate: bool) -> None:
+    """Cancel tasks: queued ones never run, running ones stop at their next step."""
+    from tasks.cancel import mark_revoked
+
+    client = ctx.redis()
+    mark_revoked(client, list(task_ids))  # seen by the task even if no worker is up now
+    ctx.app().control.revoke(list(task_ids), terminate=terminate)
+    ctx.emit(
+        {"revoked": list(task_ids), "terminate": terminate},
+        lambda: click.echo(f"revoke sent for {', '.join(task_ids)}"),
+    )

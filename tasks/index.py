@@ -1,0 +1,188 @@
+"""The two tasks of the seed, thin: take the lock, call the engine, record, report.
+
+    GenerateEmbedding(item_id, reason=None)                notes
+    GenerateKnowledgeItemEmbedding(item_id, reason=None)   files, URLs, code
+
+Outcomes: SUCCESS with the run's JSON result (status `indexed`, `partial`, `skipped` or
+`coalesced`); RETRY for a provider that may recover, with exponential backoff and jitter;
+FAILURE with a one-line message naming the cause and the duration (Flower shows no runtime for
+failed tasks); REVOKED when cancelled, never FAILURE.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import structlog
+from celery import Task
+from celery.exceptions import Ignore, SoftTimeLimitExceeded
+
+from tasks import KNOWLEDGE_ITEM, NOTE
+from tasks.cancel import TERMINATED, CancelToken, running
+from tasks.lock import ItemLock
+from tasks.runtime import Runtime, get_runtime
+from worker.app import app, settings
+from worker.chunking import text_hash
+from worker.errors import Cancelled, IndexAborted, KidxError, WrongTaskKind
+from worker.log import KI_EMBED, get_logger
+from worker.pipeline import index_item
+from worker.store.items import Status, get_item, get_state, set_state
+from worker.store.jobs import JobState, batch_outcome, get_batch, record_end, record_start
+
+log = get_logger("kidx.tasks")
+
+KINDS = {NOTE: frozenset({"note"}), KNOWLEDGE_ITEM: frozenset({"file", "url", "code"})}
+
+
+class IndexFailed(Exception):
+    """A run failed for good; the message names the cause and how long the run took."""
+
+
+@app.task(name=NOTE, bind=True)
+def generate_embedding(
+    self: Task, item_id: int, reason: str | None = None, batch_id: int | None = None
+) -> dict[str, Any]:
+    """Index a note."""
+    return _run(self, item_id, reason, batch_id)
+
+
+@app.task(name=KNOWLEDGE_ITEM, bind=True)
+def generate_knowledge_item_embedding(
+    self: Task, item_id: int, reason: str | None = None, batch_id: int | None = None
+) -> dict[str, Any]:
+    """Index a file, URL or code item."""
+    return _run(self, item_id, reason, batch_id)
+
+
+def _run(task: Task, item_id: int, reason: str | None, batch_id: int | None) -> dict[str, Any]:
+    started = time.monotonic()
+    req = task.request
+    task_id, attempt = str(req.id), int(req.retries or 0)
+    structlog.contextvars.bind_contextvars(task_id=task_id, item_id=item_id)
+    rt = get_runtime(settings)
+
+    def took() -> int:
+        return int((time.monotonic() - started) * 1000)
+
+    def end(state: JobState, outcome: str | None, error: str | None = None) -> None:
+        record_end(rt.db, task_id, attempt, state, took(), error)
+        if batch_id is not None and outcome is not None:
+            batch_outcome(
+                rt.db, batch_id, outcome, error, abort_after=settings.tasks.batch_abort_after
+            )
+
+    try:
+        record_start(rt.db, task_id, attempt, task.name, item_id, batch_id, reason)
+        token = CancelToken(rt.redis, task_id)
+        if token():
+            raise Cancelled("revoked before it started")
+        if batch_id is not None:
+            batch = get_batch(rt.db, batch_id)
+            if batch and batch["state"] == "aborted":
+                end(JobState.SKIPPED, "skipped", batch["abort_reason"])
+                # Its index is not what was asked for: `kidx retry --failed` picks it up.
+                set_state(
+                    rt.db,
+                    item_id,
+                    status=Status.FAILED,
+                    last_task_id=task_id,
+                    last_error=f"not run: batch {batch_id} was aborted ({batch['abort_reason']})",
+                )
+                log.info(
+                    f"{KI_EMBED} skipped: its batch was aborted",
+                    batch_id=batch_id,
+                    reason=batch["abort_reason"],
+                )
+                return {
+                    "item_id": item_id,
+                    "status": "skipped",
+                    "error": batch["abort_reason"],
+                    "duration_ms": took(),
+                }
+        item = get_item(rt.db, item_id)
+        if item.kind not in KINDS[task.name]:
+            other = NOTE if item.kind == "note" else KNOWLEDGE_ITEM
+            raise WrongTaskKind(f"item {item_id} is a {item.kind}: send {other}, not {task.name}")
+        result = _locked_runs(rt, item_id, task, token)
+        end(JobState.COALESCED if result["status"] == "coalesced" else JobState.SUCCESS, "ok")
+        result["duration_ms"] = took()
+        return result
+    except (Cancelled, SoftTimeLimitExceeded) as e:
+        if isinstance(e, SoftTimeLimitExceeded) and not TERMINATED.is_set():
+            message = _one_line(
+                item_id,
+                f"ran over the soft time limit of {settings.tasks.soft_time_limit} s",
+                took(),
+            )
+            end(JobState.FAILED, "failed", message)
+            raise IndexFailed(message) from None
+        task.backend.mark_as_revoked(task_id, "cancelled", request=req)
+        task.send_event("task-revoked", terminated=TERMINATED.is_set(), signum=None, expired=False)
+        end(JobState.REVOKED, "skipped", "cancelled")
+        log.info(f"{KI_EMBED} task revoked; the previous index is intact", duration_ms=took())
+        raise Ignore() from None
+    except IndexAborted as e:
+        message = _one_line(item_id, str(e), took())
+        if e.transient and attempt < settings.tasks.max_retries:
+            end(JobState.RETRY, "retry", message)
+            raise task.retry(
+                exc=IndexFailed(message),
+                countdown=_backoff(attempt, e.retry_after),
+                max_retries=settings.tasks.max_retries,
+            ) from None
+        end(JobState.FAILED, "failed", message)
+        raise IndexFailed(message) from None
+    except KidxError as e:  # unknown item, wrong kind, bad input: retrying cannot help
+        message = _one_line(item_id, str(e), took())
+        end(JobState.FAILED, "failed", message)
+        raise IndexFailed(message) from None
+    finally:
+        structlog.contextvars.unbind_contextvars("task_id", "item_id")
+
+
+def _locked_runs(rt: Runtime, item_id: int, task: Task, token: CancelToken) -> dict[str, Any]:
+    """The pipeline under the item's lock: once, and once more if the item changed while it ran
+    and someone asked (a burst of enqueues costs at most two runs)."""
+    lock = ItemLock(rt.redis, item_id, str(task.request.id), settings.tasks.lock_ttl)
+    lock.request_rerun()  # before trying the lock: a holder finishing now will see it
+    if not lock.acquire():
+        log.info(f"{KI_EMBED} coalesced: the item is being indexed by another run")
+        return {"item_id": item_id, "status": "coalesced"}
+    try:
+        lock.take_rerun()  # this run covers every request made until now
+        if rt.embedder is not None:
+            rt.embedder.sleep = token.sleep  # a provider's backoff ends on cancellation
+        with running():
+            result = index_item(
+                rt.db, item_id, embedder=rt.embedder, cancel=token, task_id=str(task.request.id)
+            )
+            if lock.take_rerun() and _changed(rt, item_id):
+                log.info(f"{KI_EMBED} the item changed while it was indexed: once more")
+                result = index_item(
+                    rt.db, item_id, embedder=rt.embedder, cancel=token, task_id=str(task.request.id)
+                )
+    finally:
+        lock.release()
+    if lock.take_rerun() and _changed(rt, item_id):
+        follow = task.app.send_task(task.name, args=[item_id], kwargs={"reason": "changed"})
+        log.info(f"{KI_EMBED} changed again during the re-run: sent again", next=follow.id)
+    return result.as_dict()
+
+
+def _changed(rt: Runtime, item_id: int) -> bool:
+    """Whether the item's text differs from what its index was built from."""
+    item = get_item(rt.db, item_id)
+    return get_state(rt.db, item_id).get("indexed_hash") != text_hash(item.content)
+
+
+def _backoff(attempt: int, retry_after: float | None) -> float:
+    t = settings.tasks
+    delay = min(t.retry_backoff_max, t.retry_backoff * 2**attempt) * random.uniform(0.5, 1.5)
+    return max(delay, retry_after or 0.0)
+
+
+def _one_line(item_id: int, cause: str, duration_ms: int) -> str:
+    cause = " ".join(cause.split())
+    return f"item {item_id}: {cause} (after {duration_ms / 1000:.1f} s)"

@@ -1,0 +1,105 @@
+"""The per-item lock: redis-py's Lock, with a TTL renewed while the task runs.
+
+A task that finds its item locked does not wait (that would hold a worker slot): it leaves a
+re-run request and ends `coalesced`; the holder sees the request after its run and runs once
+more. The request is written *before* trying the lock and read *after* releasing it, so one
+made while a run is under way is never lost. A process killed while holding the lock leaves it
+to expire with its TTL; the same task, redelivered, recognises its own stale lock (the token
+starts with the task id) and takes it over at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import redis
+from redis.exceptions import LockError
+from redis.lock import Lock
+
+from worker.log import get_logger
+
+log = get_logger("kidx.tasks")
+
+# Delete KEYS[1] if its value starts with ARGV[1] (a previous run of the same task).
+_TAKE_OVER = """
+local v = redis.call('get', KEYS[1])
+if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
+  return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
+
+def lock_key(item_id: int) -> str:
+    return f"kidx:lock:item:{item_id}"
+
+
+def rerun_key(item_id: int) -> str:
+    return f"kidx:rerun:item:{item_id}"
+
+
+class ItemLock:
+    """Held by one task run at a time, for one item."""
+
+    def __init__(self, client: redis.Redis, item_id: int, task_id: str, ttl: int) -> None:
+        self.client = client
+        self.item_id = item_id
+        self.task_id = task_id
+        self.ttl = ttl
+        self.lock: Lock = client.lock(lock_key(item_id), timeout=ttl, thread_local=False)
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self.lost = False
+
+    def request_rerun(self) -> None:
+        self.client.set(rerun_key(self.item_id), self.task_id, ex=max(self.ttl * 10, 600))
+
+    def take_rerun(self) -> bool:
+        """Whether a re-run was requested (and clear the request)."""
+        return self.client.getdel(rerun_key(self.item_id)) is not None
+
+    def acquire(self) -> bool:
+        token = f"{self.task_id}:{uuid.uuid4().hex}"
+        if not self.lock.acquire(blocking=False, token=token):
+            stale = self.client.eval(_TAKE_OVER, 1, lock_key(self.item_id), f"{self.task_id}:")
+            if not stale or not self.lock.acquire(blocking=False, token=token):
+                return False
+            log.warning(
+                "took over the lock of an earlier run of this task (its process died)",
+                item_id=self.item_id,
+                task_id=self.task_id,
+            )
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew, daemon=True, name="kidx-lock")
+        self._renewer.start()
+        return True
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self.lock.extend(self.ttl, replace_ttl=True)
+            except (LockError, redis.RedisError) as e:  # logged; the run goes on
+                self.lost = True
+                log.warning(
+                    "item lock lost while running",
+                    item_id=self.item_id,
+                    task_id=self.task_id,
+                    reason=str(e),
+                )
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
+            self._renewer = None
+        try:
+            self.lock.release()
+        except (LockError, redis.RedisError) as e:  # expired or taken over
+            log.warning(
+                "item lock was already gone at release",
+                item_id=self.item_id,
+                task_id=self.task_id,
+                reason=str(e),
+            )

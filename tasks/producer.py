@@ -1,0 +1,118 @@
+"""The producer API a host application calls: write the row, then send the task.
+
+Any Celery client can equally send the tasks by name, with nothing of kidx installed:
+
+    Celery(broker="redis://127.0.0.1:6379/0").send_task("GenerateEmbedding", args=[item_id])
+
+Sending through these functions adds a durable `queued` record and, for Flower's kwargs column,
+the item's kind and title (`kwargsrepr`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from tasks import KNOWLEDGE_ITEM, NOTE, TASK_FOR_KIND
+from worker.store import Database
+from worker.store.items import add_item, get_item
+from worker.store.jobs import create_batch, record_queued
+
+
+def _default_app() -> Celery:
+    from worker.app import app
+
+    return app
+
+
+def _send(
+    db: Database, app: Celery | None, name: str, item_id: int, *, reason: str | None,
+    batch_id: int | None = None, countdown: float | None = None,
+) -> str:  # fmt: skip
+    item = get_item(db, item_id)
+    task_id = str(uuid.uuid4())
+    record_queued(db, task_id, name, item_id, batch_id, reason)
+    kwargs: dict[str, Any] = {"reason": reason}
+    if batch_id is not None:
+        kwargs["batch_id"] = batch_id
+    shown = {"kind": item.kind, "title": item.title[:60], "reason": reason}
+    if batch_id is not None:
+        shown["batch"] = batch_id
+    (app or _default_app()).send_task(
+        name, args=[item_id], kwargs=kwargs, task_id=task_id, kwargsrepr=repr(shown),
+        countdown=countdown,
+    )  # fmt: skip
+    return task_id
+
+
+def enqueue_note(
+    db: Database, item_id: int, *, app: Celery | None = None, reason: str | None = None
+) -> str:
+    """Send GenerateEmbedding for a note; returns the task id."""
+    return _send(db, app, NOTE, item_id, reason=reason)
+
+
+def enqueue_knowledge_item(
+    db: Database, item_id: int, *, app: Celery | None = None, reason: str | None = None
+) -> str:
+    """Send GenerateKnowledgeItemEmbedding for a file, URL or code item; returns the task id."""
+    return _send(db, app, KNOWLEDGE_ITEM, item_id, reason=reason)
+
+
+def enqueue(
+    db: Database,
+    item_id: int,
+    *,
+    app: Celery | None = None,
+    reason: str | None = None,
+    batch_id: int | None = None,
+    countdown: float | None = None,
+) -> str:
+    """Send the right task for the item's kind; returns the task id."""
+    name = TASK_FOR_KIND[get_item(db, item_id).kind]
+    return _send(db, app, name, item_id, reason=reason, batch_id=batch_id, countdown=countdown)
+
+
+def send_batch(
+    db: Database,
+    item_ids: Iterable[int],
+    *,
+    kind: str = "reindex",
+    app: Celery | None = None,
+    reason: str | None = None,
+) -> tuple[int, list[str]]:
+    """A batch (three consecutive failures abort it): its id and the task ids."""
+    ids = list(item_ids)
+    for item_id in ids:
+        get_item(db, item_id)
+    batch_id = create_batch(db, kind, len(ids))
+    return batch_id, [
+        enqueue(db, i, app=app, reason=reason or kind, batch_id=batch_id) for i in ids
+    ]
+
+
+def add_note(db: Database, title: str, text: str, *, app: Celery | None = None) -> tuple[int, str]:
+    """Write a note, then send its task: (item id, task id)."""
+    item_id = add_item(db, kind="note", title=title, content=text)
+    return item_id, enqueue_note(db, item_id, app=app, reason="added")
+
+
+def add_file(
+    db: Database, path: str | Path, *, title: str | None = None, app: Celery | None = None
+) -> tuple[int, str]:
+    """Write a file item (its text is read by the worker), then send its task."""
+    source = str(Path(path).resolve())
+    item_id = add_item(db, kind="file", title=title or Path(path).name, content="", source=source)
+    return item_id, enqueue_knowledge_item(db, item_id, app=app, reason="added")
+
+
+def add_url(
+    db: Database, url: str, *, title: str | None = None, app: Celery | None = None
+) -> tuple[int, str]:
+    """Write a URL item (the worker fetches it), then send its task."""
+    item_id = add_item(db, kind="url", title=title or url, content="", source=url)
+    return item_id, enqueue_knowledge_item(db, item_id, app=app, reason="added")

@@ -1,0 +1,161 @@
+"""Real processes for the queue tests: Celery workers (prefork) and Flower, against the real
+Redis on 127.0.0.1:6379 in a database of their own, with a loopback stand-in as the provider.
+Every wait is bounded; every process is stopped (its whole process group) at teardown."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+CELERY = [sys.executable, "-m", "celery", "-A", "worker.app"]
+REDIS_DB = 4  # the queue tests' own database (tests use 1-9; 10-15 belong to other tools)
+API_KEY = "sk-queue-secret-7777"
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
+    """Poll `check` until it returns something true; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def broker_url(db: int = REDIS_DB) -> str:
+    return f"redis://127.0.0.1:6379/{db}"
+
+
+def flush(db: int = REDIS_DB) -> None:
+    client = redis.Redis.from_url(broker_url(db))
+    client.flushdb()
+    client.close()
+
+
+def queue_env(tmp_path: Path, standin_url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KIDX_", "FLOWER_", "CELERY_"))}
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": str(ROOT),
+            "KIDX_DB": str(tmp_path / "kidx.db"),
+            "KIDX_DATA_DIR": str(tmp_path / "data"),
+            "KIDX_BROKER_URL": broker_url(),
+            "KIDX_EMBEDDING__PROVIDER": "openai",
+            "KIDX_EMBEDDING__MODEL": "standin-embed",
+            "KIDX_EMBEDDING__BASE_URL": standin_url,
+            "KIDX_EMBEDDING__DIMENSIONS": "64",
+            "KIDX_EMBEDDING__API_KEY": API_KEY,
+            "KIDX_EMBEDDING__BATCH_SIZE": "4",
+            "KIDX_EMBEDDING__MAX_RETRIES": "0",
+            "KIDX_EMBEDDING__TIMEOUT": "10",
+            "KIDX_TASKS__MAX_RETRIES": "1",
+            "KIDX_TASKS__RETRY_BACKOFF": "0.5",
+            "KIDX_TASKS__LOCK_TTL": "6",
+            "KIDX_LOG_FORMAT": "json",
+            "KIDX_FLOWER__USER": "ops",
+            "KIDX_FLOWER__PASSWORD": "flower-pass-123",
+        }
+    )
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A started process with its log file; `stop()` ends its whole process group."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.cmd = cmd
+        self.log_path = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            cmd, env=env, cwd=str(ROOT), stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 15) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+                self.popen.wait(timeout=timeout)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)  # children too, whatever they do
+        self.popen.wait(timeout=5)
+        self._log.close()
+
+
+def start_worker(
+    env: dict[str, str], tmp_path: Path, app: Any, name: str = "w1", concurrency: int = 2
+) -> Proc:
+    data = tmp_path / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    proc = Proc(
+        [*CELERY, "worker", "--pool=prefork", f"--concurrency={concurrency}", "--loglevel=INFO",
+         f"--statedb={data / f'{name}.state'}", "-n", f"{name}@%h", "--without-gossip",
+         "--without-mingle"],
+        env, tmp_path / f"{name}.log",
+    )  # fmt: skip
+
+    def ready() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"worker exited:\n{proc.log[-3000:]}")
+        replies = app.control.ping(timeout=0.5) or []
+        return any(name in key for reply in replies for key in reply)
+
+    wait_for(ready, 60, "the worker to answer a ping", every=0.2)
+    return proc
+
+
+def start_flower(env: dict[str, str], tmp_path: Path, port: int) -> Proc:
+    proc = Proc(
+        [sys.executable, "-m", "ops.flower"],
+        {**env, "KIDX_FLOWER__PORT": str(port)},
+        tmp_path / "flower.log",
+    )
+
+    def ready() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"flower exited:\n{proc.log[-3000:]}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthcheck", timeout=1).status_code < 500
+        except httpx.HTTPError:
+            return False
+
+    wait_for(ready, 60, "Flower to answer", every=0.2)
+    return proc
+
+
+def worker_pids(app: Any) -> dict[str, int]:
+    """task id -> pid of the pool process running it, from the workers' own report."""
+    active = app.control.inspect(timeout=1.0).active() or {}
+    return {t["id"]: t["worker_pid"] for tasks in active.values() for t in tasks}

@@ -1,0 +1,282 @@
+"""The worker system against real processes: Redis, prefork Celery workers, the HTTP stand-in."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+
+from conftest import corpus_text
+from ops.standin import StandIn
+from stack import (
+    API_KEY,
+    REDIS_DB,
+    broker_url,
+    flush,
+    queue_env,
+    start_worker,
+    wait_for,
+    worker_pids,
+)
+from tasks.lock import lock_key
+from tasks.producer import enqueue, send_batch
+from worker.app import create_app
+from worker.chunking import chunk
+from worker.settings import load_settings
+from worker.store import connect
+from worker.store.items import add_item, get_state, update_content
+
+RESULT_FIELDS = {"status", "chunk_method", "chunks", "reused", "embedded", "failed", "dimensions",
+                 "model", "duration_ms"}  # fmt: skip
+CHAPTER = "ch10-02-traits.md"  # 20 chunks
+
+
+class Stack:
+    def __init__(self, tmp: Path, standin: StandIn) -> None:
+        self.tmp = tmp
+        self.standin = standin
+        self.env = queue_env(tmp, standin.base_url)
+        self.settings = load_settings(
+            db=tmp / "kidx.db", broker_url=broker_url(),
+            embedding={"provider": "openai", "model": "standin-embed",
+                       "base_url": standin.base_url, "dimensions": 64},
+        )  # fmt: skip
+        self.app = create_app(self.settings)
+        self.db = connect(tmp / "kidx.db", embedding=self.settings.embedding)
+        self.redis = redis.Redis.from_url(broker_url())
+        self.worker = start_worker(self.env, tmp, self.app)
+
+    def kidx(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        exe = str(Path(sys.executable).parent / "kidx")
+        return subprocess.run(
+            [exe, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=str(self.tmp),
+        )
+
+    def note(self, title: str, text: str) -> int:
+        return add_item(self.db, kind="note", title=title, content=text)
+
+    def state(self, item_id: int) -> dict[str, object]:
+        return get_state(self.db, item_id)
+
+    def close(self) -> None:
+        self.worker.stop()
+        self.db.close()
+        self.redis.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    flush(REDIS_DB)
+    with StandIn(dimensions=64) as standin:
+        s = Stack(tmp_path_factory.mktemp("queue"), standin)
+        try:
+            yield s
+        finally:
+            s.close()
+            flush(REDIS_DB)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_standin(stack: Stack) -> None:
+    stack.standin.reset()
+
+
+def chunk_contents(db, item_id: int) -> list[str]:
+    return [
+        r[0]
+        for r in db.all(
+            "SELECT content FROM note_chunks WHERE item_id = ? ORDER BY chunk_index", (item_id,)
+        )
+    ]
+
+
+def test_a_bare_celery_client_sends_a_task_by_name(stack):
+    item = stack.note("Traits", corpus_text(CHAPTER))
+    bare = Celery(broker=broker_url(), backend=broker_url())  # nothing of kidx
+    result = bare.send_task("GenerateEmbedding", args=[item]).get(timeout=60)
+    assert set(result) >= RESULT_FIELDS
+    assert result["status"] == "indexed" and result["chunks"] == 20 and result["dimensions"] == 64
+    assert chunk_contents(stack.db, item) == [c.content for c in chunk(corpus_text(CHAPTER))]
+
+
+def test_wrong_kind_and_unknown_item_fail_at_once_without_retry(stack):
+    item = stack.note("Short", "A short note.")
+    wrong = stack.app.send_task("GenerateKnowledgeItemEmbedding", args=[item])
+    missing = stack.app.send_task("GenerateEmbedding", args=[987654])
+    for result, words in ((wrong, "is a note"), (missing, "no item with id 987654")):
+        with pytest.raises(Exception) as caught:
+            result.get(timeout=30)
+        assert words in str(caught.value) and "after" in str(caught.value)
+        assert result.state == "FAILURE"
+        assert (
+            stack.db.scalar("SELECT max(attempt) FROM index_jobs WHERE task_id = ?", (result.id,))
+            == 0
+        )
+
+
+def test_fifty_enqueues_during_a_run_cost_at_most_two_runs(stack):
+    text = corpus_text(CHAPTER)
+    item = stack.note("Burst", text)
+    stack.standin.delay = 0.3  # a run takes about 1.5 s: 5 requests of 4 texts
+    first = enqueue(stack.db, item, app=stack.app)
+    wait_for(lambda: stack.standin.requests >= 1, 30, "the first run to reach the provider")
+    task_ids = [first]
+    for n in range(50):
+        update_content(stack.db, item, text + f"\n\nEdit number {n} of the burst.")
+        task_ids.append(enqueue(stack.db, item, app=stack.app, reason="burst"))
+    for task_id in task_ids:
+        stack.app.AsyncResult(task_id).get(timeout=120)
+    runs = stack.db.scalar(
+        f"SELECT count(*) FROM index_jobs WHERE task_id IN ({','.join('?' * len(task_ids))}) "
+        "AND state = 'success'",
+        task_ids,
+    )
+    coalesced = stack.db.scalar(
+        f"SELECT count(*) FROM index_jobs WHERE task_id IN ({','.join('?' * len(task_ids))}) "
+        "AND state = 'coalesced'",
+        task_ids,
+    )
+    assert 1 <= runs <= 2 and runs + coalesced == 51
+    last = text + "\n\nEdit number 49 of the burst."
+    assert chunk_contents(stack.db, item) == [c.content for c in chunk(last)]
+    assert stack.state(item)["status"] == "indexed"
+    # The second run sent only what changed: far fewer texts than two full runs.
+    assert len(stack.standin.texts) < 2 * 20
+    assert stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == len(
+        chunk(last)
+    )
+    assert "database is locked" not in stack.worker.log
+
+
+def test_a_worker_process_killed_mid_task_runs_it_again(stack):
+    item = stack.note("Killed", corpus_text(CHAPTER))
+    stack.standin.delay = 0.4
+    task_id = enqueue(stack.db, item, app=stack.app)
+    wait_for(lambda: stack.standin.requests >= 1, 30, "the run to reach the provider")
+    pid = wait_for(lambda: worker_pids(stack.app).get(task_id), 10, "the task's process")
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    result = stack.app.AsyncResult(task_id).get(timeout=90)
+    assert result["status"] == "indexed" and result["chunks"] == 20
+    assert time.monotonic() - killed_at < 60
+    assert stack.db.scalar("PRAGMA integrity_check") == "ok"
+    mirrored = stack.db.scalar("SELECT count(*) FROM vec_chunk_embeddings")
+    assert mirrored == stack.db.scalar("SELECT count(*) FROM note_chunk_embeddings")
+    assert not stack.redis.exists(lock_key(item))
+    assert "WorkerLostError" in stack.worker.log or "exited" in stack.worker.log
+
+
+def test_kidx_cancel_revokes_a_running_task_and_keeps_the_previous_index(stack):
+    text = corpus_text(CHAPTER)
+    item = stack.note("Cancelled", text)
+    enqueue_result = stack.app.AsyncResult(enqueue(stack.db, item, app=stack.app))
+    enqueue_result.get(timeout=60)
+    before = stack.db.all(
+        "SELECT c.id, c.content, e.vector FROM note_chunks c JOIN "
+        "note_chunk_embeddings e ON e.chunk_id = c.id WHERE c.item_id = ?",
+        (item,),
+    )
+    update_content(stack.db, item, text.replace("trait", "capability"))
+    stack.standin.delay = 1.0
+    task_id = enqueue(stack.db, item, app=stack.app)
+    wait_for(lambda: stack.standin.requests >= 1, 30, "the run to reach the provider")
+    sent = time.monotonic()
+    out = stack.kidx("cancel", task_id)
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: stack.app.AsyncResult(task_id).state == "REVOKED", 15, "REVOKED")
+    assert time.monotonic() - sent < 5 + 1.0 + 1
+    assert stack.state(item)["status"] == "cancelled"
+    after = stack.db.all(
+        "SELECT c.id, c.content, e.vector FROM note_chunks c JOIN "
+        "note_chunk_embeddings e ON e.chunk_id = c.id WHERE c.item_id = ?",
+        (item,),
+    )
+    assert after == before
+    assert (
+        stack.db.scalar("SELECT state FROM index_jobs WHERE task_id = ?", (task_id,)) == "revoked"
+    )
+    assert not stack.redis.exists(lock_key(item))
+    # The next enqueue indexes normally.
+    stack.standin.delay = 0
+    again = stack.app.AsyncResult(enqueue(stack.db, item, app=stack.app)).get(timeout=60)
+    assert again["status"] == "indexed"
+    # Cancellation is not an error.
+    lines = [json.loads(x) for x in stack.worker.log.splitlines() if x.startswith("{")]
+    assert not [x for x in lines if x.get("task_id") == task_id and x["level"] == "error"]
+
+
+def test_a_queued_revoked_task_never_runs(stack):
+    item = stack.note("Never", "A note that is never indexed.")
+    task_id = enqueue(stack.db, item, app=stack.app, countdown=3)
+    out = stack.kidx("cancel", task_id)
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: stack.app.AsyncResult(task_id).state == "REVOKED", 20, "REVOKED")
+    time.sleep(0.5)
+    assert stack.state(item)["status"] == "pending"
+    assert stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
+
+
+def test_a_batch_against_a_dead_provider_aborts_after_three_failures(stack):
+    ids = [
+        stack.note(f"Batch item {i}", f"Batch note number {i} with its own text.")
+        for i in range(20)
+    ]
+    stack.standin.fail_status = 500
+    batch_id, task_ids = send_batch(stack.db, ids, app=stack.app)
+    for task_id in task_ids:
+        stack.app.AsyncResult(task_id).get(timeout=120, propagate=False)
+    batch = stack.db.dicts("SELECT * FROM index_batches WHERE id = ?", (batch_id,))[0]
+    assert batch["state"] == "aborted" and "3 consecutive failures" in batch["abort_reason"]
+    assert "HTTP 500" in batch["abort_reason"]
+    seen = {t.split("\n")[0] for t in stack.standin.texts} | {
+        b["input"][0].split("\n")[0] for b in stack.standin.bodies if b.get("input")
+    }
+    assert len(seen) <= 3 + 2  # three failures, plus what two processes had in flight
+    out = stack.kidx("jobs", "--batch", str(batch_id))
+    assert out.returncode == 0 and "aborted after 3 consecutive failures" in out.stdout
+    # The provider recovers; `kidx retry --failed` indexes them all.
+    stack.standin.reset()
+    out = stack.kidx("retry", "--failed", "--json")
+    assert out.returncode == 0, out.stderr
+    sent = json.loads(out.stdout)
+    assert {s["item_id"] for s in sent} >= set(ids)
+    for s in sent:
+        stack.app.AsyncResult(s["task_id"]).get(timeout=120)
+    assert {stack.state(i)["status"] for i in ids} == {"indexed"}
+
+
+def test_worker_logs_are_json_with_ids_prefixes_and_no_key(stack):
+    item = stack.note("Logged", corpus_text("ch04-03-slices.md"))
+    task_id = enqueue(stack.db, item, app=stack.app)
+    stack.app.AsyncResult(task_id).get(timeout=60)
+    log = stack.worker.log
+    assert API_KEY not in log
+    lines = [json.loads(x) for x in log.splitlines() if x.startswith("{")]
+    ours = [x for x in lines if x.get("task_id") == task_id]
+    assert any(x["event"].startswith("[Chunk]") and x["item_id"] == item for x in ours)
+    assert any(x["event"] == "[KI Embed] indexed" and x["item_id"] == item for x in ours)
+    assert all("timestamp" in x and "level" in x for x in lines)
+
+
+def test_reindex_all_wait_shows_a_summary_and_jobs_list_the_runs(stack):
+    out = stack.kidx("reindex", "--all", "--wait", "--timeout", "120", timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "done:" in out.stdout and "failed" in out.stdout
+    jobs = json.loads(stack.kidx("jobs", "--json").stdout)
+    assert jobs and {"task_id", "state", "duration_ms", "error", "item_id"} <= set(jobs[0])
+    out = stack.kidx("enqueue", "1", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)[0]["item_id"] == 1

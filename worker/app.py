@@ -1,0 +1,72 @@
+"""The Celery app: the only module of `worker/` that imports Celery.
+
+    celery -A worker.app worker --pool=prefork --concurrency=2 --statedb=data/worker-%n.state
+
+Reliability (LESSONS.md): JSON only; a task is acknowledged after it ran (`acks_late`) and put
+back when its process dies (`task_reject_on_worker_lost`); one task prefetched per process; the
+Redis visibility timeout is above the hard time limit (or Redis would hand a running task to a
+second worker), and is the same wherever Celery reads one. Events, `task_track_started` and
+`result_extended` feed Flower, the Tasks page.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, signals
+
+from worker.log import configure_logging
+from worker.settings import Settings, load_settings
+
+TASK_MODULES = ["tasks.index", "tasks.cancel"]
+
+
+def create_app(settings: Settings) -> Celery:
+    """A Celery app configured from `settings` (tests and host applications make their own)."""
+    t = settings.tasks
+    transport = {"visibility_timeout": t.visibility_timeout}
+    app = Celery("kidx", broker=settings.broker_url, backend=settings.backend_url)
+    app.conf.update(
+        include=TASK_MODULES,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        event_serializer="json",
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options=transport,
+        result_backend_transport_options=transport,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        task_track_started=True,
+        result_extended=True,
+        task_soft_time_limit=t.soft_time_limit,
+        task_time_limit=t.time_limit,
+        worker_hijack_root_logger=False,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        broker_connection_retry_on_startup=True,
+        result_expires=7 * 24 * 3600,
+        worker_concurrency=t.concurrency,
+        enable_utc=True,
+    )
+    app.kidx_settings = settings  # type: ignore[attr-defined]
+    return app
+
+
+settings = load_settings()
+app = create_app(settings)
+
+
+@signals.setup_logging.connect
+def _logging(loglevel: Any = None, logfile: str | None = None, **_: Any) -> None:
+    """Celery's own lines and ours, one JSON shape, once per process (not Celery's set-up)."""
+    stream = open(logfile, "a", buffering=1, encoding="utf-8") if logfile else None  # noqa: SIM115
+    if isinstance(loglevel, int):
+        loglevel = logging.getLevelName(loglevel)
+    level = loglevel if isinstance(loglevel, str) else settings.log_level
+    configure_logging(
+        fmt=settings.log_format, level=level.lower(), secrets=settings.secrets(), stream=stream
+    )
