@@ -22,6 +22,7 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded
 from tasks import KNOWLEDGE_ITEM, NOTE
 from tasks.cancel import TERMINATED, CancelToken, running
 from tasks.lock import ItemLock
+from tasks.producer import enqueue
 from tasks.runtime import Runtime, get_runtime
 from worker.app import app, settings
 from worker.chunking import text_hash
@@ -106,7 +107,10 @@ def _run(task: Task, item_id: int, reason: str | None, batch_id: int | None) -> 
             other = NOTE if item.kind == "note" else KNOWLEDGE_ITEM
             raise WrongTaskKind(f"item {item_id} is a {item.kind}: send {other}, not {task.name}")
         result = _locked_runs(rt, item_id, task, token)
-        end(JobState.COALESCED if result["status"] == "coalesced" else JobState.SUCCESS, "ok")
+        if result["status"] == "skipped":  # no provider configured: nothing was written
+            end(JobState.SKIPPED, "skipped", result.get("error"))
+        else:
+            end(JobState.COALESCED if result["status"] == "coalesced" else JobState.SUCCESS, "ok")
         result["duration_ms"] = took()
         return result
     except (Cancelled, SoftTimeLimitExceeded) as e:
@@ -166,8 +170,8 @@ def _locked_runs(rt: Runtime, item_id: int, task: Task, token: CancelToken) -> d
     finally:
         lock.release()
     if lock.take_rerun() and _changed(rt, item_id):
-        follow = task.app.send_task(task.name, args=[item_id], kwargs={"reason": "changed"})
-        log.info(f"{KI_EMBED} changed again during the re-run: sent again", next=follow.id)
+        follow = enqueue(rt.db, item_id, app=task.app, reason="changed")
+        log.info(f"{KI_EMBED} changed again during the re-run: sent again", next=follow)
     return result.as_dict()
 
 

@@ -219,15 +219,31 @@ def test_kidx_cancel_revokes_a_running_task_and_keeps_the_previous_index(stack):
     assert not [x for x in lines if x.get("task_id") == task_id and x["level"] == "error"]
 
 
-def test_a_queued_revoked_task_never_runs(stack):
+def test_a_queued_revoked_task_never_runs_even_after_a_worker_restart(stack):
     item = stack.note("Never", "A note that is never indexed.")
-    task_id = enqueue(stack.db, item, app=stack.app, countdown=3)
+    due = time.monotonic() + 6
+    task_id = enqueue(stack.db, item, app=stack.app, countdown=6)
+    wait_for(
+        lambda: task_id in str(stack.app.control.inspect(timeout=1).scheduled()),
+        10,
+        "the worker to hold the delayed task",
+    )
     out = stack.kidx("cancel", task_id)
     assert out.returncode == 0, out.stderr
-    wait_for(lambda: stack.app.AsyncResult(task_id).state == "REVOKED", 20, "REVOKED")
-    time.sleep(0.5)
+    # The worker restarts before the task is due: the revoke must survive it.
+    stack.worker.stop()
+    stack.worker = start_worker(stack.env, stack.tmp, stack.app)
+    wait_for(lambda: stack.app.AsyncResult(task_id).state == "REVOKED", 30, "REVOKED")
+    # Proving that something did not happen takes its time: until the task was due, and a bit.
+    time.sleep(max(0.0, due + 2 - time.monotonic()))
     assert stack.state(item)["status"] == "pending"
     assert stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
+    assert (
+        stack.db.scalar(
+            "SELECT count(*) FROM index_jobs WHERE task_id = ? AND state != 'queued'", (task_id,)
+        )
+        == 0
+    )  # it never started
 
 
 def test_a_batch_against_a_dead_provider_aborts_after_three_failures(stack):

@@ -51,6 +51,7 @@ from worker.chunking.markdown import Layout, scan
 WINDOW = 500
 """A paragraph break becomes a cut only if no stronger candidate lies within this distance."""
 
+_FENCE_START = re.compile(r"[ \t]*(?:`{3}|~{3})")
 _SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+")
 _LINE_END = re.compile(r"\n")
 _SPACE = re.compile(r"\s+")
@@ -187,6 +188,8 @@ class _Plan:
                 p = min(found, key=lambda q: abs(q - expected))
             if not self.first < p < self.last or self._inside_small_fence(p):
                 continue
+            if text[p - 1] != "\n" and self._splits_a_fence_like_line(p):
+                continue
             kept.append(p)
             shift, last = p - old_start, p
         if not kept:
@@ -215,6 +218,11 @@ class _Plan:
         if c >= self.last or c in self.heading_set:
             return self.max_size
         return self.max_size - self.overlap
+
+    def _splits_a_fence_like_line(self, p: int) -> bool:
+        """A cut inside a line must not leave either half looking like a fence's opening."""
+        line_start = self.text.rfind("\n", 0, p) + 1
+        return bool(_FENCE_START.match(self.text, line_start) or _FENCE_START.match(self.text, p))
 
     def _inside_small_fence(self, p: int) -> bool:
         fences = self.small_fences
