@@ -298,3 +298,29 @@ def test_reindex_all_wait_shows_a_summary_and_jobs_list_the_runs(stack):
     assert jobs and {"task_id", "state", "duration_ms", "error", "item_id"} <= set(jobs[0])
     out = stack.kidx("enqueue", "1", "--json")
     assert out.returncode == 0 and json.loads(out.stdout)[0]["item_id"] == 1
+
+
+def test_a_transient_failure_is_retried_with_backoff_and_then_succeeds(stack):
+    item = stack.note("Flaky", corpus_text("ch04-03-slices.md"))
+    # The first run's batch and its three texts tried alone are refused; the retry is served.
+    stack.standin.fail_status, stack.standin.fail_times = 503, 4
+    task_id = enqueue(stack.db, item, app=stack.app)
+    result = stack.app.AsyncResult(task_id).get(timeout=60)
+    assert result["status"] == "indexed"
+    runs = stack.db.all(
+        "SELECT attempt, state, error FROM index_jobs WHERE task_id = ? ORDER BY attempt",
+        (task_id,),
+    )
+    assert [(a, s) for a, s, _ in runs] == [(0, "retry"), (1, "success")]
+    assert "HTTP 503" in runs[0][2] and "after" in runs[0][2]
+
+
+def test_a_permanent_failure_is_not_retried(stack):
+    item = stack.note("Refused", "A note the provider refuses outright.")
+    stack.standin.fail_status = 401
+    task_id = enqueue(stack.db, item, app=stack.app)
+    with pytest.raises(Exception, match="HTTP 401"):
+        stack.app.AsyncResult(task_id).get(timeout=60)
+    runs = stack.db.all("SELECT attempt, state FROM index_jobs WHERE task_id = ?", (task_id,))
+    assert runs == [(0, "failed")]
+    assert stack.standin.requests == 1
