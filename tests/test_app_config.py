@@ -1,0 +1,45 @@
+"""The Celery app's reliability settings (LESSONS.md), and their validation at start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.app import TASK_MODULES, create_app
+from worker.errors import ConfigError
+from worker.settings import load_settings
+
+
+def test_json_only_acks_late_reject_on_lost_prefetch_one_and_one_visibility_timeout():
+    settings = load_settings(
+        tasks={"time_limit": 900, "soft_time_limit": 800, "visibility_timeout": 1200}
+    )
+    conf = create_app(settings).conf
+    assert conf.accept_content == ["json"] and conf.result_accept_content == ["json"]
+    assert conf.task_serializer == conf.result_serializer == "json"
+    assert conf.task_acks_late and conf.task_reject_on_worker_lost
+    assert conf.worker_prefetch_multiplier == 1
+    assert conf.broker_transport_options["visibility_timeout"] == 1200
+    assert conf.result_backend_transport_options["visibility_timeout"] == 1200
+    assert conf.task_time_limit == 900 and conf.task_soft_time_limit == 800
+    assert conf.worker_send_task_events and conf.task_send_sent_event
+    assert conf.task_track_started and conf.result_extended
+    assert set(TASK_MODULES) <= set(conf.include)
+
+
+def test_the_tasks_have_the_seeds_names():
+    import tasks.index  # noqa: F401 - registers the tasks on the app
+    from worker.app import app
+
+    assert {"GenerateEmbedding", "GenerateKnowledgeItemEmbedding"} <= set(app.tasks)
+
+
+@pytest.mark.parametrize(
+    "tasks",
+    [
+        {"time_limit": 600, "soft_time_limit": 600},
+        {"time_limit": 700, "soft_time_limit": 600, "visibility_timeout": 700},
+    ],
+)
+def test_limits_out_of_order_are_refused_at_start(tasks):
+    with pytest.raises(ConfigError, match="KIDX_TASKS"):
+        load_settings(tasks=tasks)
