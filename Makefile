@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run demo stack-stop test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,23 @@ run: setup
 	$(VENV)/bin/kidx index --all --inline
 	$(VENV)/bin/kidx status
 	$(VENV)/bin/kidx search "how does ownership move a String" -k 3
+
+# The worker system on this machine: Redis (started only if none answers), a worker, beat and
+# Flower (generated credentials, loopback only); the corpus indexed through the queue; a search.
+# `make stack-stop` ends what it started.
+DEMO_CORPUS := ../shared/corpus/rustbook
+demo: setup
+	$(PY) -m ops.stack start --demo
+	$(VENV)/bin/kidx init
+	if [ -d $(DEMO_CORPUS) ]; then $(PY) ops/scripts/load_corpus.py $(DEMO_CORPUS); \
+	else $(PY) ops/scripts/sample_notes.py; fi
+	$(VENV)/bin/kidx reindex --all --wait --timeout 900
+	$(VENV)/bin/kidx search "how does ownership move a String" -k 3
+	$(PY) -m ops.stack status
+	@echo "Tasks page: the Flower address and credentials above; stop with: make stack-stop"
+
+stack-stop:
+	$(PY) -m ops.stack stop
 
 test: setup
 	$(PY) -m ruff check .

@@ -186,9 +186,7 @@ class _Plan:
                 if not found:
                     continue
                 p = min(found, key=lambda q: abs(q - expected))
-            if not self.first < p < self.last or self._inside_small_fence(p):
-                continue
-            if text[p - 1] != "\n" and self._splits_a_fence_like_line(p):
+            if not self.first < p < self.last or not self._cuttable(p):
                 continue
             kept.append(p)
             shift, last = p - old_start, p
@@ -219,6 +217,13 @@ class _Plan:
             return self.max_size
         return self.max_size - self.overlap
 
+    def _cuttable(self, p: int) -> bool:
+        """Not inside a fenced block that stays whole, and, inside a line, not where either
+        half would look like a fence's opening on its own."""
+        if self._inside_small_fence(p):
+            return False
+        return self.text[p - 1] == "\n" or not self._splits_a_fence_like_line(p)
+
     def _splits_a_fence_like_line(self, p: int) -> bool:
         """A cut inside a line must not leave either half looking like a fence's opening."""
         line_start = self.text.rfind("\n", 0, p) + 1
@@ -241,7 +246,7 @@ class _Plan:
             for m in pattern.finditer(self.text, lo, hi):
                 p = m.end()
                 closer = best < 0 or abs(p - ideal) < abs(best - ideal)
-                if p <= hi and closer and not self._inside_small_fence(p):
+                if p <= hi and closer and self._cuttable(p):
                     best = p
             if best >= 0:
                 return best

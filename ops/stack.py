@@ -1,0 +1,296 @@
+"""A local kidx stack on loopback: Redis (only when none answers), a worker, beat and Flower.
+
+    python -m ops.stack start [--demo]   idempotent; waits until the worker and Flower answer
+    python -m ops.stack status           each component's state
+    python -m ops.stack stop             SIGTERM, a bounded wait, then SIGKILL of the group
+
+Pid files are in <KIDX_DATA_DIR>/run, logs in <KIDX_DATA_DIR>/log. Redis is started (and
+stopped) here only when nothing answers at KIDX_BROKER_URL and `redis-server` is installed. The
+commands are the ones docker-compose.yml and the tests run: `worker_args()`, `beat_args()` and
+`flower_args()` return them without the paths under the data directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+from urllib.parse import urlsplit
+
+import httpx
+import redis
+
+from worker.errors import ConfigError
+from worker.settings import Settings, load_settings
+
+CELERY = ["-m", "celery", "-A", "worker.app"]
+NODE = "kidx@%h"
+PROCESSES = ("worker", "beat", "flower")  # started in this order, stopped in reverse
+MARKS = {"redis": "redis-server", "worker": "worker.app", "beat": "worker.app", "flower": "flower"}
+STOP_WAIT = {"worker": 60.0, "beat": 15.0, "flower": 15.0, "redis": 15.0}
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def worker_args(concurrency: int) -> list[str]:
+    """The worker's arguments after the interpreter, without paths under the data directory."""
+    return [*CELERY, "worker", "--pool=prefork", f"--concurrency={concurrency}",
+            "--loglevel=INFO", "-n", NODE]  # fmt: skip
+
+
+def beat_args() -> list[str]:
+    return [*CELERY, "beat", "--loglevel=INFO"]
+
+
+def flower_args(demo: bool = False) -> list[str]:
+    return ["-m", "ops.flower", *(["--demo"] if demo else [])]
+
+
+def commands(settings: Settings, data: Path, demo: bool = False) -> dict[str, list[str]]:
+    """The full command of each process, as `start` runs it."""
+    log = data / "log"
+    return {
+        "worker": [sys.executable, *worker_args(settings.tasks.concurrency),
+                   f"--statedb={data / 'worker-%n.state'}", f"--logfile={log / 'worker.log'}"],
+        "beat": [sys.executable, *beat_args(), f"--schedule={data / 'beat-schedule'}",
+                 f"--logfile={log / 'beat.log'}"],
+        "flower": [sys.executable, *flower_args(demo)],
+    }  # fmt: skip
+
+
+class Stack:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.data = Path(settings.data_dir).resolve()
+        self.url = settings.broker_url
+
+    def pid_file(self, name: str) -> Path:
+        return self.data / "run" / f"{name}.pid"
+
+    def log_file(self, name: str) -> Path:
+        return self.data / "log" / f"{name}.log"
+
+    def pid(self, name: str) -> int | None:
+        """The pid in the component's pid file, if that process still runs."""
+        try:
+            pid = int(self.pid_file(name).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        return pid if alive(pid, MARKS[name]) else None
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        try:
+            text = self.log_file(name).read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(f"    {line}" for line in text[-lines:])
+
+    def flower_url(self) -> str:
+        address = self.settings.flower.address
+        if address in {"", "0.0.0.0", "::"} or not self.settings.flower.password:
+            address = "127.0.0.1"  # --demo binds loopback
+        return f"http://{address}:{self.settings.flower.port}/"
+
+    def demo_line(self) -> str | None:
+        """The credentials line `python -m ops.flower --demo` printed at this start, if any."""
+        with contextlib.suppress(OSError):
+            lines = self.log_file("flower").read_text(errors="replace").splitlines()
+            return next((s for s in reversed(lines) if s.startswith("Flower: http")), None)
+        return None
+
+
+def alive(pid: int, mark: str) -> bool:
+    """Whether `pid` runs and is still the program `mark` names (not a reused pid, no zombie)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+        return mark.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc here: trust the pid
+
+
+def wait_until(check: Callable[[], bool], timeout: float, every: float = 0.25) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(every)
+    return check()
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+    except ValueError:
+        return False
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def start_redis(stack: Stack) -> None:
+    if redis_answers(stack.url):
+        mine = stack.pid("redis")
+        print(f"redis   running at {stack.url}" + (f" (pid {mine})" if mine else ""))
+        return
+    parts = urlsplit(stack.url)
+    binary = shutil.which("redis-server")
+    if parts.scheme != "redis" or parts.hostname not in LOOPBACK or binary is None:
+        todo = (
+            "no redis-server is installed here: install it (apt-get install redis-server)"
+            if binary is None
+            else "it is not a local redis:// URL: start that Redis"
+        )
+        fail(f"error: no Redis answers at KIDX_BROKER_URL={stack.url} and {todo}, or point "
+             "KIDX_BROKER_URL at a running Redis")  # fmt: skip
+    (stack.data / "redis").mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [binary, "--daemonize", "yes", "--bind", "127.0.0.1", "--port", str(parts.port or 6379),
+         "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction",
+         "--dir", str(stack.data / "redis"), "--pidfile", str(stack.pid_file("redis")),
+         "--logfile", str(stack.log_file("redis"))],
+        check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    if not wait_until(lambda: redis_answers(stack.url), 10):
+        fail(f"error: redis-server did not answer within 10 s:\n{stack.tail('redis')}")
+    print(f"redis   started at {stack.url} (pid {stack.pid('redis')})")
+
+
+def spawn(stack: Stack, name: str, cmd: list[str]) -> int:
+    """Start `cmd` detached (a new session: its pid is its process group), output to its log."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if name == "flower" else os.O_APPEND)
+    fd = os.open(stack.log_file(name), flags, 0o600)  # Flower's holds the demo password
+    try:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True
+        )
+    finally:
+        os.close(fd)
+    stack.pid_file(name).write_text(f"{proc.pid}\n")
+    return proc.pid
+
+
+def start(stack: Stack, demo: bool) -> None:
+    f = stack.settings.flower
+    if not demo and not (f.user and f.password) and stack.pid("flower") is None:
+        fail("error: Flower needs KIDX_FLOWER__USER and KIDX_FLOWER__PASSWORD (or start --demo)", 2)
+    for sub in ("run", "log"):
+        (stack.data / sub).mkdir(parents=True, exist_ok=True)
+    start_redis(stack)
+    for name, cmd in commands(stack.settings, stack.data, demo).items():
+        pid = stack.pid(name)
+        state = "already running" if pid else "started"
+        pid = pid or spawn(stack, name, cmd)
+        print(f"{name:<7} {state} (pid {pid}), log {stack.log_file(name)}")
+
+    from celery.utils.nodenames import gethostname
+
+    from worker.app import create_app
+
+    app, node = create_app(stack.settings), f"kidx@{gethostname()}"
+
+    def worker_ready() -> bool:
+        try:
+            return any(node in r for r in app.control.ping([node], timeout=1.0) or [])
+        except Exception:
+            return False
+
+    def flower_ready() -> bool:
+        try:
+            return httpx.get(stack.flower_url() + "healthcheck", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    for name, ready, timeout in (("worker", worker_ready, 90.0), ("flower", flower_ready, 60.0)):
+
+        def up(name: str = name, ready: Callable[[], bool] = ready) -> bool:
+            return stack.pid(name) is None or ready()
+
+        if not wait_until(up, timeout) or stack.pid(name) is None:
+            fail(f"error: the {name} did not answer within {timeout:.0f} s; the end of "
+                 f"{stack.log_file(name)}:\n{stack.tail(name)}\n"
+                 "(python -m ops.stack stop ends what did start)")  # fmt: skip
+    print(f"worker  {node} answers a ping")
+    print(f"flower  {stack.flower_url()} answers")
+    line = stack.demo_line()
+    if line:
+        print(line)
+
+
+def stop_one(stack: Stack, name: str) -> str:
+    pid = stack.pid(name)
+    if pid is None:
+        had = stack.pid_file(name).exists()
+        stack.pid_file(name).unlink(missing_ok=True)
+        return "not running" + (" (stale pid file removed)" if had else "")
+    os.kill(pid, signal.SIGTERM)
+    graceful = wait_until(lambda: not alive(pid, MARKS[name]), STOP_WAIT[name])
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)  # what is left of its group (pool processes, too)
+    wait_until(lambda: not alive(pid, MARKS[name]), 5)
+    stack.pid_file(name).unlink(missing_ok=True)
+    return f"stopped (pid {pid})" + ("" if graceful else ", killed after the wait")
+
+
+def stop(stack: Stack) -> None:
+    for name in (*reversed(PROCESSES), "redis"):
+        if name == "redis" and not stack.pid_file(name).exists():
+            print(f"redis   left alone at {stack.url} (not started here)")
+            continue
+        print(f"{name:<7} {stop_one(stack, name)}")
+
+
+def status(stack: Stack) -> None:
+    mine = stack.pid("redis")
+    if redis_answers(stack.url):
+        owner = f"pid {mine}, started here" if mine else "not started here"
+        print(f"redis   running at {stack.url} ({owner})")
+    else:
+        print(f"redis   stopped (nothing answers at {stack.url})")
+    for name in PROCESSES:
+        pid = stack.pid(name)
+        where = f", {stack.flower_url()}" if name == "flower" else ""
+        print(f"{name:<7} " + (f"running (pid {pid}){where}" if pid else "stopped"))
+    line = stack.demo_line() if stack.pid("flower") else None
+    if line:
+        print(line)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("action", choices=["start", "stop", "status"])
+    ap.add_argument("--demo", action="store_true", help="Flower with generated credentials")
+    args = ap.parse_args(argv)
+    try:
+        stack = Stack(load_settings())
+    except ConfigError as e:
+        fail(f"error: {e}", 2)
+    if args.action == "start":
+        start(stack, args.demo)
+    elif args.action == "stop":
+        stop(stack)
+    else:
+        status(stack)
+
+
+if __name__ == "__main__":
+    main()

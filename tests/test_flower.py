@@ -1,0 +1,307 @@
+"""Flower, the Tasks page, against real processes: Redis, a prefork worker, Flower, the stand-in.
+
+What an operator relies on: the API is closed without the credentials; the list shows what each
+task did (runtime and result, the failure's reason and duration, REVOKED) and what it is about
+(kind and title); the revoke button cancels a running task, plain or with terminate, without a
+FAILURE and without touching the previous index; the history survives a Flower restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from conftest import corpus_text
+from ops.standin import StandIn
+from stack import (
+    REDIS_DB,
+    broker_url,
+    flush,
+    free_port,
+    queue_env,
+    start_flower,
+    start_worker,
+    wait_for,
+    worker_pids,
+)
+from tasks.cancel import revoked_key
+from tasks.lock import lock_key
+from tasks.producer import enqueue
+from worker.app import create_app
+from worker.chunking import chunk
+from worker.settings import load_settings
+from worker.store import connect
+from worker.store.items import add_item, get_state, update_content
+
+USER, PASSWORD = "ops", "flower-pass-123"  # what queue_env gives Flower
+WORKER = "flower1"
+CHAPTER = "ch10-02-traits.md"  # 20 chunks: 5 provider calls of 4 texts
+PROVIDER_DELAY = 1.0  # seconds per provider call while a run is cancelled
+
+
+class FlowerStack:
+    def __init__(self, tmp: Path, standin: StandIn) -> None:
+        self.tmp = tmp
+        self.standin = standin
+        self.env = queue_env(tmp, standin.base_url)
+        self.settings = load_settings(
+            db=tmp / "kidx.db", broker_url=broker_url(),
+            embedding={"provider": "openai", "model": "standin-embed",
+                       "base_url": standin.base_url, "dimensions": 64},
+        )  # fmt: skip
+        self.app = create_app(self.settings)
+        self.db = connect(tmp / "kidx.db", embedding=self.settings.embedding)
+        self.redis = redis.Redis.from_url(broker_url())
+        self.worker = start_worker(self.env, tmp, self.app, name=WORKER)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.http = httpx.Client(base_url=self.url, auth=(USER, PASSWORD), timeout=10)
+        self.flower = self._start_flower()
+
+    def _start_flower(self) -> Any:
+        proc = start_flower(self.env, self.tmp, self.port)
+
+        def sees_the_worker() -> bool:  # its event receiver is up: the worker's heartbeats
+            text = httpx.get(f"{self.url}/metrics", timeout=2).text
+            return bool(re.search(rf'flower_worker_online\{{worker="{WORKER}@[^"]*"\}} 1\.0', text))
+
+        wait_for(sees_the_worker, 30, "Flower to see the worker's heartbeat", every=0.2)
+        return proc
+
+    def restart_flower(self) -> None:
+        self.flower.stop()
+        self.flower = self._start_flower()
+
+    def note(self, title: str, text: str) -> int:
+        return add_item(self.db, kind="note", title=title, content=text)
+
+    def flower_task(self, task_id: str) -> dict[str, Any] | None:
+        r = self.http.get(f"/api/task/info/{task_id}")
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        return r.json()
+
+    def flower_tasks(self) -> dict[str, dict[str, Any]]:
+        r = self.http.get("/api/tasks")
+        r.raise_for_status()
+        return r.json()
+
+    def flower_state(self, task_id: str, state: str, timeout: float = 15) -> dict[str, Any]:
+        def reached() -> dict[str, Any] | None:
+            task = self.flower_tasks().get(task_id)
+            return task if task and task.get("state") == state else None
+
+        return wait_for(reached, timeout, f"Flower to list {task_id} as {state}", every=0.1)
+
+    def pool(self) -> list[int]:
+        stats = self.app.control.inspect(timeout=1.0).stats() or {}
+        mine = [s for name, s in stats.items() if name.startswith(f"{WORKER}@")]
+        return list(mine[0]["pool"]["processes"]) if mine else []
+
+    def close(self) -> None:
+        self.http.close()
+        self.flower.stop()
+        self.worker.stop()
+        self.db.close()
+        self.redis.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowerStack]:
+    flush(REDIS_DB)
+    with StandIn(dimensions=64) as standin:
+        s = FlowerStack(tmp_path_factory.mktemp("flower"), standin)
+        try:
+            yield s
+        finally:
+            s.close()
+            flush(REDIS_DB)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_standin(stack: FlowerStack) -> None:
+    stack.standin.reset()
+
+
+def chunk_rows(db, item_id: int) -> list[tuple]:
+    """Every column of the item's chunks and their vectors."""
+    return db.all(
+        "SELECT c.*, e.* FROM note_chunks c LEFT JOIN note_chunk_embeddings e "
+        "ON e.chunk_id = c.id WHERE c.item_id = ? ORDER BY c.chunk_index",
+        (item_id,),
+    )
+
+
+def job_state(db, task_id: str) -> str | None:
+    return db.scalar(
+        "SELECT state FROM index_jobs WHERE task_id = ? ORDER BY attempt DESC LIMIT 1", (task_id,)
+    )
+
+
+def log_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in text.splitlines() if x.startswith("{")]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_tasks_api_answers_only_with_the_credentials(stack):
+    url = f"{stack.url}/api/tasks"
+    assert httpx.get(url, timeout=5).status_code == 401
+    assert httpx.get(url, auth=(USER, "wrong-pass"), timeout=5).status_code == 401
+    assert httpx.get(url, auth=("intruder", PASSWORD), timeout=5).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Basic !!!"}, timeout=5).status_code == 401
+    ok = httpx.get(url, auth=(USER, PASSWORD), timeout=5)
+    assert ok.status_code == 200 and isinstance(ok.json(), dict)
+    # The revoke button is closed too: nothing is recorded for a task nobody may revoke.
+    fake = "00000000-0000-4000-8000-000000000001"
+    assert httpx.post(f"{stack.url}/api/task/revoke/{fake}", timeout=5).status_code == 401
+    time.sleep(0.3)
+    assert not stack.redis.exists(revoked_key(fake))
+
+
+def test_flower_lists_succeeded_failed_and_revoked_tasks_with_what_they_are_about(stack):
+    queued = stack.note("Revoked while queued", "A note whose task is revoked before it runs.")
+    item = stack.note("Slices in Flower", corpus_text("ch04-03-slices.md"))
+    later = enqueue(stack.db, queued, app=stack.app, countdown=2)
+    assert stack.http.post(f"/api/task/revoke/{later}").status_code == 200
+    done = enqueue(stack.db, item, app=stack.app, reason="flower-test")
+    missing = stack.app.send_task("GenerateEmbedding", args=[987654])
+    result = stack.app.AsyncResult(done).get(timeout=60)
+    assert result["status"] == "indexed"
+    with pytest.raises(Exception, match="no item with id 987654"):
+        missing.get(timeout=30)
+
+    succeeded = stack.flower_state(done, "SUCCESS")
+    assert isinstance(succeeded["runtime"], float) and succeeded["runtime"] > 0
+    assert "'status': 'indexed'" in succeeded["result"]
+    assert f"'chunks': {result['chunks']}" in succeeded["result"]
+    assert succeeded["name"] == "GenerateEmbedding" and succeeded["args"] == f"[{item}]"
+    assert "'kind': 'note'" in succeeded["kwargs"]
+    assert "'title': 'Slices in Flower'" in succeeded["kwargs"]
+    assert "flower-test" in succeeded["kwargs"]
+
+    failed = stack.flower_state(missing.id, "FAILURE")
+    assert "no item with id 987654" in failed["exception"]
+    assert re.search(r"\(after \d+\.\d s\)", failed["exception"]), failed["exception"]
+
+    revoked = stack.flower_state(later, "REVOKED", timeout=20)
+    assert "'title': 'Revoked while queued'" in revoked["kwargs"]
+    assert stack.app.AsyncResult(later).state == "REVOKED"
+    assert get_state(stack.db, queued)["status"] == "pending"  # it never ran
+    assert stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (queued,)) == 0
+    # The same answers through /api/task/info.
+    assert stack.flower_task(done)["state"] == "SUCCESS"
+    assert stack.flower_task(missing.id)["state"] == "FAILURE"
+
+
+TERMINATE_BUG = (
+    "billiard's Worker.after_fork calls reset_signals() after Celery's process_initializer, so "
+    "the SIGTERM handler that tasks.cancel installs on worker_process_init is replaced by "
+    "billiard's _shutdown_cleanup: terminate=True kills the pool process mid-run and the item "
+    "stays 'indexing', its index_jobs row 'started'"
+)
+
+
+@pytest.mark.parametrize(
+    "terminate",
+    [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=TERMINATE_BUG))],
+    ids=["plain", "terminate"],
+)
+def test_revoking_a_running_task_in_flower_cancels_it_and_keeps_the_index(stack, terminate):
+    text = corpus_text(CHAPTER)
+    item = stack.note(f"Cancelled in Flower ({terminate=})", text)
+    first = stack.app.AsyncResult(enqueue(stack.db, item, app=stack.app)).get(timeout=60)
+    assert first["status"] == "indexed" and first["chunks"] == 20
+    before = chunk_rows(stack.db, item)
+    assert len(before) == 20 and all(row[-1] is not None for row in before)
+    changed = text.replace("trait", "capability")
+    update_content(stack.db, item, changed)
+
+    stack.standin.delay = PROVIDER_DELAY
+    task_id = enqueue(stack.db, item, app=stack.app)
+
+    def new_version_seen() -> bool:
+        return any(
+            "capability" in text
+            for body in list(stack.standin.bodies)
+            for text in (body.get("input") or [])
+        )
+
+    wait_for(new_version_seen, 30, "the run of the new version to reach the provider")
+    pid = wait_for(lambda: worker_pids(stack.app).get(task_id), 10, "the task's pool process")
+
+    sent = time.monotonic()
+    params = {"terminate": "true"} if terminate else {}
+    r = stack.http.post(f"/api/task/revoke/{task_id}", params=params)
+    assert r.status_code == 200, r.text
+    # The run stops within 5 s plus one provider call (and a second of slack).
+    bound = 5 + PROVIDER_DELAY + 1
+    wait_for(lambda: job_state(stack.db, task_id) == "revoked", bound, "the run to stop")
+    assert time.monotonic() - sent < bound + 0.2
+
+    assert stack.app.AsyncResult(task_id).state == "REVOKED"
+    assert stack.flower_state(task_id, "REVOKED")["state"] == "REVOKED"
+    assert get_state(stack.db, item)["status"] == "cancelled"
+    assert chunk_rows(stack.db, item) == before
+    assert not stack.redis.exists(lock_key(item))
+
+    if terminate:
+        # The pool process turned SIGTERM into the cancellation and lived, or was replaced.
+        pool = wait_for(lambda: len(p := stack.pool()) == 2 and p, 15, "two pool processes")
+        assert pid in pool or not pid_alive(pid)
+        replies = stack.app.control.ping(timeout=1.0) or []
+        assert any(WORKER in name for reply in replies for name in reply)
+
+    # The next enqueue indexes the new version normally; another item sent with it keeps the
+    # other pool process busy, so that the one that ran the cancelled task takes one of them.
+    stack.standin.delay = 0.3
+    other = stack.note(f"Sent alongside ({terminate=})", corpus_text("ch04-03-slices.md"))
+    runs = [enqueue(stack.db, item, app=stack.app), enqueue(stack.db, other, app=stack.app)]
+    again, alongside = (stack.app.AsyncResult(t).get(timeout=60) for t in runs)
+    assert again["status"] == "indexed" and alongside["status"] == "indexed"
+    assert [row[3] for row in chunk_rows(stack.db, item)] == [c.content for c in chunk(changed)]
+    assert get_state(stack.db, item)["status"] == "indexed"
+
+    # Still REVOKED, never FAILURE, everywhere; and cancellation logs no error.
+    assert stack.app.AsyncResult(task_id).state == "REVOKED"
+    assert stack.flower_task(task_id)["state"] == "REVOKED"
+    ours = [x for x in log_lines(stack.worker.log) if task_id in json.dumps(x)]
+    assert ours, "the worker logged nothing for the task"
+    assert not [x for x in ours if x.get("level") == "error"]
+
+
+def test_flower_history_survives_a_restart(stack):
+    item = stack.note("Remembered by Flower", "A short note that Flower must remember.")
+    task_id = enqueue(stack.db, item, app=stack.app)
+    stack.app.AsyncResult(task_id).get(timeout=60)
+    stack.flower_state(task_id, "SUCCESS")
+
+    stack.restart_flower()
+    assert any(p.name.startswith("flower.db") for p in (stack.tmp / "data").iterdir())
+    remembered = stack.flower_task(task_id)
+    assert remembered is not None, "the restarted Flower forgot the task"
+    assert remembered["state"] == "SUCCESS"
+    assert "'title': 'Remembered by Flower'" in remembered["kwargs"]
+    assert task_id in stack.flower_tasks()
+    # And it goes on recording.
+    newer = enqueue(
+        stack.db, stack.note("After the restart", "Seen by the new Flower."), app=stack.app
+    )
+    assert stack.app.AsyncResult(newer).get(timeout=60)["status"] == "indexed"
+    stack.flower_state(newer, "SUCCESS")
