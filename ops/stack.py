@@ -143,6 +143,7 @@ def redis_answers(url: str) -> bool:
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
+    sys.stdout.flush()
     print(message, file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -226,7 +227,8 @@ def start(stack: Stack, demo: bool) -> None:
             return stack.pid(name) is None or ready()
 
         if not wait_until(up, timeout) or stack.pid(name) is None:
-            fail(f"error: the {name} did not answer within {timeout:.0f} s; the end of "
+            what = "exited" if stack.pid(name) is None else f"did not answer in {timeout:.0f} s"
+            fail(f"error: the {name} {what}; the end of "
                  f"{stack.log_file(name)}:\n{stack.tail(name)}\n"
                  "(python -m ops.stack stop ends what did start)")  # fmt: skip
     print(f"worker  {node} answers a ping")

@@ -7,9 +7,9 @@ SIGTERM (LESSONS.md). So:
   button send) is Celery's own, wrapped: it first records the task id in Redis, where the
   running task looks between steps, then calls Celery's handler (which keeps revokes of queued
   tasks, and with `--statedb` across restarts).
-* In the pool's processes SIGTERM sets a flag instead of killing a task mid-write: the run stops
-  at its next step (within one provider call), rolls back, and the task marks itself REVOKED.
-  With no task running, SIGTERM does what it always did.
+* While a task runs, SIGTERM sets a flag instead of killing it mid-write: the run stops at its
+  next step (within one provider call), rolls back, and the task marks itself REVOKED. With no
+  task running, SIGTERM does what it always did.
 * The check also covers waiting: a provider's backoff sleeps on the token, not on time.sleep.
 """
 
@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import redis
-from celery.signals import worker_process_init
 from celery.utils.functional import maybe_list
 from celery.worker import control
 
@@ -84,13 +83,25 @@ class CancelToken:
 
 @contextmanager
 def running() -> Iterator[None]:
-    """The span in which SIGTERM cancels the task instead of ending the process."""
-    TERMINATED.clear()
+    """The span in which SIGTERM cancels the task instead of ending the process.
+
+    The handler is installed here, per run, not when the pool process starts: billiard resets
+    SIGTERM to its own exit handler after Celery's process-init signal has been sent.
+    """
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     _running.set()
     try:
         yield
     finally:
         _running.clear()
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def reset() -> None:
+    """A new task run: forget a terminate aimed at the run before."""
+    TERMINATED.clear()
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -99,11 +110,6 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-@worker_process_init.connect
-def _install_sigterm(**_: Any) -> None:
-    signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 # -- the worker's revoke command, wrapped -----------------------------------------------------

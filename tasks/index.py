@@ -20,6 +20,7 @@ from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
 
 from tasks import KNOWLEDGE_ITEM, NOTE
+from tasks import cancel as cancellation
 from tasks.cancel import TERMINATED, CancelToken, running
 from tasks.lock import ItemLock
 from tasks.producer import enqueue
@@ -62,6 +63,7 @@ def _run(task: Task, item_id: int, reason: str | None, batch_id: int | None) -> 
     req = task.request
     task_id, attempt = str(req.id), int(req.retries or 0)
     structlog.contextvars.bind_contextvars(task_id=task_id, item_id=item_id)
+    cancellation.reset()
     rt = get_runtime(settings)
 
     def took() -> int:
