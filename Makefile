@@ -1,4 +1,5 @@
 # kidx: set-up, the main job on embedded defaults, and the tests.
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu on a machine whose PyPI would serve CUDA torch.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: a bare requirement would pull a CUDA build of several GB.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[local,dev]'
 	touch $@
 

@@ -58,7 +58,7 @@ def commands(settings: Settings, data: Path, demo: bool = False) -> dict[str, li
     log = data / "log"
     return {
         "worker": [sys.executable, *worker_args(settings.tasks.concurrency),
-                   f"--statedb={data / 'worker-%n.state'}", f"--logfile={log / 'worker.log'}"],
+                   f"--statedb={data / 'worker-%h.state'}", f"--logfile={log / 'worker.log'}"],
         "beat": [sys.executable, *beat_args(), f"--schedule={data / 'beat-schedule'}",
                  f"--logfile={log / 'beat.log'}"],
         "flower": [sys.executable, *flower_args(demo)],

@@ -18,13 +18,14 @@ from typing import Any
 import structlog
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
+from celery.signals import worker_process_shutdown
 
 from tasks import KNOWLEDGE_ITEM, NOTE
 from tasks import cancel as cancellation
 from tasks.cancel import TERMINATED, CancelToken, running
 from tasks.lock import ItemLock
 from tasks.producer import enqueue
-from tasks.runtime import Runtime, get_runtime
+from tasks.runtime import Runtime, close_runtime, get_runtime
 from worker.app import app, settings
 from worker.chunking import text_hash
 from worker.errors import Cancelled, IndexAborted, KidxError, WrongTaskKind
@@ -175,6 +176,11 @@ def _locked_runs(rt: Runtime, item_id: int, task: Task, token: CancelToken) -> d
         follow = enqueue(rt.db, item_id, app=task.app, reason="changed")
         log.info(f"{KI_EMBED} changed again during the re-run: sent again", next=follow)
     return result.as_dict()
+
+
+@worker_process_shutdown.connect
+def _close(**_: Any) -> None:
+    close_runtime()
 
 
 def _changed(rt: Runtime, item_id: int) -> bool:

@@ -29,6 +29,8 @@ _current: Runtime | None = None
 def get_runtime(settings: Settings) -> Runtime:
     global _current
     if _current is None or _current.pid != os.getpid():
+        if settings.embedding.provider == "local":
+            _share_cpus(settings.tasks.concurrency)
         db = open_store(settings)
         _current = Runtime(
             settings=settings,
@@ -38,3 +40,23 @@ def get_runtime(settings: Settings) -> Runtime:
             pid=os.getpid(),
         )
     return _current
+
+
+def close_runtime() -> None:
+    """At the process's end: close the database (no -wal/-shm left behind) and the clients."""
+    global _current
+    if _current is not None and _current.pid == os.getpid():
+        if _current.embedder is not None:
+            _current.embedder.close()
+        _current.redis.close()
+        _current.db.close()
+    _current = None
+
+
+def _share_cpus(processes: int) -> None:
+    """N pool processes each running torch on every core fight over them: give each its share."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, processes)))

@@ -1,6 +1,7 @@
 """The Celery app: the only module of `worker/` that imports Celery.
 
-    celery -A worker.app worker --pool=prefork --concurrency=2 --statedb=data/worker-%n.state
+    celery -A worker.app worker --pool=prefork --concurrency=2 -n kidx@%h \
+           --statedb=data/worker-%h.state
 
 Reliability (LESSONS.md): JSON only; a task is acknowledged after it ran (`acks_late`) and put
 back when its process dies (`task_reject_on_worker_lost`); one task prefetched per process; the
