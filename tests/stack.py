@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +159,66 @@ def worker_pids(app: Any) -> dict[str, int]:
     """task id -> pid of the pool process running it, from the workers' own report."""
     active = app.control.inspect(timeout=1.0).active() or {}
     return {t["id"]: t["worker_pid"] for tasks in active.values() for t in tasks}
+
+
+class Stack:
+    """A worker on the queue tests' Redis database, a database file, the stand-in, and ways to
+    reach them (the Celery app, a connection, the `kidx` command)."""
+
+    def __init__(self, tmp: Path, standin: Any, worker: str = "w1") -> None:
+        from worker.app import create_app
+        from worker.settings import load_settings
+        from worker.store import connect
+
+        self.tmp = tmp
+        self.standin = standin
+        self.env = queue_env(tmp, standin.base_url)
+        self.settings = load_settings(
+            db=tmp / "kidx.db", broker_url=broker_url(),
+            embedding={"provider": "openai", "model": "standin-embed",
+                       "base_url": standin.base_url, "dimensions": 64},
+        )  # fmt: skip
+        self.app = create_app(self.settings)
+        self.db = connect(tmp / "kidx.db", embedding=self.settings.embedding)
+        self.redis = redis.Redis.from_url(broker_url())
+        self.worker_name = worker
+        self.worker = start_worker(self.env, tmp, self.app, name=worker)
+
+    def kidx(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        exe = str(Path(sys.executable).parent / "kidx")
+        return subprocess.run([exe, *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, cwd=str(self.tmp))  # fmt: skip
+
+    def note(self, title: str, text: str) -> int:
+        from worker.store.items import add_item
+
+        return add_item(self.db, kind="note", title=title, content=text)
+
+    def state(self, item_id: int) -> dict[str, Any]:
+        from worker.store.items import get_state
+
+        return get_state(self.db, item_id)
+
+    def restart_worker(self) -> None:
+        self.worker.stop()
+        self.worker = start_worker(self.env, self.tmp, self.app, name=self.worker_name)
+
+    def close(self) -> None:
+        self.worker.stop()
+        self.db.close()
+        self.redis.close()
+
+
+@contextlib.contextmanager
+def running_stack(tmp: Path, make: Callable[[Path, Any], Stack]) -> Iterator[Stack]:
+    """A stack on a flushed database, flushed again afterwards, with nothing left running."""
+    from ops.standin import StandIn
+
+    flush(REDIS_DB)
+    with StandIn(dimensions=64) as standin:
+        s = make(tmp, standin)
+        try:
+            yield s
+        finally:
+            s.close()
+            flush(REDIS_DB)

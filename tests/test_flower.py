@@ -18,29 +18,22 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from conftest import corpus_text
 from ops.standin import StandIn
 from stack import (
-    REDIS_DB,
-    broker_url,
-    flush,
+    Stack,
     free_port,
-    queue_env,
+    running_stack,
     start_flower,
-    start_worker,
     wait_for,
     worker_pids,
 )
 from tasks.cancel import revoked_key
 from tasks.lock import lock_key
 from tasks.producer import enqueue
-from worker.app import create_app
 from worker.chunking import chunk
-from worker.settings import load_settings
-from worker.store import connect
-from worker.store.items import add_item, get_state, update_content
+from worker.store.items import get_state, update_content
 
 USER, PASSWORD = "ops", "flower-pass-123"  # what queue_env gives Flower
 WORKER = "flower1"
@@ -48,20 +41,9 @@ CHAPTER = "ch10-02-traits.md"  # 20 chunks: 5 provider calls of 4 texts
 PROVIDER_DELAY = 1.0  # seconds per provider call while a run is cancelled
 
 
-class FlowerStack:
+class FlowerStack(Stack):
     def __init__(self, tmp: Path, standin: StandIn) -> None:
-        self.tmp = tmp
-        self.standin = standin
-        self.env = queue_env(tmp, standin.base_url)
-        self.settings = load_settings(
-            db=tmp / "kidx.db", broker_url=broker_url(),
-            embedding={"provider": "openai", "model": "standin-embed",
-                       "base_url": standin.base_url, "dimensions": 64},
-        )  # fmt: skip
-        self.app = create_app(self.settings)
-        self.db = connect(tmp / "kidx.db", embedding=self.settings.embedding)
-        self.redis = redis.Redis.from_url(broker_url())
-        self.worker = start_worker(self.env, tmp, self.app, name=WORKER)
+        super().__init__(tmp, standin, worker=WORKER)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(base_url=self.url, auth=(USER, PASSWORD), timeout=10)
@@ -80,9 +62,6 @@ class FlowerStack:
     def restart_flower(self) -> None:
         self.flower.stop()
         self.flower = self._start_flower()
-
-    def note(self, title: str, text: str) -> int:
-        return add_item(self.db, kind="note", title=title, content=text)
 
     def flower_task(self, task_id: str) -> dict[str, Any] | None:
         r = self.http.get(f"/api/task/info/{task_id}")
@@ -111,21 +90,13 @@ class FlowerStack:
     def close(self) -> None:
         self.http.close()
         self.flower.stop()
-        self.worker.stop()
-        self.db.close()
-        self.redis.close()
+        super().close()
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowerStack]:
-    flush(REDIS_DB)
-    with StandIn(dimensions=64) as standin:
-        s = FlowerStack(tmp_path_factory.mktemp("flower"), standin)
-        try:
-            yield s
-        finally:
-            s.close()
-            flush(REDIS_DB)
+    with running_stack(tmp_path_factory.mktemp("flower"), FlowerStack) as s:
+        yield s
 
 
 @pytest.fixture(autouse=True)

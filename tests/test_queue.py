@@ -5,89 +5,35 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import redis
 from celery import Celery
 
 from conftest import corpus_text
-from ops.standin import StandIn
 from stack import (
     API_KEY,
-    REDIS_DB,
+    Stack,
     broker_url,
-    flush,
-    queue_env,
-    start_worker,
+    running_stack,
     wait_for,
     worker_pids,
 )
 from tasks.lock import lock_key
 from tasks.producer import enqueue, send_batch
-from worker.app import create_app
 from worker.chunking import chunk
-from worker.settings import load_settings
-from worker.store import connect
-from worker.store.items import add_item, get_state, update_content
+from worker.store.items import update_content
 
 RESULT_FIELDS = {"status", "chunk_method", "chunks", "reused", "embedded", "failed", "dimensions",
                  "model", "duration_ms"}  # fmt: skip
 CHAPTER = "ch10-02-traits.md"  # 20 chunks
 
 
-class Stack:
-    def __init__(self, tmp: Path, standin: StandIn) -> None:
-        self.tmp = tmp
-        self.standin = standin
-        self.env = queue_env(tmp, standin.base_url)
-        self.settings = load_settings(
-            db=tmp / "kidx.db", broker_url=broker_url(),
-            embedding={"provider": "openai", "model": "standin-embed",
-                       "base_url": standin.base_url, "dimensions": 64},
-        )  # fmt: skip
-        self.app = create_app(self.settings)
-        self.db = connect(tmp / "kidx.db", embedding=self.settings.embedding)
-        self.redis = redis.Redis.from_url(broker_url())
-        self.worker = start_worker(self.env, tmp, self.app)
-
-    def kidx(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        exe = str(Path(sys.executable).parent / "kidx")
-        return subprocess.run(
-            [exe, *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=str(self.tmp),
-        )
-
-    def note(self, title: str, text: str) -> int:
-        return add_item(self.db, kind="note", title=title, content=text)
-
-    def state(self, item_id: int) -> dict[str, object]:
-        return get_state(self.db, item_id)
-
-    def close(self) -> None:
-        self.worker.stop()
-        self.db.close()
-        self.redis.close()
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    flush(REDIS_DB)
-    with StandIn(dimensions=64) as standin:
-        s = Stack(tmp_path_factory.mktemp("queue"), standin)
-        try:
-            yield s
-        finally:
-            s.close()
-            flush(REDIS_DB)
+    with running_stack(tmp_path_factory.mktemp("queue"), Stack) as s:
+        yield s
 
 
 @pytest.fixture(autouse=True)
@@ -231,8 +177,7 @@ def test_a_queued_revoked_task_never_runs_even_after_a_worker_restart(stack):
     out = stack.kidx("cancel", task_id)
     assert out.returncode == 0, out.stderr
     # The worker restarts before the task is due: the revoke must survive it.
-    stack.worker.stop()
-    stack.worker = start_worker(stack.env, stack.tmp, stack.app)
+    stack.restart_worker()
     wait_for(lambda: stack.app.AsyncResult(task_id).state == "REVOKED", 30, "REVOKED")
     # Proving that something did not happen takes its time: until the task was due, and a bit.
     time.sleep(max(0.0, due + 2 - time.monotonic()))
