@@ -49,15 +49,11 @@ def _split_list(value: object) -> object:
     return value
 
 
-class EmbeddingSettings(BaseModel):
-    """The embedding provider (`KIDX_EMBEDDING__*`)."""
+class HTTPProviderSettings(BaseModel):
+    """What every OpenAI-compatible provider needs: where, who, and how patiently."""
 
-    provider: Literal["openai", "local", "none"] = "local"
-    model: str = ""
     base_url: str = "https://api.openai.com/v1"
     api_key: SecretStr | None = None
-    dimensions: int | None = Field(default=None, gt=0, le=16000)
-    batch_size: int = Field(default=64, ge=1, le=2048)
     timeout: float = Field(default=30.0, gt=0)
     connect_timeout: float = Field(default=5.0, gt=0)
     max_retries: int = Field(default=4, ge=0, le=20)
@@ -65,18 +61,27 @@ class EmbeddingSettings(BaseModel):
     backoff_max: float = Field(default=20.0, ge=0)
     retry_after_max: float = Field(default=60.0, ge=0)
 
-    @model_validator(mode="after")
-    def _default_model(self) -> EmbeddingSettings:
-        if not self.model:
-            self.model = LOCAL_DEFAULT_MODEL if self.provider == "local" else OPENAI_DEFAULT_MODEL
-        return self
-
     @field_validator("base_url")
     @classmethod
     def _url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError("must be an http(s) URL such as http://127.0.0.1:11434/v1")
         return v.rstrip("/")
+
+
+class EmbeddingSettings(HTTPProviderSettings):
+    """The embedding provider (`KIDX_EMBEDDING__*`)."""
+
+    provider: Literal["openai", "local", "none"] = "local"
+    model: str = ""
+    dimensions: int | None = Field(default=None, gt=0, le=16000)
+    batch_size: int = Field(default=64, ge=1, le=2048)
+
+    @model_validator(mode="after")
+    def _default_model(self) -> EmbeddingSettings:
+        if not self.model:
+            self.model = LOCAL_DEFAULT_MODEL if self.provider == "local" else OPENAI_DEFAULT_MODEL
+        return self
 
     def model_dimensions(self) -> int | None:
         """The dimension the configured model produces, when known without calling it."""
@@ -97,13 +102,13 @@ class EmbeddingSettings(BaseModel):
         )
 
 
-class ChunkSettings(BaseModel):
+class ChunkSettings(HTTPProviderSettings):
     """The chunk model for LLM chunking (`KIDX_CHUNK__*`); empty model = structural only."""
 
     model: str = ""
-    base_url: str = "https://api.openai.com/v1"
-    api_key: SecretStr | None = None
     timeout: float = Field(default=60.0, gt=0)
+    max_retries: int = Field(default=2, ge=0, le=20)
+    window: int = Field(default=6000, ge=1000, le=100_000)  # characters shown per request
 
 
 class TaskSettings(BaseModel):
