@@ -30,7 +30,10 @@ from urllib.parse import urlsplit
 import numpy as np
 import numpy.typing as npt
 
+from ops.standin_chat import ChatScript
+
 EMBEDDINGS_PATH = "/v1/embeddings"
+CHAT_PATH = "/v1/chat/completions"  # answered by ``StandIn.chat`` (ops/standin_chat.py)
 HEALTH_PATH = "/health"
 GARBAGE_BODY = b"<html>oops</html>"
 STOP_JOIN_SECONDS = 2.0
@@ -134,6 +137,8 @@ class StandIn:
     ``fail_status`` (consuming ``fail_times``); reject an unparsable or invalid request (400);
     ``poison``; then answer, applying ``wrong_count``, ``nan`` and ``shuffle``. ``texts`` only
     grows on answers that carry embeddings.
+
+    ``chat`` answers POST /v1/chat/completions, with its own switches and counters.
     """
 
     # switches
@@ -154,6 +159,7 @@ class StandIn:
     texts: list[str]
     bodies: list[dict[str, Any]]
     headers: list[dict[str, str]]
+    chat: ChatScript
 
     def __init__(self, dimensions: int = 384, *, host: str = "127.0.0.1", port: int = 0) -> None:
         vector_for("", dimensions)  # validate early, not on the first request
@@ -166,6 +172,7 @@ class StandIn:
         self._thread: threading.Thread | None = None
         self._address: tuple[str, int] | None = None
         self._connections: dict[socket.socket, threading.Thread] = {}
+        self.chat = ChatScript(self._stopping)  # delays wake on stop(), like embeddings
         self.reset()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -256,6 +263,7 @@ class StandIn:
             self.texts = []
             self.bodies = []
             self.headers = []
+        self.chat.reset()
 
     # -- connection bookkeeping (called from handler threads) --------------------------------
 
@@ -461,12 +469,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._send(_error_reply(400, "A valid Content-Length header is required."))
             return
-        if self._path() != EMBEDDINGS_PATH:
-            self._send(_error_reply(404, f"Unknown path {self._path()}", code="not_found"))
+        path = self._path()
+        if path not in (EMBEDDINGS_PATH, CHAT_PATH):
+            self._send(_error_reply(404, f"Unknown path {path}", code="not_found"))
             return
         headers = {name.lower(): value for name, value in self.headers.items()}
         try:
-            reply = self._standin._embeddings(raw, headers)
+            if path == CHAT_PATH:
+                answer = self._standin.chat.answer(raw, headers)
+                reply = _Reply(answer.status, answer.body, headers=answer.headers)
+            else:
+                reply = self._standin._embeddings(raw, headers)
         except Exception as exc:  # a bug or an impossible switch value: answer, don't crash
             reply = _error_reply(500, f"Stand-in error: {type(exc).__name__}: {exc}")
         self._send(reply)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import DIMS, corpus_text
-from worker.chunking import chunk, text_hash
+from worker.chunking import chunk_structure, text_hash
 from worker.errors import Cancelled, IndexAborted
 from worker.pipeline import index_item
 from worker.store.items import add_item, get_state, list_chunks, update_content
@@ -16,8 +16,8 @@ from worker.store.items import add_item, get_state, list_chunks, update_content
 CHAPTER = "ch10-02-traits.md"  # 20 chunks
 
 
-def embedding_inputs(title: str, text: str) -> list[str]:
-    return [c.embedding_input(title) for c in chunk(text)]
+def embedding_inputs(title: str, text: str, previous=None) -> list[str]:
+    return [c.embedding_input(title) for c in chunk_structure(text, previous=previous)]
 
 
 def snapshot(db, item_id: int) -> dict[str, object]:
@@ -84,10 +84,14 @@ def test_an_edit_sends_only_changed_chunks(db, embedder, standin, edit):
         at = text.index(".\n\n", 300) + 1
         edited = text[:at] + "\n\nA paragraph inserted near the top by the test." + text[at:]
     update_content(db, item, edited)
+    previous = db.all(
+        "SELECT start_offset, content FROM note_chunks WHERE item_id = ? ORDER BY chunk_index",
+        (item,),
+    )
     standin.texts.clear()
     result = index_item(db, item, embedder=embedder)
     before = Counter(embedding_inputs("Traits", text))
-    after = Counter(embedding_inputs("Traits", edited))
+    after = Counter(embedding_inputs("Traits", edited, previous))
     changed = sorted((after - before).elements())
     assert 1 <= len(changed) <= 3
     assert sorted(standin.texts) == changed  # exactly the new chunks, nothing else
@@ -167,7 +171,7 @@ def test_a_dead_provider_aborts_naming_the_cause(db, embedder, standin):
 
 def test_one_isolated_failure_leaves_the_item_partial(db, embedder, standin):
     text = corpus_text(CHAPTER)
-    chunks = chunk(text)
+    chunks = chunk_structure(text)
     target = chunks[5]
     marker = "ISOLATED-FAILURE"
     # Poison one chunk only: the marker goes into a word that only chunk 5 contains.

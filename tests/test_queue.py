@@ -22,7 +22,7 @@ from stack import (
 )
 from tasks.lock import lock_key
 from tasks.producer import enqueue, send_batch
-from worker.chunking import chunk
+from worker.chunking import chunk_structure
 from worker.store.items import update_content
 
 RESULT_FIELDS = {"status", "chunk_method", "chunks", "reused", "embedded", "failed", "dimensions",
@@ -56,7 +56,9 @@ def test_a_bare_celery_client_sends_a_task_by_name(stack):
     result = bare.send_task("GenerateEmbedding", args=[item]).get(timeout=60)
     assert set(result) >= RESULT_FIELDS
     assert result["status"] == "indexed" and result["chunks"] == 20 and result["dimensions"] == 64
-    assert chunk_contents(stack.db, item) == [c.content for c in chunk(corpus_text(CHAPTER))]
+    assert chunk_contents(stack.db, item) == [
+        c.content for c in chunk_structure(corpus_text(CHAPTER))
+    ]
 
 
 def test_wrong_kind_and_unknown_item_fail_at_once_without_retry(stack):
@@ -98,13 +100,15 @@ def test_fifty_enqueues_during_a_run_cost_at_most_two_runs(stack):
     )
     assert 1 <= runs <= 2 and runs + coalesced == 51
     last = text + "\n\nEdit number 49 of the burst."
-    assert chunk_contents(stack.db, item) == [c.content for c in chunk(last)]
+    rows = stack.db.all("SELECT content, start_offset, end_offset FROM note_chunks "
+                        "WHERE item_id = ? ORDER BY chunk_index", (item,))  # fmt: skip
+    assert all(content == last[s:e] for content, s, e in rows)  # the last content, exactly
+    covered = {i for _, s, e in rows for i in range(s, e)}
+    assert all(i in covered for i, ch in enumerate(last) if not ch.isspace())
+    assert len({s for _, s, _ in rows}) == len(rows)  # no duplicate rows
     assert stack.state(item)["status"] == "indexed"
     # The second run sent only what changed: far fewer texts than two full runs.
     assert len(stack.standin.texts) < 2 * 20
-    assert stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == len(
-        chunk(last)
-    )
     assert "database is locked" not in stack.worker.log
 
 

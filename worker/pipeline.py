@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 import apsw
 import numpy as np
 
-from worker.chunking import Chunk, ChunkMethod, chunk, text_hash
+from worker.chunking import Chunk, ChunkMethod, LLMChunker, chunk, text_hash
+from worker.chunking.llm import ChatModelLike
 from worker.errors import (
     Cancelled,
     IndexAborted,
@@ -34,6 +35,7 @@ from worker.errors import (
 from worker.log import CHUNK, KI_EMBED, get_logger
 from worker.providers.base import EmbeddingModel, to_blob
 from worker.sources import item_text
+from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.db import Database
 from worker.store.items import NOW, Status, get_item, set_state
 from worker.store.repair import repair_vectors
@@ -45,7 +47,6 @@ MAX_CONSECUTIVE_FAILURES = 3
 NO_PROVIDER = "no embedding provider configured (KIDX_EMBEDDING__PROVIDER=none)"
 
 CancelCheck = Callable[[], bool]
-Chunker = Callable[[str, Sequence[tuple[int, str]] | None], list[Chunk]]
 
 
 @dataclass
@@ -64,6 +65,7 @@ class IndexResult:
     duration_ms: int = 0
     repaired: int = 0
     error: str | None = None
+    fallback: str | None = None  # why LLM chunking was not used, when it was wanted
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -114,12 +116,18 @@ def index_item(
     item_id: int,
     *,
     embedder: EmbeddingModel | None,
-    chunker: Chunker = chunk,
+    chat: ChatModelLike | None = None,
+    chunk_window: int = 6000,
+    structure_only: bool = False,
     cancel: CancelCheck | None = None,
     task_id: str | None = None,
     max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
 ) -> IndexResult:
-    """Index one item (see the module docstring). Raises IndexAborted, Cancelled, KidxError."""
+    """Index one item (see the module docstring). Raises IndexAborted, Cancelled, KidxError.
+
+    `chat`: the chunk model, for LLM chunking (falls back to structural chunking when it fails);
+    `structure_only` skips it for this run.
+    """
     started = time.monotonic()
     ilog = log.bind(item_id=item_id, task_id=task_id)
 
@@ -150,26 +158,24 @@ def index_item(
             "SELECT start_offset, content FROM note_chunks WHERE item_id = ? ORDER BY chunk_index",
             (item_id,),
         )
-        chunks = chunker(text, previous)
-        method = chunks[0].method if chunks else ChunkMethod.STRUCTURE
+        llm = None
+        if chat is not None and not structure_only:
+            llm = LLMChunker(chat, SqliteBoundaryCache(db), chunk_window, cancel)
+        outcome = chunk(text, previous, llm=llm)
+        chunks, method = outcome.chunks, outcome.method
+        if outcome.fallback:
+            ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=outcome.fallback)
         ilog.info(
-            f"{CHUNK} chunked", chunk_method=str(method), chunk_count=len(chunks), dimensions=dims
-        )
+            f"{CHUNK} chunked", chunk_method=str(method), chunk_count=len(chunks), dimensions=dims,
+            chat_calls=llm.calls if llm else 0,
+        )  # fmt: skip
         plan = _plan(db, item.id, item.title, chunks, model, dims)
         _embed(plan, embedder, cancel, _FailureCounter(max_consecutive_failures, ilog))
         _check(cancel)
         repaired, vec_failed = _write(
-            db,
-            item.id,
-            plan,
-            model,
-            dims,
-            content_hash,
-            task_id,
-            elapsed,
-            max_consecutive_failures,
-            ilog,
-        )
+            db, item.id, plan, model, dims, content_hash, task_id, elapsed,
+            max_consecutive_failures, ilog, method, outcome.fallback,
+        )  # fmt: skip
     except Cancelled:
         set_state(db, item_id, status=Status.CANCELLED, last_task_id=task_id, duration_ms=elapsed())
         ilog.info(f"{KI_EMBED} cancelled; the previous index is intact", duration_ms=elapsed())
@@ -204,6 +210,7 @@ def index_item(
         duration_ms=elapsed(),
         repaired=repaired,
         error=next(iter(plan.failed.values()), None),
+        fallback=outcome.fallback,
     )
     ilog.info(f"{KI_EMBED} indexed", **{k: v for k, v in result.as_dict().items() if v is not None})
     return result
@@ -321,6 +328,8 @@ def _write(
     elapsed: Callable[[], int],
     limit: int,
     ilog: object,
+    method: ChunkMethod,
+    fallback: str | None,
 ) -> tuple[int, int]:
     """The one write transaction. Returns (vec rows repaired, vec rows that failed)."""
     counter = _FailureCounter(limit, ilog)
@@ -394,10 +403,13 @@ def _write(
                 orphans_deleted=report.orphans_deleted,
             )
         failed = len(plan.failed) + vec_failed
-        reason = None
+        notes = []
         if failed:
             first = next(iter(plan.failed.values()), "vec write failed")
-            reason = f"{failed} of {len(plan.chunks)} chunks have no vector: {first}"
+            notes.append(f"{failed} of {len(plan.chunks)} chunks have no vector: {first}")
+        if fallback:
+            notes.append(f"LLM chunking fell back to structure: {fallback}")
+        reason = "; ".join(notes) or None
         db.execute(
             "UPDATE knowledge_items SET content_hash = ? WHERE id = ? AND "
             "(content_hash IS NULL OR content_hash != ?)",
@@ -408,7 +420,7 @@ def _write(
             item_id,
             status=Status.PARTIAL if failed else Status.INDEXED,
             indexed_hash=content_hash,
-            chunk_method=str(plan.chunks[0].method) if plan.chunks else str(ChunkMethod.STRUCTURE),
+            chunk_method=str(method),
             chunk_count=len(plan.chunks),
             model=model,
             dimensions=dims,

@@ -1,6 +1,10 @@
-"""Chunkers: structural now, LLM boundaries later; `chunk()` picks and falls back."""
+"""Chunkers: LLM boundaries when a chunk model is configured and works, structural otherwise
+(the seed's preference and fallback); `chunk()` picks and falls back."""
+
+from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from worker.chunking.base import (
     MAX_CHUNK_SIZE,
@@ -10,6 +14,7 @@ from worker.chunking.base import (
     ChunkMethod,
     text_hash,
 )
+from worker.chunking.llm import ChunkingFailed, LLMChunker, chunk_llm
 from worker.chunking.structure import chunk_structure
 
 __all__ = [
@@ -18,16 +23,36 @@ __all__ = [
     "OVERLAP_SIZE",
     "Chunk",
     "ChunkMethod",
+    "Chunking",
+    "LLMChunker",
     "chunk",
     "chunk_structure",
     "text_hash",
 ]
 
 
-def chunk(text: str, previous: Sequence[tuple[int, str]] | None = None) -> list[Chunk]:
-    """Chunk an item's text with the best method available (structural, for now).
+@dataclass
+class Chunking:
+    """The chunks, the method that made them, and why LLM chunking fell back, if it did."""
 
-    `previous`: the item's current chunks as (start offset, content), so that an edit re-cuts
-    only the chunks it touched.
-    """
-    return chunk_structure(text, previous=previous)
+    chunks: list[Chunk]
+    method: ChunkMethod
+    fallback: str | None = None
+
+
+def chunk(
+    text: str,
+    previous: Sequence[tuple[int, str]] | None = None,
+    *,
+    llm: LLMChunker | None = None,
+) -> Chunking:
+    """Chunk an item's text: with the chunk model when there is one, else (or when it fails)
+    structurally. `previous`: the item's current chunks as (start offset, content), so that an
+    edit re-cuts only the chunks it touched."""
+    if llm is not None:
+        try:
+            return Chunking(chunk_llm(text, llm), ChunkMethod.LLM)
+        except ChunkingFailed as e:
+            fallback = str(e)
+        return Chunking(chunk_structure(text, previous=previous), ChunkMethod.STRUCTURE, fallback)
+    return Chunking(chunk_structure(text, previous=previous), ChunkMethod.STRUCTURE)

@@ -131,3 +131,26 @@ def _outside(blank_ends: list[int], edges: list[int], fences: list[Fence]) -> li
     kept.extend(edges)
     kept.sort()
     return [p for k, p in enumerate(kept) if k == 0 or kept[k - 1] != p]
+
+
+def section_ends(pos: list[int], level: list[int], n: int) -> list[int]:
+    """Where each heading's section (with its subsections) ends."""
+    ends = [n] * len(pos)
+    stack: list[int] = []
+    for i, lv in enumerate(level):
+        while stack and level[stack[-1]] >= lv:
+            ends[stack.pop()] = pos[i]
+        stack.append(i)
+    return ends
+
+
+def heading_paths(lay: Layout) -> list[tuple[str, ...]]:
+    """Each heading's path: the titles of the headings it sits under, and its own."""
+    paths: list[tuple[str, ...]] = []
+    stack: list[tuple[int, str]] = []
+    for lv, title in zip(lay.heading_level, lay.heading_title):
+        while stack and stack[-1][0] >= lv:
+            stack.pop()
+        stack.append((lv, title))
+        paths.append(tuple(t for _, t in stack if t))
+    return paths

@@ -46,7 +46,7 @@ from worker.chunking.base import (
     Chunk,
     ChunkMethod,
 )
-from worker.chunking.markdown import Layout, scan
+from worker.chunking.markdown import heading_paths, scan, section_ends
 
 WINDOW = 500
 """A paragraph break becomes a cut only if no stronger candidate lies within this distance."""
@@ -118,7 +118,7 @@ class _Plan:
         spans: list[tuple[int, int]] = []
         if lay.heading_pos and lay.heading_pos[0] - self.first <= limit:
             spans.append((self.first, lay.heading_pos[0]))
-        ends = _section_ends(lay.heading_pos, lay.heading_level, len(self.text))
+        ends = section_ends(lay.heading_pos, lay.heading_level, len(self.text))
         covered = -1
         for pos, end in zip(lay.heading_pos, ends):
             if pos >= covered and end - pos <= limit:
@@ -347,28 +347,6 @@ class _Plan:
         return fence_open, fence_close
 
 
-def _section_ends(pos: list[int], level: list[int], n: int) -> list[int]:
-    """Where each heading's section (with its subsections) ends."""
-    ends = [n] * len(pos)
-    stack: list[int] = []
-    for i, lv in enumerate(level):
-        while stack and level[stack[-1]] >= lv:
-            ends[stack.pop()] = pos[i]
-        stack.append(i)
-    return ends
-
-
-def _heading_paths(lay: Layout) -> list[tuple[str, ...]]:
-    paths: list[tuple[str, ...]] = []
-    stack: list[tuple[int, str]] = []
-    for lv, title in zip(lay.heading_level, lay.heading_title):
-        while stack and stack[-1][0] >= lv:
-            stack.pop()
-        stack.append((lv, title))
-        paths.append(tuple(t for _, t in stack if t))
-    return paths
-
-
 def chunk_structure(
     text: str,
     *,
@@ -402,7 +380,7 @@ def chunk_structure(
         parts = plan.merge_small(parts)
 
     heading_pos = plan.layout.heading_pos
-    paths = [(), *_heading_paths(plan.layout)]
+    paths = [(), *heading_paths(plan.layout)]
     chunks: list[Chunk] = []
     last = len(parts) - 1
     for k, (s, e) in enumerate(parts):

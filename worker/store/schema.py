@@ -152,6 +152,23 @@ CREATE INDEX IF NOT EXISTS index_jobs_batch ON index_jobs(batch_id);
     ),
 ]
 
+MIGRATIONS.append(
+    (
+        2,
+        f"""
+-- LLM chunking: the model's validated boundaries for a window of units, so unchanged text
+-- never calls the model again and its chunks do not reshuffle.
+CREATE TABLE IF NOT EXISTS chunk_boundaries (
+    model       TEXT NOT NULL,
+    window_hash TEXT NOT NULL,
+    boundaries  TEXT NOT NULL,
+    created_at  TEXT NOT NULL DEFAULT {_NOW},
+    PRIMARY KEY (model, window_hash)
+);
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

@@ -1,0 +1,328 @@
+"""LLM chunking that can never lose or invent text: the model chooses boundaries, not content.
+
+The seed's own application asked the model to rewrite the text as chunks, read only the first
+12,000 characters, and indexed nothing when the answer did not parse (LESSONS.md). Here:
+
+* The text is cut into numbered units (paragraphs; sentences inside long ones; a fenced block
+  stays one unit) and shown in windows that cover all of it. Windows are cut by the structural
+  chunker at a larger size, so they are content-defined: an edit changes only its window.
+* The model answers, per window, which units each chunk spans and a summary of each. Content is
+  always sliced from the source by the units chosen, so chunks carry exact offsets.
+* Every answer is validated (shape, ids in range, ascending, covering the window without gaps or
+  overlaps, no rewritten text); an invalid one is asked for once more with the reason; then, or on
+  a refusal, a timeout or an HTTP error, `ChunkingFailed` says why and the caller falls back to
+  structural chunking.
+* Answers are cached by (model, hash of the window's units): unchanged text never calls the model
+  again, and its chunks do not reshuffle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from worker.chunking.base import MAX_CHUNK_SIZE, Chunk, ChunkMethod, text_hash
+from worker.chunking.markdown import heading_paths, scan
+from worker.chunking.structure import chunk_structure
+from worker.errors import BadAnswer, Cancelled, KidxError, ProviderError
+
+PROMPT_VERSION = "1"
+UNIT_MAX = 700  # a paragraph longer than this is shown as its sentences
+MERGE_UNDER = 150  # a chunk this short is merged into a neighbour
+SINGLE_CHUNK_UNDER = 500  # a text this short may be one chunk (seed)
+SUMMARY_MAX = 200
+_SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+")
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "chunks": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "start": {"type": "integer"},
+                    "end": {"type": "integer"},
+                    "summary": {"type": "string"},
+                },
+                "required": ["start", "end", "summary"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["chunks"],
+    "additionalProperties": False,
+}
+
+SYSTEM = (
+    "You split documents into chunks for semantic search. You never rewrite, shorten or add "
+    "text: you only say which numbered units each chunk spans, and summarise each chunk."
+)
+INSTRUCTIONS = """The text below is cut into {n} numbered units, each starting with [[number]].
+Group consecutive units into chunks:
+- the chunks cover every unit from 1 to {n} exactly once, in order, without gaps or overlaps;
+- aim for 300 to 1500 characters per chunk; a text under 500 characters may be one chunk;
+- keep a heading with the text it introduces, and code with the sentence that explains it;
+- give each chunk "start" and "end" (unit numbers, inclusive) and a "summary" of at most 200
+  characters that says what the chunk is about.
+Answer with JSON only, like {{"chunks": [{{"start": 1, "end": 3, "summary": "..."}}]}}."""
+
+
+class ChunkingFailed(KidxError):
+    """LLM chunking could not be used for this text; the message says why."""
+
+
+class ChatModelLike(Protocol):
+    model_id: str
+
+    def complete_json(
+        self, messages: list[dict[str, str]], *, schema: dict[str, Any], name: str
+    ) -> Any: ...
+
+
+class BoundaryCache(Protocol):
+    def get(self, model: str, key: str) -> list[tuple[int, int, str | None]] | None: ...
+
+    def put(self, model: str, key: str, value: list[tuple[int, int, str | None]]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Unit:
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Window:
+    units: list[Unit]
+    key: str  # hash of the units' texts and the prompt version
+
+
+def _trimmed(text: str, a: int, b: int) -> tuple[int, int]:
+    while a < b and text[a].isspace():
+        a += 1
+    while b > a and text[b - 1].isspace():
+        b -= 1
+    return a, b
+
+
+def units_of(text: str, a: int, b: int) -> list[Unit]:
+    """Paragraphs of text[a:b] (fenced blocks whole), long ones as their sentences."""
+    piece = text[a:b]
+    lay = scan(piece)
+    cuts = sorted({0, *lay.breaks, *lay.heading_pos, len(piece)})
+    fences = [(f.start, f.end) for f in lay.fences]
+    units: list[Unit] = []
+    for s, e in itertools.pairwise(cuts):
+        s, e = _trimmed(piece, s, e)
+        if s >= e:
+            continue
+        inside_fence = any(fs <= s < fe for fs, fe in fences)
+        if e - s <= UNIT_MAX or inside_fence:
+            units.append(Unit(a + s, a + e))
+            continue
+        start = s
+        for m in _SENTENCE_END.finditer(piece, s, e):
+            if m.end() - start >= 80 and m.end() < e:
+                units.append(Unit(a + start, a + m.start() + 1))
+                start = m.end()
+        units.append(Unit(a + start, a + e))
+    return units
+
+
+def windows_of(text: str, size: int) -> list[Window]:
+    """Windows of at most `size` characters, cut where the structure says (content-defined)."""
+    regions = chunk_structure(text, max_size=size, min_size=size // 10, overlap=0,
+                              window=size // 3)  # fmt: skip
+    result = []
+    for r in regions:
+        units = units_of(text, r.start, r.end)
+        if not units:
+            continue
+        joined = "\x1f".join(text[u.start : u.end] for u in units)
+        result.append(Window(units, text_hash(f"{PROMPT_VERSION}\x1e{joined}")))
+    return result
+
+
+def prompt(text: str, window: Window) -> list[dict[str, str]]:
+    body = "\n".join(f"[[{i}]] {text[u.start : u.end]}" for i, u in enumerate(window.units, 1))
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": INSTRUCTIONS.format(n=len(window.units)) + "\n\n" + body},
+    ]
+
+
+def validate(answer: Any, text: str, window: Window) -> list[tuple[int, int, str | None]]:
+    """The answer's chunks as (first unit, last unit, summary), 1-based; BadAnswer if unusable."""
+    n = len(window.units)
+    items = answer.get("chunks") if isinstance(answer, dict) else None
+    if not isinstance(items, list):
+        raise BadAnswer('the answer is not an object with a "chunks" list')
+    if not items:
+        raise BadAnswer("the answer has no chunks")
+    result: list[tuple[int, int, str | None]] = []
+    expected = 1
+    for k, item in enumerate(items, 1):
+        if not isinstance(item, dict):
+            raise BadAnswer(f"chunk {k} is not an object")
+        start, end = item.get("start"), item.get("end", None)
+        if end is None and k < len(items) and isinstance(items[k], dict):
+            nxt = items[k].get("start")
+            end = nxt - 1 if isinstance(nxt, int) else None
+        elif end is None:
+            end = n
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end)):
+            raise BadAnswer(f"chunk {k} has no whole-number start and end")
+        if not (1 <= start <= n and 1 <= end <= n):
+            raise BadAnswer(f"chunk {k} names units {start}-{end}, outside 1-{n}")
+        if end < start:
+            raise BadAnswer(f"chunk {k} ends (unit {end}) before it starts (unit {start})")
+        if start < expected:
+            raise BadAnswer(f"chunk {k} overlaps the one before it (starts at unit {start})")
+        if start > expected:
+            raise BadAnswer(f"units {expected}-{start - 1} are in no chunk (a gap)")
+        for field in ("text", "content"):
+            claimed = item.get(field)
+            if isinstance(claimed, str) and claimed.split() != _words(text, window, start, end):
+                raise BadAnswer(f"chunk {k} rewrites the text (its {field!r} is not the source)")
+        summary = item.get("summary")
+        result.append((start, end, _summary(summary)))
+        expected = end + 1
+    if expected != n + 1:
+        raise BadAnswer(f"units {expected}-{n} are in no chunk (a gap at the end)")
+    return result
+
+
+def _words(text: str, window: Window, start: int, end: int) -> list[str]:
+    return text[window.units[start - 1].start : window.units[end - 1].end].split()
+
+
+def _summary(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return None
+    value = " ".join(value.split())
+    if len(value) > SUMMARY_MAX:
+        cut = value.rfind(" ", 0, SUMMARY_MAX)
+        value = value[: cut if cut > SUMMARY_MAX // 2 else SUMMARY_MAX].rstrip(" ,.;:")
+    return value or None
+
+
+@dataclass
+class LLMChunker:
+    """The chat model, its answer cache, and a cancellation check, for `chunk_llm`."""
+
+    model: ChatModelLike
+    cache: BoundaryCache | None = None
+    window: int = 6000
+    cancel: Callable[[], bool] | None = None
+    calls: int = 0  # chat calls made (cache hits make none)
+
+
+def chunk_llm(text: str, llm: LLMChunker) -> list[Chunk]:
+    """Chunks chosen by the model; ChunkingFailed when it cannot be used for this text."""
+    spans: list[tuple[int, int, str | None]] = []
+    for window in windows_of(text, llm.window):
+        if llm.cancel is not None and llm.cancel():
+            raise Cancelled("cancelled")
+        for s, e, summary in _window_chunks(text, window, llm):
+            spans.append((window.units[s - 1].start, window.units[e - 1].end, summary))
+    return _finish(text, _merge_small(spans, len(text.strip())))
+
+
+def _window_chunks(text: str, window: Window, llm: LLMChunker) -> list[tuple[int, int, str | None]]:
+    model_id = llm.model.model_id
+    cached = llm.cache.get(model_id, window.key) if llm.cache is not None else None
+    if cached is not None:
+        return cached
+    messages = prompt(text, window)
+    reason = ""
+    for attempt in range(2):
+        llm.calls += 1
+        answer: Any = None
+        try:
+            answer = llm.model.complete_json(messages, schema=SCHEMA, name="chunk_boundaries")
+            chunks = validate(answer, text, window)
+        except BadAnswer as e:
+            reason = str(e)
+            if attempt == 0:  # once more, saying what was wrong
+                said = [] if answer is None else [
+                    {"role": "assistant", "content": json.dumps(answer)[:4000]}
+                ]  # fmt: skip
+                messages = [
+                    *messages, *said,
+                    {"role": "user", "content": f"That answer cannot be used: {reason}. "
+                                                "Answer again, following the rules."},
+                ]  # fmt: skip
+                continue
+            raise ChunkingFailed(f"the chunk model's answer was unusable twice: {reason}") from None
+        except ProviderError as e:
+            raise ChunkingFailed(f"the chunk model failed: {e}") from None
+        if llm.cache is not None:
+            llm.cache.put(model_id, window.key, chunks)
+        return chunks
+    raise ChunkingFailed(reason)  # pragma: no cover - the loop returns or raises
+
+
+def _merge_small(
+    spans: list[tuple[int, int, str | None]], total: int
+) -> list[tuple[int, int, str | None]]:
+    """Chunks far under the 300 the prompt asks for join a neighbour, within the maximum."""
+    if total < SINGLE_CHUNK_UNDER:
+        return spans
+    out = list(spans)
+    i = 0
+    while i < len(out) and len(out) > 1:
+        s, e, _ = out[i]
+        if e - s >= MERGE_UNDER:
+            i += 1
+            continue
+        left = i - 1 if i > 0 and e - out[i - 1][0] <= MAX_CHUNK_SIZE else None
+        right = i + 1 if i + 1 < len(out) and out[i + 1][1] - s <= MAX_CHUNK_SIZE else None
+        if left is None and right is None:
+            i += 1
+            continue
+        k = left if right is None or (left is not None and out[left][1] - out[left][0]
+                                     <= out[right][1] - out[right][0]) else i  # fmt: skip
+        a, b = out[k], out[k + 1]
+        keep = a[2] if (a[1] - a[0]) >= (b[1] - b[0]) else b[2]
+        out[k : k + 2] = [(a[0], b[1], keep or a[2] or b[2])]
+        i = k
+    return out
+
+
+def _finish(text: str, spans: Sequence[tuple[int, int, str | None]]) -> list[Chunk]:
+    """Chunk objects: over-long spans split structurally, heading paths, summaries."""
+    lay = scan(text)
+    paths = [(), *heading_paths(lay)]
+    chunks: list[Chunk] = []
+    for s, e, summary in spans:
+        pieces = (
+            [(s, e, None, None)]
+            if e - s <= MAX_CHUNK_SIZE
+            else [(s + c.start, s + c.end, c.fence_open, c.fence_close)
+                  for c in chunk_structure(text[s:e])]
+        )  # fmt: skip
+        for ps, pe, fence_open, fence_close in pieces:
+            chunks.append(
+                Chunk(
+                    len(chunks),
+                    ps,
+                    pe,
+                    text[ps:pe],
+                    paths[_heading_index(lay.heading_pos, ps)],
+                    ChunkMethod.LLM,
+                    summary,
+                    fence_open,
+                    fence_close,
+                )
+            )
+    return chunks
+
+
+def _heading_index(positions: list[int], at: int) -> int:
+    return bisect_right(positions, at)
