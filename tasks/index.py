@@ -45,21 +45,25 @@ class IndexFailed(Exception):
 
 @app.task(name=NOTE, bind=True)
 def generate_embedding(
-    self: Task, item_id: int, reason: str | None = None, batch_id: int | None = None
-) -> dict[str, Any]:
+    self: Task, item_id: int, reason: str | None = None, batch_id: int | None = None,
+    structure_only: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """Index a note."""
-    return _run(self, item_id, reason, batch_id)
+    return _run(self, item_id, reason, batch_id, structure_only)
 
 
 @app.task(name=KNOWLEDGE_ITEM, bind=True)
 def generate_knowledge_item_embedding(
-    self: Task, item_id: int, reason: str | None = None, batch_id: int | None = None
-) -> dict[str, Any]:
+    self: Task, item_id: int, reason: str | None = None, batch_id: int | None = None,
+    structure_only: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """Index a file, URL or code item."""
-    return _run(self, item_id, reason, batch_id)
+    return _run(self, item_id, reason, batch_id, structure_only)
 
 
-def _run(task: Task, item_id: int, reason: str | None, batch_id: int | None) -> dict[str, Any]:
+def _run(
+    task: Task, item_id: int, reason: str | None, batch_id: int | None, structure_only: bool
+) -> dict[str, Any]:
     started = time.monotonic()
     req = task.request
     task_id, attempt = str(req.id), int(req.retries or 0)
@@ -109,7 +113,7 @@ def _run(task: Task, item_id: int, reason: str | None, batch_id: int | None) -> 
         if item.kind not in KINDS[task.name]:
             other = NOTE if item.kind == "note" else KNOWLEDGE_ITEM
             raise WrongTaskKind(f"item {item_id} is a {item.kind}: send {other}, not {task.name}")
-        result = _locked_runs(rt, item_id, task, token)
+        result = _locked_runs(rt, item_id, task, token, structure_only)
         if result["status"] == "skipped":  # no provider configured: nothing was written
             end(JobState.SKIPPED, "skipped", result.get("error"))
         else:
@@ -149,7 +153,9 @@ def _run(task: Task, item_id: int, reason: str | None, batch_id: int | None) -> 
         structlog.contextvars.unbind_contextvars("task_id", "item_id")
 
 
-def _locked_runs(rt: Runtime, item_id: int, task: Task, token: CancelToken) -> dict[str, Any]:
+def _locked_runs(
+    rt: Runtime, item_id: int, task: Task, token: CancelToken, structure_only: bool
+) -> dict[str, Any]:
     """The pipeline under the item's lock: once, and once more if the item changed while it ran
     and someone asked (a burst of enqueues costs at most two runs)."""
     lock = ItemLock(rt.redis, item_id, str(task.request.id), settings.tasks.lock_ttl)
@@ -159,17 +165,22 @@ def _locked_runs(rt: Runtime, item_id: int, task: Task, token: CancelToken) -> d
         return {"item_id": item_id, "status": "coalesced"}
     try:
         lock.take_rerun()  # this run covers every request made until now
-        if rt.embedder is not None:
-            rt.embedder.sleep = token.sleep  # a provider's backoff ends on cancellation
+        for client in (rt.embedder, rt.chat):
+            if client is not None:
+                client.sleep = token.sleep  # a provider's backoff ends on cancellation
+
+        def run() -> Any:
+            return index_item(
+                rt.db, item_id, embedder=rt.embedder, chat=rt.chat,
+                chunk_window=settings.chunk.window, structure_only=structure_only,
+                cancel=token, task_id=str(task.request.id),
+            )  # fmt: skip
+
         with running():
-            result = index_item(
-                rt.db, item_id, embedder=rt.embedder, cancel=token, task_id=str(task.request.id)
-            )
+            result = run()
             if lock.take_rerun() and _changed(rt, item_id):
                 log.info(f"{KI_EMBED} the item changed while it was indexed: once more")
-                result = index_item(
-                    rt.db, item_id, embedder=rt.embedder, cancel=token, task_id=str(task.request.id)
-                )
+                result = run()
     finally:
         lock.release()
     if lock.take_rerun() and _changed(rt, item_id):

@@ -31,7 +31,7 @@ def _default_app() -> Celery:
 
 def _send(
     db: Database, app: Celery | None, name: str, item_id: int, *, reason: str | None,
-    batch_id: int | None = None, countdown: float | None = None,
+    batch_id: int | None = None, countdown: float | None = None, structure_only: bool = False,
 ) -> str:  # fmt: skip
     item = get_item(db, item_id)
     task_id = str(uuid.uuid4())
@@ -39,6 +39,8 @@ def _send(
     kwargs: dict[str, Any] = {"reason": reason}
     if batch_id is not None:
         kwargs["batch_id"] = batch_id
+    if structure_only:
+        kwargs["structure_only"] = True
     shown = {"kind": item.kind, "title": item.title[:60], "reason": reason}
     if batch_id is not None:
         shown["batch"] = batch_id
@@ -64,17 +66,14 @@ def enqueue_knowledge_item(
 
 
 def enqueue(
-    db: Database,
-    item_id: int,
-    *,
-    app: Celery | None = None,
-    reason: str | None = None,
-    batch_id: int | None = None,
-    countdown: float | None = None,
-) -> str:
-    """Send the right task for the item's kind; returns the task id."""
+    db: Database, item_id: int, *, app: Celery | None = None, reason: str | None = None,
+    batch_id: int | None = None, countdown: float | None = None, structure_only: bool = False,
+) -> str:  # fmt: skip
+    """Send the right task for the item's kind; returns the task id. `structure_only`: no chunk
+    model for this run."""
     name = TASK_FOR_KIND[get_item(db, item_id).kind]
-    return _send(db, app, name, item_id, reason=reason, batch_id=batch_id, countdown=countdown)
+    return _send(db, app, name, item_id, reason=reason, batch_id=batch_id, countdown=countdown,
+                 structure_only=structure_only)  # fmt: skip
 
 
 def send_batch(

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import redis
 
-from worker.providers import EmbeddingModel, build_embedder
+from worker.providers import EmbeddingModel, build_chat, build_embedder
+from worker.providers.chat import ChatModel
 from worker.settings import Settings
 from worker.store import Database, open_store
 
@@ -19,6 +20,7 @@ class Runtime:
     settings: Settings
     db: Database
     embedder: EmbeddingModel | None
+    chat: ChatModel | None
     redis: redis.Redis
     pid: int
 
@@ -36,6 +38,7 @@ def get_runtime(settings: Settings) -> Runtime:
             settings=settings,
             db=db,
             embedder=build_embedder(settings.embedding, dimensions=db.dimensions),
+            chat=build_chat(settings.chunk),
             redis=redis.Redis.from_url(settings.broker_url),
             pid=os.getpid(),
         )
@@ -46,8 +49,9 @@ def close_runtime() -> None:
     """At the process's end: close the database (no -wal/-shm left behind) and the clients."""
     global _current
     if _current is not None and _current.pid == os.getpid():
-        if _current.embedder is not None:
-            _current.embedder.close()
+        for client in (_current.embedder, _current.chat):
+            if client is not None:
+                client.close()
         _current.redis.close()
         _current.db.close()
     _current = None

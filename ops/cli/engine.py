@@ -109,20 +109,29 @@ def _show_results(ctx: Ctx, results: list[dict[str, Any]]) -> None:
         sys.exit(1)
 
 
-def _index_inline(ctx: Ctx, db: Any, ids: list[int]) -> list[dict[str, Any]]:
+def _index_inline(
+    ctx: Ctx, db: Any, ids: list[int], *, structure_only: bool = False
+) -> list[dict[str, Any]]:
     from worker.pipeline import index_item
+    from worker.providers import build_chat
 
     embedder = ctx.embedder(db)
+    chat = build_chat(ctx.settings.chunk)
     results = []
     try:
         for item_id in ids:
             try:
-                results.append(index_item(db, item_id, embedder=embedder).as_dict())
+                result = index_item(
+                    db, item_id, embedder=embedder, chat=chat,
+                    chunk_window=ctx.settings.chunk.window, structure_only=structure_only,
+                )  # fmt: skip
+                results.append(result.as_dict())
             except (IndexAborted, InvalidInput) as e:
                 results.append({"item_id": item_id, "status": "failed", "error": str(e)})
     finally:
-        if embedder is not None:
-            embedder.close()
+        for client in (embedder, chat):
+            if client is not None:
+                client.close()
     return results
 
 
@@ -130,7 +139,10 @@ def _index_inline(ctx: Ctx, db: Any, ids: list[int]) -> list[dict[str, Any]]:
 @click.argument("items", type=int, nargs=-1)
 @click.option("--all", "all_items", is_flag=True, help="Every item.")
 @click.option("--inline", is_flag=True, help="Run the pipeline here (no broker); else enqueue.")
-def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool) -> None:
+@click.option(
+    "--structure", is_flag=True, help="Structural chunking for this run (no chunk model)."
+)
+def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool, structure: bool) -> None:
     """Index items: chunk, embed, write."""
     from worker.store.items import all_item_ids, get_item
 
@@ -141,13 +153,13 @@ def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool) -> No
 
         with ctx.store() as db:
             ids = all_item_ids(db) if all_items else list(items)
-        show_sent(ctx, send_items(ctx, ids, "index"))
+        show_sent(ctx, send_items(ctx, ids, "index", structure_only=structure))
         return
     with ctx.store() as db:
         ids = all_item_ids(db) if all_items else list(items)
         for item_id in ids:
             get_item(db, item_id)  # unknown ids fail before any work
-        results = _index_inline(ctx, db, ids)
+        results = _index_inline(ctx, db, ids, structure_only=structure)
 
     _show_results(ctx, results)
 

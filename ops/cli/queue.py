@@ -24,7 +24,9 @@ def _workers_online(app: Any) -> int:
         return 0
 
 
-def send_items(ctx: Ctx, ids: list[int], reason: str) -> list[dict[str, Any]]:
+def send_items(
+    ctx: Ctx, ids: list[int], reason: str, *, structure_only: bool = False
+) -> list[dict[str, Any]]:
     """Send the right task for each item; what was sent, for printing."""
     from tasks.producer import enqueue
     from worker.store.items import get_item
@@ -35,7 +37,7 @@ def send_items(ctx: Ctx, ids: list[int], reason: str) -> list[dict[str, Any]]:
             get_item(db, item_id)  # unknown ids fail before anything is sent
         sent = []
         for item_id in ids:
-            task_id = enqueue(db, item_id, app=app, reason=reason)
+            task_id = enqueue(db, item_id, app=app, reason=reason, structure_only=structure_only)
             sent.append({"item_id": item_id, "task_id": task_id})
     if not ctx.json and not _workers_online(app):
         err.print(

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
-from worker.providers.base import EmbeddingModel, from_blob, to_blob
-from worker.settings import EmbeddingSettings
+from typing import TYPE_CHECKING
 
-__all__ = ["EmbeddingModel", "build_embedder", "from_blob", "to_blob"]
+from worker.providers.base import EmbeddingModel, from_blob, to_blob
+from worker.settings import ChunkSettings, EmbeddingSettings
+
+if TYPE_CHECKING:
+    from worker.providers.chat import ChatModel
+
+__all__ = ["EmbeddingModel", "build_chat", "build_embedder", "from_blob", "to_blob"]
+
+
+def build_chat(settings: ChunkSettings) -> ChatModel | None:
+    """The chunk model, or None when KIDX_CHUNK__MODEL is empty (structural chunking only)."""
+    if not settings.model:
+        return None
+    from worker.providers.chat import ChatModel
+
+    return ChatModel(settings)
 
 
 def build_embedder(settings: EmbeddingSettings, *, dimensions: int | None) -> EmbeddingModel | None:
