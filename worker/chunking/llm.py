@@ -19,7 +19,6 @@ The seed's own application asked the model to rewrite the text as chunks, read o
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
@@ -149,11 +148,16 @@ def windows_of(text: str, size: int) -> list[Window]:
     return result
 
 
-def prompt(text: str, window: Window) -> list[dict[str, str]]:
+def prompt(text: str, window: Window, correction: str | None = None) -> list[dict[str, str]]:
+    """The request for one window; asked again, it says what was wrong with the last answer
+    (in the same message as the units: small models lose track of earlier turns)."""
     body = "\n".join(f"[[{i}]] {text[u.start : u.end]}" for i, u in enumerate(window.units, 1))
+    head = INSTRUCTIONS.format(n=len(window.units))
+    if correction:
+        head += f"\nYour previous answer could not be used: {correction}. Follow the rules."
     return [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": INSTRUCTIONS.format(n=len(window.units)) + "\n\n" + body},
+        {"role": "user", "content": head + "\n\n" + body},
     ]
 
 
@@ -239,25 +243,16 @@ def _window_chunks(text: str, window: Window, llm: LLMChunker) -> list[tuple[int
     cached = llm.cache.get(model_id, window.key) if llm.cache is not None else None
     if cached is not None:
         return cached
-    messages = prompt(text, window)
     reason = ""
     for attempt in range(2):
         llm.calls += 1
-        answer: Any = None
+        messages = prompt(text, window, reason or None)
         try:
             answer = llm.model.complete_json(messages, schema=SCHEMA, name="chunk_boundaries")
             chunks = validate(answer, text, window)
         except BadAnswer as e:
             reason = str(e)
             if attempt == 0:  # once more, saying what was wrong
-                said = [] if answer is None else [
-                    {"role": "assistant", "content": json.dumps(answer)[:4000]}
-                ]  # fmt: skip
-                messages = [
-                    *messages, *said,
-                    {"role": "user", "content": f"That answer cannot be used: {reason}. "
-                                                "Answer again, following the rules."},
-                ]  # fmt: skip
                 continue
             raise ChunkingFailed(f"the chunk model's answer was unusable twice: {reason}") from None
         except ProviderError as e:

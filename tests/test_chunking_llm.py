@@ -1,0 +1,236 @@
+"""LLM chunking through the pipeline: a real SQLite file, the stand-in for both the embedding and
+the chat API over real HTTP (scripted answers, faults), and the structural fallback."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+from conftest import CORPUS, corpus_text
+from ops.standin_chat import ChatReply
+from worker.chunking.llm import SUMMARY_MAX, units_of, windows_of
+from worker.pipeline import index_item
+from worker.providers.chat import ChatModel
+from worker.settings import ChunkSettings
+from worker.store.items import add_item, get_state, update_content
+
+CHAPTER = "ch04-01-what-is-ownership.md"  # 25 KB: several windows
+
+
+@pytest.fixture
+def chat(standin) -> Iterator[ChatModel]:
+    model = ChatModel(
+        ChunkSettings(model="standin-chat", base_url=standin.base_url, max_retries=0, timeout=2)
+    )
+    yield model
+    model.close()
+
+
+def rows(db, item_id: int) -> list[dict]:
+    return db.dicts(
+        "SELECT c.chunk_index, c.content, c.summary, c.method, c.start_offset, c.end_offset, "
+        "e.chunk_id IS NOT NULL AS has_vector FROM note_chunks c "
+        "LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id WHERE c.item_id = ? "
+        "ORDER BY c.chunk_index",
+        (item_id,),
+    )
+
+
+def assert_exact_and_covering(text: str, chunks: list[dict]) -> None:
+    assert all(c["content"] == text[c["start_offset"] : c["end_offset"]] for c in chunks)
+    covered = {i for c in chunks for i in range(c["start_offset"], c["end_offset"])}
+    assert all(i in covered for i, ch in enumerate(text) if not ch.isspace())
+    assert all(len(c["content"]) <= 1500 for c in chunks)
+
+
+def test_a_good_answer_gives_llm_chunks_with_summaries(db, embedder, chat, standin):
+    text = corpus_text(CHAPTER)
+    item = add_item(db, kind="note", title="Ownership", content=text)
+    result = index_item(db, item, embedder=embedder, chat=chat)
+    assert result.status == "indexed" and result.chunk_method == "llm" and result.fallback is None
+    chunks = rows(db, item)
+    assert {c["method"] for c in chunks} == {"llm"} and all(c["has_vector"] for c in chunks)
+    assert all(c["summary"] and len(c["summary"]) <= SUMMARY_MAX for c in chunks)
+    assert_exact_and_covering(text, chunks)
+    assert standin.chat.requests == len(windows_of(text, 6000)) >= 3
+    # The summary goes into what is embedded, before the content.
+    first = chunks[0]
+    assert any(t.startswith("Ownership") and first["summary"] in t and first["content"] in t
+               for t in standin.texts)  # fmt: skip
+    state = get_state(db, item)
+    assert state["chunk_method"] == "llm" and state["last_error"] is None
+
+
+BAD_ANSWERS = {
+    "not JSON": "Here are your chunks: 1-3, 4-9.",
+    "wrong shape": {"boundaries": [1, 4, 9]},
+    "ids out of range": lambda units: {"chunks": [{"start": 1, "end": len(units) + 5,
+                                                   "summary": "x"}]},
+    "overlapping": lambda units: {"chunks": [{"start": 1, "end": 2, "summary": "a"},
+                                             {"start": 2, "end": len(units), "summary": "b"}]},
+    "gapped": lambda units: {"chunks": [{"start": 1, "end": 1, "summary": "a"},
+                                        {"start": 3, "end": len(units), "summary": "b"}]},
+    "empty list": {"chunks": []},
+    "rewrites the text": lambda units: {"chunks": [{"start": 1, "end": len(units), "summary": "s",
+                                                    "text": "An invented text."}]},
+    "HTTP 500": ChatReply(status=500, content="upstream exploded"),
+    "timeout": ChatReply(delay=3.0, content="{}"),
+    "refusal": ChatReply(refusal="I cannot help with chunking."),
+    "cut off": ChatReply(content='{"chunks": [', finish_reason="length"),
+}  # fmt: skip
+REASONS = {
+    "not JSON": "not JSON", "wrong shape": '"chunks" list', "ids out of range": "outside",
+    "overlapping": "overlaps", "gapped": "gap", "empty list": "no chunks",
+    "rewrites the text": "rewrites the text", "HTTP 500": "HTTP 500", "timeout": "timed out",
+    "refusal": "refused", "cut off": "cut off",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_ANSWERS))
+def test_each_bad_answer_falls_back_to_structure_and_says_why(db, embedder, chat, standin, case):
+    text = corpus_text("ch04-03-slices.md")
+    item = add_item(db, kind="note", title="Slices", content=text)
+    standin.chat.script = [BAD_ANSWERS[case]] * 2  # asked once more, answers the same
+    with structlog.testing.capture_logs() as logs:
+        result = index_item(db, item, embedder=embedder, chat=chat)
+    assert result.status == "indexed" and result.chunk_method == "structure"
+    assert REASONS[case] in result.fallback
+    chunks = rows(db, item)
+    assert chunks and {c["method"] for c in chunks} == {"structure"}
+    assert_exact_and_covering(text, chunks)
+    state = get_state(db, item)
+    assert state["chunk_method"] == "structure" and "fell back to structure" in state["last_error"]
+    assert REASONS[case] in state["last_error"]
+    fell_back = [e for e in logs if e["event"] == "[Chunk] LLM chunking fell back to structure"]
+    assert fell_back and REASONS[case] in fell_back[0]["reason"]
+    retried = case not in {"HTTP 500", "timeout"}  # an HTTP failure is final, a bad answer not
+    assert standin.chat.requests == (2 if retried else 1)
+
+
+def test_a_bad_answer_then_a_good_one_is_llm(db, embedder, chat, standin):
+    text = "First paragraph of a short note.\n\nSecond paragraph, a little longer than that."
+    item = add_item(db, kind="note", title="T", content=text)
+    standin.chat.script = ["not json at all"]  # then the automatic model answers
+    result = index_item(db, item, embedder=embedder, chat=chat)
+    assert result.chunk_method == "llm" and standin.chat.requests == 2
+    second = standin.chat.bodies[1]["messages"]
+    assert "could not be used" in second[-1]["content"] and "not JSON" in second[-1]["content"]
+
+
+def test_a_server_that_refuses_json_schema_is_asked_with_json_object(db, embedder, chat, standin):
+    item = add_item(db, kind="note", title="T", content=corpus_text("ch04-03-slices.md"))
+    standin.chat.reject_json_schema = True
+    assert index_item(db, item, embedder=embedder, chat=chat).chunk_method == "llm"
+    kinds = [b["response_format"]["type"] for b in standin.chat.bodies]
+    assert kinds[0] == "json_schema" and set(kinds[1:]) == {"json_object"}
+    before = standin.chat.requests
+    other = add_item(
+        db, kind="note", title="U", content=corpus_text("ch04-02-references-and-borrowing.md")
+    )
+    index_item(db, other, embedder=embedder, chat=chat)
+    assert all(b["response_format"]["type"] == "json_object"
+               for b in standin.chat.bodies[before:])  # remembered  # fmt: skip
+
+
+def test_a_60000_character_document_is_covered_end_to_end(db, embedder, chat, standin):
+    parts, size = [], 0
+    for path in sorted(CORPUS.glob("ch1[0-5]-*.md")):
+        parts.append(path.read_text(encoding="utf-8"))
+        size += len(parts[-1])
+        if size > 60_000:
+            break
+    text = "\n\n".join(parts)[:61_000]
+    text = text[: text.rindex("\n\n")] + "\n\nThe very last paragraph of the long document."
+    item = add_item(db, kind="note", title="Long", content=text)
+    result = index_item(db, item, embedder=embedder, chat=chat)
+    assert result.chunk_method == "llm" and standin.chat.requests >= 10
+    chunks = rows(db, item)
+    assert_exact_and_covering(text, chunks)
+    assert "The very last paragraph of the long document." in chunks[-1]["content"]
+
+
+def test_text_under_500_characters_may_be_one_chunk(db, embedder, chat, standin):
+    text = "A short note.\n\nWith two paragraphs, both brief.\n\nAnd a third."
+    item = add_item(db, kind="note", title="T", content=text)
+    standin.chat.script = [lambda units: {"chunks": [{"start": 1, "end": len(units),
+                                                      "summary": "A short note."}]}]  # fmt: skip
+    index_item(db, item, embedder=embedder, chat=chat)
+    chunks = rows(db, item)
+    assert len(chunks) == 1 and chunks[0]["content"] == text and chunks[0]["method"] == "llm"
+    assert db.scalar("SELECT count(*) FROM vec_note_embeddings WHERE item_id = ?", (item,)) == 1
+
+
+def test_unchanged_text_calls_nothing_and_an_edit_re_asks_only_its_window(
+    db, embedder, chat, standin
+):
+    text = corpus_text(CHAPTER)
+    item = add_item(db, kind="note", title="Ownership", content=text)
+    index_item(db, item, embedder=embedder, chat=chat)
+    first = [(c["start_offset"], c["content"], c["summary"]) for c in rows(db, item)]
+    chats, embeds = standin.chat.requests, standin.requests
+    again = index_item(db, item, embedder=embedder, chat=chat)
+    assert standin.chat.requests == chats and standin.requests == embeds
+    assert again.embedded == 0 and again.reused == len(first)
+    assert [(c["start_offset"], c["content"], c["summary"]) for c in rows(db, item)] == first
+    at = text.index(".\n\n", len(text) // 2) + 1
+    update_content(db, item, text[:at] + " A sentence added by the test." + text[at:])
+    standin.texts.clear()
+    edited = index_item(db, item, embedder=embedder, chat=chat)
+    assert 1 <= standin.chat.requests - chats <= 2  # the window that changed (and a neighbour)
+    assert edited.embedded <= 4 and edited.reused >= len(first) - 4
+    assert len(standin.texts) == edited.embedded
+
+
+def test_no_chunk_model_means_structure_and_no_chat_call(db, embedder, standin):
+    item = add_item(db, kind="note", title="T", content=corpus_text("ch04-03-slices.md"))
+    result = index_item(db, item, embedder=embedder, chat=None)
+    assert result.chunk_method == "structure" and result.fallback is None
+    assert standin.chat.requests == 0
+    assert get_state(db, item)["last_error"] is None
+
+
+def test_structure_only_skips_the_model_for_one_run(db, embedder, chat, standin):
+    item = add_item(db, kind="note", title="T", content=corpus_text("ch04-03-slices.md"))
+    result = index_item(db, item, embedder=embedder, chat=chat, structure_only=True)
+    assert result.chunk_method == "structure" and standin.chat.requests == 0
+
+
+def test_summaries_are_trimmed_or_dropped_and_sizes_repaired(db, embedder, chat, standin):
+    text = corpus_text(CHAPTER)
+    item = add_item(db, kind="note", title="T", content=text)
+
+    def answer(units: list[str]) -> dict:
+        # One huge chunk (split structurally), then tiny ones (merged), odd summaries.
+        chunks = [{"start": 1, "end": len(units) // 2, "summary": "word " * 100}]
+        chunks += [
+            {"start": i, "end": i, "summary": ""}
+            for i in range(len(units) // 2 + 1, len(units) + 1)
+        ]
+        return {"chunks": chunks}
+
+    standin.chat.script = [answer] * 10
+    index_item(db, item, embedder=embedder, chat=chat)
+    chunks = rows(db, item)
+    assert_exact_and_covering(text, chunks)
+    assert all(c["summary"] is None or len(c["summary"]) <= SUMMARY_MAX for c in chunks)
+    assert any(c["summary"] is None for c in chunks)  # empty summaries dropped
+    small = [c for c in chunks if len(c["content"]) < 150]
+    assert len(small) <= 2  # tiny chunks were merged into neighbours
+
+
+def test_units_cover_the_text_and_keep_fences_whole():
+    text = corpus_text(CHAPTER)
+    units = units_of(text, 0, len(text))
+    covered = {i for u in units for i in range(u.start, u.end)}
+    assert all(i in covered for i, ch in enumerate(text) if not ch.isspace())
+    for u in units:
+        piece = text[u.start : u.end]
+        assert piece.count("```") % 2 == 0, piece[:80]
+    windows = windows_of(text, 6000)
+    assert all(sum(u.end - u.start for u in w.units) <= 6000 for w in windows)
+    assert json.dumps([w.key for w in windows]) == json.dumps(
+        [w.key for w in windows_of(text, 6000)]
+    )
