@@ -6,6 +6,7 @@
     ├── ItemNotFound             no item with that id
     ├── WrongTaskKind            a task of the wrong kind for its item
     ├── StoreError               the database cannot do what was asked
+    ├── SourceUnavailable        a URL could not be fetched now (timeout, 5xx): retry later
     ├── ProviderError            an embedding or chat provider failed
     │   ├── TransientProviderError   retrying later may help: 408/409/429/5xx, timeouts, resets
     │   └── PermanentProviderError   retrying cannot help: 400/401/403, exhausted quota
@@ -46,6 +47,10 @@ class WrongTaskKind(KidxError):
 
 class StoreError(KidxError):
     """The database could not do what was asked."""
+
+
+class SourceUnavailable(KidxError):
+    """An item's source could not be read now (a timeout, a 5xx): a later retry may work."""
 
 
 class ProviderError(KidxError):

@@ -157,8 +157,18 @@ class UrlSettings(BaseModel):
     """URL fetching (`KIDX_URLS__*`); loopback and private ranges only when allowed here."""
 
     allow_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    max_bytes: int = Field(default=10_000_000, gt=0)
+    max_redirects: int = Field(default=5, ge=0, le=20)
+    connect_timeout: float = Field(default=5.0, gt=0)
+    timeout: float = Field(default=20.0, gt=0)
+    content_types: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [
+            "text/html", "application/xhtml+xml", "text/plain", "text/markdown",
+            "application/pdf",
+        ]
+    )  # fmt: skip
 
-    _split = field_validator("allow_hosts", mode="before")(_split_list)
+    _split = field_validator("allow_hosts", "content_types", mode="before")(_split_list)
 
 
 class Settings(BaseSettings):
