@@ -17,23 +17,21 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import apsw
-import numpy as np
 
 from worker.chunking import Chunk, ChunkMethod, LLMChunker, chunk, text_hash
 from worker.chunking.llm import ChatModelLike
+from worker.embedding import CancelCheck, FailureCounter, Plan, check, embed_missing
 from worker.errors import (
     Cancelled,
     IndexAborted,
     PermanentProviderError,
-    ProviderError,
-    TransientProviderError,
 )
 from worker.log import CHUNK, KI_EMBED, get_logger
-from worker.providers.base import EmbeddingModel, to_blob
+from worker.providers.base import EmbeddingModel
 from worker.sources import item_text
 from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.db import Database
@@ -45,8 +43,6 @@ log = get_logger("kidx.pipeline")
 
 MAX_CONSECUTIVE_FAILURES = 3
 NO_PROVIDER = "no embedding provider configured (KIDX_EMBEDDING__PROVIDER=none)"
-
-CancelCheck = Callable[[], bool]
 
 
 @dataclass
@@ -69,46 +65,6 @@ class IndexResult:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-@dataclass
-class _Plan:
-    """Which chunk gets which vector: reused (old chunk id, vector) or newly embedded."""
-
-    chunks: list[Chunk]
-    inputs: list[str]
-    hashes: list[str]
-    reuse: dict[int, tuple[int, bytes]] = field(default_factory=dict)
-    vectors: dict[int, bytes] = field(default_factory=dict)
-    failed: dict[int, str] = field(default_factory=dict)
-    last_error: ProviderError | None = None
-
-
-class _FailureCounter:
-    """Counts vector failures; the third in a row aborts the run."""
-
-    def __init__(self, limit: int, log_: object) -> None:
-        self.limit = limit
-        self.in_a_row = 0
-        self.log = log_
-
-    def ok(self) -> None:
-        self.in_a_row = 0
-
-    def fail(self, chunk_index: int, cause: str, error: Exception | None = None) -> None:
-        self.in_a_row += 1
-        self.log.warning(f"{KI_EMBED} vector failed", chunk_index=chunk_index, reason=cause)
-        if self.in_a_row >= self.limit:
-            raise IndexAborted(
-                f"{self.limit} consecutive vector failures, last: {cause}",
-                transient=isinstance(error, TransientProviderError),
-                retry_after=getattr(error, "retry_after", None),
-            )
-
-
-def _check(cancel: CancelCheck | None) -> None:
-    if cancel is not None and cancel():
-        raise Cancelled("cancelled")
 
 
 def index_item(
@@ -150,7 +106,7 @@ def index_item(
     dims = db.dimensions
     model = embedder.model_id
     try:
-        _check(cancel)
+        check(cancel)
         text = item_text(item)
         content_hash = text_hash(text)
         set_state(db, item_id, status=Status.INDEXING, last_task_id=task_id)
@@ -170,8 +126,8 @@ def index_item(
             chat_calls=llm.calls if llm else 0,
         )  # fmt: skip
         plan = _plan(db, item.id, item.title, chunks, model, dims)
-        _embed(plan, embedder, cancel, _FailureCounter(max_consecutive_failures, ilog))
-        _check(cancel)
+        embed_missing(plan, embedder, cancel, FailureCounter(max_consecutive_failures, ilog))
+        check(cancel)
         repaired, vec_failed = _write(
             db, item.id, plan, model, dims, content_hash, task_id, elapsed,
             max_consecutive_failures, ilog, method, outcome.fallback,
@@ -233,10 +189,10 @@ def _fail(db: Database, item_id: int, reason: str, task_id: str | None, duration
 
 def _plan(
     db: Database, item_id: int, title: str, chunks: list[Chunk], model: str, dims: int
-) -> _Plan:
+) -> Plan:
     """Match new chunks to old vectors by the hash of the embedder input, wherever they moved."""
     inputs = [c.embedding_input(title) for c in chunks]
-    plan = _Plan(chunks, inputs, [text_hash(x) for x in inputs])
+    plan = Plan(chunks, inputs, [text_hash(x) for x in inputs])
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     for chunk_id, embed_hash, vector in db.all(
         "SELECT c.id, c.embed_hash, e.vector FROM note_chunks c "
@@ -252,75 +208,10 @@ def _plan(
     return plan
 
 
-def _embed(
-    plan: _Plan, embedder: EmbeddingModel, cancel: CancelCheck | None, counter: _FailureCounter
-) -> None:
-    """Embed what is not reused, in batches; a failing batch is retried text by text, so that
-    one bad input costs one vector, not the batch."""
-    todo = [i for i in range(len(plan.chunks)) if i not in plan.reuse]
-    if not todo:
-        return
-    for start in range(0, len(todo), embedder.batch_size):
-        _check(cancel)
-        batch = todo[start : start + embedder.batch_size]
-        try:
-            vectors = embedder.embed_checked([plan.inputs[i] for i in batch])
-        except ProviderError as e:
-            if isinstance(e, PermanentProviderError) and not e.per_input:
-                raise
-            _one_by_one(plan, batch, embedder, cancel, counter, e)
-        else:
-            _store(plan, batch, vectors)
-            counter.ok()
-    if len(plan.failed) == len(todo):
-        # Not one new vector: the provider is down or refuses everything. Writing chunks
-        # without vectors would replace a working index with a useless one.
-        raise IndexAborted(
-            f"no chunk could be embedded: {next(iter(plan.failed.values()))}",
-            transient=isinstance(plan.last_error, TransientProviderError),
-            retry_after=getattr(plan.last_error, "retry_after", None),
-        )
-
-
-def _one_by_one(
-    plan: _Plan,
-    batch: Sequence[int],
-    embedder: EmbeddingModel,
-    cancel: CancelCheck | None,
-    counter: _FailureCounter,
-    error: ProviderError,
-) -> None:
-    if len(batch) == 1:
-        _failed(plan, batch[0], counter, error)
-        return
-    for i in batch:
-        _check(cancel)
-        try:
-            vectors = embedder.embed_checked([plan.inputs[i]])
-        except ProviderError as e:
-            if isinstance(e, PermanentProviderError) and not e.per_input:
-                raise
-            _failed(plan, i, counter, e)
-        else:
-            _store(plan, [i], vectors)
-            counter.ok()
-
-
-def _failed(plan: _Plan, i: int, counter: _FailureCounter, error: ProviderError) -> None:
-    plan.failed[i] = str(error)
-    plan.last_error = error
-    counter.fail(plan.chunks[i].index, str(error), error)
-
-
-def _store(plan: _Plan, batch: Sequence[int], vectors: np.ndarray) -> None:
-    for i, vector in zip(batch, vectors, strict=True):
-        plan.vectors[i] = to_blob(vector)
-
-
 def _write(
     db: Database,
     item_id: int,
-    plan: _Plan,
+    plan: Plan,
     model: str,
     dims: int,
     content_hash: str,
@@ -332,7 +223,7 @@ def _write(
     fallback: str | None,
 ) -> tuple[int, int]:
     """The one write transaction. Returns (vec rows repaired, vec rows that failed)."""
-    counter = _FailureCounter(limit, ilog)
+    counter = FailureCounter(limit, ilog)
     vec_failed = 0
     with db.atomic():
         mirror = vec_ready(db, dims)
@@ -434,7 +325,7 @@ def _write(
 
 
 def _write_whole_item(
-    db: Database, item_id: int, plan: _Plan, model: str, dims: int, mirror: bool
+    db: Database, item_id: int, plan: Plan, model: str, dims: int, mirror: bool
 ) -> None:
     """Single-chunk content also gets a whole-item vector (the seed's vec_note_embeddings), so
     the note itself can be recalled; it is the chunk's vector, as the chunk is the whole text.
