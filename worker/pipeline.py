@@ -16,28 +16,25 @@ The rules (DESIGN.md §3, the seed):
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import apsw
-
-from worker.chunking import Chunk, ChunkMethod, LLMChunker, chunk, text_hash
+from worker.chunking import ChunkMethod, LLMChunker, chunk, text_hash
 from worker.chunking.llm import ChatModelLike
 from worker.embedding import CancelCheck, FailureCounter, Plan, check, embed_missing
 from worker.errors import (
     Cancelled,
     IndexAborted,
+    KidxError,
     PermanentProviderError,
+    SourceUnavailable,
 )
 from worker.log import CHUNK, KI_EMBED, get_logger
+from worker.note_index import note_plan, write_notes
 from worker.providers.base import EmbeddingModel
-from worker.sources import item_text
+from worker.sources import Reader
 from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.db import Database
-from worker.store.items import NOW, Status, get_item, set_state
-from worker.store.repair import repair_vectors
-from worker.store.vec import vec_delete, vec_ready, vec_replace
+from worker.store.items import NOW, Item, Status, get_item, set_state
 
 log = get_logger("kidx.pipeline")
 
@@ -73,6 +70,7 @@ def index_item(
     *,
     embedder: EmbeddingModel | None,
     chat: ChatModelLike | None = None,
+    reader: Reader | None = None,
     chunk_window: int = 6000,
     structure_only: bool = False,
     cancel: CancelCheck | None = None,
@@ -82,7 +80,8 @@ def index_item(
     """Index one item (see the module docstring). Raises IndexAborted, Cancelled, KidxError.
 
     `chat`: the chunk model, for LLM chunking (falls back to structural chunking when it fails);
-    `structure_only` skips it for this run.
+    `structure_only` skips it for this run. `reader`: where files, URLs and code are read from
+    (their roots and limits); notes need none.
     """
     started = time.monotonic()
     ilog = log.bind(item_id=item_id, task_id=task_id)
@@ -105,59 +104,78 @@ def index_item(
 
     dims = db.dimensions
     model = embedder.model_id
+    method, fallback, llm = ChunkMethod.STRUCTURE, None, None
     try:
         check(cancel)
-        text = item_text(item)
-        content_hash = text_hash(text)
+        try:
+            text = (reader or Reader()).text(item)
+        except SourceUnavailable as e:  # a URL that may answer later: the task retries
+            raise IndexAborted(str(e), transient=True) from e
         set_state(db, item_id, status=Status.INDEXING, last_task_id=task_id)
-        previous = db.all(
-            "SELECT start_offset, content FROM note_chunks WHERE item_id = ? ORDER BY chunk_index",
-            (item_id,),
-        )
-        llm = None
-        if chat is not None and not structure_only:
-            llm = LLMChunker(chat, SqliteBoundaryCache(db), chunk_window, cancel)
-        outcome = chunk(text, previous, llm=llm)
-        chunks, method = outcome.chunks, outcome.method
-        if outcome.fallback:
-            ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=outcome.fallback)
-        ilog.info(
-            f"{CHUNK} chunked", chunk_method=str(method), chunk_count=len(chunks), dimensions=dims,
-            chat_calls=llm.calls if llm else 0,
-        )  # fmt: skip
-        plan = _plan(db, item.id, item.title, chunks, model, dims)
-        embed_missing(plan, embedder, cancel, FailureCounter(max_consecutive_failures, ilog))
+        limit = max_consecutive_failures
+        if item.kind == "code":
+            from worker.code_index import index_code, write_code
+
+            plan, code_chunks = index_code(db, item, text, embedder, cancel=cancel, limit=limit,
+                                           log=ilog)  # fmt: skip
+            chunk_count = len(code_chunks)
+        else:
+            if chat is not None and not structure_only:
+                llm = LLMChunker(chat, SqliteBoundaryCache(db), chunk_window, cancel)
+            previous = db.all(
+                "SELECT start_offset, content FROM note_chunks WHERE item_id = ? "
+                "ORDER BY chunk_index",
+                (item_id,),
+            )
+            outcome = chunk(text, previous, llm=llm)
+            method, fallback = outcome.method, outcome.fallback
+            if fallback:
+                ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=fallback)
+            chunk_count = len(outcome.chunks)
+            ilog.info(
+                f"{CHUNK} chunked", chunk_method=str(method), chunk_count=chunk_count,
+                dimensions=dims, chat_calls=llm.calls if llm else 0,
+            )  # fmt: skip
+            plan = note_plan(db, item.id, item.title, outcome.chunks, model, dims)
+            embed_missing(plan, embedder, cancel, FailureCounter(limit, ilog))
         check(cancel)
-        repaired, vec_failed = _write(
-            db, item.id, plan, model, dims, content_hash, task_id, elapsed,
-            max_consecutive_failures, ilog, method, outcome.fallback,
-        )  # fmt: skip
+        with db.atomic():
+            if item.kind == "code":
+                write_code(db, item, plan, code_chunks, model)
+                repaired, vec_failed = 0, 0
+            else:
+                repaired, vec_failed = write_notes(db, item.id, plan, model, dims, limit, ilog)
+                if repaired:
+                    ilog.info(f"{KI_EMBED} repaired the mirror", repaired=repaired)
+            failed = len(plan.failed) + vec_failed
+            _record(db, item, text, chunk_count, failed, plan, method, fallback, model, dims,
+                    task_id, elapsed())  # fmt: skip
     except Cancelled:
         set_state(db, item_id, status=Status.CANCELLED, last_task_id=task_id, duration_ms=elapsed())
         ilog.info(f"{KI_EMBED} cancelled; the previous index is intact", duration_ms=elapsed())
         raise
     except IndexAborted as e:
         _fail(db, item_id, f"aborted: {e}", task_id, elapsed())
-        ilog.error(
-            f"{KI_EMBED} aborted; the previous index is intact",
-            reason=str(e),
-            duration_ms=elapsed(),
-        )
+        ilog.error(f"{KI_EMBED} aborted; the previous index is intact", reason=str(e),
+                   duration_ms=elapsed())  # fmt: skip
         raise
     except PermanentProviderError as e:
         _fail(db, item_id, str(e), task_id, elapsed())
         ilog.error(f"{KI_EMBED} failed", reason=str(e), duration_ms=elapsed())
         raise IndexAborted(str(e)) from e
+    except KidxError as e:  # bad input: a refused file or URL, nothing to index
+        _fail(db, item_id, str(e), task_id, elapsed())
+        ilog.error(f"{KI_EMBED} failed", reason=str(e), duration_ms=elapsed())
+        raise
     except Exception as e:
         _fail(db, item_id, f"{type(e).__name__}: {e}", task_id, elapsed())
         raise
 
-    failed = len(plan.failed) + vec_failed
     result = IndexResult(
         item_id=item.id,
         status=str(Status.PARTIAL if failed else Status.INDEXED),
         chunk_method=str(method),
-        chunks=len(chunks),
+        chunks=chunk_count,
         reused=len(plan.reuse),
         embedded=len(plan.vectors) - len(plan.reuse),
         failed=failed,
@@ -166,10 +184,46 @@ def index_item(
         duration_ms=elapsed(),
         repaired=repaired,
         error=next(iter(plan.failed.values()), None),
-        fallback=outcome.fallback,
+        fallback=fallback,
     )
     ilog.info(f"{KI_EMBED} indexed", **{k: v for k, v in result.as_dict().items() if v is not None})
     return result
+
+
+def _record(
+    db: Database, item: Item, text: str, chunk_count: int, failed: int, plan: Plan,
+    method: ChunkMethod, fallback: str | None, model: str, dims: int, task_id: str | None,
+    duration_ms: int,
+) -> None:  # fmt: skip
+    """The index state (and, for files, URLs and code, the text just read), in the write's
+    transaction."""
+    notes = []
+    if failed:
+        first = next(iter(plan.failed.values()), "vec write failed")
+        notes.append(f"{failed} of {chunk_count} chunks have no vector: {first}")
+    if fallback:
+        notes.append(f"LLM chunking fell back to structure: {fallback}")
+    content_hash = text_hash(text)
+    if item.kind == "note":
+        db.execute(
+            "UPDATE knowledge_items SET content_hash = ? WHERE id = ? AND "
+            "(content_hash IS NULL OR content_hash != ?)",
+            (content_hash, item.id, content_hash),
+        )
+    else:  # the text last extracted (DESIGN.md §2)
+        db.execute(
+            f"UPDATE knowledge_items SET content = ?, content_hash = ?, updated_at = {NOW} "
+            "WHERE id = ? AND (content_hash IS NULL OR content_hash != ?)",
+            (text, content_hash, item.id, content_hash),
+        )
+    set_state(
+        db, item.id,
+        status=Status.PARTIAL if failed else Status.INDEXED,
+        indexed_hash=content_hash, chunk_method=str(method), chunk_count=chunk_count,
+        model=model, dimensions=dims, last_error="; ".join(notes) or None, last_task_id=task_id,
+        attempts=0, duration_ms=duration_ms,
+    )  # fmt: skip
+    db.execute(f"UPDATE item_index_state SET indexed_at = {NOW} WHERE item_id = ?", (item.id,))
 
 
 def _fail(db: Database, item_id: int, reason: str, task_id: str | None, duration: int) -> None:
@@ -185,160 +239,3 @@ def _fail(db: Database, item_id: int, reason: str, task_id: str | None, duration
         db.execute(
             "UPDATE item_index_state SET attempts = attempts + 1 WHERE item_id = ?", (item_id,)
         )
-
-
-def _plan(
-    db: Database, item_id: int, title: str, chunks: list[Chunk], model: str, dims: int
-) -> Plan:
-    """Match new chunks to old vectors by the hash of the embedder input, wherever they moved."""
-    inputs = [c.embedding_input(title) for c in chunks]
-    plan = Plan(chunks, inputs, [text_hash(x) for x in inputs])
-    pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
-    for chunk_id, embed_hash, vector in db.all(
-        "SELECT c.id, c.embed_hash, e.vector FROM note_chunks c "
-        "JOIN note_chunk_embeddings e ON e.chunk_id = c.id AND e.model = ? AND e.dimensions = ? "
-        "WHERE c.item_id = ? ORDER BY c.chunk_index",
-        (model, dims, item_id),
-    ):
-        pool[embed_hash].append((chunk_id, vector))
-    for i, h in enumerate(plan.hashes):
-        if pool.get(h):
-            plan.reuse[i] = pool[h].pop(0)
-            plan.vectors[i] = plan.reuse[i][1]
-    return plan
-
-
-def _write(
-    db: Database,
-    item_id: int,
-    plan: Plan,
-    model: str,
-    dims: int,
-    content_hash: str,
-    task_id: str | None,
-    elapsed: Callable[[], int],
-    limit: int,
-    ilog: object,
-    method: ChunkMethod,
-    fallback: str | None,
-) -> tuple[int, int]:
-    """The one write transaction. Returns (vec rows repaired, vec rows that failed)."""
-    counter = FailureCounter(limit, ilog)
-    vec_failed = 0
-    with db.atomic():
-        mirror = vec_ready(db, dims)
-        current = {
-            cid: h
-            for cid, h in db.all(
-                "SELECT id, embed_hash FROM note_chunks WHERE item_id = ?", (item_id,)
-            )
-        }
-        keep = {i: old for i, (old, _) in plan.reuse.items() if current.get(old) == plan.hashes[i]}
-        gone = [cid for cid in current if cid not in set(keep.values())]
-        if gone:
-            if mirror:
-                vec_delete(db, "vec_chunk_embeddings", gone)
-            db.execute(f"DELETE FROM note_chunks WHERE id IN ({','.join('?' * len(gone))})", gone)
-        # Out of the way of UNIQUE(item_id, chunk_index) while kept chunks move.
-        db.execute(
-            "UPDATE note_chunks SET chunk_index = -1 - chunk_index WHERE item_id = ?", (item_id,)
-        )
-        ids: dict[int, int] = {}
-        for i, c in enumerate(plan.chunks):
-            row = (
-                c.index,
-                c.content,
-                c.summary,
-                str(c.method),
-                c.start,
-                c.end,
-                " > ".join(c.headings),
-                plan.hashes[i],
-            )
-            if i in keep:
-                ids[i] = keep[i]
-                db.execute(
-                    "UPDATE note_chunks SET chunk_index = ?, content = ?, summary = ?, method = ?, "
-                    "start_offset = ?, end_offset = ?, headings = ?, embed_hash = ? WHERE id = ?",
-                    (*row, keep[i]),
-                )
-                continue
-            ids[i] = db.scalar(
-                "INSERT INTO note_chunks(chunk_index, content, summary, method, start_offset, "
-                "end_offset, headings, embed_hash, item_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                "RETURNING id",
-                (*row, item_id),
-            )
-            vector = plan.vectors.get(i)
-            if vector is None:
-                continue
-            db.execute(
-                "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
-                "VALUES (?, ?, ?, ?)",
-                (ids[i], model, dims, vector),
-            )
-            if mirror:
-                try:
-                    vec_replace(db, "vec_chunk_embeddings", ids[i], vector)
-                except apsw.Error as e:
-                    vec_failed += 1
-                    counter.fail(c.index, f"vec write: {e}")
-                else:
-                    counter.ok()
-        _write_whole_item(db, item_id, plan, model, dims, mirror)
-        report = repair_vectors(db, dims, item_id=item_id)
-        if report.total:
-            ilog.info(
-                f"{KI_EMBED} repaired the mirror",
-                restored=report.restored,
-                orphans_deleted=report.orphans_deleted,
-            )
-        failed = len(plan.failed) + vec_failed
-        notes = []
-        if failed:
-            first = next(iter(plan.failed.values()), "vec write failed")
-            notes.append(f"{failed} of {len(plan.chunks)} chunks have no vector: {first}")
-        if fallback:
-            notes.append(f"LLM chunking fell back to structure: {fallback}")
-        reason = "; ".join(notes) or None
-        db.execute(
-            "UPDATE knowledge_items SET content_hash = ? WHERE id = ? AND "
-            "(content_hash IS NULL OR content_hash != ?)",
-            (content_hash, item_id, content_hash),
-        )
-        set_state(
-            db,
-            item_id,
-            status=Status.PARTIAL if failed else Status.INDEXED,
-            indexed_hash=content_hash,
-            chunk_method=str(method),
-            chunk_count=len(plan.chunks),
-            model=model,
-            dimensions=dims,
-            last_error=reason,
-            last_task_id=task_id,
-            attempts=0,
-            duration_ms=elapsed(),
-        )
-        db.execute(f"UPDATE item_index_state SET indexed_at = {NOW} WHERE item_id = ?", (item_id,))
-    return report.total, vec_failed
-
-
-def _write_whole_item(
-    db: Database, item_id: int, plan: Plan, model: str, dims: int, mirror: bool
-) -> None:
-    """Single-chunk content also gets a whole-item vector (the seed's vec_note_embeddings), so
-    the note itself can be recalled; it is the chunk's vector, as the chunk is the whole text.
-    Content of several chunks has none."""
-    vector = plan.vectors.get(0) if len(plan.chunks) == 1 else None
-    db.execute("DELETE FROM note_embeddings WHERE item_id = ?", (item_id,))
-    if mirror:
-        vec_delete(db, "vec_note_embeddings", [item_id])
-    if vector is None:
-        return
-    db.execute(
-        "INSERT INTO note_embeddings(item_id, model, dimensions, vector) VALUES (?, ?, ?, ?)",
-        (item_id, model, dims, vector),
-    )
-    if mirror:
-        vec_replace(db, "vec_note_embeddings", item_id, vector)

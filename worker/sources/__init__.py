@@ -1,14 +1,44 @@
-"""The text of an item. Notes carry it in their row; files, URLs and code are read by the
-source modules that follow (DESIGN.md §1)."""
+"""The text of an item: notes carry it in their row; files are read under the allowed roots,
+URLs fetched safely, code read from its file (`worker/sources/files.py`, `urls.py`, `code.py`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from pathlib import Path
+
 from worker.errors import InvalidInput
+from worker.settings import FilesSettings, UrlSettings
 from worker.store.items import Item
 
 
+@dataclass
+class Reader:
+    """Where an item's text comes from, with the limits that apply (from the settings)."""
+
+    files: FilesSettings = field(default_factory=FilesSettings)
+    urls: UrlSettings = field(default_factory=UrlSettings)
+
+    def text(self, item: Item) -> str:
+        """The text to index for this item (for files and URLs, extracted again each time)."""
+        if item.kind == "note":
+            return item.content
+        if not item.source:
+            raise InvalidInput(f"item {item.id} is a {item.kind} without a source")
+        if item.kind == "file":
+            from worker.sources.files import read_file
+
+            return read_file(item.source, self.files)
+        if item.kind == "url":
+            from worker.sources.urls import fetch_url
+
+            return fetch_url(item.source, self.urls).text
+        if item.kind == "code":
+            from worker.sources.code import read_code
+
+            return read_code(Path(item.source))
+        raise InvalidInput(f"item {item.id} has an unknown kind {item.kind!r}")
+
+
 def item_text(item: Item) -> str:
-    """The text to index for this item."""
-    if item.kind == "note":
-        return item.content
-    raise InvalidInput(f"item {item.id} is a {item.kind}; reading {item.kind}s is not built yet")
+    """The text of a note (other kinds need a Reader with its settings)."""
+    return Reader().text(item)
