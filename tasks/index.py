@@ -171,7 +171,7 @@ def _locked_runs(
 
         def run() -> Any:
             return index_item(
-                rt.db, item_id, embedder=rt.embedder, chat=rt.chat,
+                rt.db, item_id, embedder=rt.embedder, chat=rt.chat, reader=rt.reader,
                 chunk_window=settings.chunk.window, structure_only=structure_only,
                 cancel=token, task_id=str(task.request.id),
             )  # fmt: skip

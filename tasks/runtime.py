@@ -12,6 +12,7 @@ import redis
 from worker.providers import EmbeddingModel, build_chat, build_embedder
 from worker.providers.chat import ChatModel
 from worker.settings import Settings
+from worker.sources import Reader
 from worker.store import Database, open_store
 
 
@@ -21,6 +22,7 @@ class Runtime:
     db: Database
     embedder: EmbeddingModel | None
     chat: ChatModel | None
+    reader: Reader
     redis: redis.Redis
     pid: int
 
@@ -39,6 +41,7 @@ def get_runtime(settings: Settings) -> Runtime:
             db=db,
             embedder=build_embedder(settings.embedding, dimensions=db.dimensions),
             chat=build_chat(settings.chunk),
+            reader=Reader(settings.files, settings.urls),
             redis=redis.Redis.from_url(settings.broker_url),
             pid=os.getpid(),
         )

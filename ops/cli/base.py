@@ -45,6 +45,12 @@ class Ctx:
 
         return build_embedder(self.settings.embedding, dimensions=db.dimensions)
 
+    def reader(self) -> Any:
+        """Where files, URLs and code are read from, with the configured roots and limits."""
+        from worker.sources import Reader
+
+        return Reader(self.settings.files, self.settings.urls)
+
     def app(self) -> Any:
         """A Celery app for these settings (the broker of KIDX_BROKER_URL)."""
         from worker.app import create_app

@@ -61,7 +61,7 @@ def add_note(ctx: Ctx, title: str, text: str | None, file: Path | None, inline: 
     content = read_text(text, file)
     with ctx.store() as db:
         item_id = add_item(db, kind="note", title=title, content=content)
-        results = _index_inline(ctx, db, [item_id]) if inline else []
+        results = index_inline(ctx, db, [item_id]) if inline else []
     ctx.emit({"id": item_id, "index": results or None}, lambda: out.print(item_id))
     for r in results:
         if r["status"] == "failed":
@@ -99,7 +99,7 @@ RESULT_COLUMNS = (
 )
 
 
-def _show_results(ctx: Ctx, results: list[dict[str, Any]]) -> None:
+def show_results(ctx: Ctx, results: list[dict[str, Any]]) -> None:
     """Print index results; exit status 1 when any item failed."""
     ctx.emit(
         results,
@@ -109,7 +109,7 @@ def _show_results(ctx: Ctx, results: list[dict[str, Any]]) -> None:
         sys.exit(1)
 
 
-def _index_inline(
+def index_inline(
     ctx: Ctx, db: Any, ids: list[int], *, structure_only: bool = False
 ) -> list[dict[str, Any]]:
     from worker.pipeline import index_item
@@ -122,7 +122,7 @@ def _index_inline(
         for item_id in ids:
             try:
                 result = index_item(
-                    db, item_id, embedder=embedder, chat=chat,
+                    db, item_id, embedder=embedder, chat=chat, reader=ctx.reader(),
                     chunk_window=ctx.settings.chunk.window, structure_only=structure_only,
                 )  # fmt: skip
                 results.append(result.as_dict())
@@ -159,9 +159,9 @@ def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool, struc
         ids = all_item_ids(db) if all_items else list(items)
         for item_id in ids:
             get_item(db, item_id)  # unknown ids fail before any work
-        results = _index_inline(ctx, db, ids, structure_only=structure)
+        results = index_inline(ctx, db, ids, structure_only=structure)
 
-    _show_results(ctx, results)
+    show_results(ctx, results)
 
 
 # -- chunks / search / status ----------------------------------------------------------------
@@ -199,15 +199,22 @@ def chunks(ctx: Ctx, item: int) -> None:
 @command(cli)
 @click.argument("query")
 @click.option("-k", "k", type=click.IntRange(1, 1000), default=10, show_default=True)
-def search(ctx: Ctx, query: str, k: int) -> None:
-    """The items nearest to QUERY, one hit per item, best first."""
+@click.option("--code", "code", is_flag=True, help="Search code items only.")
+@click.option("--memories", is_flag=True, help="Search memories only.")
+def search(ctx: Ctx, query: str, k: int, code: bool, memories: bool) -> None:
+    """The items nearest to QUERY, one hit per item, best first (notes, files and URLs;
+    --code: code chunks; --memories: memories)."""
     from worker.retrieval import search as run_search
 
+    if code and memories:
+        raise InvalidInput("give --code or --memories, not both")
     with ctx.store() as db:
         embedder = ctx.embedder(db)
         if embedder is None:
             raise InvalidInput("search needs an embedding provider (KIDX_EMBEDDING__PROVIDER)")
         try:
+            if code or memories:
+                return _search_other(ctx, db, query, embedder, k, code=code)
             result = run_search(db, query, embedder, k=k)
         finally:
             embedder.close()
@@ -223,6 +230,25 @@ def search(ctx: Ctx, query: str, k: int) -> None:
             ),
         ),
     )
+
+
+def _search_other(ctx: Ctx, db: Any, query: str, embedder: Any, k: int, *, code: bool) -> None:
+    if code:
+        from worker.code_index import search_code
+
+        hits, _, reason = search_code(db, query, embedder, k=k)
+        headers = ("score", "item", "path", "lines", "snippet")
+        rows = [(f"{h.score:.3f}", h.item_id, h.path, f"{h.start_line}-{h.end_line}", h.snippet)
+                for h in hits]  # fmt: skip
+    else:
+        from worker.memories import search_memories
+
+        hits, _, reason = search_memories(db, query, embedder, k=k)
+        headers = ("score", "memory", "content")
+        rows = [(f"{h.score:.3f}", h.memory_id, h.content) for h in hits]
+    if reason:
+        err.print(f"note: served by the in-memory fallback: {escape(reason)}")
+    ctx.emit([h.as_dict() for h in hits], lambda: ctx.table(headers, rows))
 
 
 @command(cli)

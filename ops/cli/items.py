@@ -1,0 +1,107 @@
+"""Adding files, URLs, code and memories. An item that names a source already added is the same
+item (its id is reused, and it is indexed again), so adding twice never duplicates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import click
+
+from ops.cli.base import Ctx, command, fail
+from ops.cli.engine import add, index_inline
+from worker.errors import InvalidInput
+
+
+def _item_for(db: Any, kind: str, title: str, source: str) -> int:
+    from worker.store.items import add_item
+
+    row = db.one("SELECT id FROM knowledge_items WHERE kind = ? AND source = ?", (kind, source))
+    if row is not None:
+        return int(row[0])
+    return add_item(db, kind=kind, title=title, content="", source=source)
+
+
+def _index_or_send(ctx: Ctx, db: Any, ids: list[int], inline: bool) -> list[dict[str, Any]]:
+    if inline:
+        return index_inline(ctx, db, ids)
+    from ops.cli.queue import send_items
+
+    return send_items(ctx, ids, "added")
+
+
+def _report(ctx: Ctx, ids: list[int], results: list[dict[str, Any]]) -> None:
+    def human() -> None:
+        for item_id in ids:
+            click.echo(item_id)
+
+    ctx.emit({"ids": ids, "results": results}, human)
+    failed = [r for r in results if r.get("status") == "failed"]
+    for r in failed:
+        fail(f"item {r['item_id']} was added, but indexing failed: {r['error']}", 1, ctx.redact)
+
+
+@command(add, "file")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--title", help="A title (default: the file's name).")
+@click.option("--inline", is_flag=True, help="Index it now, in this process.")
+def add_file(ctx: Ctx, path: Path, title: str | None, inline: bool) -> None:
+    """Add a file (Markdown, text, HTML, PDF, DOCX) under KIDX_FILES__ROOTS; prints its id."""
+    from worker.sources.files import read_file
+
+    read_file(path, ctx.settings.files)  # refused now, not later in a worker, and nothing written
+    with ctx.store() as db:
+        item_id = _item_for(db, "file", title or path.name, str(path.resolve()))
+        results = _index_or_send(ctx, db, [item_id], inline)
+    _report(ctx, [item_id], results if inline else [])
+
+
+@command(add, "url")
+@click.argument("url")
+@click.option("--title", help="A title (default: the URL).")
+@click.option("--inline", is_flag=True, help="Fetch and index it now, in this process.")
+def add_url(ctx: Ctx, url: str, title: str | None, inline: bool) -> None:
+    """Add a web page (fetched by the worker, safely); prints its id."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidInput(f"not an http(s) URL: {url}")
+    with ctx.store() as db:
+        item_id = _item_for(db, "url", title or url, url)
+        results = _index_or_send(ctx, db, [item_id], inline)
+    _report(ctx, [item_id], results if inline else [])
+
+
+@command(add, "code")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--inline", is_flag=True, help="Index it now, in this process.")
+def add_code(ctx: Ctx, path: Path, inline: bool) -> None:
+    """Add a source file, or every source file of a folder (honouring .gitignore); prints ids."""
+    from worker.sources.code import list_code_files
+
+    files = list_code_files(path)
+    if not files:
+        raise InvalidInput(f"no source files under {path}")
+    base = path.resolve() if path.is_dir() else path.resolve().parent
+    with ctx.store() as db:
+        ids = [_item_for(db, "code", str(f.resolve().relative_to(base)), str(f.resolve()))
+               for f in files]  # fmt: skip
+        results = _index_or_send(ctx, db, ids, inline)
+    _report(ctx, ids, results if inline else [])
+
+
+@command(add, "memory")
+@click.argument("text")
+def add_memory(ctx: Ctx, text: str) -> None:
+    """Add a memory: a short text embedded whole, found by `kidx search --memories`."""
+    from worker.memories import add_memory as store_memory
+
+    with ctx.store() as db:
+        embedder = ctx.embedder(db)
+        if embedder is None:
+            raise InvalidInput("memories need an embedding provider (KIDX_EMBEDDING__PROVIDER)")
+        try:
+            memory_id = store_memory(db, text, embedder)
+        finally:
+            embedder.close()
+    ctx.emit({"id": memory_id}, lambda: click.echo(memory_id))

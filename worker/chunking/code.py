@@ -1,0 +1,224 @@
+"""Code chunking: one chunk per definition, so that a hit names the function it is in.
+
+Why it looks the way it does:
+
+* Python is cut where `ast` says its top-level definitions are: a function or class with its
+  decorators and the comment lines directly above it is one chunk, its name the chunk's symbol.
+  Module-level statements between definitions (imports, constants) are grouped up to
+  `TARGET_SIZE`; two definitions are never merged, so each chunk answers "which function".
+* A definition over the maximum is split: a class by its members (header, then one chunk per
+  method, `Class.method`), anything else by whole lines, preferring a blank line; a line is cut
+  only when it alone exceeds the maximum.
+* Other languages, and Python that does not parse, are cut before each line that starts at
+  column 0 after a blank line (where top-level declarations start in almost every language),
+  packed up to `TARGET_SIZE`.
+* Every chunk is an exact slice `text[start:end]`; chunks never overlap (code is looked up by
+  line, and a duplicated line would be a second hit) and only white space between them is
+  dropped. Lines are counted by `\\n` only; Python containing `\\r` (which `ast` also counts as
+  a line break) goes to the fallback, and `read_code` normalises line endings beforehand.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import warnings
+from bisect import bisect_right
+from typing import NamedTuple
+
+from worker.chunking.base import MAX_CHUNK_SIZE
+
+TARGET_SIZE = 1000
+"""Small neighbouring pieces are packed up to this size (never past the maximum)."""
+
+PYTHON_SUFFIXES = (".py", ".pyi")
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_BLOCK_START = re.compile(r"\n[^\S\n]*\n(?=\S)")
+_BLANK_LINE = re.compile(r"\n[^\S\n]*(?=\n)")
+
+Span = tuple[int, int]
+
+
+class CodeChunk(NamedTuple):
+    """`text[start:end]`, lines `start_line`..`end_line` (1-based, inclusive), and the
+    definition it belongs to (`f`, `Class`, `Class.method`), if any."""
+
+    index: int
+    start: int
+    end: int
+    start_line: int
+    end_line: int
+    content: str
+    symbol: str | None = None
+
+    def embedding_input(self, path: str) -> str:
+        """Where the chunk is and what it defines, then the code: the path and the symbol are
+        often what a question names."""
+        where = f"{path}:{self.start_line}-{self.end_line}"
+        if self.symbol:
+            where += f" {self.symbol}"
+        return f"{where}\n\n{self.content}"
+
+
+class _Piece(NamedTuple):
+    start: int
+    end: int
+    symbol: str | None
+    mergeable: bool  # a module-level statement group, which may be packed with its neighbours
+
+
+def _trim(text: str, s: int, e: int) -> Span:
+    """Drop the white space at both ends, keeping the indentation of the first line."""
+    kept = text[s:e].rstrip()
+    if not kept:
+        return s, s
+    first = s + len(kept) - len(kept.lstrip())
+    return text.rfind("\n", s, first) + 1 or s, s + len(kept)
+
+
+def _split(text: str, s: int, e: int, max_size: int) -> list[Span]:
+    """Whole lines packed up to `max_size`, cut at a blank line when one lies in the second half
+    of the window; a line longer than `max_size` is cut hard."""
+    parts: list[Span] = []
+    s, e = _trim(text, s, e)
+    while s < e:
+        if e - s <= max_size:
+            parts.append((s, e))
+            break
+        limit = s + max_size
+        cut = -1
+        for m in _BLANK_LINE.finditer(text, s + max_size // 2, limit):
+            cut = m.start()
+        if cut <= s:
+            cut = text.rfind("\n", s + 1, limit + 1)
+        if cut <= s:
+            cut = limit
+        a, b = _trim(text, s, cut)
+        if a < b:
+            parts.append((a, b))
+        s, e = _trim(text, cut, e)
+    return parts
+
+
+def _pieces(text: str, s: int, e: int, symbol: str | None, max_size: int, merge: bool):
+    """The span as one piece, or split by lines when it is too long; nothing if it is blank."""
+    s, e = _trim(text, s, e)
+    spans = [(s, e)] if e - s <= max_size else _split(text, s, e, max_size)
+    return [_Piece(a, b, symbol, merge) for a, b in spans if a < b]
+
+
+def _pack(pieces: list[_Piece], target: int) -> list[_Piece]:
+    """Merge neighbouring mergeable pieces while the union stays within `target`."""
+    out: list[_Piece] = []
+    for p in pieces:
+        last = out[-1] if out else None
+        if last and last.mergeable and p.mergeable and p.end - last.start <= target:
+            out[-1] = last._replace(end=p.end)
+        else:
+            out.append(p)
+    return out
+
+
+class _Python:
+    """Pieces of a module that `ast` parsed: definitions whole or split, statements between."""
+
+    def __init__(self, text: str, max_size: int):
+        self.text = text
+        self.max_size = max_size
+        self.starts = [0, *(m.end() for m in re.finditer("\n", text))]
+
+    def offset(self, line: int) -> int:
+        """Offset of the start of a 1-based line; one past the last line is the text's end."""
+        return self.starts[line - 1] if line <= len(self.starts) else len(self.text)
+
+    def span(self, first: int, last: int, symbol: str | None, merge: bool) -> list[_Piece]:
+        if first > last:
+            return []
+        return _pieces(
+            self.text, self.offset(first), self.offset(last + 1), symbol, self.max_size, merge
+        )
+
+    def first_line(self, node: ast.stmt, floor: int) -> int:
+        """A definition starts at its first decorator, or at the comment lines right above."""
+        first = node.lineno
+        if isinstance(node, _DEFS):
+            first = min([first, *(d.lineno for d in node.decorator_list)])
+            while first - 1 >= floor:
+                line = self.text[self.offset(first - 1) : self.offset(first)]
+                if not line.lstrip().startswith("#"):
+                    break
+                first -= 1
+        return max(first, floor)
+
+    def module(self, tree: ast.Module) -> list[_Piece]:
+        pieces: list[_Piece] = []
+        cursor = 1  # the first line no piece has taken yet
+        for node in tree.body:
+            first, last = self.first_line(node, cursor), min(node.end_lineno or 0, len(self.starts))
+            if last < first:  # on a line a previous statement already took (`a = 1; b = 2`)
+                continue
+            pieces += self.span(cursor, first - 1, None, True)
+            if isinstance(node, _DEFS):
+                pieces += self.definition(node, first, last)
+            else:
+                pieces += self.span(first, last, None, True)
+            cursor = last + 1
+        pieces += self.span(cursor, len(self.starts), None, True)
+        return pieces
+
+    def definition(self, node: ast.stmt, first: int, last: int) -> list[_Piece]:
+        assert isinstance(node, _DEFS)
+        s, e = _trim(self.text, self.offset(first), self.offset(last + 1))
+        members = [m for m in node.body if isinstance(m, _DEFS)]
+        if e - s <= self.max_size or not isinstance(node, ast.ClassDef) or not members:
+            return self.span(first, last, node.name, False)
+        pieces: list[_Piece] = []
+        cursor = first
+        for m in members:
+            m_first, m_last = self.first_line(m, cursor), min(m.end_lineno or 0, last)
+            pieces += self.span(cursor, m_first - 1, node.name, False)
+            pieces += self.span(m_first, m_last, f"{node.name}.{m.name}", False)
+            cursor = max(cursor, m_last + 1)
+        pieces += self.span(cursor, last, node.name, False)
+        return pieces
+
+
+def _parse(text: str) -> ast.Module | None:
+    if "\r" in text:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escape sequences and the like
+            return ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+def _fallback(text: str, max_size: int) -> list[_Piece]:
+    """Blocks starting at column 0 after a blank line, each split by lines if too long."""
+    bounds = [0, *(m.end() for m in _BLOCK_START.finditer(text)), len(text)]
+    pieces: list[_Piece] = []
+    for a, b in zip(bounds, bounds[1:]):
+        pieces += _pieces(text, a, b, None, max_size, True)
+    return pieces
+
+
+def chunk_code(text: str, path: str, *, max_size: int = MAX_CHUNK_SIZE) -> list[CodeChunk]:
+    """Split source code into chunks of at most `max_size` characters (see the module
+    docstring); `path` picks the language by its suffix."""
+    if max_size < 1:
+        raise ValueError("max_size must be positive")
+    if not text.strip():
+        return []
+    tree = _parse(text) if path.lower().endswith(PYTHON_SUFFIXES) else None
+    pieces = _fallback(text, max_size) if tree is None else _Python(text, max_size).module(tree)
+    pieces = _pack(pieces, min(TARGET_SIZE, max_size))
+    starts = [0, *(m.end() for m in re.finditer("\n", text))]
+    return [
+        CodeChunk(
+            i, p.start, p.end, bisect_right(starts, p.start), bisect_right(starts, p.end - 1),
+            text[p.start : p.end], p.symbol,
+        )
+        for i, p in enumerate(pieces)
+    ]

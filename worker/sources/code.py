@@ -1,0 +1,199 @@
+"""Which files of a code tree to index, and reading one.
+
+Why it looks the way it does:
+
+* A tree is listed the way git would see it: `.gitignore` files (the root's, nested ones, and
+  those of the enclosing work tree above the root) and `.git/info/exclude`, each relative to its
+  own folder, deeper files overriding shallower ones, an ignored folder never entered. Indexing
+  build output or a virtualenv would drown the real code in duplicates.
+* Vendored and generated folders are skipped by name even without a `.gitignore`, and so are
+  binaries, empty files, files over `max_bytes`, lock files and anything whose suffix is not a
+  known source suffix: what is left is text a person wrote.
+* Symlinks are never followed during a walk: a target inside the root is listed at its real path
+  anyway, one outside it is not part of the tree, and a link loop cannot hang the walk.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pathspec
+
+from worker.errors import InvalidInput
+
+CODE_SUFFIXES = frozenset(
+    """
+    .py .pyi .pyx .js .jsx .mjs .cjs .ts .tsx .mts .cts .vue .svelte .go .rs .java .kt .kts
+    .scala .groovy .gradle .c .h .cc .cpp .cxx .hpp .hh .hxx .m .mm .cs .fs .vb .rb .php .pl
+    .pm .swift .dart .sh .bash .zsh .fish .ps1 .sql .lua .r .jl .ex .exs .erl .hrl .hs .ml
+    .mli .clj .cljs .elm .nim .zig .v .proto .graphql .css .scss .less .toml .yaml .yml .json
+    .ini .cfg
+    """.split()
+)
+"""Suffixes (compared lower-case) of files that hold code or its configuration. Markdown and
+plain text are notes and files, not code; HTML is mostly generated or a template."""
+
+CODE_NAMES = frozenset({"Makefile", "GNUmakefile", "Dockerfile", "Justfile", "Rakefile"})
+"""Source files known by their whole name, having no suffix."""
+
+LOCK_FILES = frozenset(
+    """
+    package-lock.json npm-shrinkwrap.json pnpm-lock.yaml yarn.lock bun.lockb composer.lock
+    Cargo.lock poetry.lock Pipfile.lock uv.lock pdm.lock Gemfile.lock mix.lock flake.lock
+    go.sum packages.lock.json
+    """.split()
+)
+"""Generated dependency pins: large, machine-written, never what a question is about."""
+
+SKIP_DIRS = frozenset(
+    """
+    .git .hg .svn node_modules vendor third_party .venv venv env __pycache__ dist build
+    target .tox .nox .eggs .mypy_cache .pytest_cache .ruff_cache .hypothesis site-packages
+    .idea .vscode .gradle .next
+    """.split()
+)
+"""Vendored, generated and tool folders, skipped by name (and `*.egg-info`)."""
+
+_SNIFF = 8192
+
+
+def _is_binary(path: Path) -> bool:
+    """A NUL byte in the first 8 KB: what git and grep call binary."""
+    with path.open("rb") as f:
+        return b"\0" in f.read(_SNIFF)
+
+
+def _wanted_name(name: str) -> bool:
+    if name in LOCK_FILES or name.endswith((".min.js", ".min.css")):
+        return False
+    return name in CODE_NAMES or os.path.splitext(name)[1].lower() in CODE_SUFFIXES
+
+
+def _skipped_dir(name: str) -> bool:
+    return name in SKIP_DIRS or name.endswith(".egg-info")
+
+
+_Specs = list[tuple[tuple[str, ...], pathspec.GitIgnoreSpec]]
+"""(folder relative to the top, its patterns), lowest precedence first."""
+
+
+def _load_spec(file: Path) -> pathspec.GitIgnoreSpec | None:
+    try:
+        lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    return pathspec.GitIgnoreSpec.from_lines(lines)
+
+
+def _ignored(specs: _Specs, parts: tuple[str, ...], is_dir: bool) -> bool:
+    """Git's rule: the last matching pattern, from the deepest `.gitignore`, decides."""
+    result = False
+    for base, spec in specs:
+        if parts[: len(base)] != base or len(parts) == len(base):
+            continue
+        rel = "/".join(parts[len(base) :]) + ("/" if is_dir else "")
+        include = spec.check_file(rel).include
+        if include is not None:
+            result = include
+    return result
+
+
+def _outer_specs(root: Path) -> tuple[_Specs, tuple[str, ...]]:
+    """The patterns that apply from above `root`: `.git/info/exclude` and the `.gitignore` files
+    of the enclosing work tree down to the root's parent; and the root's path below that top.
+    Dropped when they ignore the root itself: a folder asked for by name is listed."""
+    top = next((p for p in (root, *root.parents) if (p / ".git").exists()), None)
+    if top is None:
+        return [], ()
+    prefix = root.relative_to(top).parts
+    specs: _Specs = []
+    exclude = top / ".git" / "info" / "exclude"
+    for base, file in [((), exclude)] + [
+        (prefix[:i], top.joinpath(*prefix[:i], ".gitignore")) for i in range(len(prefix))
+    ]:
+        spec = _load_spec(file) if file.is_file() else None
+        if spec is not None:
+            specs.append((base, spec))
+    if prefix and any(_ignored(specs, prefix[:i], True) for i in range(1, len(prefix) + 1)):
+        return [], prefix
+    return specs, prefix
+
+
+def _check_file(path: Path, max_bytes: int) -> str | None:
+    """Why a file cannot be indexed, or None."""
+    size = path.stat().st_size
+    if size == 0:
+        return "is empty"
+    if size > max_bytes:
+        return f"is larger than {max_bytes} bytes ({size})"
+    if _is_binary(path):
+        return "is binary"
+    return None
+
+
+def list_code_files(path: str | Path, *, max_bytes: int = 1_000_000) -> list[Path]:
+    """The source files to index under `path` (sorted), or `path` itself if it is a file.
+
+    A file named directly is refused (`InvalidInput`) only if it is missing, binary, empty or
+    too large: naming it is asking for it, whatever its suffix or ignore rules say.
+    """
+    given = Path(path)
+    if not given.exists():
+        raise InvalidInput(f"{given}: no such file or directory")
+    if not given.is_dir():
+        if not given.is_file():
+            raise InvalidInput(f"{given} is not a regular file")
+        try:
+            reason = _check_file(given, max_bytes)
+        except OSError as e:
+            raise InvalidInput(f"{given} cannot be read: {e}") from e
+        if reason:
+            raise InvalidInput(f"{given} {reason}")
+        return [given]
+
+    outer, prefix = _outer_specs(given.resolve())
+    found: list[Path] = []
+    stack: list[tuple[Path, tuple[str, ...], _Specs]] = [(given, (), outer)]
+    while stack:
+        folder, rel, specs = stack.pop()
+        ignore_file = folder / ".gitignore"
+        spec = _load_spec(ignore_file) if ignore_file.is_file() else None
+        if spec is not None:
+            specs = [*specs, (prefix + rel, spec)]
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            parts = (*rel, entry.name)
+            try:
+                if entry.is_symlink():
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    if not _skipped_dir(entry.name) and not _ignored(specs, prefix + parts, True):
+                        stack.append((folder / entry.name, parts, specs))
+                elif (
+                    entry.is_file(follow_symlinks=False)
+                    and _wanted_name(entry.name)
+                    and not _ignored(specs, prefix + parts, False)
+                    and _check_file(Path(entry.path), max_bytes) is None
+                ):
+                    found.append(given.joinpath(*parts))
+            except OSError:  # vanished or unreadable meanwhile: not part of the listing
+                continue
+    return sorted(found)
+
+
+def read_code(path: Path) -> str:
+    """The file's text: UTF-8 (a BOM is dropped), newlines normalised to `\\n` so that chunk
+    offsets and line numbers mean the same thing whatever the file's line endings."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise InvalidInput(f"{path} cannot be read: {e}") from e
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"{path} is not UTF-8 text (byte {e.start})") from e
+    return text.replace("\r\n", "\n").replace("\r", "\n")
