@@ -21,6 +21,7 @@ Why it looks the way it does:
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import warnings
 from bisect import bisect_right
@@ -74,7 +75,8 @@ def _trim(text: str, s: int, e: int) -> Span:
     if not kept:
         return s, s
     first = s + len(kept) - len(kept.lstrip())
-    return text.rfind("\n", s, first) + 1 or s, s + len(kept)
+    line_start = text.rfind("\n", s, first)
+    return (s if line_start < 0 else line_start + 1), s + len(kept)
 
 
 def _split(text: str, s: int, e: int, max_size: int) -> list[Span]:
@@ -101,7 +103,9 @@ def _split(text: str, s: int, e: int, max_size: int) -> list[Span]:
     return parts
 
 
-def _pieces(text: str, s: int, e: int, symbol: str | None, max_size: int, merge: bool):
+def _pieces(
+    text: str, s: int, e: int, symbol: str | None, max_size: int, merge: bool
+) -> list[_Piece]:
     """The span as one piece, or split by lines when it is too long; nothing if it is blank."""
     s, e = _trim(text, s, e)
     spans = [(s, e)] if e - s <= max_size else _split(text, s, e, max_size)
@@ -139,16 +143,21 @@ class _Python:
             self.text, self.offset(first), self.offset(last + 1), symbol, self.max_size, merge
         )
 
+    def line(self, n: int) -> str:
+        return self.text[self.offset(n) : self.offset(n + 1)]
+
     def first_line(self, node: ast.stmt, floor: int) -> int:
-        """A definition starts at its first decorator, or at the comment lines right above."""
+        """A definition starts at its first decorator, or at the comment lines right above; when
+        only comments lie between it and the previous statement (a section comment such as
+        `# -- parsing --`), at those: alone they would be a chunk of their own."""
         first = node.lineno
         if isinstance(node, _DEFS):
             first = min([first, *(d.lineno for d in node.decorator_list)])
-            while first - 1 >= floor:
-                line = self.text[self.offset(first - 1) : self.offset(first)]
-                if not line.lstrip().startswith("#"):
-                    break
+            while first - 1 >= floor and self.line(first - 1).lstrip().startswith("#"):
                 first -= 1
+            gap = (self.line(n).lstrip() for n in range(floor, first))
+            if all(not g or g.startswith("#") for g in gap):
+                first = floor
         return max(first, floor)
 
     def module(self, tree: ast.Module) -> list[_Piece]:
@@ -167,19 +176,25 @@ class _Python:
         pieces += self.span(cursor, len(self.starts), None, True)
         return pieces
 
-    def definition(self, node: ast.stmt, first: int, last: int) -> list[_Piece]:
-        assert isinstance(node, _DEFS)
+    def definition(
+        self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef, first: int, last: int
+    ) -> list[_Piece]:
+        """The definition whole; a class over the maximum by members; else split by lines."""
         s, e = _trim(self.text, self.offset(first), self.offset(last + 1))
         members = [m for m in node.body if isinstance(m, _DEFS)]
         if e - s <= self.max_size or not isinstance(node, ast.ClassDef) or not members:
             return self.span(first, last, node.name, False)
         pieces: list[_Piece] = []
-        cursor = first
-        for m in members:
-            m_first, m_last = self.first_line(m, cursor), min(m.end_lineno or 0, last)
-            pieces += self.span(cursor, m_first - 1, node.name, False)
-            pieces += self.span(m_first, m_last, f"{node.name}.{m.name}", False)
-            cursor = max(cursor, m_last + 1)
+        cursor = first  # the first line of the class no piece has taken yet
+        taken = node.lineno  # the last line of the class body's statements so far
+        for m in node.body:
+            m_last = min(m.end_lineno or 0, last)
+            if isinstance(m, _DEFS):
+                m_first = self.first_line(m, max(cursor, taken + 1))
+                pieces += self.span(cursor, m_first - 1, node.name, False)
+                pieces += self.span(m_first, m_last, f"{node.name}.{m.name}", False)
+                cursor = max(cursor, m_last + 1)
+            taken = max(taken, m_last)
         pieces += self.span(cursor, last, node.name, False)
         return pieces
 
@@ -199,7 +214,7 @@ def _fallback(text: str, max_size: int) -> list[_Piece]:
     """Blocks starting at column 0 after a blank line, each split by lines if too long."""
     bounds = [0, *(m.end() for m in _BLOCK_START.finditer(text)), len(text)]
     pieces: list[_Piece] = []
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         pieces += _pieces(text, a, b, None, max_size, True)
     return pieces
 
@@ -217,8 +232,13 @@ def chunk_code(text: str, path: str, *, max_size: int = MAX_CHUNK_SIZE) -> list[
     starts = [0, *(m.end() for m in re.finditer("\n", text))]
     return [
         CodeChunk(
-            i, p.start, p.end, bisect_right(starts, p.start), bisect_right(starts, p.end - 1),
-            text[p.start : p.end], p.symbol,
+            i,
+            p.start,
+            p.end,
+            bisect_right(starts, p.start),
+            bisect_right(starts, p.end - 1),
+            text[p.start : p.end],
+            p.symbol,
         )
         for i, p in enumerate(pieces)
     ]

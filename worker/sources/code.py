@@ -22,6 +22,7 @@ import pathspec
 
 from worker.errors import InvalidInput
 
+# The lists are written as words: the formatter would put each string on a line of its own.
 CODE_SUFFIXES = frozenset(
     """
     .py .pyi .pyx .js .jsx .mjs .cjs .ts .tsx .mts .cts .vue .svelte .go .rs .java .kt .kts
@@ -29,7 +30,7 @@ CODE_SUFFIXES = frozenset(
     .pm .swift .dart .sh .bash .zsh .fish .ps1 .sql .lua .r .jl .ex .exs .erl .hrl .hs .ml
     .mli .clj .cljs .elm .nim .zig .v .proto .graphql .css .scss .less .toml .yaml .yml .json
     .ini .cfg
-    """.split()
+    """.split()  # noqa: SIM905
 )
 """Suffixes (compared lower-case) of files that hold code or its configuration. Markdown and
 plain text are notes and files, not code; HTML is mostly generated or a template."""
@@ -42,7 +43,7 @@ LOCK_FILES = frozenset(
     package-lock.json npm-shrinkwrap.json pnpm-lock.yaml yarn.lock bun.lockb composer.lock
     Cargo.lock poetry.lock Pipfile.lock uv.lock pdm.lock Gemfile.lock mix.lock flake.lock
     go.sum packages.lock.json
-    """.split()
+    """.split()  # noqa: SIM905
 )
 """Generated dependency pins: large, machine-written, never what a question is about."""
 
@@ -51,7 +52,7 @@ SKIP_DIRS = frozenset(
     .git .hg .svn node_modules vendor third_party .venv venv env __pycache__ dist build
     target .tox .nox .eggs .mypy_cache .pytest_cache .ruff_cache .hypothesis site-packages
     .idea .vscode .gradle .next
-    """.split()
+    """.split()  # noqa: SIM905
 )
 """Vendored, generated and tool folders, skipped by name (and `*.egg-info`)."""
 
@@ -167,9 +168,7 @@ def list_code_files(path: str | Path, *, max_bytes: int = 1_000_000) -> list[Pat
             continue
         for entry in entries:
             parts = (*rel, entry.name)
-            try:
-                if entry.is_symlink():
-                    continue
+            try:  # follow_symlinks=False: a link is neither a folder nor a file here
                 if entry.is_dir(follow_symlinks=False):
                     if not _skipped_dir(entry.name) and not _ignored(specs, prefix + parts, True):
                         stack.append((folder / entry.name, parts, specs))

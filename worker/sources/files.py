@@ -1,0 +1,323 @@
+"""The text of a file, as Markdown where the format has structure, so that the structural
+chunker (which cuts at `#` headings) sees sections; also the converters `urls.py` shares.
+
+Files are read only under `FilesSettings.roots`, checked on the fully resolved path and then
+read from that path, so that neither `..` nor a symlink leads outside. Every refusal is an
+`InvalidInput` whose one-line message names the file: retrying cannot help.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import math
+import os
+import re
+import stat
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from worker.errors import InvalidInput
+from worker.settings import FilesSettings
+
+TEXT_SUFFIXES = frozenset({".md", ".markdown", ".txt", ".text", ".rst"})
+HTML_SUFFIXES = frozenset({".html", ".htm", ".xhtml"})
+_BINARY = """.doc .xls .xlsx .ppt .pptx .odt .ods .odp .epub .zip .gz .tgz .bz2 .xz .zst .tar .7z
+.rar .png .jpg .jpeg .gif .webp .bmp .tif .tiff .ico .heic .mp3 .mp4 .m4a .wav .flac .ogg .avi
+.mov .mkv .webm .exe .dll .so .dylib .bin .o .a .class .jar .pyc .whl .sqlite .db .woff .woff2
+.ttf .otf .iso .dmg"""
+BINARY_SUFFIXES = frozenset(_BINARY.split())
+# Longest first: the UTF-32 LE mark begins with the UTF-16 LE one.
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"),
+         (codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"),
+         (codecs.BOM_UTF16_BE, "utf-16-be"))  # fmt: skip
+_SNIFF = 8192
+_META_CHARSET = re.compile(rb"""<meta[^>]+charset\s*=\s*["']?\s*([A-Za-z0-9._:-]+)""", re.I)
+# Per WHATWG, pages labelled Latin-1 or ASCII are really windows-1252.
+_LABEL_ALIASES = {"iso-8859-1": "cp1252", "latin1": "cp1252", "latin-1": "cp1252",
+                  "ascii": "cp1252", "us-ascii": "cp1252"}  # fmt: skip
+# Lines of plain text that the chunker would take for a heading or a code fence.
+_MARKDOWN_LOOKALIKE = re.compile(r"^([ \t]{0,3})(#{1,6}(?:[ \t]|$)|`{3}|~{3})", re.M)
+
+
+def _refuse(name: object, reason: str) -> InvalidInput:
+    return InvalidInput(f"{name}: {reason}")
+
+
+# -- decoding -------------------------------------------------------------------------------
+
+
+def _bom(data: bytes) -> tuple[str, int] | None:
+    for mark, encoding in _BOMS:
+        if data.startswith(mark):
+            return encoding, len(mark)
+    return None
+
+
+def _codec(label: str | None) -> str | None:
+    """A Python codec for a charset label, or None when Python does not know it."""
+    if not label:
+        return None
+    label = _LABEL_ALIASES.get(label.strip().lower(), label.strip())
+    try:
+        return codecs.lookup(label).name
+    except LookupError:
+        return None
+
+
+def _decode(data: bytes, encoding: str, name: object) -> str:
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        label = "UTF-8" if encoding in ("utf-8", "utf_8") else encoding
+        raise _refuse(
+            name,
+            f"is not {label} text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+            "convert it to UTF-8",
+        ) from None
+
+
+def decode_text(data: bytes, name: object, charset: str | None = None) -> str:
+    """Text from bytes: a BOM wins, then `charset` (an HTTP header's), else strict UTF-8, since
+    guessing an encoding silently indexes mojibake. NUL bytes mean binary, not text."""
+    bom = _bom(data)
+    if bom:
+        return _decode(data[bom[1] :], bom[0], name)
+    encoding = _codec(charset) or "utf-8"
+    if not encoding.startswith(("utf_16", "utf_32", "utf-16", "utf-32")) and b"\0" in data[:_SNIFF]:
+        raise _refuse(name, "binary or unsupported file type")
+    return _decode(data, encoding, name)
+
+
+def decode_html(data: bytes, name: object, charset: str | None = None) -> str:
+    """HTML's charset: the BOM, then the transport's, then `<meta charset>`, else UTF-8."""
+    if _bom(data) or _codec(charset):
+        return decode_text(data, name, charset)
+    m = _META_CHARSET.search(data[:4096])
+    return decode_text(data, name, m.group(1).decode("ascii") if m else None)
+
+
+def escape_markdown_lookalikes(text: str) -> str:
+    """Escape lines of extracted plain text that would read as a heading or a code fence."""
+    return _MARKDOWN_LOOKALIKE.sub(lambda m: m.group(1) + "\\" + m.group(2), text)
+
+
+# -- converters -----------------------------------------------------------------------------
+
+
+def html_to_markdown(html: str) -> str | None:
+    """The page's main text as Markdown with headings (no navigation, scripts or footers), or
+    None when trafilatura finds none."""
+    import trafilatura  # slow to import; only the workers that read HTML pay for it
+
+    text = trafilatura.extract(
+        html,
+        output_format="markdown",
+        include_comments=False,
+        include_tables=True,
+        favor_recall=True,
+    )
+    return text if text and text.strip() else None
+
+
+def _font_size(tm: Any, cm: Any, size: float) -> float:
+    """The rendered height: the font size scaled by the text and current matrices."""
+    c = tm[2] * cm[0] + tm[3] * cm[2]
+    d = tm[2] * cm[1] + tm[3] * cm[3]
+    return round(size * (math.hypot(c, d) or 1.0), 1)
+
+
+def _page_runs(page: Any) -> tuple[str, list[tuple[float, str]]]:
+    """A page's text, and its runs of text in one font size, in order."""
+    runs: list[tuple[float, str]] = []
+
+    def visit(text: str, cm: Any, tm: Any, _font: Any, size: float) -> None:
+        if not text:
+            return
+        height = _font_size(tm, cm, size)
+        if runs and (abs(runs[-1][0] - height) < 0.5 or not text.strip()):
+            runs[-1] = (runs[-1][0], runs[-1][1] + text)
+        else:
+            runs.append((height, text))
+
+    return page.extract_text(visitor_text=visit) or "", runs
+
+
+def _mark_headings(text: str, headings: dict[str, int]) -> str:
+    """Lines whose whole text was set larger than the body become `#` headings; a heading
+    wrapped over several lines becomes one."""
+    out: list[str] = []
+    previous = 0
+    for line in escape_markdown_lookalikes(text).splitlines():
+        level = headings.get(line.strip(), 0)
+        if level and level == previous:
+            out[-1] += " " + line.strip()
+        elif level:
+            out.extend(["", "#" * level + " " + line.strip(), ""])
+        else:
+            out.append(line)
+        previous = level
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip()
+
+
+def pdf_text(data: bytes, name: object) -> str:
+    """A PDF's text, page by page with a blank line between; lines set in a font larger than
+    the body's become Markdown headings, ranked by size."""
+    import pypdf
+
+    try:
+        reader = pypdf.PdfReader(io.BytesIO(data))
+        if reader.is_encrypted and not reader.decrypt(""):
+            raise _refuse(name, "the PDF is encrypted; give kidx a copy without a password")
+        pages = [_page_runs(page) for page in reader.pages]
+    except InvalidInput:
+        raise
+    except Exception as e:  # pypdf raises many kinds on damaged files
+        raise _refuse(name, f"unreadable PDF ({type(e).__name__}: {e})".strip()) from None
+    chars: Counter[float] = Counter()
+    for _, runs in pages:
+        for size, text in runs:
+            chars[size] += len(text.strip())
+    body = chars.most_common(1)[0][0] if chars else 0.0
+    big = [
+        {
+            line.strip(): size
+            for size, text in runs
+            if size >= body * 1.15
+            for line in text.splitlines()
+            if 0 < len(line.strip()) <= 200
+        }
+        for _, runs in pages
+    ]
+    sizes = sorted({size for page in big for size in page.values()}, reverse=True)
+    ranks = {size: min(i + 1, 6) for i, size in enumerate(sizes)}
+    texts = [
+        _mark_headings(text, {line: ranks[size] for line, size in lines.items()})
+        for (text, _), lines in zip(pages, big)
+    ]
+    result = "\n\n".join(t for t in texts if t)
+    if not result.strip():
+        raise _refuse(name, "the PDF has no text layer (scanned?); nothing to index")
+    return result
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def docx_to_markdown(data: bytes, name: object) -> str:
+    """A DOCX as Markdown: Title/Heading N → `#`×N, list paragraphs → `- ` items, tables →
+    Markdown table rows."""
+    import docx
+    from docx.table import Table
+
+    try:
+        document = docx.Document(io.BytesIO(data))
+        blocks: list[tuple[str, str]] = []  # (kind, markdown)
+        for block in document.iter_inner_content():
+            if isinstance(block, Table):
+                rows = [
+                    "| " + " | ".join(_cell(c.text) for c in r.cells) + " |" for r in block.rows
+                ]
+                if rows:
+                    width = rows[0].count(" | ") + 1
+                    rows.insert(1, "|" + " --- |" * width)
+                    blocks.append(("table", "\n".join(rows)))
+                continue
+            text = block.text.strip()
+            style = (block.style.name if block.style is not None else "") or ""
+            heading = re.fullmatch(r"heading\s*(\d)", style.strip(), re.I)
+            ppr = block._p.pPr
+            numbered = ppr is not None and ppr.numPr is not None
+            if not text:
+                continue
+            if style == "Title" or heading:
+                level = min(int(heading.group(1)), 6) if heading else 1
+                blocks.append(("heading", "#" * max(level, 1) + " " + " ".join(text.split())))
+            elif style.startswith("List") or numbered:
+                depth = re.search(r"(\d)$", style)
+                indent = "  " * (int(depth.group(1)) - 1 if depth else 0)
+                blocks.append(("item", indent + "- " + escape_markdown_lookalikes(text)))
+            else:
+                blocks.append(("para", escape_markdown_lookalikes(text)))
+    except Exception as e:  # python-docx, zipfile and lxml all raise on damaged files
+        raise _refuse(name, f"unreadable DOCX ({type(e).__name__}: {e})") from None
+    out = ""
+    for i, (kind, md) in enumerate(blocks):
+        sep = "\n" if i and kind == "item" and blocks[i - 1][0] == "item" else "\n\n"
+        out += (sep if i else "") + md
+    if not out.strip():
+        raise _refuse(name, "the document has no text")
+    return out
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+def _resolve_under_roots(path: Path, settings: FilesSettings) -> Path:
+    if not settings.roots:
+        raise _refuse(path, "reading files is off: set KIDX_FILES__ROOTS to the folders allowed")
+    try:
+        resolved = path.expanduser().resolve(strict=True)
+    except FileNotFoundError:
+        raise _refuse(path, "no such file") from None
+    except (OSError, RuntimeError) as e:  # a symlink loop, a permission denied
+        raise _refuse(path, f"cannot be resolved ({e})") from None
+    roots = [r.expanduser().resolve() for r in settings.roots]
+    if not any(resolved.is_relative_to(root) for root in roots):
+        allowed = ", ".join(str(r) for r in roots)
+        shown = str(path) if resolved == path else f"{path} (resolves to {resolved})"
+        raise InvalidInput(f"{shown}: outside the allowed folders (KIDX_FILES__ROOTS: {allowed})")
+    return resolved
+
+
+def _read_bytes(path: Path, shown: Path, limit: int) -> bytes:
+    """The file's bytes, opened without following a symlink swapped in since the check and
+    without blocking on a FIFO; the size is checked before and while reading."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        if path.is_dir():
+            raise _refuse(shown, "is a directory, not a file")
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise _refuse(shown, f"cannot be opened ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(shown, "is not a regular file")
+        if st.st_size > limit:
+            raise _refuse(shown, f"{st.st_size} bytes is over the size limit of {limit} bytes")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise _refuse(shown, f"is over the size limit of {limit} bytes")
+    return data
+
+
+def read_file(path: str | Path, settings: FilesSettings) -> str:
+    """The text to index from a file under the allowed roots, Markdown where structure exists.
+
+    Raises `InvalidInput` (naming the file) for anything it will not or cannot read.
+    """
+    shown = Path(path)
+    resolved = _resolve_under_roots(shown, settings)
+    data = _read_bytes(resolved, shown, settings.max_bytes)
+    if not data:
+        raise _refuse(shown, "the file is empty")
+    suffix = resolved.suffix.lower()
+    if suffix == ".pdf" or (suffix not in TEXT_SUFFIXES | HTML_SUFFIXES and data[:5] == b"%PDF-"):
+        text = pdf_text(data, shown)
+    elif suffix == ".docx":
+        text = docx_to_markdown(data, shown)
+    elif suffix in BINARY_SUFFIXES:
+        raise _refuse(shown, f"binary or unsupported file type ({suffix})")
+    elif suffix in HTML_SUFFIXES:
+        markdown = html_to_markdown(decode_html(data, shown))
+        if markdown is None:
+            raise _refuse(shown, "no main text could be extracted from the HTML")
+        text = markdown
+    else:
+        text = decode_text(data, shown)
+    if not text.strip():
+        raise _refuse(shown, "contains only white space; nothing to index")
+    return text

@@ -1,0 +1,269 @@
+"""The text of a URL, fetched without letting the fetcher reach into the host's own network.
+
+Why it looks the way it does:
+
+* Every host, the first and each redirect target's, is resolved and refused when ANY of its
+  addresses is not global (loopback, private, link-local, ...), unless `UrlSettings.allow_hosts`
+  names the host or covers the address. Redirects are followed by hand so that each is checked.
+* The connection goes to the address that was checked (the URL's host replaced by the IP, the
+  original `Host` header and TLS server name), so a second DNS answer cannot rebind the host to
+  an internal address between the check and the request.
+* The size limit holds while streaming; the content type must be on the allow-list.
+* Refusals are `InvalidInput` (retrying cannot help); timeouts, connection errors, 408, 429 and
+  5xx are `SourceUnavailable` (a later retry may work).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from worker.errors import InvalidInput, SourceUnavailable
+from worker.settings import UrlSettings
+from worker.sources.files import (
+    decode_html,
+    decode_text,
+    docx_to_markdown,
+    html_to_markdown,
+    pdf_text,
+)
+
+Resolver = Callable[[str, int], list[str]]
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
+HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
+DOCX_TYPE = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A fetched page's text, the URL it finally came from, and its media type."""
+
+    text: str
+    final_url: str
+    content_type: str
+
+
+def system_resolve(host: str, port: int) -> list[str]:
+    """Every address the system resolver gives for `host` (IPv4 and IPv6)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno == socket.EAI_AGAIN:
+            raise SourceUnavailable(f"{host}: name resolution failed for now ({e})") from None
+        raise InvalidInput(f"{host}: no such host ({e.strerror or e})") from None
+    return list(dict.fromkeys(str(info[4][0]).split("%")[0] for info in infos))
+
+
+def _public(ip: IPAddress) -> bool:
+    """Global unicast, judged also by any IPv4 address it carries (mapped, NAT64, 6to4,
+    Teredo): `is_global` alone passes global-scope multicast and NAT64 of 127.0.0.1."""
+    inner: list[IPAddress] = [ip]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped:
+            inner = [ip.ipv4_mapped]
+        if ip in _NAT64:
+            inner.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        if ip.sixtofour:
+            inner.append(ip.sixtofour)
+        if ip.teredo:
+            inner.extend(ip.teredo)
+    return all(
+        a.is_global and not (a.is_multicast or a.is_reserved or a.is_unspecified) for a in inner
+    )
+
+
+class _Policy:
+    """`allow_hosts` split into host names and networks."""
+
+    def __init__(self, settings: UrlSettings) -> None:
+        self.names: set[str] = set()
+        self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for entry in settings.allow_hosts:
+            entry = entry.strip().strip("[]").lower()
+            try:
+                self.networks.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                self.names.add(entry.rstrip("."))
+
+    def allowed(self, ip: IPAddress) -> bool:
+        return any(ip.version == net.version and ip in net for net in self.networks)
+
+    def check(self, host: str, port: int, resolve: Resolver) -> list[str]:
+        """The addresses to connect to, all checked; refuse if any is not global."""
+        try:
+            addresses = [ipaddress.ip_address(host)]
+        except ValueError:
+            addresses = [ipaddress.ip_address(a) for a in resolve(host, port)]
+        if not addresses:
+            raise InvalidInput(f"{host}: the name has no addresses")
+        if host.lower().rstrip(".") not in self.names:
+            for ip in addresses:
+                if not _public(ip) and not self.allowed(ip):
+                    what = host if str(ip) == host else f"{host} resolves to {ip}, which"
+                    raise InvalidInput(
+                        f"{what} is not a public address (loopback, private, link-local, "
+                        "multicast or reserved); add it to KIDX_URLS__ALLOW_HOSTS to fetch it"
+                    )
+        return [str(ip) for ip in addresses]
+
+
+def _parse(url: str, base: httpx.URL | None = None) -> httpx.URL:
+    """An http(s) URL with a host (`url` relative to `base` when given), or a refusal."""
+    try:
+        parsed = base.join(url) if base is not None else httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as e:
+        raise InvalidInput(f"{url}: not a valid URL ({e})") from None
+    if parsed.scheme not in ("http", "https"):
+        raise InvalidInput(f"{url}: only http and https URLs can be fetched")
+    if not parsed.host:
+        raise InvalidInput(f"{url}: the URL has no host")
+    return parsed
+
+
+def _media_type(response: httpx.Response) -> tuple[str, str | None]:
+    """The media type without parameters, and the charset parameter if any."""
+    header = response.headers.get("content-type", "")
+    media, _, params = header.partition(";")
+    charset = None
+    for param in params.split(";"):
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset":
+            charset = value.strip().strip("\"'") or None
+    return media.strip().lower(), charset
+
+
+def _status(url: httpx.URL, response: httpx.Response) -> None:
+    code = response.status_code
+    message = f"{url}: HTTP {code} {response.reason_phrase}".rstrip()
+    if code in (408, 429) or code >= 500:
+        raise SourceUnavailable(message)
+    if not 200 <= code < 300:
+        raise InvalidInput(message)
+
+
+def _body(url: httpx.URL, response: httpx.Response, settings: UrlSettings) -> bytes:
+    """The body, refused as soon as it passes the size limit or the time allowed."""
+    limit = settings.max_bytes
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise InvalidInput(f"{url}: over the size limit of {limit} bytes ({declared} declared)")
+    deadline = time.monotonic() + settings.timeout
+    parts: list[bytes] = []
+    size = 0
+    for part in response.iter_bytes():
+        size += len(part)
+        if size > limit:
+            raise InvalidInput(f"{url}: over the size limit of {limit} bytes")
+        if time.monotonic() > deadline:
+            raise SourceUnavailable(f"{url}: the body took longer than {settings.timeout:g}s")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _to_text(url: httpx.URL, data: bytes, media: str, charset: str | None) -> str:
+    name = str(url)
+    if media in HTML_TYPES:
+        text = html_to_markdown(decode_html(data, name, charset))
+        if text is None:
+            raise InvalidInput(f"{url}: no main text could be extracted from the page")
+    elif media == "application/pdf":
+        text = pdf_text(data, name)
+    elif media == DOCX_TYPE:
+        text = docx_to_markdown(data, name)
+    elif media.startswith("text/") or media.endswith(("/json", "+json", "/xml", "+xml")):
+        text = decode_text(data, name, charset)
+    else:
+        raise InvalidInput(f"{url}: cannot read content of type {media}")
+    if not text.strip():
+        raise InvalidInput(f"{url}: the page contains only white space; nothing to index")
+    return text
+
+
+def _send(
+    client: httpx.Client,
+    url: httpx.URL,
+    ips: list[str],
+    headers: dict[str, str],
+    timeout: httpx.Timeout,
+) -> httpx.Response:
+    """GET `url` from the checked addresses in turn, with the original Host and TLS name."""
+    host = url.raw_host.decode("ascii")
+    extensions = {"sni_hostname": host} if url.scheme == "https" else {}
+    headers = {**headers, "Host": url.netloc.decode("ascii")}
+    for i, ip in enumerate(ips):
+        request = client.build_request(
+            "GET", url.copy_with(host=ip), headers=headers, extensions=extensions, timeout=timeout
+        )
+        try:
+            return client.send(request, stream=True, follow_redirects=False)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            if i == len(ips) - 1:
+                raise
+    raise AssertionError("unreachable: no addresses")  # _Policy.check never returns none
+
+
+def fetch_url(
+    url: str,
+    settings: UrlSettings,
+    *,
+    resolve: Resolver | None = None,
+    client: httpx.Client | None = None,
+    user_agent: str = "kidx/0.1 (+https://github.com/kidx)",
+) -> Fetched:
+    """Fetch `url` and return its text (Markdown for HTML), refusing what the settings do not
+    allow. `resolve` replaces the system resolver; `client` a fresh httpx client (give one
+    without proxies: a proxy would resolve the name itself and undo the address check)."""
+    policy = _Policy(settings)
+    resolve = resolve or system_resolve
+    timeout = httpx.Timeout(settings.timeout, connect=settings.connect_timeout)
+    accept = ", ".join(settings.content_types) + ", */*;q=0.1"
+    headers = {"User-Agent": user_agent, "Accept": accept}
+    own = client is None
+    http = client or httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False)
+    current = start = _parse(url)
+    seen = {str(current)}
+    try:
+        for _ in range(settings.max_redirects + 1):
+            port = current.port or (443 if current.scheme == "https" else 80)
+            try:
+                ips = policy.check(current.raw_host.decode("ascii"), port, resolve)
+            except InvalidInput as e:
+                where = url if current == start else f"{url} redirects to {current}"
+                raise InvalidInput(f"{where}: {e}") from None
+            response = _send(http, current, ips, headers, timeout)
+            try:
+                location = response.headers.get("location")
+                if response.status_code in REDIRECTS and location:
+                    target = _parse(location, current)
+                    if str(target) in seen:
+                        raise InvalidInput(f"{url}: redirect loop (at {target})")
+                    seen.add(str(target))
+                    current = target
+                    continue
+                _status(current, response)
+                media, charset = _media_type(response)
+                if media not in {t.strip().lower() for t in settings.content_types}:
+                    shown = media or "none given"
+                    raise InvalidInput(f"{current}: content type {shown} is not allowed")
+                data = _body(current, response, settings)
+            finally:
+                response.close()
+            return Fetched(_to_text(current, data, media, charset), str(current), media)
+        raise InvalidInput(f"{url}: too many redirects (more than {settings.max_redirects})")
+    except httpx.TimeoutException as e:
+        raise SourceUnavailable(f"{current}: timed out ({type(e).__name__})") from None
+    except httpx.DecodingError as e:
+        raise InvalidInput(f"{current}: the body could not be decoded ({e})") from None
+    except httpx.TransportError as e:
+        raise SourceUnavailable(f"{current}: {type(e).__name__}: {e}") from None
+    finally:
+        if own:
+            http.close()
