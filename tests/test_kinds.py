@@ -1,0 +1,324 @@
+"""Files, URLs, code and memories through the pipeline and the `kidx` command: a real SQLite file,
+the embedding stand-in, a real page server on 127.0.0.1 (allowed by setting in these tests only)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from markdown_it import MarkdownIt
+
+from conftest import DIMS, corpus_text, standin_settings
+from worker.code_index import search_code
+from worker.errors import IndexAborted, InvalidInput
+from worker.memories import add_memory, search_memories
+from worker.pipeline import index_item
+from worker.providers import build_embedder
+from worker.retrieval import search
+from worker.settings import FilesSettings, UrlSettings
+from worker.sources import Reader
+from worker.store import connect, vec_table_dimensions
+from worker.store.items import add_item, get_state
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTICLE = """<html><head><title>Slices</title><script>var tracking = "SCRIPT-TEXT";</script></head>
+<body><nav><a href="/">NAV-TEXT Home</a> | <a href="/about">About</a></nav>
+<article><h1>The Slice Type</h1><p>Slices let you reference a contiguous sequence of elements in
+a collection rather than the whole collection. A slice is a kind of reference, so it does not
+have ownership.</p><h2>String Slices</h2><p>A string slice is a reference to part of a String,
+and it looks like this: a range within brackets that says where the slice starts and ends. Range
+indices must occur at valid UTF-8 character boundaries.</p></article>
+<footer>FOOTER-TEXT Copyright 2026</footer></body></html>"""
+
+
+class Pages:
+    """A page server on 127.0.0.1: path -> (status, content type, body); counts requests."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, tuple[int, str, bytes]] = {}
+        self.hits: dict[str, int] = {}
+        pages = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                pages.hits[self.path] = pages.hits.get(self.path, 0) + 1
+                status, ctype, body = pages.routes.get(self.path, (404, "text/plain", b"no"))
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture
+def pages() -> Iterator[Pages]:
+    p = Pages()
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def files_root(tmp_path: Path) -> Path:
+    root = tmp_path / "files"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def reader(files_root: Path) -> Reader:
+    return Reader(FilesSettings(roots=[files_root]), UrlSettings(allow_hosts=["127.0.0.1"]))
+
+
+def headings(markdown: str) -> list[str]:
+    return [line.lstrip("#").strip() for line in markdown.splitlines()
+            if line.startswith("#") and not line.startswith("#!")]  # fmt: skip
+
+
+def chunk_texts(db, item_id: int) -> list[str]:
+    return [
+        r[0]
+        for r in db.all(
+            "SELECT content FROM note_chunks WHERE item_id = ? ORDER BY chunk_index", (item_id,)
+        )
+    ]
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+def test_a_chapter_as_html_and_as_pdf_gives_chunks_with_its_headings(
+    db, embedder, reader, files_root
+):
+    from fpdf import FPDF
+
+    chapter = corpus_text("ch04-03-slices.md")
+    (files_root / "slices.html").write_text(
+        f"<html><body><article>{MarkdownIt().render(chapter)}</article></body></html>"
+    )
+    pdf = FPDF()
+    pdf.add_page()
+    for line in chapter.splitlines():
+        clean = line.encode("latin-1", "replace").decode("latin-1")
+        if line.startswith("#"):
+            pdf.set_font("Helvetica", "B", 18)
+            pdf.multi_cell(0, 10, clean.lstrip("# "), new_x="LMARGIN", new_y="NEXT")
+        elif line.strip():
+            pdf.set_font("Helvetica", "", 10)
+            pdf.multi_cell(0, 5, clean, new_x="LMARGIN", new_y="NEXT")
+    (files_root / "slices.pdf").write_bytes(bytes(pdf.output()))
+    wanted = headings(chapter)
+    assert len(wanted) >= 4
+    for name in ("slices.html", "slices.pdf"):
+        item = add_item(db, kind="file", title=name, content="", source=str(files_root / name))
+        result = index_item(db, item, embedder=embedder, reader=reader)
+        assert result.status == "indexed" and result.chunks >= 3
+        text = " ".join(chunk_texts(db, item))
+        for heading in wanted:
+            assert " ".join(heading.replace("`", "").split()[:3]) in text.replace("`", ""), (
+                name,
+                heading,
+            )
+        # The text just read is kept as the item's content, with its hash.
+        content = db.scalar("SELECT content FROM knowledge_items WHERE id = ?", (item,))
+        assert content and "Slice" in content
+
+
+@pytest.mark.parametrize(
+    "name, data, words",
+    [
+        ("outside.md", None, "outside"),
+        ("binary.bin", b"\x00\x01\x02binary", "binary"),
+        ("empty.md", b"", "empty"),
+        ("latin.md", "caf\xe9".encode("latin-1"), "not UTF-8"),
+    ],
+)
+def test_a_refused_file_gets_a_clear_stored_error(db, embedder, reader, files_root, tmp_path,
+                                                   name, data, words):  # fmt: skip
+    path = tmp_path / name if data is None else files_root / name
+    path.write_bytes(data if data is not None else b"# Outside the roots\n")
+    item = add_item(db, kind="file", title=name, content="", source=str(path))
+    with pytest.raises(InvalidInput, match=words):
+        index_item(db, item, embedder=embedder, reader=reader)
+    state = get_state(db, item)
+    assert state["status"] == "failed" and words in state["last_error"]
+    assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
+
+
+# -- URLs ------------------------------------------------------------------------------------
+
+
+def test_a_page_gives_the_article_only_and_an_unchanged_page_costs_nothing(
+    db, embedder, reader, pages, standin
+):
+    pages.routes["/slices"] = (200, "text/html; charset=utf-8", ARTICLE.encode())
+    item = add_item(db, kind="url", title="Slices", content="", source=pages.url + "/slices")
+    result = index_item(db, item, embedder=embedder, reader=reader)
+    assert result.status == "indexed"
+    text = " ".join(chunk_texts(db, item))
+    assert "contiguous sequence of elements" in text and "String Slices" in text
+    for noise in ("NAV-TEXT", "SCRIPT-TEXT", "FOOTER-TEXT"):
+        assert noise not in text
+    embedded = len(standin.texts)
+    again = index_item(db, item, embedder=embedder, reader=reader)
+    assert pages.hits["/slices"] == 2  # fetched again...
+    assert len(standin.texts) == embedded and again.embedded == 0  # ...and nothing embedded
+
+
+def test_a_refused_or_missing_page_gets_a_clear_stored_error(db, embedder, pages):
+    not_allowed = Reader(FilesSettings(), UrlSettings())  # loopback not allowed here
+    item = add_item(db, kind="url", title="x", content="", source=pages.url + "/slices")
+    with pytest.raises(InvalidInput, match="loopback"):
+        index_item(db, item, embedder=embedder, reader=not_allowed)
+    assert "loopback" in get_state(db, item)["last_error"]
+    assert "/slices" not in pages.hits  # refused before any connection
+    allowed = Reader(FilesSettings(), UrlSettings(allow_hosts=["127.0.0.1"]))
+    missing = add_item(db, kind="url", title="y", content="", source=pages.url + "/nothing")
+    with pytest.raises(InvalidInput, match="404"):
+        index_item(db, missing, embedder=embedder, reader=allowed)
+    assert "404" in get_state(db, missing)["last_error"]
+
+
+def test_a_server_error_is_transient_and_retried_by_the_task(db, embedder, reader, pages):
+    pages.routes["/down"] = (503, "text/plain", b"busy")
+    item = add_item(db, kind="url", title="down", content="", source=pages.url + "/down")
+    with pytest.raises(IndexAborted) as caught:
+        index_item(db, item, embedder=embedder, reader=reader)
+    assert caught.value.transient and "503" in str(caught.value)
+
+
+# -- code ------------------------------------------------------------------------------------
+
+
+def test_a_python_package_becomes_code_chunks_that_only_code_search_returns(
+    db, embedder, standin, tmp_path
+):
+    from worker.sources.code import list_code_files
+
+    package = ROOT / "worker" / "store"
+    note = add_item(db, kind="note", title="A note", content="Vec rows are written here too.")
+    index_item(db, note, embedder=embedder)
+    ids = []
+    for path in list_code_files(package):
+        rel = str(path.relative_to(package))
+        ids.append(add_item(db, kind="code", title=rel, content="", source=str(path)))
+        result = index_item(db, ids[-1], embedder=embedder, reader=Reader())
+        assert result.status == "indexed" and result.chunks >= 1
+    assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id != ?", (note,)) == 0
+    code_rows = db.scalar("SELECT count(*) FROM code_chunks")
+    assert code_rows == db.scalar("SELECT count(*) FROM vec_work_code_chunks") >= len(ids)
+    # One chunk per top-level function, with its line range: connect() in store/__init__.py.
+    start, end = db.one(
+        "SELECT start_line, end_line FROM code_chunks WHERE path = '__init__.py' AND "
+        "content LIKE 'def connect(%'"
+    )
+    lines = (package / "__init__.py").read_text().splitlines()
+    assert lines[start - 1].startswith("def connect(") and end > start
+    # A query made of a chunk's own embedded text finds it in code search, never in note search.
+    row = db.one("SELECT id, path, start_line, end_line, content FROM code_chunks LIMIT 1 OFFSET 3")
+    query = f"{row[1]}:{row[2]}-{row[3]}"
+    hits, via, _ = search_code(db, query, embedder, k=50)
+    assert via == "vec" and all(h.path and h.start_line <= h.end_line for h in hits)
+    notes = search(db, "anything about code", embedder, k=50)
+    assert {h.item_id for h in notes.hits} == {note}  # note search never returns code
+
+
+def test_a_dimension_change_rebuilds_and_refills_all_four_vec_tables(tmp_path, standin):
+    settings = standin_settings(standin)
+    path = tmp_path / "four.db"
+    db = connect(path, embedding=settings)
+    model = build_embedder(settings, dimensions=db.dimensions)
+    note = add_item(db, kind="note", title="N", content="A note.")
+    index_item(db, note, embedder=model)
+    code = add_item(db, kind="code", title="x.py", content="",
+                    source=str(ROOT / "worker" / "errors.py"))  # fmt: skip
+    index_item(db, code, embedder=model, reader=Reader())
+    add_memory(db, "A memory to keep.", model)
+    counts = {t: db.scalar(f"SELECT count(*) FROM {t}") for t in vec_table_dimensions(db)}
+    assert all(counts.values())
+    db.close()
+    db = connect(path, embedding=standin_settings(standin, model="other", dimensions=32))
+    assert set(vec_table_dimensions(db).values()) == {32}
+    assert all(db.scalar(f"SELECT count(*) FROM {t}") == 0 for t in counts)
+    db.close()
+    db = connect(path, embedding=settings)  # back: re-filled from the relational vectors
+    assert set(vec_table_dimensions(db).values()) == {DIMS}
+    assert {t: db.scalar(f"SELECT count(*) FROM {t}") for t in counts} == counts
+    db.close()
+
+
+# -- memories --------------------------------------------------------------------------------
+
+
+def test_a_memory_is_found_by_memory_search_and_by_nothing_else(db, embedder):
+    note = add_item(db, kind="note", title="N", content="The user prefers examples in Rust.")
+    index_item(db, note, embedder=embedder)
+    memory = add_memory(db, "The user prefers examples in Rust.", embedder)
+    hits, via, _ = search_memories(db, "The user prefers examples in Rust.", embedder, k=5)
+    assert via == "vec" and hits[0].memory_id == memory and hits[0].score > 0.99
+    assert {h.item_id for h in search(db, "The user prefers examples in Rust.", embedder).hits} == {
+        note
+    }
+    assert search_code(db, "The user prefers examples in Rust.", embedder)[0] == []
+    with pytest.raises(InvalidInput, match="short text"):
+        add_memory(db, "x" * 5000, embedder)
+
+
+# -- the command, as a new user would ---------------------------------------------------------
+
+
+def test_kidx_add_file_url_code_memory_and_search(tmp_path, standin, pages, files_root):
+    pages.routes["/slices"] = (200, "text/html", ARTICLE.encode())
+    (files_root / "notes.md").write_text(corpus_text("ch04-02-references-and-borrowing.md"))
+    env = {
+        "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
+        "KIDX_DB": str(tmp_path / "cli.db"),
+        "KIDX_EMBEDDING__PROVIDER": "openai", "KIDX_EMBEDDING__MODEL": "standin-embed",
+        "KIDX_EMBEDDING__BASE_URL": standin.base_url, "KIDX_EMBEDDING__DIMENSIONS": str(DIMS),
+        "KIDX_FILES__ROOTS": str(files_root), "KIDX_URLS__ALLOW_HOSTS": "127.0.0.1",
+    }  # fmt: skip
+    exe = str(Path(sys.executable).parent / "kidx")
+
+    def kidx(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([exe, *args], env=env, capture_output=True, text=True,
+                              timeout=60, cwd=str(tmp_path))  # fmt: skip
+
+    out = kidx("add", "file", str(files_root / "notes.md"), "--inline")
+    assert out.returncode == 0, out.stderr
+    out = kidx("add", "url", pages.url + "/slices", "--inline")
+    assert out.returncode == 0, out.stderr
+    out = kidx("add", "code", str(ROOT / "worker" / "store"), "--inline", "--json")
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["ids"]) >= 5
+    assert kidx("add", "memory", "Remember the borrow checker.").returncode == 0
+    out = kidx("search", "--code", "def connect", "--json")
+    assert out.returncode == 0 and {"path", "start_line", "end_line", "score", "via"} <= set(
+        json.loads(out.stdout)[0]
+    )
+    out = kidx("search", "--memories", "Remember the borrow checker.", "--json")
+    assert json.loads(out.stdout)[0]["content"] == "Remember the borrow checker."
+    kinds = {h["kind"] for h in json.loads(kidx("search", "slices", "-k", "50", "--json").stdout)}
+    assert kinds == {"file", "url"}
+    refused = kidx("add", "file", str(tmp_path / "cli.db"))
+    assert refused.returncode == 1 and "outside" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    added_again = kidx("add", "url", pages.url + "/slices", "--json", "--inline")
+    assert json.loads(added_again.stdout)["ids"] == [2]  # the same item, not a duplicate
