@@ -35,6 +35,7 @@ from worker.sources import Reader
 from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.db import Database
 from worker.store.items import NOW, Item, Status, get_item, set_state
+from worker.store.repair import repair_vectors
 
 log = get_logger("kidx.pipeline")
 
@@ -142,7 +143,7 @@ def index_item(
         with db.atomic():
             if item.kind == "code":
                 write_code(db, item, plan, code_chunks, model)
-                repaired, vec_failed = 0, 0
+                repaired, vec_failed = repair_vectors(db, dims, item_id=item.id).total, 0
             else:
                 repaired, vec_failed = write_notes(db, item.id, plan, model, dims, limit, ilog)
                 if repaired:
