@@ -17,10 +17,11 @@ from typing import Any
 
 from celery import Celery, signals
 
+from scheduler.schedule import beat_schedule
 from worker.log import configure_logging
 from worker.settings import Settings, load_settings
 
-TASK_MODULES = ["tasks.index", "tasks.cancel"]
+TASK_MODULES = ["tasks.index", "tasks.cancel", "scheduler.tasks"]
 
 
 def create_app(settings: Settings) -> Celery:
@@ -52,6 +53,9 @@ def create_app(settings: Settings) -> Celery:
         result_expires=7 * 24 * 3600,
         worker_concurrency=t.concurrency,
         enable_utc=True,
+        beat_schedule=beat_schedule(settings),
+        beat_scheduler="scheduler.beat:LeaderScheduler",
+        beat_max_loop_interval=5,
     )
     app.kidx_settings = settings  # type: ignore[attr-defined]
     return app

@@ -68,7 +68,23 @@ def search(db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -
     else:
         best = _knn_fallback(db, vector, k, embedder.model_id)
         via = "fallback"
+    behind = _not_on(db, embedder.model_id, len(vector))
+    if behind:  # during a model switch: say what the answer cannot include yet
+        note = f"{behind} items are not indexed with {embedder.model_id} yet and are not searched"
+        reason = f"{reason}; {note}" if reason else note
     return SearchResult(_hits(db, best, via, k), via, reason)
+
+
+def _not_on(db: Database, model: str, dims: int) -> int:
+    """Items whose index was built with another model or dimension (one row per item: cheap)."""
+    return int(
+        db.scalar(
+            "SELECT count(*) FROM item_index_state WHERE chunk_count > 0 "
+            "AND (model IS NOT ? OR dimensions IS NOT ?)",
+            (model, dims),
+        )
+        or 0
+    )
 
 
 # (item_id -> (distance, chunk_index)) for the best chunk of each item

@@ -135,6 +135,24 @@ class TaskSettings(BaseModel):
         return self
 
 
+class SchedulerSettings(BaseModel):
+    """The periodic sweeps (`KIDX_SCHEDULER__*`), sent by beat."""
+
+    reconcile_every: float = Field(default=300.0, ge=1)  # seconds
+    retry_every: float = Field(default=600.0, ge=1)
+    max_items: int = Field(default=500, ge=1)  # items enqueued per sweep at most
+    retry_max_attempts: int = Field(default=5, ge=1)  # then a failed item waits for an admin
+    retry_backoff: float = Field(default=60.0, ge=0)  # first retry after this, doubling
+    retry_backoff_max: float = Field(default=6 * 3600.0, ge=0)
+
+
+class MetricsSettings(BaseModel):
+    """The worker's Prometheus endpoint (`KIDX_METRICS__*`); port 0 turns it off."""
+
+    port: int = Field(default=9808, ge=0, lt=65536)
+    address: str = "127.0.0.1"
+
+
 class FlowerSettings(BaseModel):
     """Flower, the Tasks page (`KIDX_FLOWER__*`)."""
 
@@ -183,6 +201,7 @@ class Settings(BaseSettings):
 
     db: Path = Path("./data/kidx.db")
     vec: bool = True  # KIDX_VEC=off: never load sqlite-vec (retrieval falls back)
+    vec_path: Path | None = None  # the sqlite-vec library to load (default: the package's)
     busy_timeout_ms: int = Field(default=30_000, ge=0)
     broker_url: str = "redis://127.0.0.1:6379/0"
     result_backend: str = ""  # empty: the broker's Redis
@@ -192,6 +211,8 @@ class Settings(BaseSettings):
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
     chunk: ChunkSettings = Field(default_factory=ChunkSettings)
     tasks: TaskSettings = Field(default_factory=TaskSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     flower: FlowerSettings = Field(default_factory=FlowerSettings)
     files: FilesSettings = Field(default_factory=FilesSettings)
     urls: UrlSettings = Field(default_factory=UrlSettings)

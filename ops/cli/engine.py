@@ -253,12 +253,39 @@ def _search_other(ctx: Ctx, db: Any, query: str, embedder: Any, k: int, *, code:
 
 @command(cli)
 @click.argument("item", type=int, required=False)
-def status(ctx: Ctx, item: int | None) -> None:
-    """The index state of one item, or of every item."""
+@click.option("--summary", is_flag=True, help="Only the counts (with --json: an object).")
+def status(ctx: Ctx, item: int | None, summary: bool) -> None:
+    """The index state of one item; without one, the counts (per status, chunk method and
+    model), the last sweeps, the running batches, and every item."""
+    from worker.reconcile import last_sweeps
     from worker.store.items import STATE_COLUMNS, get_state, list_states
+    from worker.store.items import summary as counts
 
     with ctx.store() as db:
         data: Any = get_state(db, item) if item is not None else list_states(db)
-
+        overview = counts(db) | {"last_sweeps": last_sweeps(db)} if item is None else None
     rows = [data] if isinstance(data, dict) else data
-    ctx.emit(data, lambda: ctx.table(STATE_COLUMNS, ([r[c] for c in STATE_COLUMNS] for r in rows)))
+
+    def human() -> None:
+        if overview is not None:
+            _print_overview(overview)
+        if not summary:
+            ctx.table(STATE_COLUMNS, ([r[c] for c in STATE_COLUMNS] for r in rows))
+
+    ctx.emit(overview if summary else data, human)
+
+
+def _print_overview(o: dict[str, Any]) -> None:
+    def line(label: str, values: dict[str, int]) -> None:
+        shown = ", ".join(f"{k}: {v}" for k, v in values.items()) or "none"
+        click.echo(f"{label:<10} {shown}")
+
+    click.echo(f"{'items':<10} {o['items']}")
+    line("status", o["by_status"])
+    line("method", o["by_chunk_method"])
+    line("model", o["by_model"])
+    for kind, sweep in o["last_sweeps"].items():
+        click.echo(f"{'last ' + kind:<10} {sweep.get('at')} (sent {sweep.get('sent', 0)})")
+    for b in o["running_batches"]:
+        click.echo(f"batch {b['id']:<4} {b['kind']} running: {b['ok']} ok, {b['failed']} failed, "
+                   f"{b['skipped']} skipped of {b['total']}")  # fmt: skip

@@ -36,6 +36,7 @@ def connect(
     *,
     embedding: EmbeddingSettings | None = None,
     vec: bool = True,
+    vec_path: str | Path | None = None,
     busy_timeout_ms: int = 30_000,
 ) -> Database:
     """Open the database: WAL, busy timeout, foreign keys, migrations, sqlite-vec when it loads,
@@ -44,7 +45,7 @@ def connect(
     try:
         migrate(db)
         if vec:
-            db.load_vec()
+            db.load_vec(vec_path)
         else:
             db.vec_error = "disabled by KIDX_VEC=off"
         db.resolution = resolve_dimensions(db, embedding or EmbeddingSettings())
@@ -61,5 +62,6 @@ def open_store(settings: Settings) -> Database:
         settings.db,
         embedding=settings.embedding,
         vec=settings.vec,
+        vec_path=settings.vec_path,
         busy_timeout_ms=settings.busy_timeout_ms,
     )

@@ -52,13 +52,14 @@ class Database:
 
     # -- sqlite-vec -------------------------------------------------------------------------
 
-    def load_vec(self) -> bool:
-        """Load sqlite-vec; on failure remember why and carry on without it."""
+    def load_vec(self, path: str | Path | None = None) -> bool:
+        """Load sqlite-vec (the package's library, or `path`); on failure remember why and
+        carry on without it."""
         try:
             import sqlite_vec
 
             self.conn.enable_load_extension(True)
-            self.conn.load_extension(sqlite_vec.loadable_path())
+            self.conn.load_extension(str(path) if path else sqlite_vec.loadable_path())
             self.conn.enable_load_extension(False)
             self.vec_version = self.scalar("SELECT vec_version()")
             self.vec_loaded = True

@@ -143,3 +143,30 @@ def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
 
 def all_item_ids(db: Database) -> list[int]:
     return [r[0] for r in db.all("SELECT id FROM knowledge_items ORDER BY id")]
+
+
+def summary(db: Database) -> dict[str, Any]:
+    """Counts per status, chunk method and model; the running batches (for `kidx status`)."""
+
+    def counts(sql: str) -> dict[str, int]:
+        return {str(k): int(n) for k, n in db.all(sql)}
+
+    return {
+        "items": int(db.scalar("SELECT count(*) FROM knowledge_items") or 0),
+        "by_status": counts(
+            "SELECT coalesce(s.status, 'pending'), count(*) FROM knowledge_items i "
+            "LEFT JOIN item_index_state s ON s.item_id = i.id GROUP BY 1 ORDER BY 1"
+        ),
+        "by_chunk_method": counts(
+            "SELECT chunk_method, count(*) FROM item_index_state WHERE chunk_method IS NOT NULL "
+            "GROUP BY 1 ORDER BY 1"
+        ),
+        "by_model": counts(
+            "SELECT model || ' (' || dimensions || ')', count(*) FROM item_index_state "
+            "WHERE model IS NOT NULL GROUP BY 1 ORDER BY 1"
+        ),
+        "running_batches": db.dicts(
+            "SELECT id, kind, total, ok, failed, skipped, created_at FROM index_batches "
+            "WHERE state = 'running' ORDER BY id"
+        ),
+    }

@@ -45,8 +45,9 @@ def record_queued(
 ) -> None:  # fmt: skip
     with db.atomic():
         db.execute(
-            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, reason) "
-            "VALUES (?, 0, ?, ?, ?, 'queued', ?) ON CONFLICT(task_id, attempt) DO NOTHING",
+            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, reason, "
+            f"queued_at) VALUES (?, 0, ?, ?, ?, 'queued', ?, {NOW}) "
+            "ON CONFLICT(task_id, attempt) DO NOTHING",
             (task_id, task_name, item_id, batch_id, reason),
         )
 

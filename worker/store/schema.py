@@ -169,6 +169,25 @@ CREATE TABLE IF NOT EXISTS chunk_boundaries (
     )
 )
 
+MIGRATIONS.append(
+    (
+        3,
+        f"""
+-- A host application that changes knowledge_items.content directly (without the hash) leaves
+-- content_hash NULL, which the reconcile sweep looks for: no hashing of every item per sweep.
+CREATE TRIGGER IF NOT EXISTS knowledge_items_content_changed
+AFTER UPDATE OF content ON knowledge_items
+WHEN new.content IS NOT old.content AND new.content_hash IS old.content_hash
+BEGIN
+    UPDATE knowledge_items SET content_hash = NULL, updated_at = {_NOW} WHERE id = new.id;
+END;
+
+-- When a task was sent, so that a sweep can tell a queued task from a lost one.
+ALTER TABLE index_jobs ADD COLUMN queued_at TEXT;
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
@@ -200,4 +219,24 @@ def migrate(db: Database) -> int:
 
 
 def _statements(sql: str) -> list[str]:
-    return [s.strip() for s in sql.split(";\n") if s.strip()]
+    """Statements of a migration: split at `;` line ends, but a trigger's body (BEGIN ... END;)
+    stays one statement."""
+    out: list[str] = []
+    current: list[str] = []
+    in_body = False
+    for line in sql.splitlines():
+        if line.strip().startswith("--") and not current:
+            continue
+        current.append(line)
+        stripped = line.strip().upper()
+        if stripped == "BEGIN":
+            in_body = True
+        if stripped.endswith(";") and (not in_body or stripped == "END;"):
+            statement = "\n".join(current).strip().rstrip(";")
+            if statement:
+                out.append(statement)
+            current, in_body = [], False
+    tail = "\n".join(current).strip()
+    if tail:
+        out.append(tail)
+    return out

@@ -1,0 +1,74 @@
+"""A beat that only sends while it holds a Redis lease, so that a second beat does nothing.
+
+    celery -A worker.app beat --scheduler scheduler.beat:LeaderScheduler
+
+Every tick refreshes a heartbeat key (`kidx doctor` reads it) and takes or renews the lease; a
+beat that does not hold it sends nothing and checks again shortly. A beat that dies loses the
+lease after its TTL, and another takes over.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import redis
+from celery.beat import PersistentScheduler
+
+from worker.log import get_logger
+
+log = get_logger("kidx.beat")
+
+LEASE_KEY = "kidx:beat:leader"
+HEARTBEAT_KEY = "kidx:beat:heartbeat"
+LEASE_TTL = 30  # seconds
+TICK = 5.0  # the longest sleep between ticks, so the lease is renewed well within its TTL
+
+# Renew the lease if we hold it; take it if it is free.
+_LEASE = """
+local v = redis.call('get', KEYS[1])
+if v == ARGV[1] or not v then
+  redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+class LeaderScheduler(PersistentScheduler):
+    """PersistentScheduler that sends only while it leads (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.identity = f"{socket.gethostname()}:{os.getpid()}"
+        self.redis = redis.Redis.from_url(self.app.conf.broker_url)
+        self.leading = False
+
+    def _lead(self) -> bool:
+        try:
+            self.redis.set(HEARTBEAT_KEY, f"{time.time():.0f} {self.identity}", ex=LEASE_TTL * 2)
+            got = bool(self.redis.eval(_LEASE, 1, LEASE_KEY, self.identity, LEASE_TTL))
+        except redis.RedisError as e:
+            log.warning("beat cannot reach Redis; not sending", reason=str(e))
+            got = False
+        if got != self.leading:
+            log.info("beat leads" if got else "beat follows (another beat leads)",
+                     identity=self.identity)  # fmt: skip
+            self.leading = got
+        return got
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        if not self._lead():
+            return TICK
+        return min(super().tick(*args, **kwargs), TICK)
+
+    def close(self) -> None:
+        if self.leading:
+            try:
+                if self.redis.get(LEASE_KEY) == self.identity.encode():
+                    self.redis.delete(LEASE_KEY)
+            except redis.RedisError:
+                pass
+        super().close()

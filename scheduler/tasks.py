@@ -1,0 +1,50 @@
+"""The sweep tasks beat sends: reconcile (mend the mirror, send what drifted) and the retry sweep
+(send failed items again, with growing delays). Each sends its items as a batch, so three
+consecutive failures abort it like any batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.schedule import RECONCILE, RETRY_SWEEP
+from tasks.producer import send_batch
+from tasks.runtime import get_runtime
+from worker.app import app, settings
+from worker.log import get_logger
+from worker.reconcile import due_retries, reconcile, record_sweep
+
+log = get_logger("kidx.scheduler")
+
+
+@app.task(name=RECONCILE)
+def reconcile_sweep() -> dict[str, Any]:
+    """Repair vec rows at once; send the items that need a run as a `reconcile` batch."""
+    rt = get_runtime(settings)
+    model = rt.embedder.model_id if rt.embedder is not None else settings.embedding.model
+    drift = reconcile(rt.db, model=model, max_items=settings.scheduler.max_items,
+                      horizon=settings.tasks.visibility_timeout)  # fmt: skip
+    batch_id = None
+    if drift.to_index:
+        batch_id, _ = send_batch(rt.db, drift.to_index, kind="reconcile", app=app)
+    summary = {
+        "repaired": drift.repaired, "found": {k: len(v) for k, v in drift.found.items()},
+        "busy": drift.busy, "sent": len(drift.to_index), "batch_id": batch_id,
+    }  # fmt: skip
+    record_sweep(rt.db, "reconcile", summary)
+    log.info("reconcile sweep", **summary)
+    return summary
+
+
+@app.task(name=RETRY_SWEEP)
+def retry_sweep() -> dict[str, Any]:
+    """Send failed items whose backoff has passed as a `retry` batch."""
+    rt = get_runtime(settings)
+    s = settings.scheduler
+    due = due_retries(rt.db, max_attempts=s.retry_max_attempts, backoff=s.retry_backoff,
+                      backoff_max=s.retry_backoff_max,
+                      horizon=settings.tasks.visibility_timeout)[: s.max_items]  # fmt: skip
+    batch_id = send_batch(rt.db, due, kind="retry", app=app)[0] if due else None
+    summary = {"sent": len(due), "batch_id": batch_id}
+    record_sweep(rt.db, "retry_sweep", summary)
+    log.info("retry sweep", **summary)
+    return summary

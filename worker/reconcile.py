@@ -1,0 +1,112 @@
+"""What the periodic sweeps find, without a queue: the engine side of `scheduler/`.
+
+A record of what was indexed that never checks the vector store drifts silently (LESSONS.md:
+LangChain #39937). The reconcile sweep looks at both sides: it mends what needs no provider at
+once (vec rows missing or orphaned) and returns the items that need a run (content changed,
+pending or partial, chunks without vectors, vectors of another model or dimension). The retry
+sweep returns failed items whose backoff has passed, until their attempts run out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from worker.store.db import Database
+from worker.store.items import NOW
+from worker.store.repair import repair_vectors
+from worker.store.vec import set_meta
+
+# Items a sweep must not send: a task for them is queued or running (not lost: younger than the
+# visibility timeout, after which Redis would have redelivered it anyway).
+BUSY = """
+SELECT item_id FROM index_jobs WHERE state IN ('queued', 'started')
+ AND (julianday('now') - julianday(coalesce(started_at, queued_at))) * 86400 < :horizon
+UNION SELECT item_id FROM item_index_state WHERE status = 'indexing'
+ AND (julianday('now') - julianday(updated_at)) * 86400 < :horizon
+"""
+
+FINDINGS = {
+    "changed": """SELECT i.id FROM knowledge_items i JOIN item_index_state s ON s.item_id = i.id
+        WHERE s.status IN ('indexed', 'partial', 'cancelled', 'skipped') AND i.kind = 'note'
+        AND (i.content_hash IS NULL OR s.indexed_hash IS NULL
+             OR i.content_hash != s.indexed_hash)""",
+    "pending": """SELECT i.id FROM knowledge_items i LEFT JOIN item_index_state s
+        ON s.item_id = i.id WHERE coalesce(s.status, 'pending') IN ('pending', 'partial')""",
+    "without_vectors": """SELECT DISTINCT c.item_id FROM note_chunks c
+        LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id WHERE e.chunk_id IS NULL
+        UNION SELECT DISTINCT c.item_id FROM code_chunks c
+        LEFT JOIN code_chunk_embeddings e ON e.chunk_id = c.id WHERE e.chunk_id IS NULL""",
+    "other_model": """SELECT DISTINCT c.item_id FROM note_chunks c JOIN note_chunk_embeddings e
+        ON e.chunk_id = c.id WHERE e.model != :model OR e.dimensions != :dims
+        UNION SELECT DISTINCT c.item_id FROM code_chunks c JOIN code_chunk_embeddings e
+        ON e.chunk_id = c.id WHERE e.model != :model OR e.dimensions != :dims""",
+}
+
+
+@dataclass
+class Drift:
+    """One reconcile sweep's findings."""
+
+    found: dict[str, list[int]] = field(default_factory=dict)
+    repaired: dict[str, dict[str, int]] = field(default_factory=dict)
+    busy: int = 0
+    to_index: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def reconcile(db: Database, *, model: str, max_items: int, horizon: float = 3600.0) -> Drift:
+    """Mend the mirror and list the items that need a run (at most `max_items`)."""
+    dims = db.dimensions
+    drift = Drift()
+    report = repair_vectors(db, dims)
+    drift.repaired = {"restored": report.restored, "orphans_deleted": report.orphans_deleted}
+    params = {"model": model, "dims": dims, "horizon": horizon}
+    busy = {r[0] for r in db.all(BUSY, params)}
+    wanted: set[int] = set()
+    for name, sql in FINDINGS.items():
+        ids = sorted({r[0] for r in db.all(sql, params)})
+        drift.found[name] = ids
+        wanted.update(ids)
+    drift.busy = len(wanted & busy)
+    drift.to_index = sorted(wanted - busy)[:max_items]
+    return drift
+
+
+def due_retries(
+    db: Database, *, max_attempts: int, backoff: float, backoff_max: float, horizon: float = 3600.0
+) -> list[int]:
+    """Failed items whose wait (backoff × 2^(attempts-1), capped) has passed, and that have
+    attempts left; after the last attempt an item stays failed until an admin retries it."""
+    rows = _failed_rows(db, max_attempts, horizon)
+    due = []
+    for item_id, attempts, waited in rows:
+        wait = min(backoff_max, backoff * 2 ** max(0, (attempts or 1) - 1))
+        if waited >= wait:
+            due.append(item_id)
+    return due
+
+
+def _failed_rows(db: Database, max_attempts: int, horizon: float) -> list[tuple[int, int, float]]:
+    return db.all(
+        "SELECT s.item_id, s.attempts, (julianday('now') - julianday(s.updated_at)) * 86400 "
+        "FROM item_index_state s WHERE s.status = 'failed' AND s.attempts < :max "
+        f"AND s.item_id NOT IN ({BUSY}) ORDER BY s.item_id",
+        {"max": max_attempts, "horizon": horizon},
+    )
+
+
+def record_sweep(db: Database, kind: str, summary: dict[str, object]) -> None:
+    """Remember the last sweep of each kind (for `kidx status` and `kidx doctor`)."""
+    with db.atomic():
+        at = db.scalar(f"SELECT {NOW}")
+        set_meta(db, f"last_{kind}", json.dumps({"at": at, **summary}))
+
+
+def last_sweeps(db: Database) -> dict[str, dict[str, object]]:
+    return {
+        key[len("last_") :]: json.loads(value)
+        for key, value in db.all("SELECT key, value FROM index_meta WHERE key LIKE 'last_%'")
+    }
