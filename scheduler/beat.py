@@ -44,7 +44,7 @@ class LeaderScheduler(PersistentScheduler):
         super().__init__(*args, **kwargs)
         self.identity = f"{socket.gethostname()}:{os.getpid()}"
         self.redis = redis.Redis.from_url(self.app.conf.broker_url)
-        self.leading = False
+        self.leading: bool | None = None  # unknown until the first tick: both states are logged
 
     def _lead(self) -> bool:
         try:

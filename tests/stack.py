@@ -165,14 +165,16 @@ class Stack:
     """A worker on the queue tests' Redis database, a database file, the stand-in, and ways to
     reach them (the Celery app, a connection, the `kidx` command)."""
 
-    def __init__(self, tmp: Path, standin: Any, worker: str = "w1") -> None:
+    def __init__(
+        self, tmp: Path, standin: Any, worker: str = "w1", env: dict[str, str] | None = None
+    ) -> None:
         from worker.app import create_app
         from worker.settings import load_settings
         from worker.store import connect
 
         self.tmp = tmp
         self.standin = standin
-        self.env = queue_env(tmp, standin.base_url)
+        self.env = queue_env(tmp, standin.base_url, **(env or {}))
         self.settings = load_settings(
             db=tmp / "kidx.db", broker_url=broker_url(),
             embedding={"provider": "openai", "model": "standin-embed",

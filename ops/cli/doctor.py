@@ -1,0 +1,36 @@
+"""`kidx doctor`: check every part of the stack (`ops.doctor`) and say what to do."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ops.cli.base import Ctx, cli, command
+from ops.doctor import DEFAULT_TIMEOUT
+
+
+@command(cli)
+@click.option(
+    "--timeout", type=click.FloatRange(0.1, 600), default=DEFAULT_TIMEOUT, show_default=True,
+    help="Seconds each check may take.",
+)  # fmt: skip
+def doctor(ctx: Ctx, timeout: float) -> None:
+    """Check the database, sqlite-vec, Redis, workers, beat, Flower, the models and the jobs;
+    one line per check. Exit status 0 only when nothing failed (warnings are not failures)."""
+    from ops.doctor import run_checks
+    from worker.log import configure_logging
+
+    s = ctx.settings
+    # Each check reports its own problem; the library's warnings would say it again.
+    configure_logging(fmt=s.log_format, level="error", secrets=s.secrets())
+    checks = run_checks(s, timeout)
+
+    def human() -> None:
+        for c in checks:
+            click.echo(c.line())
+
+    ctx.emit([c.as_dict() for c in checks], human)
+    sys.stdout.flush()
+    if not all(c.ok for c in checks):
+        sys.exit(1)

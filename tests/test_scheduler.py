@@ -1,0 +1,177 @@
+"""The sweeps and beat against real processes: Redis, a prefork worker, beat, the stand-in."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import corpus_text
+from scheduler.beat import HEARTBEAT_KEY, LEASE_KEY
+from stack import CELERY, Proc, Stack, running_stack, wait_for
+from tasks.producer import enqueue
+from worker.store.items import get_state
+
+CHAPTER = "ch04-03-slices.md"
+
+
+class SweepStack(Stack):
+    """Model A has 384 dimensions here (the stand-in answers the `dimensions` it is sent)."""
+
+    def __init__(self, tmp: Path, standin: object) -> None:
+        super().__init__(tmp, standin, worker="sweeper", env={
+            "KIDX_EMBEDDING__DIMENSIONS": "384",
+            "KIDX_SCHEDULER__RETRY_BACKOFF": "1",
+            "KIDX_SCHEDULER__RETRY_MAX_ATTEMPTS": "3",
+        })  # fmt: skip
+
+    def sweep(self, name: str = "kidx.reconcile") -> dict:
+        return self.app.send_task(name).get(timeout=60)
+
+    def wait_idle(self, timeout: float = 60) -> None:
+        """Until no task is queued or running."""
+        wait_for(
+            lambda: not self.db.scalar(
+                "SELECT count(*) FROM index_jobs WHERE state IN ('queued', 'started')"
+            ),
+            timeout, "the queue to drain", every=0.1,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SweepStack]:
+    with running_stack(tmp_path_factory.mktemp("sweeps"), SweepStack) as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def _fresh_standin(stack: SweepStack) -> None:
+    stack.standin.reset()
+
+
+def indexed_note(stack: SweepStack, title: str, text: str) -> int:
+    item = stack.note(title, text)
+    stack.app.AsyncResult(enqueue(stack.db, item, app=stack.app)).get(timeout=60)
+    assert stack.state(item)["status"] == "indexed"
+    return item
+
+
+def test_one_sweep_mends_vec_rows_without_any_embedding_call(stack):
+    item = indexed_note(stack, "Mend", corpus_text(CHAPTER))
+    ids = [r[0] for r in stack.db.all("SELECT id FROM note_chunks WHERE item_id = ?", (item,))]
+    for cid in ids[:3]:
+        stack.db.execute("DELETE FROM vec_chunk_embeddings WHERE chunk_id = ?", (cid,))
+    orphan = np.ones(384, dtype="<f4").tobytes()
+    stack.db.execute("INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (777777, ?)",
+                     (orphan,))  # fmt: skip
+    stack.standin.reset()
+    summary = stack.sweep()
+    assert summary["repaired"]["restored"]["vec_chunk_embeddings"] == 3
+    assert summary["repaired"]["orphans_deleted"]["vec_chunk_embeddings"] == 1
+    assert stack.standin.requests == 0
+    mirrored = stack.db.scalar("SELECT count(*) FROM vec_chunk_embeddings")
+    assert mirrored == stack.db.scalar("SELECT count(*) FROM note_chunk_embeddings")
+
+
+def test_an_item_edited_directly_in_the_database_is_indexed_by_the_next_sweep(stack):
+    item = indexed_note(stack, "Direct", "The first version, indexed through kidx.")
+    stack.db.execute("UPDATE knowledge_items SET content = 'A second version, written by a host "
+                     "application straight into the table.' WHERE id = ?", (item,))  # fmt: skip
+    summary = stack.sweep()
+    assert summary["sent"] >= 1 and summary["found"]["changed"] >= 1
+    stack.wait_idle()
+    content = stack.db.scalar("SELECT content FROM note_chunks WHERE item_id = ?", (item,))
+    assert content.startswith("A second version")
+    assert stack.sweep()["found"]["changed"] == 0  # nothing left to do
+
+
+def test_a_failed_item_is_retried_with_growing_delays_and_then_left_to_an_admin(stack):
+    stack.standin.fail_status = 401  # permanent: each run fails at once
+    item = stack.note("Refused", "The provider refuses this one every time.")
+    with pytest.raises(Exception, match="401"):
+        stack.app.AsyncResult(enqueue(stack.db, item, app=stack.app)).get(timeout=60)
+    failed_at = time.monotonic()
+    sent_at: list[float] = []
+    deadline = failed_at + 15
+    while time.monotonic() < deadline:
+        if stack.sweep("kidx.retry_sweep")["sent"]:
+            sent_at.append(time.monotonic())
+            stack.wait_idle()
+        if len(sent_at) >= 2 and time.monotonic() - sent_at[-1] > 6:
+            break
+        time.sleep(0.2)
+    assert len(sent_at) == 2  # attempts 2 and 3; after the third failure it waits for an admin
+    first, second = sent_at[0] - failed_at, sent_at[1] - sent_at[0]
+    assert first >= 1.0 and second >= 2.0 and second > first
+    state = get_state(stack.db, item)
+    assert state["status"] == "failed"
+    assert stack.db.scalar("SELECT attempts FROM item_index_state WHERE item_id = ?", (item,)) == 3
+    out = stack.kidx("retry", str(item))  # the admin's retry still goes through
+    assert out.returncode == 0
+
+
+def test_two_beats_send_each_sweep_once(stack):
+    env = {
+        **stack.env,
+        "KIDX_SCHEDULER__RECONCILE_EVERY": "1",
+        "KIDX_SCHEDULER__RETRY_EVERY": "3600",
+    }
+    pending = stack.note("Pending", "A note added without a task: the sweep finds it.")
+    before = stack.worker.log.count('"event": "reconcile sweep"')
+    started = time.monotonic()
+    beats = [
+        Proc([*CELERY, "beat", "--loglevel=INFO", f"--schedule={stack.tmp}/beat-{n}.db"], env,
+             stack.tmp / f"beat-{n}.log")
+        for n in (1, 2)
+    ]  # fmt: skip
+    try:
+        wait_for(lambda: stack.redis.exists(HEARTBEAT_KEY) and stack.redis.exists(LEASE_KEY), 30,
+                 "a beat to take the lease")  # fmt: skip
+        wait_for(lambda: stack.state(pending)["status"] == "indexed", 60, "the sweep to index it")
+        time.sleep(3)  # three more intervals: a second beat would send three more sweeps
+        logs = [b.log for b in beats]
+    finally:
+        for b in beats:
+            b.stop()
+    elapsed = time.monotonic() - started
+    runs = stack.db.scalar("SELECT count(*) FROM index_jobs WHERE item_id = ?", (pending,))
+    assert runs == 1
+    leading = [log for log in logs if '"event": "beat leads"' in log]
+    following = [log for log in logs if '"event": "beat follows (another beat leads)"' in log]
+    assert len(leading) == 1 and len(following) == 1
+    sweeps = stack.worker.log.count('"event": "reconcile sweep"') - before
+    assert 3 <= sweeps <= elapsed + 2  # one beat's worth (every second), not two
+
+
+def test_a_model_switch_reindexes_everything_while_search_keeps_answering(stack):
+    ids = [indexed_note(stack, f"Switch {i}", f"Note {i} about moving values in Rust.")
+           for i in range(4)]  # fmt: skip
+    stack.env.update({"KIDX_EMBEDDING__MODEL": "standin-big", "KIDX_EMBEDDING__DIMENSIONS": "1536"})
+    try:
+        stack.restart_worker()  # the new model's process rebuilds the vec tables at 1536
+        out = stack.kidx("search", "Note 1 about moving values in Rust.", "--json")
+        assert out.returncode == 0, out.stderr  # answers during the switch, and says so
+        assert "not indexed with standin-big yet" in out.stderr
+        summary = stack.sweep()
+        assert summary["sent"] >= len(ids)  # every item is pending after the rebuild
+        stack.wait_idle(90)
+        assert {get_state(stack.db, i)["model"] for i in ids} == {"standin-big"}
+        assert {get_state(stack.db, i)["dimensions"] for i in ids} == {1536}
+        status = json.loads(stack.kidx("status", "--summary", "--json").stdout)
+        assert "standin-big (1536)" in status["by_model"]
+        hits = json.loads(stack.kidx("search", "Note 1 about moving values in Rust.", "--json",
+                                     "-k", "3").stdout)  # fmt: skip
+        assert hits and hits[0]["via"] == "vec"
+    finally:
+        stack.env.update({"KIDX_EMBEDDING__MODEL": "standin-embed",
+                          "KIDX_EMBEDDING__DIMENSIONS": "384"})  # fmt: skip
+
+
+def test_kidx_status_shows_counts_sweeps_and_batches(stack):
+    out = stack.kidx("status")
+    assert out.returncode == 0
+    assert "status" in out.stdout and "model" in out.stdout and "last reconcile" in out.stdout
