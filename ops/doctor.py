@@ -1,9 +1,10 @@
 """`kidx doctor`: check every part of the stack and say what to do about each problem.
 
-Every check is a function of the settings and a timeout that returns one `Check`. They run in
-parallel threads, each bounded by the timeout, so one that hangs or fails stops none of the
-others. A check that cannot run because something it needs is broken (the database, Redis,
-sqlite-vec) is a warning ("not checked"), so that one problem makes one FAIL line.
+A check is a function of the settings and a timeout: it returns what it found (all is well) or
+raises `Fail` or `Warn` with what is wrong and what to do. The checks run in parallel threads,
+each bounded by the timeout, so one that hangs or fails stops none of the others. A check that
+needs something broken (the database, Redis, sqlite-vec) raises `NotChecked`, a warning: the
+broken part's own check is the one FAIL line for that problem.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -29,7 +30,7 @@ from worker.store import VEC_TABLES, Database, resolve_dimensions, vec_table_dim
 from worker.store.schema import SCHEMA_VERSION, schema_version
 
 DEFAULT_TIMEOUT = 5.0
-REINDEX = "run a reconcile sweep (celery -A worker.app call kidx.reconcile) or `kidx index --all`"
+RECONCILE = "run a reconcile sweep (celery -A worker.app call kidx.reconcile) or `kidx index --all`"
 _WRONG_DIM = re.compile(r"vectors have (\d+) dimensions, the index expects (\d+)")
 
 
@@ -47,16 +48,36 @@ class Check:
         return self.level != "fail"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"check": self.check, "ok": self.ok, "level": self.level, "detail": self.detail,
-                "fix": self.fix}  # fmt: skip
+        return {"check": self.check, "ok": self.ok, **asdict(self)}
 
     def line(self) -> str:
         text = f"{self.detail}: {self.fix}" if self.fix else self.detail
         return f"{self.level.upper() if self.level != 'ok' else 'ok':<5} {self.check:<10} {text}"
 
 
-class NotChecked(Exception):
-    """Something this check needs is broken (and reported by its own check)."""
+class Fail(Exception):
+    """What is wrong, and what to do about it."""
+
+    level = "fail"
+
+    def __init__(self, detail: str, fix: str = "") -> None:
+        super().__init__(detail)
+        self.detail, self.fix = detail, fix
+
+
+class Warn(Fail):
+    level = "warn"
+
+
+class NotChecked(Warn):
+    """Something this check needs is broken, and reported by its own check."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"not checked: {why}")
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def safe_url(url: str) -> str:
@@ -64,333 +85,298 @@ def safe_url(url: str) -> str:
     parts = urlsplit(url)
     if not parts.password:
         return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{netloc}"))
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
-# -- the database ------------------------------------------------------------------------------
+# -- the database ----------------------------------------------------------------------------
 
 
 @contextmanager
-def _store(settings: Settings, timeout: float) -> Iterator[Database]:
-    """The database as it is: no migration, no vec-table rebuild (unlike `open_store`)."""
+def _store(settings: Settings, timeout: float, *, vec: bool = False) -> Iterator[Database]:
+    """The database as it is (no migration, no vec-table rebuild, unlike `open_store`), with
+    the resolved dimension; `vec`: sqlite-vec is needed, and its tables at that dimension."""
     if not Path(settings.db).is_file():
         raise NotChecked(f"no database at {settings.db}")
     db = Database(settings.db, busy_timeout_ms=int(timeout * 1000))
     try:
         if schema_version(db) < SCHEMA_VERSION:
             raise NotChecked("the database schema is not up to date")
-        if settings.vec:
+        if settings.vec and vec:
             db.load_vec(settings.vec_path)
         db.resolution = resolve_dimensions(db, settings.embedding)
+        if vec and not db.vec_loaded:
+            raise NotChecked("sqlite-vec is not loaded")
         yield db
     finally:
         db.close()
 
 
-def check_database(settings: Settings, timeout: float) -> Check:
+def check_database(settings: Settings, timeout: float) -> str:
     path = Path(settings.db)
     if not path.is_file():
-        return Check("database", "fail", f"no database at {path}",
-                     "check KIDX_DB, or create it with `kidx init`")  # fmt: skip
+        raise Fail(f"no database at {path}", "check KIDX_DB, or create it with `kidx init`")
     db = Database(path, busy_timeout_ms=int(timeout * 1000))
     try:
         version = schema_version(db)
         if version < SCHEMA_VERSION:
-            return Check("database", "fail", f"{path}: schema {version}, kidx needs "
-                         f"{SCHEMA_VERSION}", "`kidx init` migrates it")  # fmt: skip
+            raise Fail(f"{path} has schema {version}, not {SCHEMA_VERSION}", "run `kidx init`")
         items = db.scalar("SELECT count(*) FROM knowledge_items")
+        return f"{path} (schema {version}, {items} items)"
     finally:
         db.close()
-    return Check("database", "ok", f"{path} (schema {version}, {items} items)")
 
 
-def check_vec(settings: Settings, timeout: float) -> Check:
+def check_vec(settings: Settings, timeout: float) -> str:
     if not settings.vec:
-        return Check("sqlite-vec", "warn", "off (KIDX_VEC=off): search scans vectors in memory",
-                     "unset KIDX_VEC to use sqlite-vec")  # fmt: skip
+        raise Warn("off (KIDX_VEC=off): search scans vectors in memory", "unset KIDX_VEC")
     db = Database(":memory:")
     try:
         if db.load_vec(settings.vec_path):
-            where = f" from {settings.vec_path}" if settings.vec_path else ""
-            return Check("sqlite-vec", "ok", f"{db.vec_version}{where}")
-        fix = ("point KIDX_VEC_PATH at the sqlite-vec library, or unset it to use the package's"
-               if settings.vec_path else "install sqlite-vec (pip install sqlite-vec)")  # fmt: skip
-        return Check("sqlite-vec", "fail", f"cannot load sqlite-vec: {db.vec_error}", fix)
+            return f"{db.vec_version}" + (f" from {settings.vec_path}" if settings.vec_path else "")
+        if settings.vec_path:
+            fix = "point KIDX_VEC_PATH at the sqlite-vec library, or unset it (the package's)"
+        else:
+            fix = "install sqlite-vec (pip install sqlite-vec)"
+        raise Fail(f"cannot load sqlite-vec: {db.vec_error}", fix)
     finally:
         db.close()
 
 
-def _vec_usable(db: Database) -> None:
-    if not db.vec_loaded:
-        raise NotChecked("sqlite-vec is not loaded")
+def check_dimensions(settings: Settings, timeout: float) -> str:
+    with _store(settings, timeout, vec=True) as db:
+        want, tables = db.dimensions, vec_table_dimensions(db)
+        source = db.resolution.source if db.resolution else "?"
+    if missing := [name for name, d in tables.items() if d is None]:
+        raise Fail(f"vec tables missing: {', '.join(missing)}", "`kidx init` creates them")
+    if wrong := [f"{name} {d}" for name, d in tables.items() if d != want]:
+        raise Fail(
+            f"vec tables at another dimension ({', '.join(wrong)}) than the resolved {want} "
+            f"(from the {source})", "`kidx init` rebuilds them (items of another dimension "
+            "become pending)",
+        )  # fmt: skip
+    return f"{want} (from the {source}) in all {len(tables)} vec tables"
 
 
-def check_dimensions(settings: Settings, timeout: float) -> Check:
-    with _store(settings, timeout) as db:
-        _vec_usable(db)
-        want, source = db.dimensions, db.resolution.source if db.resolution else "?"
-        tables = vec_table_dimensions(db)
-    missing = [name for name, d in tables.items() if d is None]
-    wrong = {name: d for name, d in tables.items() if d is not None and d != want}
-    if missing:
-        return Check("dimensions", "fail", f"vec tables missing: {', '.join(missing)}",
-                     "`kidx init` creates them")  # fmt: skip
-    if wrong:
-        have = ", ".join(f"{name} {d}" for name, d in wrong.items())
-        return Check(
-            "dimensions",
-            "fail",
-            f"vec tables have other dimensions ({have}) than the "
-            f"resolved {want} (from the {source})",
-            "`kidx init` rebuilds them; items of another dimension become pending",
-        )
-    return Check("dimensions", "ok", f"{want} (from the {source}), all {len(tables)} vec tables")
-
-
-def check_rows(settings: Settings, timeout: float) -> Check:
+def check_rows(settings: Settings, timeout: float) -> str:
     counts, problems = [], []
-    with _store(settings, timeout) as db:
-        _vec_usable(db)
+    with _store(settings, timeout, vec=True) as db:
         d = db.dimensions
         if any(v != d for v in vec_table_dimensions(db).values()):
             raise NotChecked("the vec tables are not at the resolved dimension")
         for t in VEC_TABLES:
             truth = f"SELECT {t.source_key} FROM {t.source} WHERE dimensions = ?"
-            missing = db.scalar(f"SELECT count(*) FROM ({truth}) WHERE {t.source_key} NOT IN "
-                                f"(SELECT {t.key} FROM {t.name})", (d,))  # fmt: skip
-            orphans = db.scalar(f"SELECT count(*) FROM {t.name} WHERE {t.key} NOT IN ({truth})",
-                                (d,))  # fmt: skip
+            missing = db.scalar(
+                f"SELECT count(*) FROM ({truth}) WHERE {t.source_key} NOT IN "
+                f"(SELECT {t.key} FROM {t.name})", (d,),
+            )  # fmt: skip
+            orphans = db.scalar(
+                f"SELECT count(*) FROM {t.name} WHERE {t.key} NOT IN ({truth})", (d,)
+            )
             counts.append(f"{t.name} {db.scalar(f'SELECT count(*) FROM {t.name}')}")
-            if missing:
-                problems.append(f"{missing} vectors missing from {t.name}")
-            if orphans:
-                problems.append(f"{orphans} orphans in {t.name}")
+            problems += [f"{_n(missing, 'vector')} missing from {t.name}"] if missing else []
+            problems += [f"{_n(orphans, 'orphan')} in {t.name}"] if orphans else []
     if problems:
-        return Check("rows", "fail", "; ".join(problems), REINDEX)
-    return Check("rows", "ok", "vec tables match their relational rows: " + ", ".join(counts))
+        raise Fail("; ".join(problems), RECONCILE)
+    return "vec tables match the relational rows: " + ", ".join(counts)
 
 
-def check_failed(settings: Settings, timeout: float) -> Check:
+def check_failed(settings: Settings, timeout: float) -> str:
     with _store(settings, timeout) as db:
-        rows = db.all("SELECT item_id, last_error FROM item_index_state WHERE status = 'failed' "
-                      "ORDER BY updated_at DESC")  # fmt: skip
-    if not rows:
-        return Check("failed", "ok", "no failed items")
-    last = f" (last: {rows[0][1]})" if rows[0][1] else ""
-    return Check("failed", "fail", f"{len(rows)} items failed to index{last}",
-                 "see `kidx jobs --failed`, then `kidx retry --failed`")  # fmt: skip
+        rows = db.all(
+            "SELECT item_id, last_error FROM item_index_state WHERE status = 'failed' "
+            "ORDER BY updated_at DESC"
+        )
+    if rows:
+        last = f" (last: {rows[0][1]})" if rows[0][1] else ""
+        raise Fail(f"{_n(len(rows), 'item')} failed to index{last}",
+                   "see `kidx jobs --failed`, then `kidx retry --failed`")  # fmt: skip
+    return "no failed items"
 
 
-def check_stuck(settings: Settings, timeout: float) -> Check:
+def check_stuck(settings: Settings, timeout: float) -> str:
     limit = settings.tasks.time_limit
-    age = "(julianday('now') - julianday({})) * 86400 > ?"
+    older = "(julianday('now') - julianday({})) * 86400 > ?"
     with _store(settings, timeout) as db:
         runs = db.all("SELECT DISTINCT item_id FROM index_jobs WHERE state = 'started' AND "
-                      + age.format("started_at"), (limit,))  # fmt: skip
+                      + older.format("started_at"), (limit,))  # fmt: skip
         items = db.all("SELECT item_id FROM item_index_state WHERE status = 'indexing' AND "
-                       + age.format("updated_at"), (limit,))  # fmt: skip
-    if not runs and not items:
-        return Check("stuck", "ok", f"nothing running longer than {limit} s")
-    ids = sorted({r[0] for r in runs + items if r[0] is not None})
-    shown = " ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
-    return Check("stuck", "fail", f"stuck: {len(runs)} runs started and {len(items)} items "
-                 f"indexing for more than {limit} s (items {shown})",
-                 f"check the workers (`kidx jobs`), then `kidx retry {shown}`")  # fmt: skip
+                       + older.format("updated_at"), (limit,))  # fmt: skip
+    if runs or items:
+        ids = sorted({r[0] for r in runs + items if r[0] is not None})
+        shown = " ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
+        raise Fail(
+            f"stuck: {_n(len(runs), 'run')} started and {_n(len(items), 'item')} indexing longer "
+            f"than the time limit ({limit} s): items {shown}",
+            f"check the workers (`kidx jobs`), then `kidx retry {shown}`",
+        )
+    return f"nothing running longer than {limit} s"
 
 
-def check_sweeps(settings: Settings, timeout: float) -> Check:
+def check_sweeps(settings: Settings, timeout: float) -> str:
     from worker.reconcile import last_sweeps
 
     with _store(settings, timeout) as db:
         sweeps = last_sweeps(db)
-    shown = [f"{kind} at {s.get('at')} (sent {s.get('sent', 0)})"
-             for kind, s in sorted(sweeps.items())]  # fmt: skip
-    return Check("sweeps", "ok", "; ".join(shown) or "no sweep has run yet")
+    shown = [f"{kind} at {s.get('at')} (sent {s.get('sent', 0)})" for kind, s in sweeps.items()]
+    return "last " + "; ".join(sorted(shown)) if shown else "no sweep has run yet"
 
 
-# -- Redis, workers, beat, Flower --------------------------------------------------------------
+# -- Redis, workers, beat, Flower ------------------------------------------------------------
 
 
-def _redis(settings: Settings, timeout: float) -> redis.Redis:
-    return redis.Redis.from_url(settings.broker_url, socket_timeout=timeout,
-                                socket_connect_timeout=timeout)  # fmt: skip
-
-
-def _needs_redis(settings: Settings, timeout: float) -> redis.Redis:
-    client = _redis(settings, timeout)
-    try:
-        client.ping()
-    except redis.RedisError:
-        client.close()
-        raise NotChecked("Redis is unreachable") from None
+def _redis(settings: Settings, timeout: float, *, needed: bool = True) -> redis.Redis:
+    client = redis.Redis.from_url(
+        settings.broker_url, socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+    if needed:
+        try:
+            client.ping()
+        except redis.RedisError:
+            client.close()
+            raise NotChecked("Redis is unreachable") from None
     return client
 
 
-def check_redis(settings: Settings, timeout: float) -> Check:
+def check_redis(settings: Settings, timeout: float) -> str:
     url = safe_url(settings.broker_url)
-    client = _redis(settings, timeout)
+    client = _redis(settings, timeout, needed=False)
     try:
-        version = client.info("server").get("redis_version", "?")
+        return f"{url} (Redis {client.info('server').get('redis_version', '?')})"
     except redis.RedisError as e:
-        return Check("redis", "fail", f"Redis unreachable at {url} ({e})",
-                     "start Redis, or fix KIDX_BROKER_URL")  # fmt: skip
+        raise Fail(
+            f"Redis unreachable at {url} ({e})", "start Redis, or fix KIDX_BROKER_URL"
+        ) from None
     finally:
         client.close()
-    return Check("redis", "ok", f"{url} (Redis {version})")
 
 
-def check_workers(settings: Settings, timeout: float) -> Check:
+def check_workers(settings: Settings, timeout: float) -> str:
     from worker.app import create_app
 
-    _needs_redis(settings, timeout).close()
+    _redis(settings, timeout).close()
     app = create_app(settings)
     try:
         replies = app.control.ping(timeout=max(0.5, min(2.0, timeout / 2))) or []
     finally:
         app.close()
-    names = sorted(name for reply in replies for name in reply)
-    if not names:
-        return Check("workers", "fail", "no worker answered a ping",
-                     "start one (celery -A worker.app worker)")  # fmt: skip
-    return Check("workers", "ok", f"{len(names)} online: {', '.join(names)}")
+    if not (names := sorted(name for reply in replies for name in reply)):
+        raise Fail("no worker answered a ping", "start one (celery -A worker.app worker)")
+    return f"{len(names)} online: {', '.join(names)}"
 
 
-def check_beat(settings: Settings, timeout: float) -> Check:
-    client = _needs_redis(settings, timeout)
+def check_beat(settings: Settings, timeout: float) -> str:
+    client = _redis(settings, timeout)
     try:
         value = client.get(HEARTBEAT_KEY)
     finally:
         client.close()
     start = "start beat (celery -A worker.app beat)"
     if value is None:
-        return Check("beat", "fail", f"no beat heartbeat in Redis ({HEARTBEAT_KEY})", start)
+        raise Fail(f"no beat heartbeat in Redis ({HEARTBEAT_KEY})", start)
     at, _, identity = value.decode(errors="replace").partition(" ")
     try:
         age = time.time() - float(at)
     except ValueError:
-        return Check("beat", "fail", f"unreadable beat heartbeat {value[:60]!r}", start)
+        raise Fail(f"unreadable beat heartbeat {value[:60]!r}", start) from None
     if age > LEASE_TTL:
-        return Check(
-            "beat",
-            "fail",
-            f"beat's last heartbeat is {age:.0f} s old ({identity})",
-            "it is stuck or stopped: restart it (celery -A worker.app beat)",
-        )
-    return Check("beat", "ok", f"heartbeat {max(age, 0):.0f} s ago from {identity}")
+        raise Fail(f"the last beat heartbeat is {age:.0f} s old ({identity})",
+                   "beat is stuck or stopped: restart it (celery -A worker.app beat)")  # fmt: skip
+    return f"heartbeat {max(age, 0):.0f} s ago from {identity}"
 
 
-def check_flower(settings: Settings, timeout: float) -> Check:
+def check_flower(settings: Settings, timeout: float) -> str:
     f = settings.flower
     host = "127.0.0.1" if f.address in ("", "0.0.0.0", "::") else f.address
     url = f"http://{host}:{f.port}/healthcheck"
-    password = f.password.get_secret_value() if f.password else ""
     try:
-        r = httpx.get(url, timeout=timeout, auth=(f.user, password) if f.user else None)
-        if r.status_code == 200:
-            return Check("flower", "ok", url)
-        problem = f"HTTP {r.status_code}"
+        status = httpx.get(url, timeout=timeout).status_code  # open: no credentials needed
+        problem = f"HTTP {status}"
     except httpx.HTTPError as e:
-        problem = str(e) or type(e).__name__
-    return Check("flower", "fail", f"Flower not reachable at {url} ({problem})",
-                 "start it (python -m ops.flower), or fix KIDX_FLOWER__ADDRESS/PORT")  # fmt: skip
+        status, problem = 0, str(e) or type(e).__name__
+    if status != 200:
+        raise Fail(f"Flower not reachable at {url} ({problem})",
+                   "start it (python -m ops.flower), or fix KIDX_FLOWER__ADDRESS/PORT")  # fmt: skip
+    return url
 
 
 # -- the models ------------------------------------------------------------------------------
 
 
-def check_embedding(settings: Settings, timeout: float) -> Check:
+def _quick(settings: Any, timeout: float) -> Any:
+    """Provider settings that answer within `timeout`, without retries."""
+    t = min(settings.timeout, timeout)
+    limits = {"timeout": t, "connect_timeout": min(settings.connect_timeout, t), "max_retries": 0}
+    return settings.model_copy(update=limits)
+
+
+def check_embedding(settings: Settings, timeout: float) -> str:
     from worker.providers import build_embedder
 
     e = settings.embedding
     if e.provider == "none":
-        return Check("embedding", "warn", "KIDX_EMBEDDING__PROVIDER=none: nothing gets vectors",
-                     "set KIDX_EMBEDDING__PROVIDER to openai or local")  # fmt: skip
+        raise Warn("KIDX_EMBEDDING__PROVIDER=none: nothing gets vectors",
+                   "set KIDX_EMBEDDING__PROVIDER to openai or local")  # fmt: skip
     with _store(settings, timeout) as db:
         want = db.dimensions
-    quick = e.model_copy(
-        update={
-            "max_retries": 0,
-            "timeout": min(e.timeout, timeout),
-            "connect_timeout": min(e.connect_timeout, timeout),
-        }
-    )
-    fix = "set KIDX_EMBEDDING__DIMENSIONS or switch back the model"
-    embedder = build_embedder(quick, dimensions=want)
+    embedder = build_embedder(_quick(e, timeout), dimensions=want)
     assert embedder is not None
     try:
         got = int(embedder.embed(["kidx doctor"]).shape[1])
     except BadAnswer as err:
-        m = _WRONG_DIM.search(str(err))
-        if not m:
-            return Check("embedding", "fail", f"unusable answer: {err}", "check the provider")
+        if not (m := _WRONG_DIM.search(str(err))):
+            raise Fail(f"unusable answer: {err}", "check the provider and model") from None
         got = int(m.group(1))
     except Exception as err:
-        return Check(
-            "embedding",
-            "fail",
-            f"{e.provider} {e.model} did not answer: {err}",
-            "check that it runs, KIDX_EMBEDDING__BASE_URL and the API key",
-        )
+        fix = "check it, KIDX_EMBEDDING__BASE_URL and the API key"
+        raise Fail(f"{e.provider} {e.model} did not answer: {err}", fix) from None
     finally:
         embedder.close()
     if got != want:
-        return Check("embedding", "fail", f"wrong dimension: the provider returns {got}, the "
-                     f"index has {want}", fix)  # fmt: skip
-    return Check("embedding", "ok", f"{e.provider} {e.model} answers with {got} dimensions")
+        raise Fail(f"wrong dimension: the provider returns {got}, the index has {want}",
+                   "set KIDX_EMBEDDING__DIMENSIONS or switch back the model")  # fmt: skip
+    return f"{e.provider} {e.model} answers with {got} dimensions"
 
 
-def check_chunk(settings: Settings, timeout: float) -> Check:
+def check_chunk(settings: Settings, timeout: float) -> str:
     from worker.chunking.llm import INSTRUCTIONS, SCHEMA, SYSTEM
     from worker.providers import build_chat
 
-    c = settings.chunk
-    if not c.model:
-        return Check("chunk", "ok", "no chunk model (KIDX_CHUNK__MODEL): structural chunking")
-    quick = c.model_copy(
-        update={
-            "max_retries": 0,
-            "timeout": min(c.timeout, timeout),
-            "connect_timeout": min(c.connect_timeout, timeout),
-        }
-    )
-    chat = build_chat(quick)
+    if not (model := settings.chunk.model):
+        return "no chunk model (KIDX_CHUNK__MODEL): structural chunking"
+    chat = build_chat(_quick(settings.chunk, timeout))
     assert chat is not None
-    messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": INSTRUCTIONS.format(n=1) + "\n\n[[1]] kidx doctor"},
-    ]
+    user = INSTRUCTIONS.format(n=1) + "\n\n[[1]] kidx doctor"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
     try:
         answer = chat.complete_json(messages, schema=SCHEMA, name="chunks")
     except Exception as err:
-        return Check("chunk", "fail", f"chunk model {c.model} did not answer: {err}",
-                     "check it runs, KIDX_CHUNK__BASE_URL and the API key, or unset "
-                     "KIDX_CHUNK__MODEL")  # fmt: skip
+        fix = "check it, KIDX_CHUNK__BASE_URL and the API key, or unset KIDX_CHUNK__MODEL"
+        raise Fail(f"chunk model {model} did not answer: {err}", fix) from None
     finally:
         chat.close()
-    if not isinstance(answer, dict) or "chunks" not in answer:
-        return Check("chunk", "fail", f"chunk model {c.model} answered without chunks",
-                     "use a model that follows JSON instructions")  # fmt: skip
-    return Check("chunk", "ok", f"{c.model} answers")
+    if not isinstance(answer, dict) or not isinstance(answer.get("chunks"), list):
+        raise Fail(f"chunk model {model} answered without chunks", "use a model that follows "
+                   "JSON instructions, or unset KIDX_CHUNK__MODEL")  # fmt: skip
+    return f"{model} answers"
 
 
 # -- running them ----------------------------------------------------------------------------
 
-CheckFn = Callable[[Settings, float], Check]
-CHECKS: list[tuple[str, CheckFn]] = [
-    ("database", check_database), ("sqlite-vec", check_vec), ("dimensions", check_dimensions),
-    ("rows", check_rows), ("redis", check_redis), ("workers", check_workers),
-    ("beat", check_beat), ("flower", check_flower), ("embedding", check_embedding),
-    ("chunk", check_chunk), ("failed", check_failed), ("stuck", check_stuck),
-    ("sweeps", check_sweeps),
-]  # fmt: skip
+CheckFn = Callable[[Settings, float], str]
+CHECKS: dict[str, CheckFn] = {
+    "database": check_database, "sqlite-vec": check_vec, "dimensions": check_dimensions,
+    "rows": check_rows, "redis": check_redis, "workers": check_workers, "beat": check_beat,
+    "flower": check_flower, "embedding": check_embedding, "chunk": check_chunk,
+    "failed": check_failed, "stuck": check_stuck, "sweeps": check_sweeps,
+}  # fmt: skip
 
 
-def _one(name: str, fn: CheckFn, settings: Settings, timeout: float, out: dict[str, Check]) -> None:
+def _run(name: str, fn: CheckFn, settings: Settings, timeout: float, out: dict[str, Check]) -> None:
     try:
-        out[name] = fn(settings, timeout)
-    except NotChecked as e:
-        out[name] = Check(name, "warn", f"not checked: {e}")
+        out[name] = Check(name, "ok", fn(settings, timeout))
+    except Fail as e:
+        out[name] = Check(name, e.level, e.detail, e.fix)
     except Exception as e:
         out[name] = Check(name, "fail", f"{type(e).__name__}: {e}", "see the message")
 
@@ -399,27 +385,21 @@ def run_checks(settings: Settings, timeout: float = DEFAULT_TIMEOUT) -> list[Che
     """Every check, in parallel, each within `timeout` seconds; one line each, no secrets."""
     results: dict[str, Check] = {}
     threads = [
-        threading.Thread(
-            target=_one,
-            args=(name, fn, settings, timeout, results),
-            name=f"doctor-{name}",
-            daemon=True,
-        )
-        for name, fn in CHECKS
+        threading.Thread(target=_run, args=(name, fn, settings, timeout, results), daemon=True)
+        for name, fn in CHECKS.items()
     ]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + timeout + 1.0  # their own timeouts first, with their reasons
+    deadline = time.monotonic() + timeout + 1.0  # time for their own timeouts, with reasons
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    secrets = [*settings.secrets()]
-    for url in (settings.broker_url, settings.backend_url):
-        secrets += [urlsplit(url).password or ""]
-    redact = Redact(secrets)
+    passwords = [urlsplit(u).password or "" for u in (settings.broker_url, settings.backend_url)]
+    redact = Redact([*settings.secrets(), *passwords])
     checks = []
-    for name, _ in CHECKS:
-        c = results.get(name) or Check(name, "fail", f"no answer within {timeout:g} s",
-                                       "see why, or try a longer --timeout")  # fmt: skip
-        one_line = [" ".join(str(redact.scrub(v)).split()) for v in (c.detail, c.fix)]
-        checks.append(Check(c.check, c.level, *one_line))
+    for name in CHECKS:
+        c = results.get(name) or Check(
+            name, "fail", f"no answer within {timeout:g} s", "try a longer --timeout"
+        )
+        detail, fix = (" ".join(str(redact.scrub(v)).split()) for v in (c.detail, c.fix))
+        checks.append(Check(name, c.level, detail, fix))
     return checks

@@ -20,7 +20,7 @@ from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
 from celery.signals import worker_process_shutdown
 
-from tasks import KNOWLEDGE_ITEM, NOTE
+from tasks import KNOWLEDGE_ITEM, NOTE, metrics
 from tasks import cancel as cancellation
 from tasks.cancel import TERMINATED, CancelToken, running
 from tasks.lock import ItemLock
@@ -74,8 +74,11 @@ def _run(
     def took() -> int:
         return int((time.monotonic() - started) * 1000)
 
-    def end(state: JobState, outcome: str | None, error: str | None = None) -> None:
+    def end(
+        state: JobState, outcome: str | None, error: str | None = None, why: str | None = None
+    ) -> None:
         record_end(rt.db, task_id, attempt, state, took(), error)
+        metrics.run(task.name, str(state), why)
         if batch_id is not None and outcome is not None:
             batch_outcome(
                 rt.db, batch_id, outcome, error, abort_after=settings.tasks.batch_abort_after
@@ -118,6 +121,7 @@ def _run(
             end(JobState.SKIPPED, "skipped", result.get("error"))
         else:
             end(JobState.COALESCED if result["status"] == "coalesced" else JobState.SUCCESS, "ok")
+            metrics.record_chunks(result)
         result["duration_ms"] = took()
         return result
     except (Cancelled, SoftTimeLimitExceeded) as e:
@@ -127,7 +131,7 @@ def _run(
                 f"ran over the soft time limit of {settings.tasks.soft_time_limit} s",
                 took(),
             )
-            end(JobState.FAILED, "failed", message)
+            end(JobState.FAILED, "failed", message, why="time_limit")
             raise IndexFailed(message) from None
         task.backend.mark_as_revoked(task_id, "cancelled", request=req)
         task.send_event("task-revoked", terminated=TERMINATED.is_set(), signum=None, expired=False)
@@ -136,18 +140,19 @@ def _run(
         raise Ignore() from None
     except IndexAborted as e:
         message = _one_line(item_id, str(e), took())
+        why = "provider_transient" if e.transient else "provider_permanent"
         if e.transient and attempt < settings.tasks.max_retries:
-            end(JobState.RETRY, "retry", message)
+            end(JobState.RETRY, "retry", message, why=why)
             raise task.retry(
                 exc=IndexFailed(message),
                 countdown=_backoff(attempt, e.retry_after),
                 max_retries=settings.tasks.max_retries,
             ) from None
-        end(JobState.FAILED, "failed", message)
+        end(JobState.FAILED, "failed", message, why=why)
         raise IndexFailed(message) from None
     except KidxError as e:  # unknown item, wrong kind, bad input: retrying cannot help
         message = _one_line(item_id, str(e), took())
-        end(JobState.FAILED, "failed", message)
+        end(JobState.FAILED, "failed", message, why="bad_input")
         raise IndexFailed(message) from None
     finally:
         structlog.contextvars.unbind_contextvars("task_id", "item_id")

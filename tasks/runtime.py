@@ -36,11 +36,19 @@ def get_runtime(settings: Settings) -> Runtime:
         if settings.embedding.provider == "local":
             _share_cpus(settings.tasks.concurrency)
         db = open_store(settings)
+        embedder = build_embedder(settings.embedding, dimensions=db.dimensions)
+        chat = build_chat(settings.chunk)
+        from tasks.metrics import timed
+
+        if embedder is not None:
+            embedder.embed_batch = timed("embedding", embedder.embed_batch)  # type: ignore[method-assign]
+        if chat is not None:
+            chat.complete_json = timed("chat", chat.complete_json)  # type: ignore[method-assign]
         _current = Runtime(
             settings=settings,
             db=db,
-            embedder=build_embedder(settings.embedding, dimensions=db.dimensions),
-            chat=build_chat(settings.chunk),
+            embedder=embedder,
+            chat=chat,
             reader=Reader(settings.files, settings.urls),
             redis=redis.Redis.from_url(settings.broker_url),
             pid=os.getpid(),

@@ -73,6 +73,7 @@ def queue_env(tmp_path: Path, standin_url: str, **extra: str) -> dict[str, str]:
             "KIDX_TASKS__RETRY_BACKOFF": "0.5",
             "KIDX_TASKS__LOCK_TTL": "6",
             "KIDX_LOG_FORMAT": "json",
+            "KIDX_METRICS__PORT": "0",
             "KIDX_FLOWER__USER": "ops",
             "KIDX_FLOWER__PASSWORD": "flower-pass-123",
         }

@@ -1,0 +1,110 @@
+"""The pipeline's own Prometheus metrics, served by the worker on KIDX_METRICS__PORT.
+
+Prefork pool processes each count; prometheus-client's multiprocess mode adds them up: each
+process writes to files in one folder per worker, and the worker's main process serves their
+sum. Flower serves its own `/metrics` (tasks by state and worker) beside these.
+
+The metrics are made when the worker starts (`worker_init`), not at import: the `celery`
+command imports prometheus-client (through Flower's command plugin) before this module, so the
+multiprocess values are switched on here, explicitly; and a process that only imports the tasks
+(the CLI, tests) writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from celery.signals import worker_init, worker_process_shutdown
+
+from worker.app import settings
+from worker.log import get_logger
+
+log = get_logger("kidx.metrics")
+
+_m: SimpleNamespace | None = None  # the metrics, once the worker has started
+
+
+def _make(folder: Path) -> SimpleNamespace:
+    from prometheus_client import Counter, Histogram, values
+
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
+    values.ValueClass = values.MultiProcessValue()
+    return SimpleNamespace(
+        runs=Counter("kidx_item_runs", "Task runs by outcome", ["task", "outcome"]),
+        chunks=Counter("kidx_chunks", "Chunks written, by where the vector came from", ["source"]),
+        failures=Counter("kidx_failures", "Failed runs by reason", ["reason"]),
+        run_seconds=Histogram("kidx_run_seconds", "Duration of pipeline runs",
+                              buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 300)),
+        provider_seconds=Histogram("kidx_provider_seconds", "Duration of provider calls",
+                                   ["provider"],
+                                   buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)),
+    )  # fmt: skip
+
+
+def run(task: str, outcome: str, failure: str | None = None) -> None:
+    if _m is not None:
+        _m.runs.labels(task, outcome).inc()
+        if failure:
+            _m.failures.labels(failure).inc()
+
+
+def record_chunks(result: dict[str, Any]) -> None:
+    """A successful run's chunks (reused, embedded, without a vector) and its duration."""
+    if _m is None:
+        return
+    for source in ("reused", "embedded", "failed"):
+        _m.chunks.labels(source).inc(int(result.get(source) or 0))
+    if result.get("duration_ms"):
+        _m.run_seconds.observe(result["duration_ms"] / 1000)
+
+
+def timed(provider: str, call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call`, timed into kidx_provider_seconds (once metrics exist)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            if _m is not None:
+                _m.provider_seconds.labels(provider).observe(time.perf_counter() - started)
+
+    return wrapper
+
+
+@worker_init.connect
+def _start(**_: Any) -> None:
+    """In the worker's main process, before the pool forks: the folder, the metrics, and the
+    endpoint that sums what the pool processes write."""
+    global _m
+    port = settings.metrics.port
+    if not port:
+        return
+    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+    folder = Path(settings.data_dir).resolve() / "metrics" / str(os.getpid())
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    _m = _make(folder)
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(folder))
+    try:
+        start_http_server(port, addr=settings.metrics.address, registry=registry)
+    except OSError as e:  # another worker on this host has the port: metrics from that one
+        log.warning("metrics endpoint not started", port=port, reason=str(e))
+        return
+    log.info("metrics endpoint", url=f"http://{settings.metrics.address}:{port}/metrics")
+
+
+@worker_process_shutdown.connect
+def _dead(pid: int | None = None, **_: Any) -> None:
+    if _m is not None:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid or os.getpid())

@@ -1,0 +1,54 @@
+"""The worker's Prometheus endpoint: the pool processes' counts, summed by the main process."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import corpus_text
+from stack import Stack, free_port, running_stack, wait_for
+from tasks.producer import enqueue
+
+PORT = free_port()
+
+
+class MetricsStack(Stack):
+    def __init__(self, tmp: Path, standin: object) -> None:
+        super().__init__(tmp, standin, worker="metered", env={"KIDX_METRICS__PORT": str(PORT)})
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetricsStack]:
+    with running_stack(tmp_path_factory.mktemp("metrics"), MetricsStack) as s:
+        yield s
+
+
+def value(text: str, pattern: str) -> float:
+    m = re.search(rf"^{pattern} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_runs_chunks_provider_latency_and_failures_are_counted(stack):
+    url = f"http://127.0.0.1:{PORT}/metrics"
+    item = stack.note("Metered", corpus_text("ch04-03-slices.md"))
+    result = stack.app.AsyncResult(enqueue(stack.db, item, app=stack.app)).get(timeout=60)
+    again = stack.app.AsyncResult(enqueue(stack.db, item, app=stack.app)).get(timeout=60)
+    missing = stack.app.send_task("GenerateEmbedding", args=[987654])
+    with pytest.raises(Exception, match="no item"):
+        missing.get(timeout=60)
+
+    def scraped() -> str | None:
+        text = httpx.get(url, timeout=2).text
+        done = value(text, r'kidx_item_runs_total\{outcome="success",task="GenerateEmbedding"\}')
+        return text if done >= 2 else None
+
+    text = wait_for(scraped, 20, "the endpoint to count both runs", every=0.2)
+    assert value(text, r'kidx_chunks_total\{source="embedded"\}') >= result["embedded"] > 0
+    assert value(text, r'kidx_chunks_total\{source="reused"\}') >= again["reused"] > 0
+    assert value(text, r'kidx_provider_seconds_count\{provider="embedding"\}') >= 1
+    assert value(text, r'kidx_failures_total\{reason="bad_input"\}') >= 1
+    assert value(text, r"kidx_run_seconds_count") >= 2
