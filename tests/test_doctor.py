@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from pydantic import SecretStr
 
 from conftest import corpus_text
 from ops.doctor import CHECKS, Check, run_checks
@@ -70,8 +71,8 @@ class DoctorStack(Stack):
         self.worker = self.beat = self.flower = None
         try:
             self.worker = start_worker(self.env, tmp, self.app, name=WORKER)
-            self.beat = Proc([*CELERY, "beat", "--loglevel=INFO", f"--schedule={tmp}/beat-schedule"],
-                             self.env, tmp / "beat.log")  # fmt: skip
+            beat = [*CELERY, "beat", "--loglevel=INFO", f"--schedule={tmp}/beat-schedule"]
+            self.beat = Proc(beat, self.env, tmp / "beat.log")
             self.flower = start_flower(self.env, tmp, self.port)
             wait_for(lambda: self.redis.exists(HEARTBEAT_KEY), 30, "beat's heartbeat", every=0.2)
             self.item = self.note("Traits", corpus_text(CHAPTER))
@@ -217,8 +218,8 @@ def test_sqlite_vec_off_is_a_warning_not_a_failure(stack):
 
 
 def test_vec_rows_deleted_behind_kidx_s_back_are_counted(stack):
-    ids = [r[0] for r in stack.db.all("SELECT id FROM note_chunks WHERE item_id = ?", (stack.item,))]
-    for cid in ids[:3]:
+    chunks = stack.db.all("SELECT id FROM note_chunks WHERE item_id = ?", (stack.item,))
+    for (cid,) in chunks[:3]:
         stack.db.execute("DELETE FROM vec_chunk_embeddings WHERE chunk_id = ?", (cid,))
     stack.db.execute("INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (888888, ?)",
                      (np.ones(64, dtype="<f4").tobytes(),))  # fmt: skip
@@ -254,8 +255,10 @@ def test_failed_and_stuck_jobs_are_two_problems_on_two_lines(stack):
         stack.db.execute("DELETE FROM knowledge_items WHERE id IN (?, ?)", (failed, stuck))
     assert out.returncode == 1
     assert failing(lines) == ["failed", "stuck"], out.stdout
-    assert lines["failed"][1] == ("1 item failed to index (last: boom 401): "
-                                  "see `kidx jobs --failed`, then `kidx retry --failed`")  # fmt: skip
+    assert lines["failed"][1] == (
+        "1 item failed to index (last: boom 401): "
+        "see `kidx jobs --failed`, then `kidx retry --failed`"
+    )
     assert lines["stuck"][1].startswith("stuck: 1 run started and 0 items indexing")
     assert f"kidx retry {stuck}" in lines["stuck"][1]
 
@@ -296,8 +299,10 @@ def test_a_check_that_hangs_or_raises_stops_nothing_else(stack, monkeypatch):
 
     fake = {"hangs": hangs, "raises": raises, "fine": lambda s, t: "fine"}
     monkeypatch.setattr(ops.doctor, "CHECKS", fake)
-    settings = stack.settings.model_copy(update={"embedding": stack.settings.embedding.model_copy(
-        update={"api_key": __import__("pydantic").SecretStr("sk-queue-secret-7777")})})  # fmt: skip
+    key = {"api_key": SecretStr("sk-queue-secret-7777")}
+    settings = stack.settings.model_copy(
+        update={"embedding": stack.settings.embedding.model_copy(update=key)}
+    )
     started = time.monotonic()
     checks = run_checks(settings, timeout=0.5)
     assert time.monotonic() - started < 3

@@ -193,12 +193,15 @@ def test_a_missing_vec_table_falls_back(db, embedder):
 def test_python_sqlite3_is_never_imported():
     """Two SQLite libraries in one process crashed here: the engine must not load sqlite3."""
     code = (
-        "import sys, worker.pipeline, worker.retrieval, worker.store, ops.cli, ops.standin;"
-        "import worker.providers.openai, worker.providers.local;"
+        "import sys, tempfile, os, worker.pipeline, worker.retrieval, worker.store, ops.cli;"
+        "import ops.standin, worker.providers.openai, worker.providers.local;"
+        "from worker.store import connect;"
+        "db = connect(os.path.join(tempfile.mkdtemp(), 'x.db'));"  # loads sqlite-vec
+        "assert db.vec_loaded;"
         "print('sqlite3' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip().splitlines()[-1] == "False"
 
 
 def test_fake_embedder_model_mismatch_is_not_reused(db):

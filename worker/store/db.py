@@ -9,6 +9,8 @@ process crashed here.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +27,15 @@ if TYPE_CHECKING:
 log = get_logger("kidx.store")
 
 Params = Sequence[Any] | dict[str, Any]
+
+
+def vec_library_path() -> str:
+    """sqlite-vec's library, found without importing the `sqlite_vec` package: that package
+    imports Python's sqlite3, and two SQLite libraries in one process crashed here."""
+    spec = importlib.util.find_spec("sqlite_vec")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the sqlite-vec package is not installed")
+    return os.path.join(next(iter(spec.submodule_search_locations)), "vec0")
 
 
 class Database:
@@ -56,10 +67,8 @@ class Database:
         """Load sqlite-vec (the package's library, or `path`); on failure remember why and
         carry on without it."""
         try:
-            import sqlite_vec
-
             self.conn.enable_load_extension(True)
-            self.conn.load_extension(str(path) if path else sqlite_vec.loadable_path())
+            self.conn.load_extension(str(path) if path else vec_library_path())
             self.conn.enable_load_extension(False)
             self.vec_version = self.scalar("SELECT vec_version()")
             self.vec_loaded = True
