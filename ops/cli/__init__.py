@@ -7,6 +7,3 @@ from ops.cli.base import cli
 def main() -> None:
     cli(prog_name="kidx")
 
-
-if __name__ == "__main__":
-    main()
