@@ -27,7 +27,6 @@ import redis
 import worker.providers.chat
 import worker.providers.openai  # noqa: F401 - imported here, never by two check threads at once
 from scheduler.beat import HEARTBEAT_KEY, LEASE_TTL
-from worker.app import create_app
 from worker.chunking.llm import INSTRUCTIONS, SCHEMA, SYSTEM
 from worker.errors import BadAnswer
 from worker.log import Redact
@@ -258,6 +257,8 @@ def check_redis(settings: Settings, timeout: float) -> str:
 
 
 def check_workers(settings: Settings, timeout: float) -> str:
+    from worker.app import create_app  # imports build the default app: not at `kidx`'s start
+
     _redis(settings, timeout).close()
     app = create_app(settings)
     try:
@@ -382,7 +383,8 @@ def _warm_up() -> None:
     see it half-initialised (seen here: "partially initialized module 'numpy._typing'")."""
     import encodings.idna  # noqa: F401
 
-    for name in ("celery.app.amqp", "celery.app.control", "kombu.transport.redis", "sqlite_vec"):
+    modules = ("celery.app.amqp", "celery.app.control", "kombu.transport.redis", "worker.app")
+    for name in modules:
         with contextlib.suppress(ImportError):  # a missing one: its check says so
             importlib.import_module(name)
     httpx.Client().close()
