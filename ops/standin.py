@@ -3,7 +3,8 @@
 Tests and benchmarks talk to it exactly as they would to the real service (sockets, headers,
 status codes, timeouts), but the answers are deterministic and free, and switches inject the
 faults a real provider produces: error statuses, Retry-After, slow answers, wrong vector counts
-or dimensions, NaN, reordered items, poisoned inputs and non-JSON bodies.
+or dimensions, NaN, reordered items, poisoned inputs and non-JSON bodies; and, for fault
+suites, ``chaos``: a seeded random share of requests meets a 500, a 429 or a timeout.
 
 Run ``python -m ops.standin --port 8089`` to serve it by hand.
 """
@@ -17,6 +18,7 @@ import functools
 import hashlib
 import json
 import math
+import random
 import signal
 import socket
 import threading
@@ -37,6 +39,7 @@ CHAT_PATH = "/v1/chat/completions"  # answered by ``StandIn.chat`` (ops/standin_
 HEALTH_PATH = "/health"
 GARBAGE_BODY = b"<html>oops</html>"
 STOP_JOIN_SECONDS = 2.0
+CHAOS_KINDS = ("500", "429", "timeout")  # what a chaos fault may be, chosen at random
 
 
 # -- vectors ---------------------------------------------------------------------------------
@@ -138,6 +141,12 @@ class StandIn:
     ``poison``; then answer, applying ``wrong_count``, ``nan`` and ``shuffle``. ``texts`` only
     grows on answers that carry embeddings.
 
+    ``chaos`` (a probability, 0 = off) comes first, right after counting: a request it picks
+    (drawn from ``random.Random(chaos_seed)``) meets one of ``CHAOS_KINDS`` at random: a 500; a
+    429 with ``Retry-After: chaos_retry_after``; or a wait of ``chaos_delay`` seconds (set it
+    past the client's timeout) before the normal answer, which the client no longer reads.
+    ``chaos_faults`` counts them by kind.
+
     ``chat`` answers POST /v1/chat/completions, with its own switches and counters.
     """
 
@@ -154,11 +163,16 @@ class StandIn:
     poison: str | None
     poison_status: int
     garbage: bool
+    chaos: float
+    chaos_seed: int
+    chaos_delay: float
+    chaos_retry_after: float | str
     # counters
     requests: int
     texts: list[str]
     bodies: list[dict[str, Any]]
     headers: list[dict[str, str]]
+    chaos_faults: dict[str, int]
     chat: ChatScript
 
     def __init__(self, dimensions: int = 384, *, host: str = "127.0.0.1", port: int = 0) -> None:
@@ -172,6 +186,7 @@ class StandIn:
         self._thread: threading.Thread | None = None
         self._address: tuple[str, int] | None = None
         self._connections: dict[socket.socket, threading.Thread] = {}
+        self._chaos_rng: tuple[int, random.Random] | None = None  # (its seed, the generator)
         self.chat = ChatScript(self._stopping)  # delays wake on stop(), like embeddings
         self.reset()
 
@@ -259,6 +274,12 @@ class StandIn:
             self.poison = None
             self.poison_status = 400
             self.garbage = False
+            self.chaos = 0.0
+            self.chaos_seed = 0
+            self.chaos_delay = 2.0
+            self.chaos_retry_after = 1
+            self._chaos_rng = None
+            self.chaos_faults = dict.fromkeys(CHAOS_KINDS, 0)
             self.requests = 0
             self.texts = []
             self.bodies = []
@@ -298,6 +319,20 @@ class StandIn:
                 return status
             return None
 
+    def _chaos_fault(self) -> str | None:
+        """The chaos fault this request meets (one of CHAOS_KINDS), or None."""
+        with self._lock:
+            if self.chaos <= 0:
+                return None
+            if self._chaos_rng is None or self._chaos_rng[0] != self.chaos_seed:
+                self._chaos_rng = (self.chaos_seed, random.Random(self.chaos_seed))
+            rng = self._chaos_rng[1]
+            if rng.random() >= self.chaos:
+                return None
+            kind = rng.choice(CHAOS_KINDS)
+            self.chaos_faults[kind] += 1
+            return kind
+
     def _embeddings(self, raw: bytes, headers: dict[str, str]) -> _Reply:
         """Answer one POST /v1/embeddings, applying the faults in their documented order."""
         try:
@@ -311,6 +346,14 @@ class StandIn:
             if isinstance(body, dict):
                 self.bodies.append(body)
 
+        fault = self._chaos_fault()
+        if fault == "500":
+            return _error_reply(500, "Stand-in fault: chaos 500")
+        if fault == "429":
+            retry_after = {"Retry-After": _retry_after_value(self.chaos_retry_after)}
+            return _error_reply(429, "Stand-in fault: chaos 429", headers=retry_after)
+        if fault == "timeout":
+            self._stopping.wait(self.chaos_delay)  # then answer; the client has given up
         if self.delay > 0:
             self._stopping.wait(self.delay)  # stop() wakes it instead of waiting it out
         if self.garbage:
@@ -498,10 +541,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8089, help="0 picks a free port")
     parser.add_argument("--dimensions", type=int, default=384)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds before each answer")
+    parser.add_argument("--chaos", type=float, default=0.0, help="share of requests faulted")
+    parser.add_argument("--chaos-seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     standin = StandIn(args.dimensions, host=args.host, port=args.port)
     standin.delay = args.delay
+    standin.chaos, standin.chaos_seed = args.chaos, args.chaos_seed
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM: stop like Ctrl-C
     standin.start()
     print(standin.base_url, flush=True)

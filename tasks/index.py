@@ -28,8 +28,8 @@ from tasks.producer import enqueue
 from tasks.runtime import Runtime, close_runtime, get_runtime
 from worker.app import app, settings
 from worker.chunking import text_hash
-from worker.errors import Cancelled, IndexAborted, KidxError, WrongTaskKind
-from worker.log import KI_EMBED, get_logger
+from worker.errors import Cancelled, IndexAborted, InvalidInput, KidxError, WrongTaskKind
+from worker.log import KI_EMBED, Redact, get_logger
 from worker.pipeline import index_item
 from worker.store.items import Status, get_item, get_state, set_state
 from worker.store.jobs import JobState, batch_outcome, get_batch, record_end, record_start
@@ -37,6 +37,7 @@ from worker.store.jobs import JobState, batch_outcome, get_batch, record_end, re
 log = get_logger("kidx.tasks")
 
 KINDS = {NOTE: frozenset({"note"}), KNOWLEDGE_ITEM: frozenset({"file", "url", "code"})}
+_REDACT = Redact(settings.secrets())  # the provider masks its key; this catches any other way in
 
 
 class IndexFailed(Exception):
@@ -84,8 +85,12 @@ def _run(
                 rt.db, batch_id, outcome, error, abort_after=settings.tasks.batch_abort_after
             )
 
+    valid = _valid_id(item_id)
     try:
-        record_start(rt.db, task_id, attempt, task.name, item_id, batch_id, reason)
+        record_start(rt.db, task_id, attempt, task.name, item_id if valid else None, batch_id,
+                     reason)  # fmt: skip
+        if not valid:
+            raise InvalidInput(f"the item id must be a positive integer, not {item_id!r:.60}")
         token = CancelToken(rt.redis, task_id)
         if token():
             raise Cancelled("revoked before it started")
@@ -112,7 +117,7 @@ def _run(
                     "error": batch["abort_reason"],
                     "duration_ms": took(),
                 }
-        item = get_item(rt.db, item_id)
+        item = get_item(rt.db, item_id, content=False)
         if item.kind not in KINDS[task.name]:
             other = NOTE if item.kind == "note" else KNOWLEDGE_ITEM
             raise WrongTaskKind(f"item {item_id} is a {item.kind}: send {other}, not {task.name}")
@@ -201,8 +206,11 @@ def _close(**_: Any) -> None:
 
 def _changed(rt: Runtime, item_id: int) -> bool:
     """Whether the item's text differs from what its index was built from."""
-    item = get_item(rt.db, item_id)
-    return get_state(rt.db, item_id).get("indexed_hash") != text_hash(item.content)
+    item = get_item(rt.db, item_id, content=False)
+    if item.content_hash is None:  # the content was written without its hash
+        item = get_item(rt.db, item_id)
+    content_hash = item.content_hash or text_hash(item.content)
+    return get_state(rt.db, item_id).get("indexed_hash") != content_hash
 
 
 def _backoff(attempt: int, retry_after: float | None) -> float:
@@ -211,6 +219,12 @@ def _backoff(attempt: int, retry_after: float | None) -> float:
     return max(delay, retry_after or 0.0)
 
 
-def _one_line(item_id: int, cause: str, duration_ms: int) -> str:
-    cause = " ".join(cause.split())
-    return f"item {item_id}: {cause} (after {duration_ms / 1000:.1f} s)"
+def _valid_id(item_id: object) -> bool:
+    """An id SQLite can hold: a JSON message may carry "abc", 1.5, true or 2**70 (a 64-bit
+    overflow that would otherwise fail before the run is recorded)."""
+    return type(item_id) is int and 0 < item_id < 2**63
+
+
+def _one_line(item_id: object, cause: str, duration_ms: int) -> str:
+    cause = " ".join(_REDACT.scrub(cause).split())  # stored and shown: never a secret
+    return f"item {str(item_id)[:60]}: {cause} (after {duration_ms / 1000:.1f} s)"

@@ -33,7 +33,7 @@ def _send(
     db: Database, app: Celery | None, name: str, item_id: int, *, reason: str | None,
     batch_id: int | None = None, countdown: float | None = None, structure_only: bool = False,
 ) -> str:  # fmt: skip
-    item = get_item(db, item_id)
+    item = get_item(db, item_id, content=False)
     task_id = str(uuid.uuid4())
     record_queued(db, task_id, name, item_id, batch_id, reason)
     kwargs: dict[str, Any] = {"reason": reason}
@@ -71,7 +71,7 @@ def enqueue(
 ) -> str:  # fmt: skip
     """Send the right task for the item's kind; returns the task id. `structure_only`: no chunk
     model for this run."""
-    name = TASK_FOR_KIND[get_item(db, item_id).kind]
+    name = TASK_FOR_KIND[get_item(db, item_id, content=False).kind]
     return _send(db, app, name, item_id, reason=reason, batch_id=batch_id, countdown=countdown,
                  structure_only=structure_only)  # fmt: skip
 
@@ -87,7 +87,7 @@ def send_batch(
     """A batch (three consecutive failures abort it): its id and the task ids."""
     ids = list(item_ids)
     for item_id in ids:
-        get_item(db, item_id)
+        get_item(db, item_id, content=False)
     batch_id = create_batch(db, kind, len(ids))
     return batch_id, [
         enqueue(db, i, app=app, reason=reason or kind, batch_id=batch_id) for i in ids

@@ -94,3 +94,12 @@ class FakeEmbedder(EmbeddingModel):
         self.calls.append(list(texts))
         rng = [np.random.default_rng(zlib.crc32(t.encode())) for t in texts]
         return np.stack([r.standard_normal(self.dimensions) for r in rng]).astype(np.float32)
+
+
+# -- the fault suite (tests/test_faults.py): its figures at the end of the run --
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    from faults_report import summary
+
+    summary(terminalreporter)

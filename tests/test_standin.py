@@ -430,3 +430,43 @@ def test_command_line_serves_until_interrupted() -> None:
         finally:
             if process.poll() is None:
                 process.kill()
+
+
+# -- chaos -----------------------------------------------------------------------------------
+
+
+def test_chaos_faults_a_seeded_share_of_requests_with_500_429_and_timeouts() -> None:
+    def run(seed: int) -> list[int | str]:
+        server = StandIn(dimensions=8)
+        with server, httpx.Client(base_url=server.base_url, timeout=0.1) as http:
+            server.chaos, server.chaos_seed, server.chaos_delay = 0.3, seed, 0.3
+            server.chaos_retry_after = 2
+            outcomes: list[int | str] = []
+            for n in range(100):
+                try:
+                    response = embed(http, [f"text {n}"])
+                except httpx.ReadTimeout:
+                    outcomes.append("timeout")
+                    continue
+                outcomes.append(response.status_code)
+                if response.status_code == 429:
+                    assert response.headers["retry-after"] == "2"
+                    assert error_of(response)["code"] == "rate_limit_exceeded"
+                elif response.status_code == 500:
+                    assert error_of(response)["type"] == "server_error"
+                else:
+                    assert vectors(response) == [vector_for(f"text {n}", 8)]
+            faults = dict(server.chaos_faults)
+            assert server.requests == 100
+            server.reset()
+            assert server.chaos == 0 and set(server.chaos_faults.values()) == {0}
+            assert vectors(embed(http, ["x"])) == [vector_for("x", 8)]
+        seen = {kind: outcomes.count(kind if kind == "timeout" else int(kind)) for kind in faults}
+        assert seen == faults  # every fault the server counted reached the client as such
+        return outcomes
+
+    first = run(seed=7)
+    assert first == run(seed=7)  # the same seed, the same faults on the same requests
+    assert first != run(seed=8)
+    assert 15 <= sum(1 for o in first if o != 200) <= 45  # about 30 % of 100
+    assert {o for o in first if o != 200} == {500, 429, "timeout"}

@@ -23,8 +23,10 @@ SNIPPET = 160
 
 def code_plan(db: Database, item: Item, chunks: list[CodeChunk], model: str, dims: int) -> Plan:
     """Reuse a vector wherever the same input (path, lines, symbol, content) was embedded."""
-    inputs = [c.embedding_input(item.title) for c in chunks]
-    plan = Plan(chunks, inputs, [text_hash(x) for x in inputs])
+    plan = Plan(
+        chunks, lambda i: chunks[i].embedding_input(item.title),
+        [text_hash(c.embedding_input(item.title)) for c in chunks],
+    )  # fmt: skip
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     for chunk_id, embed_hash, vector in db.all(
         "SELECT c.id, c.embed_hash, e.vector FROM code_chunks c JOIN code_chunk_embeddings e "

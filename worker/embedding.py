@@ -25,10 +25,13 @@ CancelCheck = Callable[[], bool]
 
 @dataclass
 class Plan:
-    """Which chunk gets which vector: reused (old chunk id, vector) or newly embedded."""
+    """Which chunk gets which vector: reused (old chunk id, vector) or newly embedded.
+
+    The embedder inputs are made again when a batch is sent rather than kept: for a 20 MB note
+    they would be another copy of the whole text."""
 
     chunks: Sequence[Any]  # anything with an `.index`: note chunks, code chunks
-    inputs: list[str]
+    input_of: Callable[[int], str]  # the embedder input of chunk i, made when needed
     hashes: list[str]
     reuse: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     vectors: dict[int, bytes] = field(default_factory=dict)
@@ -75,7 +78,7 @@ def embed_missing(
         check(cancel)
         batch = todo[start : start + embedder.batch_size]
         try:
-            vectors = embedder.embed_checked([plan.inputs[i] for i in batch])
+            vectors = embedder.embed_checked([plan.input_of(i) for i in batch])
         except ProviderError as e:
             if isinstance(e, PermanentProviderError) and not e.per_input:
                 raise
@@ -107,7 +110,7 @@ def _one_by_one(
     for i in batch:
         check(cancel)
         try:
-            vectors = embedder.embed_checked([plan.inputs[i]])
+            vectors = embedder.embed_checked([plan.input_of(i)])
         except ProviderError as e:
             if isinstance(e, PermanentProviderError) and not e.per_input:
                 raise

@@ -21,8 +21,10 @@ def note_plan(
     db: Database, item_id: int, title: str, chunks: list[Chunk], model: str, dims: int
 ) -> Plan:
     """Match new chunks to old vectors by the hash of the embedder input, wherever they moved."""
-    inputs = [c.embedding_input(title) for c in chunks]
-    plan = Plan(chunks, inputs, [text_hash(x) for x in inputs])
+    plan = Plan(
+        chunks, lambda i: chunks[i].embedding_input(title),
+        [text_hash(c.embedding_input(title)) for c in chunks],
+    )  # fmt: skip
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     for chunk_id, embed_hash, vector in db.all(
         "SELECT c.id, c.embed_hash, e.vector FROM note_chunks c "

@@ -16,7 +16,7 @@ The rules (DESIGN.md §3, the seed):
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from worker.chunking import ChunkMethod, LLMChunker, chunk, text_hash
 from worker.chunking.llm import ChatModelLike
@@ -112,6 +112,7 @@ def index_item(
             text = (reader or Reader()).text(item)
         except SourceUnavailable as e:  # a URL that may answer later: the task retries
             raise IndexAborted(str(e), transient=True) from e
+        content_hash = text_hash(text)
         set_state(db, item_id, status=Status.INDEXING, last_task_id=task_id)
         limit = max_consecutive_failures
         if item.kind == "code":
@@ -133,6 +134,8 @@ def index_item(
             if fallback:
                 ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=fallback)
             chunk_count = len(outcome.chunks)
+            if item.kind == "note":  # the chunks hold what is needed: let a big text go
+                item, text = replace(item, content=""), ""
             ilog.info(
                 f"{CHUNK} chunked", chunk_method=str(method), chunk_count=chunk_count,
                 dimensions=dims, chat_calls=llm.calls if llm else 0,
@@ -149,8 +152,8 @@ def index_item(
                 if repaired:
                     ilog.info(f"{KI_EMBED} repaired the mirror", repaired=repaired)
             failed = len(plan.failed) + vec_failed
-            _record(db, item, text, chunk_count, failed, plan, method, fallback, model, dims,
-                    task_id, elapsed())  # fmt: skip
+            _record(db, item, text, content_hash, chunk_count, failed, plan, method, fallback,
+                    model, dims, task_id, elapsed())  # fmt: skip
     except Cancelled:
         set_state(db, item_id, status=Status.CANCELLED, last_task_id=task_id, duration_ms=elapsed())
         ilog.info(f"{KI_EMBED} cancelled; the previous index is intact", duration_ms=elapsed())
@@ -192,7 +195,8 @@ def index_item(
 
 
 def _record(
-    db: Database, item: Item, text: str, chunk_count: int, failed: int, plan: Plan,
+    db: Database, item: Item, text: str, content_hash: str, chunk_count: int, failed: int,
+    plan: Plan,
     method: ChunkMethod, fallback: str | None, model: str, dims: int, task_id: str | None,
     duration_ms: int,
 ) -> None:  # fmt: skip
@@ -204,7 +208,6 @@ def _record(
         notes.append(f"{failed} of {chunk_count} chunks have no vector: {first}")
     if fallback:
         notes.append(f"LLM chunking fell back to structure: {fallback}")
-    content_hash = text_hash(text)
     if item.kind == "note":
         db.execute(
             "UPDATE knowledge_items SET content_hash = ? WHERE id = ? AND "

@@ -6,4 +6,3 @@ from ops.cli.base import cli
 
 def main() -> None:
     cli(prog_name="kidx")
-

@@ -51,5 +51,16 @@ class Chunk(NamedTuple):
 
 
 def text_hash(text: str) -> str:
-    """Stable hash of a text (content hashes, embedder-input hashes)."""
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    """Stable hash of a text (content hashes, embedder-input hashes); the sha256 of its UTF-8.
+
+    A long text is encoded a piece at a time: encoding allocates four bytes a character for a
+    text with one emoji in it, 80 MB at once for a 20 MB note."""
+    if len(text) <= _PIECE:
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    h = hashlib.sha256()
+    for i in range(0, len(text), _PIECE):  # surrogatepass encodes each surrogate alone: no seams
+        h.update(text[i : i + _PIECE].encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+_PIECE = 1 << 20

@@ -141,10 +141,10 @@ class JSONClient:
                     except (json.JSONDecodeError, UnicodeDecodeError):
                         raise BadAnswer(f"{self.where}: the answer is not JSON") from None
                 code, message = _error_detail(response)
-                if self._key:  # a server may echo the key back ("Incorrect API key: sk-...")
-                    message = message.replace(self._key, "***")
                 cause = f"HTTP {response.status_code}" + (f" {code}" if code else "")
                 cause += f": {message}" if message else ""
+                if self._key:  # a server may echo the key back, in its message or its code
+                    cause = cause.replace(self._key, "***")
                 quota = response.status_code == 429 and "insufficient_quota" in (code + message)
                 if response.status_code not in RETRYABLE or quota:
                     raise ProviderHTTPError(f"{self.where}: {cause}", status=response.status_code)

@@ -86,9 +86,11 @@ class Database:
         return list(self.conn.execute(sql, params))
 
     def one(self, sql: str, params: Params = ()) -> tuple[Any, ...] | None:
-        for row in self.conn.execute(sql, params):
-            return row
-        return None
+        cur = self.conn.execute(sql, params)
+        try:
+            return next(cur, None)
+        finally:
+            cur.close()  # an open statement keeps SQLite's copy of the row (a 20 MB text...)
 
     def scalar(self, sql: str, params: Params = ()) -> Any:
         row = self.one(sql, params)
