@@ -7,10 +7,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import DIMS, corpus_text
+from conftest import DIMS, corpus_text, standin_settings
 from worker.chunking import chunk_structure, text_hash
 from worker.errors import Cancelled, IndexAborted
-from worker.pipeline import index_item
+from worker.pipeline import index_item, index_items
+from worker.store import connect
 from worker.store.items import add_item, get_state, list_chunks, update_content
 
 CHAPTER = "ch10-02-traits.md"  # 20 chunks
@@ -235,3 +236,102 @@ def test_wrong_dimension_from_the_provider_is_never_written(db, embedder, standi
     assert f"{DIMS * 2} dimensions" in str(caught.value)
     assert standin.requests == 1  # no per-text retries: every text would fail the same way
     assert db.scalar("SELECT count(*) FROM note_chunk_embeddings") == 0
+
+
+# -- several items at once (bulk runs): shared batches, one outcome each --------------------
+
+GROUP = (
+    "ch04-01-what-is-ownership.md",
+    "ch10-02-traits.md",
+    "appendix-00.md",
+    "ch08-03-hash-maps.md",
+)
+
+
+def test_items_indexed_together_fill_each_request_and_equal_one_by_one(
+    db, embedder, standin, tmp_path
+):
+    texts = {name: corpus_text(name) for name in GROUP}
+    ids = [add_item(db, kind="note", title=name, content=t) for name, t in texts.items()]
+    results = index_items(db, ids, embedder=embedder)
+    assert [results[i].status for i in ids] == ["indexed"] * len(ids)
+    total = sum(len(embedding_inputs(n, t)) for n, t in texts.items())
+    sizes = [len(b["input"]) for b in standin.bodies]
+    # Requests are filled across items: all full but the last (one per item would not be).
+    assert sum(sizes) == total and sizes[:-1] == [embedder.batch_size] * (len(sizes) - 1)
+    assert len(sizes) == -(-total // embedder.batch_size) < len(ids) + total // 8
+    # The same index as item by item, in a second store.
+    other = connect(tmp_path / "other.db", embedding=standin_settings(standin))
+    try:
+        alone = [add_item(other, kind="note", title=n, content=t) for n, t in texts.items()]
+        for i in alone:
+            index_item(other, i, embedder=embedder)
+        for a, b in zip(ids, alone, strict=True):
+            assert [r[1:] for r in snapshot(db, a)["chunks"]] == [
+                r[1:] for r in snapshot(other, b)["chunks"]
+            ]
+            assert [r[1:] for r in snapshot(db, a)["vectors"]] == [
+                r[1:] for r in snapshot(other, b)["vectors"]
+            ]
+            hashes = [
+                d.scalar("SELECT indexed_hash FROM item_index_state WHERE item_id = ?", (i,))
+                for d, i in ((db, a), (other, b))
+            ]
+            assert hashes[0] == hashes[1] == text_hash(texts[GROUP[ids.index(a)]])
+    finally:
+        other.close()
+
+
+def test_items_together_each_get_their_own_outcome(db, embedder, standin):
+    good = add_item(
+        db, kind="note", title="Good", content=corpus_text("ch04-01-what-is-ownership.md")
+    )
+    blank = add_item(db, kind="file", title="Missing", content="", source="/nonexistent/kidx.md")
+    poisoned = add_item(db, kind="note", title="Poisoned", content="POISON " * 40)
+    standin.poison = "POISON"
+    results = index_items(db, [good, blank, poisoned], embedder=embedder)
+    assert results[good].status == "indexed"
+    assert isinstance(results[blank], Exception) and get_state(db, blank)["status"] == "failed"
+    # Not one vector for the poisoned note: it keeps no index, and the good one is untouched.
+    assert isinstance(results[poisoned], IndexAborted)
+    assert "no chunk could be embedded" in str(results[poisoned])
+    assert get_state(db, poisoned)["status"] == "failed"
+    assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (poisoned,)) == 0
+
+
+def test_items_together_a_provider_failing_three_times_in_a_row_stops_them_all(
+    db, embedder, standin
+):
+    first = add_item(
+        db, kind="note", title="First", content=corpus_text("ch04-01-what-is-ownership.md")
+    )
+    index_items(db, [first], embedder=embedder)
+    before = snapshot(db, first)
+    update_content(db, first, corpus_text("ch04-01-what-is-ownership.md") + "\n\nOne more line.\n")
+    second = add_item(db, kind="note", title="Second", content=corpus_text(CHAPTER))
+    standin.fail_status = 503
+    sent = standin.requests
+    results = index_items(db, [first, second], embedder=embedder)
+    for item in (first, second):
+        assert isinstance(results[item], IndexAborted), results[item]
+        assert "3 consecutive vector failures" in str(results[item])
+        assert results[item].transient
+        assert get_state(db, item)["status"] == "failed"
+    assert snapshot(db, first) == before  # the previous index is intact
+    assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (second,)) == 0
+    # One batch, then its texts alone until three fail in a row (two attempts each).
+    assert standin.requests - sent == 2 * (1 + 3)
+
+
+def test_items_together_cancelled_leave_every_unwritten_item_cancelled(db, embedder):
+    ids = [add_item(db, kind="note", title=n, content=corpus_text(n)) for n in GROUP[:2]]
+    calls = {"n": 0}
+
+    def cancel() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 3  # after both items are prepared
+
+    with pytest.raises(Cancelled):
+        index_items(db, ids, embedder=embedder, cancel=cancel)
+    assert [get_state(db, i)["status"] for i in ids] == ["cancelled", "cancelled"]
+    assert db.scalar("SELECT count(*) FROM note_chunks") == 0

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from worker.chunking import text_hash
 from worker.chunking.code import CodeChunk, chunk_code
-from worker.embedding import CancelCheck, FailureCounter, Plan, check, embed_missing
+from worker.embedding import Plan
 from worker.errors import InvalidInput
 from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel
@@ -25,7 +24,7 @@ def code_plan(db: Database, item: Item, chunks: list[CodeChunk], model: str, dim
     """Reuse a vector wherever the same input (path, lines, symbol, content) was embedded."""
     plan = Plan(
         chunks, lambda i: chunks[i].embedding_input(item.title),
-        [text_hash(c.embedding_input(item.title)) for c in chunks],
+        [text_hash(c.embedding_input(item.title)) for c in chunks], item_id=item.id,
     )  # fmt: skip
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     for chunk_id, embed_hash, vector in db.all(
@@ -41,18 +40,12 @@ def code_plan(db: Database, item: Item, chunks: list[CodeChunk], model: str, dim
     return plan
 
 
-def index_code(
-    db: Database, item: Item, text: str, embedder: EmbeddingModel, *,
-    cancel: CancelCheck | None, limit: int, log: Any,
-) -> tuple[Plan, list[CodeChunk]]:  # fmt: skip
-    """Chunk and embed a code item; the caller writes the state. Raises IndexAborted."""
+def plan_code(db: Database, item: Item, text: str, model: str) -> tuple[Plan, list[CodeChunk]]:
+    """Chunk a code item and match its chunks to their old vectors; embedding is the caller's."""
     chunks = chunk_code(text, item.source or item.title)
     if not chunks:
         raise InvalidInput(f"{item.title}: no code to index")
-    plan = code_plan(db, item, chunks, embedder.model_id, db.dimensions)
-    embed_missing(plan, embedder, cancel, FailureCounter(limit, log))
-    check(cancel)
-    return plan, chunks
+    return code_plan(db, item, chunks, model, db.dimensions), chunks
 
 
 def write_code(db: Database, item: Item, plan: Plan, chunks: list[CodeChunk], model: str) -> None:

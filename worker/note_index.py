@@ -23,7 +23,7 @@ def note_plan(
     """Match new chunks to old vectors by the hash of the embedder input, wherever they moved."""
     plan = Plan(
         chunks, lambda i: chunks[i].embedding_input(title),
-        [text_hash(c.embedding_input(title)) for c in chunks],
+        [text_hash(c.embedding_input(title)) for c in chunks], item_id=item_id,
     )  # fmt: skip
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     for chunk_id, embed_hash, vector in db.all(

@@ -16,11 +16,14 @@ The rules (DESIGN.md §3, the seed):
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from worker.chunking import ChunkMethod, LLMChunker, chunk, text_hash
 from worker.chunking.llm import ChatModelLike
-from worker.embedding import CancelCheck, FailureCounter, Plan, check, embed_missing
+from worker.embedding import CancelCheck, FailureCounter, Plan, check, embed_missing, embed_plans
 from worker.errors import (
     Cancelled,
     IndexAborted,
@@ -65,6 +68,25 @@ class IndexResult:
         return asdict(self)
 
 
+@dataclass
+class _Work:
+    """One item between its steps: read and chunked, its vectors planned, not yet written."""
+
+    item: Item
+    text: str  # what was read (files, URLs, code: it is stored with the index); "" for notes
+    content_hash: str
+    plan: Plan
+    code_chunks: list[Any] | None
+    method: ChunkMethod
+    fallback: str | None
+    chunk_count: int
+    started: float
+    log: Any
+
+    def elapsed(self) -> int:
+        return int((time.monotonic() - self.started) * 1000)
+
+
 def index_item(
     db: Database,
     item_id: int,
@@ -86,74 +108,99 @@ def index_item(
     """
     started = time.monotonic()
     ilog = log.bind(item_id=item_id, task_id=task_id)
+    item = get_item(db, item_id)  # ItemNotFound: no state to record
+    with _outcome(db, item_id, task_id, started, ilog):
+        work = _prepare(db, item, embedder, chat, reader, chunk_window, structure_only,
+                        cancel, task_id, started, ilog)  # fmt: skip
+        if isinstance(work, IndexResult):
+            return work
+        assert embedder is not None
+        embed_missing(work.plan, embedder, cancel, FailureCounter(max_consecutive_failures, ilog))
+        check(cancel)
+        return _finish(db, work, embedder.model_id, max_consecutive_failures, task_id)
+
+
+def index_items(
+    db: Database,
+    item_ids: list[int],
+    *,
+    embedder: EmbeddingModel | None,
+    chat: ChatModelLike | None = None,
+    reader: Reader | None = None,
+    chunk_window: int = 6000,
+    structure_only: bool = False,
+    cancel: CancelCheck | None = None,
+    task_id: str | None = None,
+    max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+) -> dict[int, IndexResult | Exception]:
+    """Index several items as index_item() does each, with their texts embedded in shared
+    batches: a request carries up to the batch size whatever the items' sizes (DESIGN.md §4,
+    bulk runs). Each item is written in its own transaction and has its own outcome: a result,
+    or the exception index_item() would have raised. The provider failing N times in a row
+    ends the embedding for all: items with every vector are written, the others get that
+    IndexAborted. Cancelled propagates, after every item not yet written is marked cancelled."""
+    out: dict[int, IndexResult | Exception] = {}
+    works: list[_Work] = []
+    try:
+        for item_id in item_ids:
+            started = time.monotonic()
+            ilog = log.bind(item_id=item_id, task_id=task_id)
+            try:
+                item = get_item(db, item_id)
+                with _outcome(db, item_id, task_id, started, ilog):
+                    w = _prepare(db, item, embedder, chat, reader, chunk_window,
+                                 structure_only, cancel, task_id, started, ilog)  # fmt: skip
+            except Cancelled:
+                raise
+            except Exception as e:
+                out[item_id] = e
+                continue
+            if isinstance(w, IndexResult):
+                out[item_id] = w
+            else:
+                works.append(w)
+        if not works:
+            return out
+        assert embedder is not None
+        counter = FailureCounter(max_consecutive_failures, log.bind(task_id=task_id))
+        try:
+            aborted: dict[int, Exception] = dict(
+                embed_plans([w.plan for w in works], embedder, cancel, counter)
+            )
+        except PermanentProviderError as e:  # refused as a whole: every item fails with it
+            aborted = dict.fromkeys(range(len(works)), e)
+        for k, w in enumerate(works):
+            try:
+                with _outcome(db, w.item.id, task_id, w.started, w.log):
+                    if k in aborted:
+                        raise aborted[k]
+                    check(cancel)
+                    out[w.item.id] = _finish(db, w, embedder.model_id, max_consecutive_failures,
+                                             task_id)  # fmt: skip
+            except Cancelled:
+                raise
+            except Exception as e:
+                out[w.item.id] = e
+    except Cancelled:
+        for w in works:
+            if w.item.id not in out:
+                set_state(db, w.item.id, status=Status.CANCELLED, last_task_id=task_id,
+                          duration_ms=w.elapsed())  # fmt: skip
+        raise
+    return out
+
+
+@contextmanager
+def _outcome(
+    db: Database, item_id: int, task_id: str | None, started: float, ilog: Any
+) -> Iterator[None]:
+    """An item's failure, recorded and logged as its outcome: the state, then the exception."""
 
     def elapsed() -> int:
         return int((time.monotonic() - started) * 1000)
 
-    item = get_item(db, item_id)
-    if embedder is None:
-        set_state(
-            db,
-            item_id,
-            status=Status.SKIPPED,
-            last_error=NO_PROVIDER,
-            last_task_id=task_id,
-            duration_ms=elapsed(),
-        )
-        ilog.info(f"{KI_EMBED} skipped", reason=NO_PROVIDER)
-        return IndexResult(item_id, str(Status.SKIPPED), error=NO_PROVIDER, duration_ms=elapsed())
-
-    dims = db.dimensions
-    model = embedder.model_id
-    method, fallback, llm = ChunkMethod.STRUCTURE, None, None
     try:
-        check(cancel)
-        try:
-            text = (reader or Reader()).text(item)
-        except SourceUnavailable as e:  # a URL that may answer later: the task retries
-            raise IndexAborted(str(e), transient=True) from e
-        content_hash = text_hash(text)
-        set_state(db, item_id, status=Status.INDEXING, last_task_id=task_id)
-        limit = max_consecutive_failures
-        if item.kind == "code":
-            from worker.code_index import index_code, write_code
-
-            plan, code_chunks = index_code(db, item, text, embedder, cancel=cancel, limit=limit,
-                                           log=ilog)  # fmt: skip
-            chunk_count = len(code_chunks)
-        else:
-            if chat is not None and not structure_only:
-                llm = LLMChunker(chat, SqliteBoundaryCache(db), chunk_window, cancel)
-            previous = db.all(
-                "SELECT start_offset, content FROM note_chunks WHERE item_id = ? "
-                "ORDER BY chunk_index",
-                (item_id,),
-            )
-            outcome = chunk(text, previous, llm=llm)
-            method, fallback = outcome.method, outcome.fallback
-            if fallback:
-                ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=fallback)
-            chunk_count = len(outcome.chunks)
-            if item.kind == "note":  # the chunks hold what is needed: let a big text go
-                item, text = replace(item, content=""), ""
-            ilog.info(
-                f"{CHUNK} chunked", chunk_method=str(method), chunk_count=chunk_count,
-                dimensions=dims, chat_calls=llm.calls if llm else 0,
-            )  # fmt: skip
-            plan = note_plan(db, item.id, item.title, outcome.chunks, model, dims)
-            embed_missing(plan, embedder, cancel, FailureCounter(limit, ilog))
-        check(cancel)
-        with db.atomic():
-            if item.kind == "code":
-                write_code(db, item, plan, code_chunks, model)
-                repaired, vec_failed = repair_vectors(db, dims, item_id=item.id).total, 0
-            else:
-                repaired, vec_failed = write_notes(db, item.id, plan, model, dims, limit, ilog)
-                if repaired:
-                    ilog.info(f"{KI_EMBED} repaired the mirror", repaired=repaired)
-            failed = len(plan.failed) + vec_failed
-            _record(db, item, text, content_hash, chunk_count, failed, plan, method, fallback,
-                    model, dims, task_id, elapsed())  # fmt: skip
+        yield
     except Cancelled:
         set_state(db, item_id, status=Status.CANCELLED, last_task_id=task_id, duration_ms=elapsed())
         ilog.info(f"{KI_EMBED} cancelled; the previous index is intact", duration_ms=elapsed())
@@ -175,22 +222,94 @@ def index_item(
         _fail(db, item_id, f"{type(e).__name__}: {e}", task_id, elapsed())
         raise
 
+
+def _prepare(
+    db: Database, item: Item, embedder: EmbeddingModel | None, chat: ChatModelLike | None,
+    reader: Reader | None, chunk_window: int, structure_only: bool, cancel: CancelCheck | None,
+    task_id: str | None, started: float, ilog: Any,
+) -> _Work | IndexResult:  # fmt: skip
+    """Read and chunk the item, and plan its vectors (what is reused); no provider call but the
+    chunk model's. With no embedding provider the item is skipped: the result says so."""
+    item_id = item.id
+    if embedder is None:
+        duration = int((time.monotonic() - started) * 1000)
+        set_state(db, item_id, status=Status.SKIPPED, last_error=NO_PROVIDER,
+                  last_task_id=task_id, duration_ms=duration)  # fmt: skip
+        ilog.info(f"{KI_EMBED} skipped", reason=NO_PROVIDER)
+        return IndexResult(item_id, str(Status.SKIPPED), error=NO_PROVIDER, duration_ms=duration)
+    dims, model = db.dimensions, embedder.model_id
+    check(cancel)
+    try:
+        text = (reader or Reader()).text(item)
+    except SourceUnavailable as e:  # a URL that may answer later: the task retries
+        raise IndexAborted(str(e), transient=True) from e
+    content_hash = text_hash(text)
+    set_state(db, item_id, status=Status.INDEXING, last_task_id=task_id)
+    method, fallback, code_chunks = ChunkMethod.STRUCTURE, None, None
+    if item.kind == "code":
+        from worker.code_index import plan_code
+
+        plan, code_chunks = plan_code(db, item, text, model)
+        chunk_count = len(code_chunks)
+    else:
+        llm = None
+        if chat is not None and not structure_only:
+            llm = LLMChunker(chat, SqliteBoundaryCache(db), chunk_window, cancel)
+        previous = db.all(
+            "SELECT start_offset, content FROM note_chunks WHERE item_id = ? ORDER BY chunk_index",
+            (item_id,),
+        )
+        outcome = chunk(text, previous, llm=llm)
+        method, fallback = outcome.method, outcome.fallback
+        if fallback:
+            ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=fallback)
+        chunk_count = len(outcome.chunks)
+        if item.kind == "note":  # the chunks hold what is needed: let a big text go
+            item, text = replace(item, content=""), ""
+        ilog.info(
+            f"{CHUNK} chunked", chunk_method=str(method), chunk_count=chunk_count,
+            dimensions=dims, chat_calls=llm.calls if llm else 0,
+        )  # fmt: skip
+        plan = note_plan(db, item.id, item.title, outcome.chunks, model, dims)
+    return _Work(item, text, content_hash, plan, code_chunks, method, fallback, chunk_count,
+                 started, ilog)  # fmt: skip
+
+
+def _finish(db: Database, w: _Work, model: str, limit: int, task_id: str | None) -> IndexResult:
+    """Write the item's chunks, vectors and state in one transaction (the only one)."""
+    dims = db.dimensions
+    item, plan = w.item, w.plan
+    with db.atomic():
+        if w.code_chunks is not None:
+            from worker.code_index import write_code
+
+            write_code(db, item, plan, w.code_chunks, model)
+            repaired, vec_failed = repair_vectors(db, dims, item_id=item.id).total, 0
+        else:
+            repaired, vec_failed = write_notes(db, item.id, plan, model, dims, limit, w.log)
+            if repaired:
+                w.log.info(f"{KI_EMBED} repaired the mirror", repaired=repaired)
+        failed = len(plan.failed) + vec_failed
+        _record(db, item, w.text, w.content_hash, w.chunk_count, failed, plan, w.method,
+                w.fallback, model, dims, task_id, w.elapsed())  # fmt: skip
     result = IndexResult(
         item_id=item.id,
         status=str(Status.PARTIAL if failed else Status.INDEXED),
-        chunk_method=str(method),
-        chunks=chunk_count,
+        chunk_method=str(w.method),
+        chunks=w.chunk_count,
         reused=len(plan.reuse),
         embedded=len(plan.vectors) - len(plan.reuse),
         failed=failed,
         dimensions=dims,
         model=model,
-        duration_ms=elapsed(),
+        duration_ms=w.elapsed(),
         repaired=repaired,
         error=next(iter(plan.failed.values()), None),
-        fallback=fallback,
+        fallback=w.fallback,
     )
-    ilog.info(f"{KI_EMBED} indexed", **{k: v for k, v in result.as_dict().items() if v is not None})
+    w.log.info(
+        f"{KI_EMBED} indexed", **{k: v for k, v in result.as_dict().items() if v is not None}
+    )
     return result
 
 
