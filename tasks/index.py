@@ -85,7 +85,7 @@ def _run(
                 rt.db, batch_id, outcome, error, abort_after=settings.tasks.batch_abort_after
             )
 
-    valid = _valid_id(item_id)
+    valid = valid_id(item_id)
     try:
         record_start(rt.db, task_id, attempt, task.name, item_id if valid else None, batch_id,
                      reason)  # fmt: skip
@@ -131,7 +131,7 @@ def _run(
         return result
     except (Cancelled, SoftTimeLimitExceeded) as e:
         if isinstance(e, SoftTimeLimitExceeded) and not TERMINATED.is_set():
-            message = _one_line(
+            message = one_line(
                 item_id,
                 f"ran over the soft time limit of {settings.tasks.soft_time_limit} s",
                 took(),
@@ -144,19 +144,19 @@ def _run(
         log.info(f"{KI_EMBED} task revoked; the previous index is intact", duration_ms=took())
         raise Ignore() from None
     except IndexAborted as e:
-        message = _one_line(item_id, str(e), took())
+        message = one_line(item_id, str(e), took())
         why = "provider_transient" if e.transient else "provider_permanent"
         if e.transient and attempt < settings.tasks.max_retries:
             end(JobState.RETRY, "retry", message, why=why)
             raise task.retry(
                 exc=IndexFailed(message),
-                countdown=_backoff(attempt, e.retry_after),
+                countdown=backoff(attempt, e.retry_after),
                 max_retries=settings.tasks.max_retries,
             ) from None
         end(JobState.FAILED, "failed", message, why=why)
         raise IndexFailed(message) from None
     except KidxError as e:  # unknown item, wrong kind, bad input: retrying cannot help
-        message = _one_line(item_id, str(e), took())
+        message = one_line(item_id, str(e), took())
         end(JobState.FAILED, "failed", message, why="bad_input")
         raise IndexFailed(message) from None
     finally:
@@ -188,12 +188,12 @@ def _locked_runs(
 
         with running():
             result = run()
-            if lock.take_rerun() and _changed(rt, item_id):
+            if lock.take_rerun() and changed(rt, item_id):
                 log.info(f"{KI_EMBED} the item changed while it was indexed: once more")
                 result = run()
     finally:
         lock.release()
-    if lock.take_rerun() and _changed(rt, item_id):
+    if lock.take_rerun() and changed(rt, item_id):
         follow = enqueue(rt.db, item_id, app=task.app, reason="changed")
         log.info(f"{KI_EMBED} changed again during the re-run: sent again", next=follow)
     return result.as_dict()
@@ -204,7 +204,7 @@ def _close(**_: Any) -> None:
     close_runtime()
 
 
-def _changed(rt: Runtime, item_id: int) -> bool:
+def changed(rt: Runtime, item_id: int) -> bool:
     """Whether the item's text differs from what its index was built from."""
     item = get_item(rt.db, item_id, content=False)
     if item.content_hash is None:  # the content was written without its hash
@@ -213,18 +213,18 @@ def _changed(rt: Runtime, item_id: int) -> bool:
     return get_state(rt.db, item_id).get("indexed_hash") != content_hash
 
 
-def _backoff(attempt: int, retry_after: float | None) -> float:
+def backoff(attempt: int, retry_after: float | None) -> float:
     t = settings.tasks
     delay = min(t.retry_backoff_max, t.retry_backoff * 2**attempt) * random.uniform(0.5, 1.5)
     return max(delay, retry_after or 0.0)
 
 
-def _valid_id(item_id: object) -> bool:
+def valid_id(item_id: object) -> bool:
     """An id SQLite can hold: a JSON message may carry "abc", 1.5, true or 2**70 (a 64-bit
     overflow that would otherwise fail before the run is recorded)."""
     return type(item_id) is int and 0 < item_id < 2**63
 
 
-def _one_line(item_id: object, cause: str, duration_ms: int) -> str:
+def one_line(item_id: object, cause: str, duration_ms: int) -> str:
     cause = " ".join(_REDACT.scrub(cause).split())  # stored and shown: never a secret
     return f"item {str(item_id)[:60]}: {cause} (after {duration_ms / 1000:.1f} s)"

@@ -59,7 +59,8 @@ class ItemLock:
         """Whether a re-run was requested (and clear the request)."""
         return self.client.getdel(rerun_key(self.item_id)) is not None
 
-    def acquire(self) -> bool:
+    def acquire(self, *, renew: bool = True) -> bool:
+        """Take the lock; `renew=False`: the caller extends it (LockSet: one thread for all)."""
         token = f"{self.task_id}:{uuid.uuid4().hex}"
         if not self.lock.acquire(blocking=False, token=token):
             stale = self.client.eval(_TAKE_OVER, 1, lock_key(self.item_id), f"{self.task_id}:")
@@ -70,23 +71,30 @@ class ItemLock:
                 item_id=self.item_id,
                 task_id=self.task_id,
             )
-        self._stop.clear()
-        self._renewer = threading.Thread(target=self._renew, daemon=True, name="kidx-lock")
-        self._renewer.start()
+        if renew:
+            self._stop.clear()
+            self._renewer = threading.Thread(target=self._renew, daemon=True, name="kidx-lock")
+            self._renewer.start()
         return True
+
+    def extend(self) -> bool:
+        """Renew the TTL; False (logged) when the lock is lost: the run goes on."""
+        try:
+            self.lock.extend(self.ttl, replace_ttl=True)
+            return True
+        except (LockError, redis.RedisError) as e:
+            self.lost = True
+            log.warning(
+                "item lock lost while running",
+                item_id=self.item_id,
+                task_id=self.task_id,
+                reason=str(e),
+            )
+            return False
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl / 3):
-            try:
-                self.lock.extend(self.ttl, replace_ttl=True)
-            except (LockError, redis.RedisError) as e:  # logged; the run goes on
-                self.lost = True
-                log.warning(
-                    "item lock lost while running",
-                    item_id=self.item_id,
-                    task_id=self.task_id,
-                    reason=str(e),
-                )
+            if not self.extend():
                 return
 
     def release(self) -> None:
@@ -103,3 +111,41 @@ class ItemLock:
                 task_id=self.task_id,
                 reason=str(e),
             )
+
+
+class LockSet:
+    """The locks of a group run's items, renewed by one thread (not one thread an item)."""
+
+    def __init__(self, client: redis.Redis, item_ids: list[int], task_id: str, ttl: int) -> None:
+        self.ttl = ttl
+        self.locks = [ItemLock(client, i, task_id, ttl) for i in item_ids]
+        self.held: list[ItemLock] = []
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def acquire(self) -> tuple[list[int], list[int]]:
+        """(items locked, items busy): a busy item gets a re-run request, as a single run's."""
+        busy = []
+        for lock in self.locks:
+            lock.request_rerun()
+            if lock.acquire(renew=False):
+                lock.take_rerun()  # this run covers every request made until now
+                self.held.append(lock)
+            else:
+                busy.append(lock.item_id)
+        self._renewer = threading.Thread(target=self._renew, daemon=True, name="kidx-locks")
+        self._renewer.start()
+        return [lock.item_id for lock in self.held], busy
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            for lock in self.held:
+                if not lock.lost:
+                    lock.extend()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
+        for lock in self.held:
+            lock.release()

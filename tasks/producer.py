@@ -17,10 +17,10 @@ from typing import Any
 
 from celery import Celery
 
-from tasks import KNOWLEDGE_ITEM, NOTE, TASK_FOR_KIND
+from tasks import GROUP, KNOWLEDGE_ITEM, NOTE, TASK_FOR_KIND
 from worker.store import Database
-from worker.store.items import add_item, get_item
-from worker.store.jobs import create_batch, record_queued
+from worker.store.items import Item, add_item, get_item
+from worker.store.jobs import create_batch, group_job_id, record_queued, record_queued_many
 
 
 def _default_app() -> Celery:
@@ -83,15 +83,36 @@ def send_batch(
     kind: str = "reindex",
     app: Celery | None = None,
     reason: str | None = None,
+    group_size: int | None = None,
 ) -> tuple[int, list[str]]:
-    """A batch (three consecutive failures abort it): its id and the task ids."""
-    ids = list(item_ids)
-    for item_id in ids:
-        get_item(db, item_id, content=False)
+    """A batch (three consecutive failures abort it): its id and the task ids. Its items go in
+    groups of `group_size` (default: KIDX_TASKS__GROUP_SIZE), one `kidx.index_group` task a
+    group, their texts sharing embedding requests; 1 sends one task an item."""
+    ids = list(dict.fromkeys(item_ids))
+    items = {i: get_item(db, i, content=False) for i in ids}
     batch_id = create_batch(db, kind, len(ids))
+    app = app or _default_app()
+    if group_size is None:
+        kidx_settings = getattr(app, "kidx_settings", None)
+        group_size = kidx_settings.tasks.group_size if kidx_settings else 1
+    if group_size <= 1:
+        return batch_id, [
+            enqueue(db, i, app=app, reason=reason or kind, batch_id=batch_id) for i in ids
+        ]
+    groups = [ids[k : k + group_size] for k in range(0, len(ids), group_size)]
     return batch_id, [
-        enqueue(db, i, app=app, reason=reason or kind, batch_id=batch_id) for i in ids
+        _send_group(db, app, [items[i] for i in g], batch_id, reason or kind) for g in groups
     ]
+
+
+def _send_group(db: Database, app: Celery, items: list[Item], batch_id: int, reason: str) -> str:
+    task_id = str(uuid.uuid4())
+    ids = [item.id for item in items]
+    record_queued_many(db, [(group_job_id(task_id, i), i) for i in ids], GROUP, batch_id, reason)
+    shown = {"items": len(ids), "first": items[0].title[:60], "reason": reason, "batch": batch_id}
+    app.send_task(GROUP, args=[ids], kwargs={"reason": reason, "batch_id": batch_id},
+                  task_id=task_id, kwargsrepr=repr(shown))  # fmt: skip
+    return task_id
 
 
 def add_note(db: Database, title: str, text: str, *, app: Celery | None = None) -> tuple[int, str]:

@@ -21,7 +21,7 @@ from scheduler.schedule import beat_schedule
 from worker.log import configure_logging
 from worker.settings import Settings, load_settings
 
-TASK_MODULES = ["tasks.metrics", "tasks.index", "tasks.cancel", "scheduler.tasks"]
+TASK_MODULES = ["tasks.metrics", "tasks.index", "tasks.group", "tasks.cancel", "scheduler.tasks"]
 
 
 def create_app(settings: Settings) -> Celery:

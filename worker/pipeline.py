@@ -16,7 +16,7 @@ The rules (DESIGN.md §3, the seed):
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -132,15 +132,23 @@ def index_items(
     cancel: CancelCheck | None = None,
     task_id: str | None = None,
     max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
-) -> dict[int, IndexResult | Exception]:
+    on_done: Callable[[int, IndexResult | KidxError], None] | None = None,
+) -> dict[int, IndexResult | KidxError]:
     """Index several items as index_item() does each, with their texts embedded in shared
-    batches: a request carries up to the batch size whatever the items' sizes (DESIGN.md §4,
-    bulk runs). Each item is written in its own transaction and has its own outcome: a result,
-    or the exception index_item() would have raised. The provider failing N times in a row
-    ends the embedding for all: items with every vector are written, the others get that
-    IndexAborted. Cancelled propagates, after every item not yet written is marked cancelled."""
-    out: dict[int, IndexResult | Exception] = {}
+    batches: a request carries up to the batch size whatever the items' sizes (bulk runs).
+    Each item is written in its own transaction and has its own outcome, passed to `on_done`
+    as soon as it is known: a result, or the KidxError index_item() would have raised. The
+    provider failing N times in a row ends the embedding for all: items with every vector are
+    written, the others get that IndexAborted. Anything else (Cancelled, a time limit, a bug)
+    propagates, after each item not yet written is marked cancelled or failed."""
+    out: dict[int, IndexResult | KidxError] = {}
     works: list[_Work] = []
+
+    def done(item_id: int, outcome: IndexResult | KidxError) -> None:
+        out[item_id] = outcome
+        if on_done is not None:
+            on_done(item_id, outcome)
+
     try:
         for item_id in item_ids:
             started = time.monotonic()
@@ -150,13 +158,11 @@ def index_items(
                 with _outcome(db, item_id, task_id, started, ilog):
                     w = _prepare(db, item, embedder, chat, reader, chunk_window,
                                  structure_only, cancel, task_id, started, ilog)  # fmt: skip
-            except Cancelled:
-                raise
-            except Exception as e:
-                out[item_id] = e
+            except KidxError as e:
+                done(item_id, e)
                 continue
             if isinstance(w, IndexResult):
-                out[item_id] = w
+                done(item_id, w)
             else:
                 works.append(w)
         if not works:
@@ -164,7 +170,7 @@ def index_items(
         assert embedder is not None
         counter = FailureCounter(max_consecutive_failures, log.bind(task_id=task_id))
         try:
-            aborted: dict[int, Exception] = dict(
+            aborted: dict[int, KidxError] = dict(
                 embed_plans([w.plan for w in works], embedder, cancel, counter)
             )
         except PermanentProviderError as e:  # refused as a whole: every item fails with it
@@ -175,17 +181,19 @@ def index_items(
                     if k in aborted:
                         raise aborted[k]
                     check(cancel)
-                    out[w.item.id] = _finish(db, w, embedder.model_id, max_consecutive_failures,
-                                             task_id)  # fmt: skip
-            except Cancelled:
-                raise
-            except Exception as e:
-                out[w.item.id] = e
-    except Cancelled:
+                    result = _finish(db, w, embedder.model_id, max_consecutive_failures, task_id)
+            except KidxError as e:
+                done(w.item.id, e)
+            else:
+                done(w.item.id, result)
+    except BaseException as e:
         for w in works:
             if w.item.id not in out:
-                set_state(db, w.item.id, status=Status.CANCELLED, last_task_id=task_id,
-                          duration_ms=w.elapsed())  # fmt: skip
+                if isinstance(e, Cancelled):
+                    set_state(db, w.item.id, status=Status.CANCELLED, last_task_id=task_id,
+                              duration_ms=w.elapsed())  # fmt: skip
+                else:
+                    _fail(db, w.item.id, f"{type(e).__name__}: {e}", task_id, w.elapsed())
         raise
     return out
 

@@ -172,10 +172,12 @@ def retry(ctx: Ctx, items: tuple[int, ...], failed: bool) -> None:
 @click.argument("task_ids", nargs=-1, required=True)
 @click.option("--terminate", is_flag=True, help="Also signal the process running it.")
 def cancel(ctx: Ctx, task_ids: tuple[str, ...], terminate: bool) -> None:
-    """Cancel tasks: queued ones never run, running ones stop at their next step."""
+    """Cancel tasks: queued ones never run, running ones stop at their next step (a job id
+    of a group, `<task id>:<item id>`, cancels its group)."""
     from tasks.cancel import mark_revoked
 
     client = ctx.redis()
+    task_ids = tuple(dict.fromkeys(t.split(":")[0] for t in task_ids))  # a group's job ids
     mark_revoked(client, list(task_ids))  # seen by the task even if no worker is up now
     ctx.app().control.revoke(list(task_ids), terminate=terminate)
     ctx.emit(

@@ -43,29 +43,54 @@ def record_queued(
     db: Database, task_id: str, task_name: str, item_id: int, batch_id: int | None,
     reason: str | None,
 ) -> None:  # fmt: skip
+    record_queued_many(db, [(task_id, item_id)], task_name, batch_id, reason)
+
+
+def record_queued_many(
+    db: Database, runs: list[tuple[str, int]], task_name: str, batch_id: int | None,
+    reason: str | None,
+) -> None:  # fmt: skip
     with db.atomic():
-        db.execute(
-            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, reason, "
-            f"queued_at) VALUES (?, 0, ?, ?, ?, 'queued', ?, {NOW}) "
-            "ON CONFLICT(task_id, attempt) DO NOTHING",
-            (task_id, task_name, item_id, batch_id, reason),
-        )
+        for task_id, item_id in runs:
+            db.execute(
+                "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
+                f"reason, queued_at) VALUES (?, 0, ?, ?, ?, 'queued', ?, {NOW}) "
+                "ON CONFLICT(task_id, attempt) DO NOTHING",
+                (task_id, task_name, item_id, batch_id, reason),
+            )
+
+
+_START = (
+    "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, reason, "
+    f"started_at) VALUES (?, ?, ?, ?, ?, 'started', ?, {NOW}) "
+    "ON CONFLICT(task_id, attempt) DO UPDATE SET state = 'started', "
+    "started_at = excluded.started_at, finished_at = NULL, duration_ms = NULL, error = NULL"
+)
 
 
 def record_start(
-    db: Database, task_id: str, attempt: int, task_name: str, item_id: int,
+    db: Database, task_id: str, attempt: int, task_name: str, item_id: int | None,
     batch_id: int | None, reason: str | None,
 ) -> None:  # fmt: skip
     """A run starts (again, after a redelivery: the row is reset)."""
     with db.atomic():
-        db.execute(
-            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, reason, "
-            f"started_at) VALUES (?, ?, ?, ?, ?, 'started', ?, {NOW}) "
-            "ON CONFLICT(task_id, attempt) DO UPDATE SET state = 'started', "
-            "started_at = excluded.started_at, finished_at = NULL, duration_ms = NULL, "
-            "error = NULL",
-            (task_id, attempt, task_name, item_id, batch_id, reason),
-        )
+        db.execute(_START, (task_id, attempt, task_name, item_id, batch_id, reason))
+
+
+def record_starts(
+    db: Database, runs: list[tuple[str, int]], task_name: str, batch_id: int | None,
+    reason: str | None,
+) -> None:  # fmt: skip
+    """A group run starts: one row for each (job id, item id), in one transaction."""
+    with db.atomic():
+        for job_id, item_id in runs:
+            db.execute(_START, (job_id, 0, task_name, item_id, batch_id, reason))
+
+
+def group_job_id(task_id: str, item_id: int) -> str:
+    """An item's record in a group run: the group's task id, then the item (`kidx cancel`
+    takes either and revokes the group)."""
+    return f"{task_id}:{item_id}"
 
 
 def record_end(
