@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from conftest import DIMS, corpus_text, standin_settings
+from conftest import DIMS, FakeEmbedder, corpus_text, standin_settings
 from worker.chunking import chunk_structure, text_hash
 from worker.errors import Cancelled, IndexAborted
 from worker.pipeline import index_item, index_items
+from worker.sources import Reader
 from worker.store import connect
 from worker.store.items import add_item, get_state, list_chunks, update_content
 
@@ -323,15 +325,49 @@ def test_items_together_a_provider_failing_three_times_in_a_row_stops_them_all(
     assert standin.requests - sent == 2 * (1 + 3)
 
 
-def test_items_together_cancelled_leave_every_unwritten_item_cancelled(db, embedder):
-    ids = [add_item(db, kind="note", title=n, content=corpus_text(n)) for n in GROUP[:2]]
-    calls = {"n": 0}
+def test_items_together_cancelled_leave_every_unwritten_item_cancelled(db, embedder, standin):
+    ids = [add_item(db, kind="note", title=n, content=corpus_text(n)) for n in GROUP]
+    prepared: list[int] = []
 
-    def cancel() -> bool:
-        calls["n"] += 1
-        return calls["n"] > 3  # after both items are prepared
+    def cancel() -> bool:  # once two items have been read and a request has gone
+        prepared[:] = [i for i in ids if get_state(db, i)["status"] == "indexing"]
+        return len(prepared) >= 2 and standin.requests > 0
 
     with pytest.raises(Cancelled):
         index_items(db, ids, embedder=embedder, cancel=cancel)
-    assert [get_state(db, i)["status"] for i in ids] == ["cancelled", "cancelled"]
+    states = [get_state(db, i)["status"] for i in ids]
+    assert states[:2] == ["cancelled", "cancelled"]  # read, never written
+    assert set(states[2:]) <= {"pending", "cancelled"}  # never read: untouched
     assert db.scalar("SELECT count(*) FROM note_chunks") == 0
+
+
+def test_items_together_are_read_and_written_while_a_request_is_in_flight(db):
+    """One request in flight while the caller works: the first request cannot end before the
+    caller has read the next item, nor the second before the first request's items are
+    written (a caller that waited on each request would time out here)."""
+    ids = [
+        add_item(db, kind="note", title=f"N{n}", content=f"Note {n}, one chunk.") for n in "ABCD"
+    ]
+    third_read, first_written = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    class Watching(Reader):
+        def text(self, item):
+            if item.id == ids[2]:
+                third_read.set()
+            return super().text(item)
+
+    class Waiting(FakeEmbedder):
+        def embed_batch(self, texts: list[str]) -> np.ndarray:
+            seen.append((first_written if self.calls else third_read).wait(5))
+            return super().embed_batch(texts)
+
+    model = Waiting()
+    model.batch_size = 2
+    results = index_items(
+        db, ids, embedder=model, reader=Watching(),
+        on_done=lambda i, r: i == ids[0] and first_written.set(),
+    )  # fmt: skip
+    assert [results[i].status for i in ids] == ["indexed"] * 4
+    assert [len(c) for c in model.calls] == [2, 2]  # A and B, then C and D
+    assert seen == [True, True]

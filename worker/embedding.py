@@ -4,7 +4,9 @@ row abort the run, with the cause and whether a retry may help)."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,7 @@ class Plan:
     failed: dict[int, str] = field(default_factory=dict)
     last_error: ProviderError | None = None
     item_id: int | None = None  # named in the failure log lines of a batch spanning items
+    waiting: int = 0  # texts queued or in flight (EmbedQueue, on the caller's thread)
 
     def done(self) -> bool:
         """Whether every chunk has its vector or its failure."""
@@ -86,41 +89,103 @@ def embed_plans(
     counter: FailureCounter,
 ) -> dict[int, IndexAborted]:  # fmt: skip
     """Embed what the plans do not reuse, in batches filled across them (a batch of items costs
-    the requests of their texts, not one request an item); a failing batch is retried text by
-    text, so that one bad input costs one vector, not the batch. Returns the plans (by position)
-    of which not one new vector came back: writing those would replace a working index with a
-    useless one. When the counter aborts (N failures in a row), every plan with a failure or
-    not complete gets its IndexAborted; only those with every vector may be written."""
-    todo = [(p, i) for p in plans for i in range(len(p.chunks)) if i not in p.reuse]
+    the requests of their texts, not one request an item). Returns the plans (by position) that
+    must not be written: of which not one new vector came back (writing those would replace a
+    working index with a useless one), or, when the counter aborts (N failures in a row), every
+    plan with a failure or not complete; only those with every vector may then be written."""
+    queue = EmbedQueue(embedder, cancel, counter)
     try:
-        for start in range(0, len(todo), embedder.batch_size):
-            check(cancel)
-            batch = todo[start : start + embedder.batch_size]
-            try:
-                vectors = embedder.embed_checked([p.input_of(i) for p, i in batch])
-            except ProviderError as e:
-                if isinstance(e, PermanentProviderError) and not e.per_input:
-                    raise
-                _one_by_one(batch, embedder, cancel, counter, e)
-            else:
-                for (p, i), vector in zip(batch, vectors, strict=True):
-                    p.vectors[i] = to_blob(vector)
-                counter.ok()
+        for p in plans:
+            queue.add(p)
+        while queue.todo:
+            queue.send()
+        queue.wait()
     except IndexAborted as stop:
         return {k: stop for k, p in enumerate(plans) if p.failed or not p.done()}
-    aborted = {}
-    for k, p in enumerate(plans):
-        if _none_new(p):
-            aborted[k] = IndexAborted(
-                f"no chunk could be embedded: {next(iter(p.failed.values()))}",
-                transient=isinstance(p.last_error, TransientProviderError),
-                retry_after=getattr(p.last_error, "retry_after", None),
-            )
-    return aborted
+    finally:
+        queue.close()
+    return {k: e for k, p in enumerate(plans) if (e := none_embedded(p)) is not None}
 
 
-def _none_new(p: Plan) -> bool:
-    return bool(p.failed) and len(p.failed) == len(p.chunks) - len(p.reuse)
+class EmbedQueue:
+    """The texts of several plans, embedded in full batches with one request in flight on a
+    background thread, so that the caller chunks and writes other items meanwhile (a process
+    that did both in turn would leave the provider idle while it works, and wait on it
+    otherwise). A plan is only read by the caller: its `waiting` count is kept here, on the
+    caller's thread, and it is ready once every text it queued has come back, as a vector or a
+    failure. One request at a time keeps the failure count in order (three in a row abort)."""
+
+    def __init__(
+        self, embedder: EmbeddingModel, cancel: CancelCheck | None, counter: FailureCounter
+    ) -> None:
+        self.embedder, self.cancel, self.counter = embedder, cancel, counter
+        self.todo: deque[tuple[Plan, int]] = deque()
+        self._inflight: tuple[Future[None], list[tuple[Plan, int]]] | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kidx-embed")
+
+    def add(self, plan: Plan) -> None:
+        missing = [(plan, i) for i in range(len(plan.chunks)) if i not in plan.reuse]
+        plan.waiting += len(missing)
+        self.todo.extend(missing)
+
+    def full(self) -> bool:
+        """Whether a full batch is queued."""
+        return len(self.todo) >= self.embedder.batch_size
+
+    def send(self) -> None:
+        """Send the next batch (up to the batch size), once the request in flight is back.
+        Raises what a request raised (IndexAborted, PermanentProviderError) and Cancelled."""
+        check(self.cancel)
+        batch = [self.todo.popleft() for _ in range(min(self.embedder.batch_size, len(self.todo)))]
+        self.wait()
+        future = self._pool.submit(embed_batch, batch, self.embedder, self.cancel, self.counter)
+        self._inflight = (future, batch)
+
+    def wait(self) -> None:
+        """Wait for the request in flight, if any; its plans' texts are then back."""
+        if self._inflight is None:
+            return
+        future, batch = self._inflight
+        self._inflight = None
+        future.result()
+        for p, _ in batch:
+            p.waiting -= 1
+
+    def close(self) -> None:
+        """Stop sending; a request still in flight ends on its own (nobody reads its plans)."""
+        self._inflight = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def embed_batch(
+    batch: Sequence[tuple[Plan, int]], embedder: EmbeddingModel, cancel: CancelCheck | None,
+    counter: FailureCounter,
+) -> None:  # fmt: skip
+    """One request of up to the batch size; a failing batch is retried text by text, so that
+    one bad input costs one vector, not the batch. Raises IndexAborted (N failures in a row)
+    and PermanentProviderError (refused as a whole)."""
+    check(cancel)
+    try:
+        vectors = embedder.embed_checked([p.input_of(i) for p, i in batch])
+    except ProviderError as e:
+        if isinstance(e, PermanentProviderError) and not e.per_input:
+            raise
+        _one_by_one(batch, embedder, cancel, counter, e)
+    else:
+        for (p, i), vector in zip(batch, vectors, strict=True):
+            p.vectors[i] = to_blob(vector)
+        counter.ok()
+
+
+def none_embedded(p: Plan) -> IndexAborted | None:
+    """Why a plan must not be written: texts were to be embedded and not one came back."""
+    if not p.failed or len(p.failed) != len(p.chunks) - len(p.reuse):
+        return None
+    return IndexAborted(
+        f"no chunk could be embedded: {next(iter(p.failed.values()))}",
+        transient=isinstance(p.last_error, TransientProviderError),
+        retry_after=getattr(p.last_error, "retry_after", None),
+    )
 
 
 def _one_by_one(

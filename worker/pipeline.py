@@ -23,7 +23,15 @@ from typing import Any
 
 from worker.chunking import ChunkMethod, LLMChunker, chunk, text_hash
 from worker.chunking.llm import ChatModelLike
-from worker.embedding import CancelCheck, FailureCounter, Plan, check, embed_missing, embed_plans
+from worker.embedding import (
+    CancelCheck,
+    EmbedQueue,
+    FailureCounter,
+    Plan,
+    check,
+    embed_missing,
+    none_embedded,
+)
 from worker.errors import (
     Cancelled,
     IndexAborted,
@@ -133,29 +141,58 @@ def index_items(
     task_id: str | None = None,
     max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
     on_done: Callable[[int, IndexResult | KidxError], None] | None = None,
+    deadline: float | None = None,
 ) -> dict[int, IndexResult | KidxError]:
     """Index several items as index_item() does each, with their texts embedded in shared
-    batches: a request carries up to the batch size whatever the items' sizes (bulk runs).
-    Each item is written in its own transaction and has its own outcome, passed to `on_done`
-    as soon as it is known: a result, or the KidxError index_item() would have raised. The
-    provider failing N times in a row ends the embedding for all: items with every vector are
-    written, the others get that IndexAborted. Anything else (Cancelled, a time limit, a bug)
-    propagates, after each item not yet written is marked cancelled or failed."""
+    batches: a request carries up to the batch size whatever the items' sizes (bulk runs),
+    and goes while the next items are chunked and the finished ones written (EmbedQueue).
+
+    Each item is written in its own transaction as soon as its vectors are back, and has its
+    own outcome, passed to `on_done` when known: a result, or the KidxError index_item() would
+    have raised. The provider failing N times in a row (or refusing outright) ends the run:
+    items with every vector are written, the others, and those not yet read, get that
+    IndexAborted. Past `deadline` (time.monotonic()) no further item is started: those have no
+    outcome, for the caller to send again. Anything else (Cancelled, a time limit, a bug)
+    propagates, after each item read and not written is marked cancelled or failed."""
     out: dict[int, IndexResult | KidxError] = {}
-    works: list[_Work] = []
+    works: list[_Work] = []  # read and chunked, not yet written
 
     def done(item_id: int, outcome: IndexResult | KidxError) -> None:
         out[item_id] = outcome
         if on_done is not None:
             on_done(item_id, outcome)
 
+    def write_ready() -> None:
+        assert embedder is not None
+        for w in [w for w in works if w.plan.waiting == 0]:
+            works.remove(w)
+            try:
+                with _outcome(db, w.item.id, task_id, w.started, w.log):
+                    if (nothing := none_embedded(w.plan)) is not None:
+                        raise nothing
+                    check(cancel)
+                    result = _finish(db, w, embedder.model_id, max_consecutive_failures, task_id)
+            except KidxError as e:
+                done(w.item.id, e)
+            else:
+                done(w.item.id, result)
+
+    queue = None
+    if embedder is not None:
+        counter = FailureCounter(max_consecutive_failures, log.bind(task_id=task_id))
+        queue = EmbedQueue(embedder, cancel, counter)
+    stop: KidxError | None = None
     try:
-        for item_id in item_ids:
+        for position, item_id in enumerate(item_ids):
+            if deadline is not None and position and time.monotonic() > deadline:
+                break
             started = time.monotonic()
             ilog = log.bind(item_id=item_id, task_id=task_id)
             try:
                 item = get_item(db, item_id)
                 with _outcome(db, item_id, task_id, started, ilog):
+                    if stop is not None:  # the provider is down: not worth reading the rest
+                        raise stop
                     w = _prepare(db, item, embedder, chat, reader, chunk_window,
                                  structure_only, cancel, task_id, started, ilog)  # fmt: skip
             except KidxError as e:
@@ -163,29 +200,35 @@ def index_items(
                 continue
             if isinstance(w, IndexResult):
                 done(item_id, w)
-            else:
-                works.append(w)
-        if not works:
-            return out
-        assert embedder is not None
-        counter = FailureCounter(max_consecutive_failures, log.bind(task_id=task_id))
-        try:
-            aborted: dict[int, KidxError] = dict(
-                embed_plans([w.plan for w in works], embedder, cancel, counter)
-            )
-        except PermanentProviderError as e:  # refused as a whole: every item fails with it
-            aborted = dict.fromkeys(range(len(works)), e)
-        for k, w in enumerate(works):
+                continue
+            assert queue is not None
+            works.append(w)
+            queue.add(w.plan)
             try:
-                with _outcome(db, w.item.id, task_id, w.started, w.log):
-                    if k in aborted:
-                        raise aborted[k]
-                    check(cancel)
-                    result = _finish(db, w, embedder.model_id, max_consecutive_failures, task_id)
-            except KidxError as e:
-                done(w.item.id, e)
-            else:
-                done(w.item.id, result)
+                while queue.full():  # what was read meanwhile is written as requests go
+                    queue.send()
+                    write_ready()
+            except (IndexAborted, PermanentProviderError) as e:
+                stop = e
+        if queue is not None and stop is None:
+            try:
+                while queue.todo:
+                    queue.send()
+                    write_ready()
+                queue.wait()
+            except (IndexAborted, PermanentProviderError) as e:
+                stop = e
+        if stop is None:
+            write_ready()
+        else:  # what has every vector is written; the rest keeps its previous index
+            for w in [w for w in works if w.plan.waiting or w.plan.failed]:
+                works.remove(w)
+                try:
+                    with _outcome(db, w.item.id, task_id, w.started, w.log):
+                        raise stop
+                except KidxError as e:
+                    done(w.item.id, e)
+            write_ready()
     except BaseException as e:
         for w in works:
             if w.item.id not in out:
@@ -195,6 +238,9 @@ def index_items(
                 else:
                     _fail(db, w.item.id, f"{type(e).__name__}: {e}", task_id, w.elapsed())
         raise
+    finally:
+        if queue is not None:
+            queue.close()
     return out
 
 
