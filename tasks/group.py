@@ -26,7 +26,7 @@ from tasks import cancel as cancellation
 from tasks.cancel import TERMINATED, CancelToken, running
 from tasks.index import IndexFailed, backoff, changed, one_line, valid_id
 from tasks.lock import LockSet
-from tasks.producer import enqueue
+from tasks.producer import enqueue, send_group
 from tasks.runtime import Runtime, get_runtime
 from worker.app import app, settings
 from worker.errors import Cancelled, IndexAborted, KidxError
@@ -74,6 +74,8 @@ class _Group:
         batch_id: int | None, started: float,
     ) -> None:  # fmt: skip
         self.task, self.rt, self.batch_id, self.started = task, rt, batch_id, started
+        self.reason = reason
+        self.abort_reason: str | None = None
         self.task_id = str(task.request.id)
         self.ids = list(dict.fromkeys(item_ids))  # an item once, whatever was sent
         self.ended: dict[int, str] = {}  # item -> its job state
@@ -89,12 +91,15 @@ class _Group:
         self, item_id: int, state: JobState, outcome: str | None, error: str | None = None,
         why: str | None = None,
     ) -> None:  # fmt: skip
-        record_end(self.rt.db, group_job_id(self.task_id, item_id), 0, state, self.took(), error)
+        """An item's run ends: its job row and its count in the batch, in one transaction."""
+        with self.rt.db.atomic():
+            record_end(self.rt.db, group_job_id(self.task_id, item_id), 0, state, self.took(),
+                       error)  # fmt: skip
+            if self.batch_id is not None and outcome is not None:
+                batch_outcome(self.rt.db, self.batch_id, outcome, error,
+                              abort_after=settings.tasks.batch_abort_after)  # fmt: skip
         metrics.run(GROUP, str(state), why)
         self.ended[item_id] = str(state)
-        if self.batch_id is not None and outcome is not None:
-            batch_outcome(self.rt.db, self.batch_id, outcome, error,
-                          abort_after=settings.tasks.batch_abort_after)  # fmt: skip
 
     def run(self, structure_only: bool) -> dict[str, Any]:
         rt = self.rt
@@ -120,9 +125,11 @@ class _Group:
                         rt.db, held, embedder=rt.embedder, chat=rt.chat, reader=rt.reader,
                         chunk_window=settings.chunk.window, structure_only=structure_only,
                         cancel=token, task_id=self.task_id, on_done=self._done,
+                        deadline=self.started + settings.tasks.soft_time_limit / 2,
                     )  # fmt: skip
             finally:
                 locks.release()
+            self._send_on(self._open(), structure_only)
             for lock in locks.held:  # asked for while the group ran: each alone, once more
                 if lock.take_rerun() and changed(rt, lock.item_id):
                     enqueue(rt.db, lock.item_id, app=self.task.app, reason="changed")
@@ -161,6 +168,9 @@ class _Group:
                 metrics.record_chunks(result)
             self.results.append(result)
             return
+        if self._batch_aborted_now():  # by this group's failures or another's: no retry
+            self._skip(item_id)
+            return
         message = one_line(item_id, str(outcome), self.took())
         if isinstance(outcome, IndexAborted) and outcome.transient and settings.tasks.max_retries:
             why = "provider_transient"
@@ -174,6 +184,20 @@ class _Group:
         why = "provider_permanent" if isinstance(outcome, IndexAborted) else "bad_input"
         self._failed(item_id, message, why)
 
+    def _send_on(self, item_ids: list[int], structure_only: bool) -> None:
+        """Items not started before the group's deadline (half its soft time limit) go on in a
+        group of their own, in the same batch: a big group never meets the time limit."""
+        if not item_ids:
+            return
+        follow = send_group(self.rt.db, self.task.app, item_ids, self.batch_id,
+                            self.reason or "group", structure_only=structure_only)  # fmt: skip
+        note = f"not started within half the time limit: sent on in group {follow}"
+        for item_id in item_ids:
+            self.end(item_id, JobState.RETRY, None, note)
+            self.results.append({"item_id": item_id, "status": "sent on", "next": follow})
+        log.info(f"{KI_EMBED} group past its deadline: the rest sent on", items=len(item_ids),
+                 next=follow)  # fmt: skip
+
     def _failed(self, item_id: int, message: str, why: str) -> None:
         self.end(item_id, JobState.FAILED, "failed", message, why=why)
         self.failures.append(message)
@@ -183,22 +207,30 @@ class _Group:
         return [i for i in self.ids if i not in self.ended]
 
     def _batch_aborted(self) -> bool:
-        """A group of an aborted batch does not run: its items end skipped, and `failed` (so
-        that `kidx retry --failed` picks them up), as a single run's would."""
+        """A group of an aborted batch does not run: its items end skipped, as a single run's
+        would."""
+        if not self._batch_aborted_now():
+            return False
+        for item_id in self.ids:
+            self._skip(item_id)
+        log.info(f"{KI_EMBED} skipped: its batch was aborted", batch_id=self.batch_id,
+                 items=len(self.ids))  # fmt: skip
+        return True
+
+    def _batch_aborted_now(self) -> bool:
         if self.batch_id is None:
             return False
         batch = get_batch(self.rt.db, self.batch_id)
-        if not batch or batch["state"] != "aborted":
-            return False
-        for item_id in self.ids:
-            self.end(item_id, JobState.SKIPPED, "skipped", batch["abort_reason"])
-            set_state(self.rt.db, item_id, status=Status.FAILED, last_task_id=self.task_id,
-                      last_error=f"not run: batch {self.batch_id} was aborted "
-                                 f"({batch['abort_reason']})")  # fmt: skip
-            self.results.append({"item_id": item_id, "status": "skipped"})
-        log.info(f"{KI_EMBED} skipped: its batch was aborted", batch_id=self.batch_id,
-                 reason=batch["abort_reason"], items=len(self.ids))  # fmt: skip
-        return True
+        self.abort_reason = batch["abort_reason"] if batch else None
+        return bool(batch and batch["state"] == "aborted")
+
+    def _skip(self, item_id: int) -> None:
+        """Not run for an aborted batch: `failed`, so that `kidx retry --failed` picks it up."""
+        self.end(item_id, JobState.SKIPPED, "skipped", self.abort_reason)
+        set_state(self.rt.db, item_id, status=Status.FAILED, last_task_id=self.task_id,
+                  last_error=f"not run: batch {self.batch_id} was aborted "
+                             f"({self.abort_reason})")  # fmt: skip
+        self.results.append({"item_id": item_id, "status": "skipped"})
 
     def _summary(self) -> dict[str, Any]:
         counts: dict[str, int] = {}

@@ -138,9 +138,9 @@ def _run(
             )
             end(JobState.FAILED, "failed", message, why="time_limit")
             raise IndexFailed(message) from None
+        end(JobState.REVOKED, "skipped", "cancelled")  # the durable record first
         task.backend.mark_as_revoked(task_id, "cancelled", request=req)
         task.send_event("task-revoked", terminated=TERMINATED.is_set(), signum=None, expired=False)
-        end(JobState.REVOKED, "skipped", "cancelled")
         log.info(f"{KI_EMBED} task revoked; the previous index is intact", duration_ms=took())
         raise Ignore() from None
     except IndexAborted as e:

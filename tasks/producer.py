@@ -10,6 +10,7 @@ the item's kind and title (`kwargsrepr`).
 
 from __future__ import annotations
 
+import heapq
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,8 +19,9 @@ from typing import Any
 from celery import Celery
 
 from tasks import GROUP, KNOWLEDGE_ITEM, NOTE, TASK_FOR_KIND
+from worker.errors import ItemNotFound
 from worker.store import Database
-from worker.store.items import Item, add_item, get_item
+from worker.store.items import add_item, get_item
 from worker.store.jobs import create_batch, group_job_id, record_queued, record_queued_many
 
 
@@ -86,32 +88,79 @@ def send_batch(
     group_size: int | None = None,
 ) -> tuple[int, list[str]]:
     """A batch (three consecutive failures abort it): its id and the task ids. Its items go in
-    groups of `group_size` (default: KIDX_TASKS__GROUP_SIZE), one `kidx.index_group` task a
-    group, their texts sharing embedding requests; 1 sends one task an item."""
+    groups (`plan_groups`) of at most `group_size` (default: KIDX_TASKS__GROUP_SIZE), one
+    `kidx.index_group` task a group, their texts sharing embedding requests; a group of one is
+    the item's own task, and a group size of 1 sends one task an item."""
     ids = list(dict.fromkeys(item_ids))
-    items = {i: get_item(db, i, content=False) for i in ids}
+    sizes = _sizes(db, ids)
     batch_id = create_batch(db, kind, len(ids))
     app = app or _default_app()
+    kidx_settings = getattr(app, "kidx_settings", None)
     if group_size is None:
-        kidx_settings = getattr(app, "kidx_settings", None)
         group_size = kidx_settings.tasks.group_size if kidx_settings else 1
-    if group_size <= 1:
-        return batch_id, [
-            enqueue(db, i, app=app, reason=reason or kind, batch_id=batch_id) for i in ids
-        ]
-    groups = [ids[k : k + group_size] for k in range(0, len(ids), group_size)]
+    processes = kidx_settings.tasks.concurrency if kidx_settings else 1
+    reason = reason or kind
     return batch_id, [
-        _send_group(db, app, [items[i] for i in g], batch_id, reason or kind) for g in groups
+        send_group(db, app, g, batch_id, reason)
+        if len(g) > 1
+        else enqueue(db, g[0], app=app, reason=reason, batch_id=batch_id)
+        for g in plan_groups(sizes, group_size, processes)
     ]
 
 
-def _send_group(db: Database, app: Celery, items: list[Item], batch_id: int, reason: str) -> str:
+def plan_groups(sizes: dict[int, int], group_size: int, processes: int) -> list[list[int]]:
+    """The batch's items (id -> text size, in the batch's order) in groups of at most
+    `group_size`: as many groups as a multiple of the worker processes, so that each process
+    gets the same share, and as even in text as the sizes allow (largest first, to the lightest
+    group); each group keeps the batch's order. Each group's last request is its only one not
+    full, so fewer, fuller groups waste less of the provider."""
+    n = len(sizes)
+    count = -(-n // max(1, group_size))
+    if n >= processes:
+        count = -(-count // processes) * processes
+    count = min(count, n)
+    members: list[list[int]] = [[] for _ in range(count)]
+    lightest = [(0, k) for k in range(count)]
+    for item_id in sorted(sizes, key=lambda i: -sizes[i]):
+        load, k = heapq.heappop(lightest)
+        members[k].append(item_id)
+        if len(members[k]) < group_size:
+            heapq.heappush(lightest, (load + sizes[item_id], k))
+    order = {item_id: n for n, item_id in enumerate(sizes)}
+    return [sorted(m, key=order.__getitem__) for m in members if m]
+
+
+def _sizes(db: Database, ids: list[int]) -> dict[int, int]:
+    """Each item's text size (at least 1: a file not read yet counts as one), in `ids` order;
+    ItemNotFound for an unknown id."""
+    found: dict[int, int] = {}
+    for start in range(0, len(ids), 500):
+        part = ids[start : start + 500]
+        found.update(db.all(
+            f"SELECT id, length(content) FROM knowledge_items WHERE id IN "
+            f"({','.join('?' * len(part))})", part,
+        ))  # fmt: skip
+    for i in ids:
+        if i not in found:
+            raise ItemNotFound(i)
+    return {i: max(1, found[i] or 0) for i in ids}
+
+
+def send_group(
+    db: Database, app: Celery, item_ids: list[int], batch_id: int | None, reason: str, *,
+    structure_only: bool = False,
+) -> str:  # fmt: skip
+    """One `kidx.index_group` task for these items (recorded as queued, one row an item)."""
     task_id = str(uuid.uuid4())
-    ids = [item.id for item in items]
-    record_queued_many(db, [(group_job_id(task_id, i), i) for i in ids], GROUP, batch_id, reason)
-    shown = {"items": len(ids), "first": items[0].title[:60], "reason": reason, "batch": batch_id}
-    app.send_task(GROUP, args=[ids], kwargs={"reason": reason, "batch_id": batch_id},
-                  task_id=task_id, kwargsrepr=repr(shown))  # fmt: skip
+    record_queued_many(db, [(group_job_id(task_id, i), i) for i in item_ids], GROUP, batch_id,
+                       reason)  # fmt: skip
+    first = get_item(db, item_ids[0], content=False).title
+    shown = {"items": len(item_ids), "first": first[:60], "reason": reason, "batch": batch_id}
+    kwargs: dict[str, Any] = {"reason": reason, "batch_id": batch_id}
+    if structure_only:
+        kwargs["structure_only"] = True
+    app.send_task(GROUP, args=[item_ids], kwargs=kwargs, task_id=task_id,
+                  kwargsrepr=repr(shown))  # fmt: skip
     return task_id
 
 

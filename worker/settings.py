@@ -122,9 +122,10 @@ class TaskSettings(BaseModel):
     retry_backoff_max: float = Field(default=300.0, ge=0)
     lock_ttl: int = Field(default=60, ge=3)  # renewed every third of it while a task runs
     batch_abort_after: int = Field(default=3, ge=1)  # consecutive item failures
-    # Items a bulk run (reindex, sweeps) gives one task, their texts sharing embedding requests;
-    # 1: one task an item. Bounded so that a group stays well within the soft time limit.
-    group_size: int = Field(default=32, ge=1, le=1000)
+    # Items a bulk run (reindex, sweeps) gives one task at most, their texts sharing embedding
+    # requests; 1: one task an item. A group starts no item after half the soft time limit:
+    # the rest go on in a group of their own.
+    group_size: int = Field(default=64, ge=1, le=1000)
     concurrency: int = Field(default=2, ge=1)
 
     @model_validator(mode="after")

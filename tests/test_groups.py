@@ -1,0 +1,174 @@
+"""Bulk runs in groups (`kidx.index_group`, tasks/group.py) against real processes: Redis,
+prefork workers, the HTTP stand-in. A group's items share embedding requests and each keeps
+what a single run gives it: its lock, its own transaction, its job row, its count in the batch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stack import Stack, running_stack, wait_for
+from tasks import GROUP
+from tasks.lock import ItemLock, lock_key
+from tasks.producer import plan_groups, send_batch, send_group
+from worker.chunking import chunk_structure
+from worker.store.items import update_content
+
+BATCH = 4  # the stack's KIDX_EMBEDDING__BATCH_SIZE
+
+
+def sections(tag: str, n: int = 4) -> str:
+    """n sections of about 1000 characters: n chunks (two would exceed the maximum)."""
+    words = " ".join(f"{tag}word{k}" for k in range(120))
+    return "\n\n".join(f"## {tag} part {j}\n\n{words[: 990 - j]}." for j in range(n))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # Half the soft time limit is a group's deadline: 2.5 s here.
+    env = {"KIDX_TASKS__SOFT_TIME_LIMIT": "5", "KIDX_TASKS__TIME_LIMIT": "8"}
+    with running_stack(
+        tmp_path_factory.mktemp("groups"), lambda tmp, si: Stack(tmp, si, env=env)
+    ) as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def _fresh_standin(stack: Stack) -> None:
+    stack.standin.reset()
+
+
+def jobs(stack: Stack, item_id: int) -> list[tuple[str, str]]:
+    return stack.db.all(
+        "SELECT task_id, state FROM index_jobs WHERE item_id = ? ORDER BY rowid", (item_id,)
+    )
+
+
+def test_a_batch_goes_in_groups_whose_requests_are_filled_across_items(stack):
+    texts = {stack.note(f"Grouped {n}", sections(f"g{n}", 1 + n % 3)): n for n in range(12)}
+    ids = list(texts)
+    batch_id, task_ids = send_batch(stack.db, ids, app=stack.app)
+    assert len(task_ids) == 2  # one group for each of the worker's two processes
+    results = [stack.app.AsyncResult(t).get(timeout=60) for t in task_ids]
+    assert sorted(r["items"] for r in results) == [6, 6]
+    assert sum(r.get("indexed", 0) for r in results) == 12
+    assert {stack.state(i)["status"] for i in ids} == {"indexed"}
+    batch = stack.db.dicts("SELECT * FROM index_batches WHERE id = ?", (batch_id,))[0]
+    assert (batch["state"], batch["ok"], batch["failed"]) == ("done", 12, 0)
+    # Each group's requests are full but its last: one request an item would send 12 or more.
+    per_group = sum(len(chunk_structure(sections(f"g{n}", 1 + n % 3))) for n in range(12))
+    sizes = [len(b["input"]) for b in stack.standin.bodies]
+    assert sum(sizes) == per_group == 24
+    assert sorted(sizes, reverse=True)[: len(sizes) - 2] == [BATCH] * (len(sizes) - 2)
+    assert len(sizes) <= per_group // BATCH + 2 < len(ids)
+    # Every item has its own job row, `<group task id>:<item id>`, ended `success`.
+    for i in ids:
+        ((job_id, state),) = jobs(stack, i)
+        assert job_id.split(":")[0] in task_ids and job_id.endswith(f":{i}")
+        assert state == "success"
+    out = stack.kidx("jobs", "--batch", str(batch_id), "--json")
+    assert out.returncode == 0 and len(json.loads(out.stdout)["jobs"]) == 12
+
+
+def test_a_busy_item_in_a_group_is_coalesced_and_the_others_indexed(stack):
+    busy, *others = [stack.note(f"Busy {n}", sections(f"b{n}", 2)) for n in range(3)]
+    holder = ItemLock(stack.redis, busy, "another-run", ttl=30)
+    assert holder.acquire()
+    try:
+        task_id = send_group(stack.db, stack.app, [busy, *others], None, "test")
+        result = stack.app.AsyncResult(task_id).get(timeout=60)
+    finally:
+        holder.release()
+    statuses = {r["item_id"]: r["status"] for r in result["results"]}
+    assert statuses == {busy: "coalesced", others[0]: "indexed", others[1]: "indexed"}
+    assert stack.state(busy)["status"] == "pending"  # untouched: its holder covers it
+    assert holder.take_rerun()  # the holder was asked to run once more
+    assert jobs(stack, busy)[-1][1] == "coalesced"
+    assert not any(stack.redis.exists(lock_key(i)) for i in others)
+
+
+def test_cancelling_a_group_by_an_item_job_id_keeps_every_previous_index(stack):
+    ids = [stack.note(f"Cancel {n}", sections(f"c{n}", 4)) for n in range(6)]
+    first = send_group(stack.db, stack.app, ids, None, "first")
+    stack.app.AsyncResult(first).get(timeout=60)
+    before = {i: stack.db.all("SELECT content FROM note_chunks WHERE item_id = ?", (i,))
+              for i in ids}  # fmt: skip
+    for i in ids:
+        update_content(stack.db, i, sections(f"x{i}", 4))
+    stack.standin.delay = 0.7
+    task_id = send_group(stack.db, stack.app, ids, None, "second")
+    wait_for(lambda: stack.standin.requests >= 1, 30, "the group to reach the provider")
+    out = stack.kidx("cancel", f"{task_id}:{ids[3]}")  # an item's job id cancels its group
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: stack.app.AsyncResult(task_id).state == "REVOKED", 15, "REVOKED")
+    states = {i: stack.state(i)["status"] for i in ids}
+    assert "cancelled" in states.values() and set(states.values()) <= {"cancelled", "indexed"}
+    for i in ids:
+        now = stack.db.all("SELECT content FROM note_chunks WHERE item_id = ?", (i,))
+        if states[i] == "cancelled":
+            assert now == before[i]  # the previous index, whole
+        else:
+            assert [c for (c,) in now] == [c.content for c in chunk_structure(sections(f"x{i}"))]
+    revoked = [i for i in ids if jobs(stack, i)[-1][1] == "revoked"]
+    assert revoked == [i for i in ids if states[i] == "cancelled"]
+    assert not any(stack.redis.exists(lock_key(i)) for i in ids)
+
+
+def test_a_group_past_its_deadline_sends_the_rest_on_and_all_get_indexed(stack):
+    ids = [stack.note(f"Slow {n}", sections(f"s{n}", BATCH)) for n in range(10)]
+    stack.standin.delay = 0.5  # a request an item: a group reads about five in its 2.5 s
+    task_id = send_group(stack.db, stack.app, ids, None, "slow")
+    first = stack.app.AsyncResult(task_id).get(timeout=60)
+    sent_on = [r for r in first["results"] if r["status"] == "sent on"]
+    assert 0 < len(sent_on) < len(ids) and first.get("indexed", 0) == len(ids) - len(sent_on)
+    follow = sent_on[0]["next"]
+    assert {r["next"] for r in sent_on} == {follow}
+    wait_for(lambda: {stack.state(i)["status"] for i in ids} == {"indexed"}, 60, "every item")
+    for i in ids:  # each item indexed once, by one group or the next
+        assert [s for _, s in jobs(stack, i) if s == "success"] == ["success"]
+    assert all(stack.state(i)["chunk_count"] == BATCH for i in ids)
+
+
+def test_a_group_with_bad_arguments_fails_clearly_and_the_worker_serves_on(stack):
+    for args in (["12"], [[1, "x"]], [[-3]], [[]], [[2**70]]):
+        result = stack.app.send_task(GROUP, args=args)
+        with pytest.raises(Exception, match="item ids must be a list of positive integers"):
+            result.get(timeout=30)
+    item = stack.note("After", sections("after", 1))
+    task_id = send_group(stack.db, stack.app, [item, stack.note("Also", "Short note.")], None, "x")
+    assert stack.app.AsyncResult(task_id).get(timeout=30)["indexed"] == 2
+
+
+# -- how a batch is cut into groups (no processes) ------------------------------------------
+
+
+def test_groups_are_a_multiple_of_the_processes_and_even_in_text():
+    sizes = {i: 1000 for i in range(112)}
+    assert [len(g) for g in plan_groups(sizes, 64, 2)] == [56, 56]
+    assert [len(g) for g in plan_groups(sizes, 32, 2)] == [28] * 4
+    assert [len(g) for g in plan_groups(sizes, 32, 3)] == [19, 19, 19, 19, 18, 18]
+    skewed = {0: 90_000, **{i: 1000 for i in range(1, 91)}}  # one big item, ninety small
+    groups = plan_groups(skewed, 100, 2)
+    loads = [sum(skewed[i] for i in g) for g in groups]
+    assert groups[0] == [0] and loads == [90_000, 90_000]
+    assert plan_groups({5: 1}, 64, 2) == [[5]]
+
+
+@given(
+    st.dictionaries(st.integers(1, 10**6), st.integers(1, 10**5), min_size=1, max_size=300),
+    st.integers(1, 100),
+    st.integers(1, 8),
+)
+def test_groups_hold_every_item_once_in_order_within_the_size(sizes, group_size, processes):
+    groups = plan_groups(sizes, group_size, processes)
+    order = list(sizes)
+    assert sorted(i for g in groups for i in g) == sorted(order)
+    assert all(0 < len(g) <= group_size for g in groups)
+    assert all(g == sorted(g, key=order.index) for g in groups)
+    assert len(groups) >= -(-len(sizes) // group_size)
+    if len(sizes) >= processes * group_size:
+        assert len(groups) % processes == 0
