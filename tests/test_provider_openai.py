@@ -7,6 +7,7 @@ to the loopback stand-in (`ops.standin.StandIn`) over real sockets, with no mock
 
 from __future__ import annotations
 
+import base64
 import calendar
 import email.utils
 import json
@@ -197,7 +198,7 @@ def _request(texts: list[str]) -> httpx.Request:
     return httpx.Request("POST", BASE + "/embeddings", json={"input": texts})
 
 
-def test_request_is_a_float_post_to_embeddings(build: Build) -> None:
+def test_request_is_a_post_to_embeddings_asking_for_base64(build: Build) -> None:
     script = Script()
     model, _ = build(script, model="text-embedding-3-small")
     model.embed_checked(["one", "two"])
@@ -207,7 +208,59 @@ def test_request_is_a_float_post_to_embeddings(build: Build) -> None:
     body = json.loads(request.content)
     assert body["model"] == "text-embedding-3-small"
     assert body["input"] == ["one", "two"]
-    assert body["encoding_format"] == "float"
+    assert body["encoding_format"] == "base64"
+
+
+def b64(vector: list[float]) -> str:
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+
+
+def test_base64_vectors_are_decoded_as_little_endian_float32(build: Build) -> None:
+    def encode(data: list[Any]) -> list[Any]:
+        return [{**item, "embedding": b64(item["embedding"])} for item in data]
+
+    model, _ = build(Script(then=answer(edit=encode, reverse=True)))
+    texts = ["a", "bb", "ccc"]
+    np.testing.assert_array_equal(model.embed_checked(texts), expected(texts))
+
+
+@pytest.mark.parametrize(
+    ("embedding", "why"),
+    [("not base64 at all!", "is not base64"), (base64.b64encode(b"12345").decode(), "5 bytes")],
+)
+def test_a_broken_base64_vector_is_a_bad_answer(build: Build, embedding: str, why: str) -> None:
+    def garble(data: list[Any]) -> list[Any]:
+        return [{**item, "embedding": embedding} for item in data]
+
+    model, _ = build(Script(then=answer(edit=garble)))
+    with pytest.raises(BadAnswer, match=why) as caught:
+        model.embed_checked(["x"])
+    assert caught.value.per_input
+
+
+def test_a_server_refusing_base64_is_asked_for_floats_from_then_on(build: Build) -> None:
+    refuse = status(400, error={"message": "'encoding_format' must be 'float'", "type": "invalid"})
+    script = Script(refuse)
+    model, _ = build(script)
+    texts = ["one", "two"]
+    np.testing.assert_array_equal(model.embed_checked(texts), expected(texts))
+    model.embed_checked(["three"])
+    assert [b.get("encoding_format") for b in script.bodies] == ["base64", None, None]
+
+
+def test_another_400_is_not_taken_for_a_base64_refusal(build: Build) -> None:
+    script = Script(status(400, error={"message": "input too long", "type": "invalid"}))
+    model, _ = build(script)
+    with pytest.raises(ProviderHTTPError, match="input too long"):
+        model.embed_checked(["x"])
+    assert len(script.requests) == 1 and model.encoding_format == "base64"
+
+
+def test_float_encoding_by_setting_sends_none_and_reads_lists(build: Build) -> None:
+    script = Script()
+    model, _ = build(script, encoding_format="float")
+    np.testing.assert_array_equal(model.embed_checked(["x"]), expected(["x"]))
+    assert "encoding_format" not in script.bodies[0]
 
 
 @pytest.mark.parametrize(
@@ -763,9 +816,12 @@ def test_real_batch_returns_the_standin_vectors_in_order(
     assert standin.requests == 1
     assert standin.texts == TEXTS
     (body,) = standin.bodies
-    assert body["encoding_format"] == "float"
+    assert body["encoding_format"] == "base64"
     assert body["dimensions"] == DIMS
     assert body["model"] == "standin-embed"
+    # Asked for floats, the same vectors come back as JSON numbers.
+    np.testing.assert_array_equal(real(encoding_format="float").embed(TEXTS), vectors)
+    assert "encoding_format" not in standin.bodies[-1]
 
 
 def test_real_shuffled_answer_is_still_ordered(

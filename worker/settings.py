@@ -76,6 +76,9 @@ class EmbeddingSettings(HTTPProviderSettings):
     model: str = ""
     dimensions: int | None = Field(default=None, gt=0, le=16000)
     batch_size: int = Field(default=64, ge=1, le=2048)
+    # How vectors come back from an OpenAI-compatible server: base64 (a quarter of the bytes,
+    # what the OpenAI SDKs ask for) or float; a server that refuses base64 is asked for floats.
+    encoding_format: Literal["base64", "float"] = "base64"
 
     @model_validator(mode="after")
     def _default_model(self) -> EmbeddingSettings:

@@ -3,15 +3,18 @@ LM Studio) over httpx; the retry policy is `worker.providers.http`'s."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+import numpy as np
 
 from worker.errors import BadAnswer
-from worker.log import KI_EMBED
+from worker.log import KI_EMBED, get_logger
 from worker.providers.base import EmbeddingModel
 from worker.providers.http import (  # noqa: F401 - re-exported for callers and tests
     PER_INPUT,
@@ -46,6 +49,9 @@ class OpenAIEmbeddings(EmbeddingModel):
             rand=rand,
         )  # fmt: skip
         self._where = self.http.where
+        # base64: a quarter of the bytes of a JSON list of floats, decoded without parsing
+        # them (what the OpenAI SDKs ask for); a server that refuses it gets "float".
+        self.encoding_format = settings.encoding_format
 
     @property
     def sleep(self) -> Callable[[float], None]:
@@ -55,24 +61,39 @@ class OpenAIEmbeddings(EmbeddingModel):
     def sleep(self, value: Callable[[float], None]) -> None:
         self.http.sleep = value
 
-    def embed_batch(self, texts: list[str]) -> list[list[float]]:
-        body: dict[str, Any] = {"model": self.model_id, "input": texts, "encoding_format": "float"}
+    def embed_batch(self, texts: list[str]) -> list[list[float] | np.ndarray]:
+        body: dict[str, Any] = {"model": self.model_id, "input": texts}
+        if self.encoding_format == "base64":
+            body["encoding_format"] = "base64"
         if self.settings.sends_dimensions():
             body["dimensions"] = self.settings.dimensions
-        return self._parse(self.http.post("/embeddings", body), len(texts))
+        try:
+            answer = self.http.post("/embeddings", body)
+        except ProviderHTTPError as e:
+            # A server that knows only floats: ask again, and from then on, as floats.
+            if "encoding_format" not in body or not _refuses_base64(str(e)):
+                raise
+            self.encoding_format = "float"
+            log.info(f"{KI_EMBED} the server refuses base64 vectors: asking for floats",
+                     provider=self._where)  # fmt: skip
+            return self.embed_batch(texts)
+        return self._parse(answer, len(texts))
 
-    def _parse(self, answer: Any, count: int) -> list[list[float]]:
+    def _parse(self, answer: Any, count: int) -> list[list[float] | np.ndarray]:
         data = answer.get("data") if isinstance(answer, dict) else None
         if not isinstance(data, list):
             raise BadAnswer(f"{self._where}: the answer has no 'data' list")
-        by_index: dict[int, list[float]] = {}
+        by_index: dict[int, list[float] | np.ndarray] = {}
         for position, item in enumerate(data):
-            if not isinstance(item, dict) or not isinstance(item.get("embedding"), list):
+            vector = item.get("embedding") if isinstance(item, dict) else None
+            if isinstance(vector, str):  # base64 of little-endian float32, as OpenAI sends it
+                vector = _from_base64(vector, self._where, position)
+            elif not isinstance(vector, list):
                 raise BadAnswer(f"{self._where}: item {position} of 'data' has no embedding")
             index = item.get("index", position)
             if not isinstance(index, int) or isinstance(index, bool) or index in by_index:
                 raise BadAnswer(f"{self._where}: bad or repeated index {index!r} in 'data'")
-            by_index[index] = item["embedding"]
+            by_index[index] = vector
         if len(by_index) != count or set(by_index) != set(range(count)):
             raise BadAnswer(
                 f"{self._where}: asked for {count} vectors, got {len(by_index)}", per_input=True
@@ -85,3 +106,24 @@ class OpenAIEmbeddings(EmbeddingModel):
 
     def close(self) -> None:
         self.http.close()
+
+
+log = get_logger("kidx.providers")
+
+
+def _refuses_base64(message: str) -> bool:
+    return "encoding_format" in message or "base64" in message
+
+
+def _from_base64(value: str, where: str, position: int) -> np.ndarray:
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadAnswer(
+            f"{where}: item {position} of 'data' is not base64", per_input=True
+        ) from None
+    if len(raw) % 4:
+        raise BadAnswer(
+            f"{where}: item {position} of 'data' is {len(raw)} bytes, not float32s", per_input=True
+        )
+    return np.frombuffer(raw, dtype="<f4")
