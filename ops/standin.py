@@ -136,10 +136,11 @@ class StandIn:
     Switches are plain attributes and may be flipped while serving; counters are appended to
     under a lock, so they are safe to read from the test thread between requests.
 
-    Per request: count it and record body and headers; sleep ``delay``; ``garbage``;
+    Per request: count it and record body and headers; ``garbage``;
     ``fail_status`` (consuming ``fail_times``); reject an unparsable or invalid request (400);
-    ``poison``; then answer, applying ``wrong_count``, ``nan`` and ``shuffle``. ``texts`` only
-    grows on answers that carry embeddings.
+    ``poison``; then answer, applying ``wrong_count``, ``nan`` and ``shuffle``, ``delay``
+    seconds after the request arrived (the stand-in's own work included, so that the latency
+    is the same whatever the load). ``texts`` only grows on answers that carry embeddings.
 
     ``chaos`` (a probability, 0 = off) comes first, right after counting: a request it picks
     (drawn from ``random.Random(chaos_seed)``) meets one of ``CHAOS_KINDS`` at random: a 500; a
@@ -335,6 +336,7 @@ class StandIn:
 
     def _embeddings(self, raw: bytes, headers: dict[str, str]) -> _Reply:
         """Answer one POST /v1/embeddings, applying the faults in their documented order."""
+        arrived = time.monotonic()
         try:
             body: object = json.loads(raw)
             parsed = True
@@ -354,8 +356,23 @@ class StandIn:
             return _error_reply(429, "Stand-in fault: chaos 429", headers=retry_after)
         if fault == "timeout":
             self._stopping.wait(self.chaos_delay)  # then answer; the client has given up
-        if self.delay > 0:
-            self._stopping.wait(self.delay)  # stop() wakes it instead of waiting it out
+        reply, texts = self._answer(body, parsed)
+        # The answer leaves `delay` seconds after the request arrived, its own work included:
+        # a provider of that latency, whatever this machine's load (stop() wakes the wait).
+        left = arrived + self.delay - time.monotonic()
+        if left > 0:
+            self._stopping.wait(left)
+        if texts:
+            with self._lock:
+                self.texts.extend(texts)
+        return reply
+
+    def _answer(self, body: object, parsed: bool) -> tuple[_Reply, list[str]]:
+        """The reply, and the texts it carries embeddings of (none for a fault)."""
+        reply = self._reply(body, parsed)
+        return reply if isinstance(reply, tuple) else (reply, [])
+
+    def _reply(self, body: object, parsed: bool) -> _Reply | tuple[_Reply, list[str]]:
         if self.garbage:
             return _Reply(200, GARBAGE_BODY, content_type="text/html")
         status = self._should_fail()
@@ -404,10 +421,7 @@ class StandIn:
             "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
-        reply = _json_reply(200, payload)
-        with self._lock:
-            self.texts.extend(texts)
-        return reply
+        return _json_reply(200, payload), texts
 
 
 def _parse_request(body: object) -> tuple[list[str], str, int | None, str] | _Reply:

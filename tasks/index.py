@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
-from celery.signals import worker_process_shutdown
+from celery.signals import worker_process_init, worker_process_shutdown
 
 from tasks import KNOWLEDGE_ITEM, NOTE, metrics
 from tasks import cancel as cancellation
@@ -197,6 +197,18 @@ def _locked_runs(
         follow = enqueue(rt.db, item_id, app=task.app, reason="changed")
         log.info(f"{KI_EMBED} changed again during the re-run: sent again", next=follow)
     return result.as_dict()
+
+
+@worker_process_init.connect
+def _open(**_: Any) -> None:
+    """Open the database and the provider's client before the first task, not in it. Not the
+    local model: loading it takes longer than Celery waits for a new process to report."""
+    if settings.embedding.provider == "local":
+        return
+    try:
+        get_runtime(settings)
+    except Exception as e:  # the first task meets it again and fails with the reason
+        log.warning("could not prepare the worker process", reason=f"{type(e).__name__}: {e}")
 
 
 @worker_process_shutdown.connect

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
+import apsw
 import numpy as np
 import pytest
 
@@ -14,14 +17,37 @@ from worker.providers import build_embedder
 from worker.retrieval import search
 from worker.settings import EmbeddingSettings
 from worker.store import connect, resolve_dimensions, vec_table_dimensions
+from worker.store.db import Database
 from worker.store.items import add_item, get_state
 from worker.store.schema import SCHEMA_VERSION, migrate, schema_version
+
+
+def test_a_writer_waits_for_another_writers_lock_up_to_the_busy_timeout(db_path):
+    first = Database(db_path, busy_timeout_ms=400)
+    second = Database(db_path, busy_timeout_ms=400)
+    try:
+        first.execute("CREATE TABLE t(x)")
+        first.execute("BEGIN IMMEDIATE")
+        threading.Timer(0.1, lambda: first.execute("COMMIT")).start()
+        started = time.monotonic()
+        with second.atomic():  # waits for the lock, then takes it
+            second.execute("INSERT INTO t VALUES (1)")
+        assert 0.08 < time.monotonic() - started < 0.4
+        first.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        with pytest.raises(apsw.BusyError), second.atomic():
+            pass
+        assert time.monotonic() - started >= 0.4  # the whole timeout, then the error
+        first.execute("COMMIT")
+    finally:
+        first.close()
+        second.close()
 
 
 def test_connection_is_wal_with_foreign_keys_busy_timeout_and_sqlite_vec(db, db_path):
     assert db.scalar("PRAGMA journal_mode") == "wal"
     assert db.scalar("PRAGMA foreign_keys") == 1
-    assert db.scalar("PRAGMA busy_timeout") == 30_000
+    assert db.busy_timeout_ms == 30_000  # waited out by Database._busy (test below)
     assert db.vec_loaded and db.vec_version.startswith("v0.")
     assert set(vec_table_dimensions(db).values()) == {DIMS}
     for name in (

@@ -113,7 +113,8 @@ class EmbedQueue:
     that did both in turn would leave the provider idle while it works, and wait on it
     otherwise). A plan is only read by the caller: its `waiting` count is kept here, on the
     caller's thread, and it is ready once every text it queued has come back, as a vector or a
-    failure. One request at a time keeps the failure count in order (three in a row abort)."""
+    failure. One request at a time keeps the failure count in order (three in a row abort).
+    `cancel` is called from that thread too: it must be thread-safe (CancelToken is)."""
 
     def __init__(
         self, embedder: EmbeddingModel, cancel: CancelCheck | None, counter: FailureCounter

@@ -41,10 +41,12 @@ def note_plan(
 
 
 def write_notes(
-    db: Database, item_id: int, plan: Plan, model: str, dims: int, limit: int, ilog: Any
-) -> tuple[int, int]:
+    db: Database, item_id: int, plan: Plan, model: str, dims: int, limit: int, ilog: Any,
+    *, orphans: bool = True,
+) -> tuple[int, int]:  # fmt: skip
     """Write an item's chunks and vectors in the caller's transaction: (vec rows repaired, vec
-    writes that failed). Three failed vec writes in a row raise IndexAborted (rolled back)."""
+    writes that failed). Three failed vec writes in a row raise IndexAborted (rolled back).
+    `orphans=False`: the caller looks for orphan vec rows itself (repair_vectors)."""
     counter = FailureCounter(limit, ilog)
     vec_failed = 0
     mirror = vec_ready(db, dims)
@@ -105,7 +107,7 @@ def write_notes(
             else:
                 counter.ok()
     _write_whole_item(db, item_id, plan, model, dims, mirror)
-    report = repair_vectors(db, dims, item_id=item_id)
+    report = repair_vectors(db, dims, item_id=item_id, orphans=orphans)
     if report.total:
         ilog.info(
             f"{KI_EMBED} repaired the mirror",

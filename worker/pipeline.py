@@ -45,8 +45,8 @@ from worker.providers.base import EmbeddingModel
 from worker.sources import Reader
 from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.db import Database
-from worker.store.items import NOW, Item, Status, get_item, set_state
-from worker.store.repair import repair_vectors
+from worker.store.items import NOW, Item, Status, get_item, set_state, set_states
+from worker.store.repair import repair_orphans, repair_vectors
 
 log = get_logger("kidx.pipeline")
 
@@ -90,6 +90,7 @@ class _Work:
     chunk_count: int
     started: float
     log: Any
+    marked: bool = True  # its state says `indexing` (index_items marks in its next write)
 
     def elapsed(self) -> int:
         return int((time.monotonic() - self.started) * 1000)
@@ -156,6 +157,7 @@ def index_items(
     propagates, after each item read and not written is marked cancelled or failed."""
     out: dict[int, IndexResult | KidxError] = {}
     works: list[_Work] = []  # read and chunked, not yet written
+    written: list[int] = []
 
     def done(item_id: int, outcome: IndexResult | KidxError) -> None:
         out[item_id] = outcome
@@ -163,19 +165,34 @@ def index_items(
             on_done(item_id, outcome)
 
     def write_ready() -> None:
+        """Write every item whose vectors are back, in one write transaction (an item a
+        savepoint: one that fails rolls back alone), with the `indexing` marks of the items
+        read since the last one."""
         assert embedder is not None
-        for w in [w for w in works if w.plan.waiting == 0]:
-            works.remove(w)
-            try:
-                with _outcome(db, w.item.id, task_id, w.started, w.log):
-                    if (nothing := none_embedded(w.plan)) is not None:
-                        raise nothing
-                    check(cancel)
-                    result = _finish(db, w, embedder.model_id, max_consecutive_failures, task_id)
-            except KidxError as e:
-                done(w.item.id, e)
-            else:
-                done(w.item.id, result)
+        ready = [w for w in works if w.plan.waiting == 0]
+        fresh = [w for w in works if not w.marked]
+        if not ready and not fresh:
+            return
+        with db.committing():
+            if fresh:
+                set_states(db, [w.item.id for w in fresh], status=Status.INDEXING,
+                           last_task_id=task_id)  # fmt: skip
+                for w in fresh:
+                    w.marked = True
+            for w in ready:
+                works.remove(w)
+                try:
+                    with _outcome(db, w.item.id, task_id, w.started, w.log):
+                        if (nothing := none_embedded(w.plan)) is not None:
+                            raise nothing
+                        check(cancel)
+                        result = _finish(db, w, embedder.model_id, max_consecutive_failures,
+                                         task_id, orphans=False)  # fmt: skip
+                except KidxError as e:
+                    done(w.item.id, e)
+                else:
+                    written.append(w.item.id)
+                    done(w.item.id, result)
 
     queue = None
     if embedder is not None:
@@ -194,7 +211,8 @@ def index_items(
                     if stop is not None:  # the provider is down: not worth reading the rest
                         raise stop
                     w = _prepare(db, item, embedder, chat, reader, chunk_window,
-                                 structure_only, cancel, task_id, started, ilog)  # fmt: skip
+                                 structure_only, cancel, task_id, started, ilog,
+                                 mark=False)  # fmt: skip
             except KidxError as e:
                 done(item_id, e)
                 continue
@@ -241,6 +259,11 @@ def index_items(
     finally:
         if queue is not None:
             queue.close()
+    if written:  # the orphan check of each item's write, once for all
+        repaired = repair_orphans(db, db.dimensions)
+        if repaired.total:
+            log.info(f"{KI_EMBED} repaired the mirror", task_id=task_id,
+                     orphans_deleted=repaired.orphans_deleted)  # fmt: skip
     return out
 
 
@@ -280,10 +303,11 @@ def _outcome(
 def _prepare(
     db: Database, item: Item, embedder: EmbeddingModel | None, chat: ChatModelLike | None,
     reader: Reader | None, chunk_window: int, structure_only: bool, cancel: CancelCheck | None,
-    task_id: str | None, started: float, ilog: Any,
+    task_id: str | None, started: float, ilog: Any, *, mark: bool = True,
 ) -> _Work | IndexResult:  # fmt: skip
     """Read and chunk the item, and plan its vectors (what is reused); no provider call but the
-    chunk model's. With no embedding provider the item is skipped: the result says so."""
+    chunk model's. With no embedding provider the item is skipped: the result says so.
+    `mark=False`: the caller marks the item `indexing` (in its next write transaction)."""
     item_id = item.id
     if embedder is None:
         duration = int((time.monotonic() - started) * 1000)
@@ -298,7 +322,8 @@ def _prepare(
     except SourceUnavailable as e:  # a URL that may answer later: the task retries
         raise IndexAborted(str(e), transient=True) from e
     content_hash = text_hash(text)
-    set_state(db, item_id, status=Status.INDEXING, last_task_id=task_id)
+    if mark:
+        set_state(db, item_id, status=Status.INDEXING, last_task_id=task_id)
     method, fallback, code_chunks = ChunkMethod.STRUCTURE, None, None
     if item.kind == "code":
         from worker.code_index import plan_code
@@ -326,11 +351,14 @@ def _prepare(
         )  # fmt: skip
         plan = note_plan(db, item.id, item.title, outcome.chunks, model, dims)
     return _Work(item, text, content_hash, plan, code_chunks, method, fallback, chunk_count,
-                 started, ilog)  # fmt: skip
+                 started, ilog, marked=mark)  # fmt: skip
 
 
-def _finish(db: Database, w: _Work, model: str, limit: int, task_id: str | None) -> IndexResult:
-    """Write the item's chunks, vectors and state in one transaction (the only one)."""
+def _finish(
+    db: Database, w: _Work, model: str, limit: int, task_id: str | None, *, orphans: bool = True
+) -> IndexResult:
+    """Write the item's chunks, vectors and state in one transaction (the only one).
+    `orphans=False`: the caller looks for orphan vec rows (once for many items)."""
     dims = db.dimensions
     item, plan = w.item, w.plan
     with db.atomic():
@@ -338,9 +366,11 @@ def _finish(db: Database, w: _Work, model: str, limit: int, task_id: str | None)
             from worker.code_index import write_code
 
             write_code(db, item, plan, w.code_chunks, model)
-            repaired, vec_failed = repair_vectors(db, dims, item_id=item.id).total, 0
+            repaired = repair_vectors(db, dims, item_id=item.id, orphans=orphans).total
+            vec_failed = 0
         else:
-            repaired, vec_failed = write_notes(db, item.id, plan, model, dims, limit, w.log)
+            repaired, vec_failed = write_notes(db, item.id, plan, model, dims, limit, w.log,
+                                               orphans=orphans)  # fmt: skip
             if repaired:
                 w.log.info(f"{KI_EMBED} repaired the mirror", repaired=repaired)
         failed = len(plan.failed) + vec_failed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,24 @@ def set_state(db: Database, item_id: int, **fields: Any) -> None:
                 f"UPDATE item_index_state SET {sets}, updated_at = {NOW} WHERE item_id = :item_id",
                 {**fields, "item_id": item_id},
             )
+
+
+def set_states(db: Database, item_ids: list[int], **fields: Any) -> None:
+    """set_state() for several items, in one statement each way."""
+    if "status" in fields:
+        fields["status"] = str(fields["status"])
+    marks = ",".join("?" * len(item_ids))
+    sets = ", ".join(f"{n} = ?" for n in fields)
+    with db.atomic():
+        db.execute(
+            "INSERT INTO item_index_state(item_id) SELECT value FROM json_each(?) WHERE true "
+            "ON CONFLICT(item_id) DO NOTHING",
+            (json.dumps(item_ids),),
+        )
+        db.execute(
+            f"UPDATE item_index_state SET {sets}, updated_at = {NOW} WHERE item_id IN ({marks})",
+            (*fields.values(), *item_ids),
+        )
 
 
 def get_state(db: Database, item_id: int) -> dict[str, Any]:

@@ -72,13 +72,17 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
             report.restored[t.name] = len(missing)
 
 
-def repair_vectors(db: Database, dimensions: int, *, item_id: int | None = None) -> RepairReport:
+def repair_vectors(
+    db: Database, dimensions: int, *, item_id: int | None = None, orphans: bool = True
+) -> RepairReport:
     """Restore missing vec rows and delete orphans: of one item's tables, or everywhere.
 
     For one item (the pipeline's write): its own vectors are checked one by one, and orphans
     are looked for only when a table holds more vec rows than relational vectors (a count,
-    not a scan: an orphan does not say which item it belonged to). Without an item, every
-    table is compared in full. Runs inside the caller's transaction when there is one.
+    not a scan: an orphan does not say which item it belonged to); `orphans=False` leaves that
+    count to the caller (a bulk run counts once, not once an item: `repair_orphans`). Without
+    an item, every table is compared in full. Runs inside the caller's transaction when there
+    is one.
     """
     report = RepairReport()
     if not vec_ready(db, dimensions):
@@ -91,11 +95,27 @@ def repair_vectors(db: Database, dimensions: int, *, item_id: int | None = None)
             if t.name in _ITEM_VECTORS:
                 rows = db.all(_ITEM_VECTORS[t.name], {"item": item_id, "d": dimensions})
                 _restore(db, t, rows, report)
-            if t.name in _ITEM_RUN_ORPHAN_TABLES:
-                mirrored = db.scalar(f"SELECT count(*) FROM {t.name}")
-                truth = db.scalar(
-                    f"SELECT count(*) FROM {t.source} WHERE dimensions = ?", (dimensions,)
-                )
-                if mirrored > truth:
-                    _sweep(db, t, dimensions, report, restore=False)
+        if item_id is not None and orphans:
+            _orphans(db, dimensions, report)
     return report
+
+
+def repair_orphans(db: Database, dimensions: int) -> RepairReport:
+    """The orphan check of item runs, once: a sweep only where a table holds more vec rows
+    than relational vectors."""
+    report = RepairReport()
+    if vec_ready(db, dimensions):
+        with db.atomic():
+            _orphans(db, dimensions, report)
+    return report
+
+
+def _orphans(db: Database, dimensions: int, report: RepairReport) -> None:
+    for t in VEC_TABLES:
+        if t.name in _ITEM_RUN_ORPHAN_TABLES:
+            mirrored = db.scalar(f"SELECT count(*) FROM {t.name}")
+            truth = db.scalar(
+                f"SELECT count(*) FROM {t.source} WHERE dimensions = ?", (dimensions,)
+            )
+            if mirrored > truth:
+                _sweep(db, t, dimensions, report, restore=False)
