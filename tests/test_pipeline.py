@@ -375,3 +375,51 @@ def test_items_together_are_read_and_written_while_a_request_is_in_flight(db):
     assert [results[i].status for i in ids] == ["indexed"] * 4
     assert [len(c) for c in model.calls] == [2, 2]  # A and B, then C and D
     assert seen == [True, True]
+
+
+def fail_vec_writes_of(db, marker: str) -> None:
+    """Fault injection: the chunk mirror becomes a plain table (still declared float[DIMS])
+    whose inserts fail for chunks containing `marker`."""
+    db.execute("DROP TABLE vec_chunk_embeddings")
+    db.execute(
+        "CREATE TABLE vec_chunk_embeddings(chunk_id INTEGER PRIMARY KEY, "
+        f"embedding BLOB /* float[{DIMS}] */)"
+    )
+    db.execute(
+        "CREATE TRIGGER vec_fault BEFORE INSERT ON vec_chunk_embeddings WHEN (SELECT content "
+        f"FROM note_chunks WHERE id = new.chunk_id) LIKE '%{marker}%' "
+        "BEGIN SELECT RAISE(ABORT, 'injected vec write failure'); END"
+    )
+
+
+def test_a_failed_vec_write_leaves_that_chunk_unmirrored_and_the_item_partial(db, embedder):
+    text = corpus_text(CHAPTER)
+    chunks = chunk_structure(text)
+    word = next(w for w in chunks[7].content.split() if w.isalpha() and len(w) > 6)
+    text = text.replace(chunks[7].content, chunks[7].content.replace(word, "VECFAULT", 1))
+    fail_vec_writes_of(db, "VECFAULT")
+    item = add_item(db, kind="note", title="Traits", content=text)
+    result = index_item(db, item, embedder=embedder)
+    assert result.status == "partial" and result.failed == 1
+    assert "vec write" in get_state(db, item)["last_error"]
+    assert db.scalar("SELECT count(*) FROM note_chunk_embeddings") == 20  # the truth is whole
+    unmirrored = db.all(
+        "SELECT c.chunk_index FROM note_chunks c WHERE c.id NOT IN "
+        "(SELECT chunk_id FROM vec_chunk_embeddings)"
+    )
+    assert [r[0] for r in unmirrored] == [7]
+
+
+def test_three_failed_vec_writes_in_a_row_roll_the_item_back(db, embedder):
+    item = add_item(db, kind="note", title="Traits", content=corpus_text(CHAPTER))
+    index_item(db, item, embedder=embedder)
+    before = snapshot(db, item)
+    update_content(db, item, corpus_text(CHAPTER).replace("trait", "VECFAULT trait"))
+    fail_vec_writes_of(db, "VECFAULT")
+    for _, chunk_id, *_ in before["chunks"]:  # the plain mirror starts as the vec0 one was
+        db.execute("INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (?, x'00')",
+                   (chunk_id,))  # fmt: skip
+    with pytest.raises(IndexAborted, match=r"3 consecutive vector failures.*vec write"):
+        index_item(db, item, embedder=embedder)
+    assert snapshot(db, item)["chunks"] == before["chunks"]
+    assert get_state(db, item)["status"] == "failed"

@@ -64,50 +64,38 @@ def write_notes(
     db.execute(
         "UPDATE note_chunks SET chunk_index = -1 - chunk_index WHERE item_id = ?", (item_id,)
     )
-    ids: dict[int, int] = {}
-    for i, c in enumerate(plan.chunks):
-        row = (
-            c.index,
-            c.content,
-            c.summary,
-            str(c.method),
-            c.start,
-            c.end,
-            " > ".join(c.headings),
-            plan.hashes[i],
-        )
-        if i in keep:
-            ids[i] = keep[i]
-            db.execute(
-                "UPDATE note_chunks SET chunk_index = ?, content = ?, summary = ?, method = ?, "
-                "start_offset = ?, end_offset = ?, headings = ?, embed_hash = ? WHERE id = ?",
-                (*row, keep[i]),
-            )
-            continue
-        ids[i] = db.scalar(
-            "INSERT INTO note_chunks(chunk_index, content, summary, method, start_offset, "
-            "end_offset, headings, embed_hash, item_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
-            "RETURNING id",
-            (*row, item_id),
-        )
-        vector = plan.vectors.get(i)
-        if vector is None:
-            continue
-        db.execute(
-            "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
-            "VALUES (?, ?, ?, ?)",
-            (ids[i], model, dims, vector),
-        )
-        if mirror:
-            try:
-                vec_replace(db, "vec_chunk_embeddings", ids[i], vector)
-            except apsw.Error as e:
-                vec_failed += 1
-                counter.fail(c.index, f"vec write: {e}")
-            else:
-                counter.ok()
+
+    def row(i: int) -> tuple[Any, ...]:
+        c = plan.chunks[i]
+        headings = " > ".join(c.headings)
+        return (c.index, c.content, c.summary, str(c.method), c.start, c.end, headings,
+                plan.hashes[i])  # fmt: skip
+
+    db.executemany(
+        "UPDATE note_chunks SET chunk_index = ?, content = ?, summary = ?, method = ?, "
+        "start_offset = ?, end_offset = ?, headings = ?, embed_hash = ? WHERE id = ?",
+        [(*row(i), old) for i, old in keep.items()],
+    )
+    # New chunks get their ids here (the write lock is held: nobody else can take them), so
+    # that their rows go in one statement each way rather than three round trips a chunk.
+    new = [i for i in range(len(plan.chunks)) if i not in keep]
+    first = (db.scalar("SELECT max(id) FROM note_chunks") or 0) + 1
+    ids = {i: first + n for n, i in enumerate(new)}
+    db.executemany(
+        "INSERT INTO note_chunks(id, chunk_index, content, summary, method, start_offset, "
+        "end_offset, headings, embed_hash, item_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [(ids[i], *row(i), item_id) for i in new],
+    )
+    vectors = [(ids[i], plan.vectors[i]) for i in new if plan.vectors.get(i) is not None]
+    db.executemany(
+        "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
+        "VALUES (?, ?, ?, ?)",
+        [(chunk_id, model, dims, vector) for chunk_id, vector in vectors],
+    )
+    if mirror and vectors:
+        vec_failed = _mirror_chunks(db, vectors, plan, ids, counter)
     _write_whole_item(db, item_id, plan, model, dims, mirror)
-    report = repair_vectors(db, dims, item_id=item_id, orphans=orphans)
+    report = repair_vectors(db, dims, item_id=item_id, orphans=orphans, kept=set(keep.values()))
     if report.total:
         ilog.info(
             f"{KI_EMBED} repaired the mirror",
@@ -115,6 +103,37 @@ def write_notes(
             orphans_deleted=report.orphans_deleted,
         )
     return report.total, vec_failed
+
+
+def _mirror_chunks(
+    db: Database, vectors: list[tuple[int, bytes]], plan: Plan, ids: dict[int, int],
+    counter: FailureCounter,
+) -> int:  # fmt: skip
+    """The new chunks' vec rows (DELETE + INSERT: a stray row may hold an id), all at once;
+    when that fails, row by row, each failure counted (three in a row abort). Returns the
+    rows that failed."""
+    try:
+        with db.atomic():
+            vec_delete(db, "vec_chunk_embeddings", [chunk_id for chunk_id, _ in vectors])
+            db.executemany(
+                "INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (?, ?)", vectors
+            )
+        counter.ok()
+        return 0
+    except apsw.Error:
+        pass
+    index_of = {chunk_id: plan.chunks[i].index for i, chunk_id in ids.items()}
+    failed = 0
+    for chunk_id, vector in vectors:
+        try:
+            with db.atomic():
+                vec_replace(db, "vec_chunk_embeddings", chunk_id, vector)
+        except apsw.Error as e:
+            failed += 1
+            counter.fail(index_of[chunk_id], f"vec write: {e}")
+        else:
+            counter.ok()
+    return failed
 
 
 def _write_whole_item(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,6 +98,9 @@ class Database:
 
     def execute(self, sql: str, params: Params = ()) -> apsw.Cursor:
         return self.conn.execute(sql, params)
+
+    def executemany(self, sql: str, rows: Iterable[Params]) -> None:
+        self.conn.executemany(sql, rows)
 
     def all(self, sql: str, params: Params = ()) -> list[tuple[Any, ...]]:
         return list(self.conn.execute(sql, params))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,10 +113,9 @@ def set_states(db: Database, item_ids: list[int], **fields: Any) -> None:
     marks = ",".join("?" * len(item_ids))
     sets = ", ".join(f"{n} = ?" for n in fields)
     with db.atomic():
-        db.execute(
-            "INSERT INTO item_index_state(item_id) SELECT value FROM json_each(?) WHERE true "
-            "ON CONFLICT(item_id) DO NOTHING",
-            (json.dumps(item_ids),),
+        db.executemany(
+            "INSERT INTO item_index_state(item_id) VALUES (?) ON CONFLICT(item_id) DO NOTHING",
+            [(i,) for i in item_ids],
         )
         db.execute(
             f"UPDATE item_index_state SET {sets}, updated_at = {NOW} WHERE item_id IN ({marks})",

@@ -4,6 +4,7 @@ without a relational vector of the index's dimension (orphans) are deleted."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from worker.store.db import Database
@@ -37,6 +38,8 @@ class RepairReport:
 def _restore(
     db: Database, t: VecTable, rows: list[tuple[int, bytes]], report: RepairReport
 ) -> None:
+    if not rows:
+        return
     present = set()
     for key, _ in rows:
         if db.one(f"SELECT 1 FROM {t.name} WHERE {t.key} = ?", (key,)):
@@ -73,16 +76,18 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
 
 
 def repair_vectors(
-    db: Database, dimensions: int, *, item_id: int | None = None, orphans: bool = True
-) -> RepairReport:
+    db: Database, dimensions: int, *, item_id: int | None = None, orphans: bool = True,
+    kept: Collection[int] | None = None,
+) -> RepairReport:  # fmt: skip
     """Restore missing vec rows and delete orphans: of one item's tables, or everywhere.
 
     For one item (the pipeline's write): its own vectors are checked one by one, and orphans
     are looked for only when a table holds more vec rows than relational vectors (a count,
     not a scan: an orphan does not say which item it belonged to); `orphans=False` leaves that
-    count to the caller (a bulk run counts once, not once an item: `repair_orphans`). Without
-    an item, every table is compared in full. Runs inside the caller's transaction when there
-    is one.
+    count to the caller (a bulk run counts once, not once an item: `repair_orphans`). `kept`:
+    the item's chunk ids that the write kept, the only ones to check (the write has just put
+    every other vector of the item into the mirror). Without an item, every table is compared
+    in full. Runs inside the caller's transaction when there is one.
     """
     report = RepairReport()
     if not vec_ready(db, dimensions):
@@ -93,7 +98,13 @@ def repair_vectors(
                 _sweep(db, t, dimensions, report, restore=True)
                 continue
             if t.name in _ITEM_VECTORS:
+                if kept is not None and t.name != "vec_chunk_embeddings":
+                    continue  # written whole by the caller
+                if kept is not None and not kept:
+                    continue
                 rows = db.all(_ITEM_VECTORS[t.name], {"item": item_id, "d": dimensions})
+                if kept is not None:
+                    rows = [r for r in rows if r[0] in kept]
                 _restore(db, t, rows, report)
         if item_id is not None and orphans:
             _orphans(db, dimensions, report)

@@ -151,8 +151,7 @@ def vec_replace(db: Database, table: str, key: int, vector: bytes) -> None:
 
 def vec_delete(db: Database, table: str, keys: list[int]) -> None:
     t = VEC[table]
-    for key in keys:
-        db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
+    db.executemany(f"DELETE FROM {t.name} WHERE {t.key} = ?", [(key,) for key in keys])
 
 
 def set_meta(db: Database, key: str, value: str) -> None:
