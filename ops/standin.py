@@ -334,9 +334,13 @@ class StandIn:
             self.chaos_faults[kind] += 1
             return kind
 
-    def _embeddings(self, raw: bytes, headers: dict[str, str]) -> _Reply:
-        """Answer one POST /v1/embeddings, applying the faults in their documented order."""
-        arrived = time.monotonic()
+    def _embeddings(
+        self, raw: bytes, headers: dict[str, str], arrived: float | None = None
+    ) -> _Reply:
+        """Answer one POST /v1/embeddings, applying the faults in their documented order;
+        `delay` is counted from `arrived` (time.monotonic(), when the request came in)."""
+        if arrived is None:
+            arrived = time.monotonic()
         try:
             body: object = json.loads(raw)
             parsed = True
@@ -520,6 +524,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(_error_reply(404, f"Unknown path {self._path()}", code="not_found"))
 
     def do_POST(self) -> None:
+        arrived = time.monotonic()  # the request line and headers are read; the body not yet
         raw = self._read_body()
         if raw is None:
             # Without a usable length the rest of the stream cannot be framed: close it.
@@ -536,7 +541,7 @@ class _Handler(BaseHTTPRequestHandler):
                 answer = self._standin.chat.answer(raw, headers)
                 reply = _Reply(answer.status, answer.body, headers=answer.headers)
             else:
-                reply = self._standin._embeddings(raw, headers)
+                reply = self._standin._embeddings(raw, headers, arrived)
         except Exception as exc:  # a bug or an impossible switch value: answer, don't crash
             reply = _error_reply(500, f"Stand-in error: {type(exc).__name__}: {exc}")
         self._send(reply)

@@ -128,11 +128,11 @@ class _Group:
                         deadline=self.started + settings.tasks.soft_time_limit / 2,
                     )  # fmt: skip
             finally:
-                locks.release()
+                asked = locks.release()
             self._send_on(self._open(), structure_only)
-            for lock in locks.held:  # asked for while the group ran: each alone, once more
-                if lock.take_rerun() and changed(rt, lock.item_id):
-                    enqueue(rt.db, lock.item_id, app=self.task.app, reason="changed")
+            for item_id in asked:  # asked for while the group ran: each alone, once more
+                if changed(rt, item_id):
+                    enqueue(rt.db, item_id, app=self.task.app, reason="changed")
         except (Cancelled, SoftTimeLimitExceeded) as e:
             if isinstance(e, SoftTimeLimitExceeded) and not TERMINATED.is_set():
                 limit = f"ran over the soft time limit of {settings.tasks.soft_time_limit} s"

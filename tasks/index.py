@@ -12,6 +12,7 @@ failed tasks); REVOKED when cancelled, never FAILURE.
 from __future__ import annotations
 
 import random
+import sys
 import time
 from typing import Any
 
@@ -203,6 +204,9 @@ def _locked_runs(
 def _open(**_: Any) -> None:
     """Open the database and the provider's client before the first task, not in it. Not the
     local model: loading it takes longer than Celery waits for a new process to report."""
+    # A group's embedding thread waits on the GIL for its answer while the main thread chunks
+    # and writes: switch within 1 ms rather than Python's 5 (bench/throughput.py, provider-bound).
+    sys.setswitchinterval(0.001)
     if settings.embedding.provider == "local":
         return
     try:

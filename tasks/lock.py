@@ -114,25 +114,41 @@ class ItemLock:
 
 
 class LockSet:
-    """The locks of a group run's items, renewed by one thread (not one thread an item)."""
+    """The locks of a group run's items: taken and released in one round trip to Redis each
+    way (pipelines of what ItemLock does alone), renewed by one thread (not one an item)."""
 
     def __init__(self, client: redis.Redis, item_ids: list[int], task_id: str, ttl: int) -> None:
+        self.client = client
         self.ttl = ttl
+        self.task_id = task_id
         self.locks = [ItemLock(client, i, task_id, ttl) for i in item_ids]
         self.held: list[ItemLock] = []
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
     def acquire(self) -> tuple[list[int], list[int]]:
-        """(items locked, items busy): a busy item gets a re-run request, as a single run's."""
-        busy = []
+        """(items locked, items busy): a busy item gets a re-run request, as a single run's.
+        Each item's request is written before its lock is tried, as ItemLock does."""
+        tokens = [f"{self.task_id}:{uuid.uuid4().hex}" for _ in self.locks]
+        pipe = self.client.pipeline(transaction=False)
         for lock in self.locks:
-            lock.request_rerun()
-            if lock.acquire(renew=False):
-                lock.take_rerun()  # this run covers every request made until now
+            pipe.set(rerun_key(lock.item_id), self.task_id, ex=max(self.ttl * 10, 600))
+        for lock, token in zip(self.locks, tokens, strict=True):
+            pipe.set(lock_key(lock.item_id), token, nx=True, px=self.ttl * 1000)
+        taken = pipe.execute()[len(self.locks) :]
+        busy = []
+        for lock, token, ok in zip(self.locks, tokens, taken, strict=True):
+            if ok:  # as redis-py's Lock.acquire records its token, for release and extend
+                lock.lock.local.token = self.client.get_encoder().encode(token)
+                self.held.append(lock)
+            elif lock.acquire(renew=False):  # a stale lock of this task's earlier run
                 self.held.append(lock)
             else:
                 busy.append(lock.item_id)
+        pipe = self.client.pipeline(transaction=False)
+        for lock in self.held:  # this run covers every request made until now
+            pipe.getdel(rerun_key(lock.item_id))
+        pipe.execute()
         self._renewer = threading.Thread(target=self._renew, daemon=True, name="kidx-locks")
         self._renewer.start()
         return [lock.item_id for lock in self.held], busy
@@ -143,9 +159,25 @@ class LockSet:
                 if not lock.lost:
                     lock.extend()
 
-    def release(self) -> None:
+    def release(self) -> list[int]:
+        """Release every lock held; returns the items whose re-run was asked for meanwhile
+        (read after the release, as ItemLock's caller does)."""
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join(timeout=5)
+        if not self.held:
+            return []
+        pipe = self.client.pipeline(transaction=False)
         for lock in self.held:
-            lock.release()
+            lock.lock.lua_release(keys=[lock.lock.name], args=[lock.lock.local.token],
+                                  client=pipe)  # fmt: skip
+        released = pipe.execute(raise_on_error=False)
+        for lock, ok in zip(self.held, released, strict=True):
+            if ok is not True and ok != 1:  # expired or taken over
+                log.warning("item lock was already gone at release", item_id=lock.item_id,
+                            task_id=self.task_id, reason=str(ok))  # fmt: skip
+        pipe = self.client.pipeline(transaction=False)
+        for lock in self.held:
+            pipe.getdel(rerun_key(lock.item_id))
+        asked = pipe.execute()
+        return [lock.item_id for lock, a in zip(self.held, asked, strict=True) if a is not None]

@@ -128,7 +128,7 @@ class TaskSettings(BaseModel):
     # Items a bulk run (reindex, sweeps) gives one task at most, their texts sharing embedding
     # requests; 1: one task an item. A group starts no item after half the soft time limit:
     # the rest go on in a group of their own.
-    group_size: int = Field(default=64, ge=1, le=1000)
+    group_size: int = Field(default=128, ge=1, le=1000)
     concurrency: int = Field(default=2, ge=1)
 
     @model_validator(mode="after")
