@@ -117,7 +117,7 @@ def index_item(
     """
     started = time.monotonic()
     ilog = log.bind(item_id=item_id, task_id=task_id)
-    item = get_item(db, item_id)  # ItemNotFound: no state to record
+    item = get_item(db, item_id, content=False)  # ItemNotFound: no state to record
     with _outcome(db, item_id, task_id, started, ilog):
         work = _prepare(db, item, embedder, chat, reader, chunk_window, structure_only,
                         cancel, task_id, started, ilog)  # fmt: skip
@@ -206,7 +206,7 @@ def index_items(
             started = time.monotonic()
             ilog = log.bind(item_id=item_id, task_id=task_id)
             try:
-                item = get_item(db, item_id)
+                item = get_item(db, item_id, content=False)
                 with _outcome(db, item_id, task_id, started, ilog):
                     if stop is not None:  # the provider is down: not worth reading the rest
                         raise stop
@@ -309,6 +309,11 @@ def _prepare(
     chunk model's. With no embedding provider the item is skipped: the result says so.
     `mark=False`: the caller marks the item `indexing` (in its next write transaction)."""
     item_id = item.id
+    # A note's text is loaded here, so that this frame holds the only reference and can let a
+    # big note's text go once it is chunked (callers have the item without its content; other
+    # kinds are read from their source).
+    if item.kind == "note":
+        item = get_item(db, item_id)
     if embedder is None:
         duration = int((time.monotonic() - started) * 1000)
         set_state(db, item_id, status=Status.SKIPPED, last_error=NO_PROVIDER,
