@@ -313,3 +313,23 @@ def test_previous_cuts_keep_an_inserted_paragraph_to_one_chunk():
         changed_without.append(new_chunks(plain))
     assert max(changed_with) <= 2
     assert sum(changed_with) < sum(changed_without)
+
+
+def test_a_chunk_near_the_maximum_that_grows_stays_one_new_chunk():
+    """An edit that lengthens a kept chunk into the room its overlap had: the overlap shrinks,
+    the chunk is not cut in two (two new embeddings for one edit)."""
+    text = _corpus_chapter("ch13-01-closures.md")
+    first = chunk_structure(text)
+    k, big = next((k, c) for k, c in enumerate(first) if 1400 <= len(c.content) <= 1450)
+    region = first[k + 1].start - big.start  # its own text, without the overlap it carries
+    assert region < MAX_CHUNK_SIZE - 100
+    at = text.index(". ", big.start + 200) + 1
+    words = " ".join(["Closures capture their environment."] * 10)
+    grow = words[: MAX_CHUNK_SIZE - 40 - region].rsplit(" ", 1)[0]
+    edited = text[:at] + " " + grow + text[at:]
+    again = chunk_structure(edited, previous=[(c.start, c.content) for c in first])
+    new = {c.content for c in again} - {c.content for c in first}
+    assert len(new) == 1 and all(len(c.content) <= MAX_CHUNK_SIZE for c in again)
+    assert len(again) == len(first)
+    (grown,) = (c for c in again if c.content in new)
+    assert MAX_CHUNK_SIZE - 100 < grown.end - grown.start <= MAX_CHUNK_SIZE  # the overlap's room

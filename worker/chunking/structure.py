@@ -159,9 +159,11 @@ class _Plan:
                 result.append(p)
         return result
 
-    def keep_previous(self, previous: Sequence[tuple[int, str]], cuts: list[int]) -> list[int]:
+    def keep_previous(
+        self, previous: Sequence[tuple[int, str]], cuts: list[int]
+    ) -> tuple[list[int], set[int]]:
         """The previous version's cuts, where they can still be found, plus `cuts` only where a
-        region between them has grown past the maximum.
+        region between them has grown past the maximum; and the cuts kept.
 
         `previous` is the old chunks as (start offset, content). Each old chunk's start is looked
         up by its first characters, at the occurrence nearest to where the shift so far puts it
@@ -191,15 +193,18 @@ class _Plan:
             kept.append(p)
             shift, last = p - old_start, p
         if not kept:
-            return cuts
+            return cuts, set()
         result = set(kept)
         bounds = [self.first, *kept, self.last]
         for a, c in itertools.pairwise(bounds):
             s, e = self._trim(a, c)
-            if e - s > self._limit(c):
+            # Re-cut only past the maximum itself: a kept region that grew into the room kept
+            # for its overlap gives up overlap instead (overlap_end never passes the maximum),
+            # so an edit that lengthens a chunk near the maximum makes one new chunk, not two.
+            if e - s > self.max_size:
                 lo, hi = a + self.min_size, c - self.min_size
                 result.update(x for x in cuts if lo <= x <= hi)
-        return sorted(result)
+        return sorted(result), set(kept)
 
     # -- parts ------------------------------------------------------------------------------
 
@@ -273,10 +278,13 @@ class _Plan:
             p = fs if fs > a else fe
         return p
 
-    def split(self, a: int, c: int) -> list[tuple[int, int]]:
-        """Split the region [a, c) into parts within bounds."""
+    def split(self, a: int, c: int, *, kept: bool = False) -> list[tuple[int, int]]:
+        """Split the region [a, c) into parts within bounds. `kept`: a region between two cuts
+        of the previous version stays whole up to the maximum itself (its overlap shrinks)."""
         parts: list[tuple[int, int]] = []
         a, c = self._trim(a, c)
+        if kept and c - a <= self.max_size:
+            return [(a, c)] if a < c else []
         while a < c:
             if c - a <= self._limit(c):
                 parts.append((a, c))
@@ -370,13 +378,14 @@ def chunk_structure(
         regions = [(plan.first, plan.last)]
         parts = regions
     else:
-        cuts = plan.cuts()
+        cuts, kept = plan.cuts(), set()
         if previous:
-            cuts = plan.keep_previous(previous, cuts)
+            cuts, kept = plan.keep_previous(previous, cuts)
+            kept |= {plan.first, plan.last}
         bounds = [plan.first, *cuts, plan.last]
         parts = []
         for a, c in itertools.pairwise(bounds):
-            parts.extend(plan.split(a, c))
+            parts.extend(plan.split(a, c, kept=a in kept and c in kept))
         parts = plan.merge_small(parts)
 
     heading_pos = plan.layout.heading_pos
