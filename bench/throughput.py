@@ -377,8 +377,10 @@ def print_tables(result: dict[str, Any]) -> None:
         ("of latency", "share_of_floor", "{:.1%}"),
         ("background", "background_cores", "{:.2f}"),
     ])  # fmt: skip
-    print("\nkidx's tasks (groups of items): seconds of a pool process in tasks, and the rest of "
-          "the run (send_batch, Celery's dispatch and results, waiting for the last process)")
+    print(
+        "\nkidx's tasks (groups of items): seconds of a pool process in tasks, and the rest of "
+        "the run (send_batch, Celery's dispatch and results, waiting for the last process)"
+    )
     tables = (("now", "instant"), ("50ms", "provider_bound"))
     kidx_rows = {f"{k} {label}": r for label, table in tables
                  for k, r in result[table].items() if k != "langchain"}  # fmt: skip
