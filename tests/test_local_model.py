@@ -39,7 +39,7 @@ def test_vectors_equal_sentence_transformers_own_in_the_texts_order():
 
 
 @pytest.mark.model
-def test_the_local_provider_never_imports_sentence_transformers_nor_scikit_learn():
+def test_the_bundled_model_imports_neither_sentence_transformers_nor_transformers():
     code = (
         "import sys, json\n"
         "from worker.providers import build_embedder\n"
@@ -47,13 +47,13 @@ def test_the_local_provider_never_imports_sentence_transformers_nor_scikit_learn
         "m = build_embedder(EmbeddingSettings(provider='local'), dimensions=384)\n"
         "v = m.embed_checked(['one text', 'another'])\n"
         "print(json.dumps([v.shape[1]] + [n in sys.modules for n in "
-        "('sentence_transformers', 'sklearn')]))\n"
+        "('sentence_transformers', 'sklearn', 'transformers', 'scipy')]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
                                         "PATH": "/usr/bin:/bin"}, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.splitlines()[-1]) == [384, False, False]
+    assert json.loads(out.stdout.splitlines()[-1]) == [384, False, False, False, False]
 
 
 def _model_dir(tmp_path: Path, modules: list[dict], pooling: dict | None = None) -> Path:

