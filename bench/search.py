@@ -14,7 +14,8 @@ query vectors go, interleaved, through:
 - **vec0 KNN**: the bare sqlite-vec query `search()` starts with (`k` = its first fetch), no
   joins, to tell sqlite-vec's own cost from kidx's around it;
 - **kidx vec0**: `search()` on `connect(..., vec=True)`;
-- **kidx fallback**: `search()` on `connect(..., vec=False)`.
+- **kidx fallback**: `search()` on `connect(..., vec=False)`;
+both connections mapped for reading (`Database.map_for_reading()`), as `kidx search` opens its.
 
 The query embedder returns the next query vector, so embedding costs nothing. Reported: median
 and p95 milliseconds per query, the ratio of each median to numpy's (same run), and, for every
@@ -178,6 +179,8 @@ def run_case(size: int, dims: int, queries: int, k: int, seed: int, tmp: Path) -
     settings = EmbeddingSettings(provider="openai", model=MODEL, dimensions=dims)
     with_vec = connect(path, embedding=settings, vec=True)
     without = connect(path, embedding=settings, vec=False)
+    for db in (with_vec, without):
+        db.map_for_reading()  # as `kidx search` opens its connection
     embedder = QueryVectors(dims)
     fetch = min(max(4 * k, 32), size)  # what _knn_vec asks vec0 for first
     vias: dict[str, set[str]] = {"kidx vec0": set(), "kidx fallback": set()}

@@ -59,6 +59,16 @@ def test_vec_and_fallback_return_the_same_items_in_the_same_order(corpus_db):
     fallback_db.close()
 
 
+def test_a_connection_mapped_for_reading_answers_the_same(corpus_db):
+    db, model, _, settings = corpus_db
+    mapped = connect(db.path, embedding=settings)
+    mapped.map_for_reading(64)
+    assert mapped.scalar("PRAGMA mmap_size") == 64 * 1024 * 1024
+    for q in ("ownership of a String", "threads and channels"):
+        assert search(mapped, q, model, k=8).hits == search(db, q, model, k=8).hits
+    mapped.close()
+
+
 def test_one_hit_per_item_best_first_at_most_k(corpus_db):
     db, model, ids, _ = corpus_db
     result = search(db, "Short\n\nLifetimes in one line.", model, k=5)

@@ -209,6 +209,7 @@ def search(ctx: Ctx, query: str, k: int, code: bool, memories: bool) -> None:
     if code and memories:
         raise InvalidInput("give --code or --memories, not both")
     with ctx.store() as db:
+        db.map_for_reading()
         embedder = ctx.embedder(db)
         if embedder is None:
             raise InvalidInput("search needs an embedding provider (KIDX_EMBEDDING__PROVIDER)")
