@@ -141,6 +141,12 @@ def test_a_group_with_bad_arguments_fails_clearly_and_the_worker_serves_on(stack
     item = stack.note("After", sections("after", 1))
     task_id = send_group(stack.db, stack.app, [item, stack.note("Also", "Short note.")], None, "x")
     assert stack.app.AsyncResult(task_id).get(timeout=30)["indexed"] == 2
+    # An unknown item fails alone, by name; the others in its group are indexed.
+    other = stack.note("Beside", sections("beside", 1))
+    result = stack.app.send_task(GROUP, args=[[other, 987654]])
+    with pytest.raises(Exception, match=r"1 failed .*item 987654: no item with id 987654"):
+        result.get(timeout=30)
+    assert stack.state(other)["status"] == "indexed"
 
 
 # -- how a batch is cut into groups (no processes) ------------------------------------------

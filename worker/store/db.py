@@ -173,7 +173,12 @@ class Database:
             yield self
         finally:
             self._depth = 0
-            self.execute("COMMIT")
+            try:
+                self.execute("COMMIT")
+            except apsw.Error:  # a full disk, say: nothing of it is kept, and it is said
+                if not self.conn.get_autocommit():
+                    self.execute("ROLLBACK")
+                raise
 
     def map_for_reading(self, megabytes: int = 1024) -> None:
         """Read the file through a memory map (PRAGMA mmap_size): a search scans every vector
