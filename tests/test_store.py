@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import apsw
 import numpy as np
@@ -240,3 +241,19 @@ def test_fake_embedder_model_mismatch_is_not_reused(db):
     result = index_item(db, item, embedder=second)
     assert result.embedded == 1 and result.reused == 0 and len(second.calls) == 1
     assert db.scalar("SELECT model FROM note_chunk_embeddings") == "model-two"
+
+
+def test_the_wal_is_checkpointed_by_a_thread_and_removed_at_close(db_path):
+    db = Database(db_path)
+    db.execute("CREATE TABLE big(x BLOB)")
+    for _ in range(3):
+        with db.atomic():  # about 1500 pages of 4 KB: past the threshold
+            db.executemany("INSERT INTO big VALUES (?)", [(b"x" * 4000,) for _ in range(500)])
+    checkpointer = db._checkpointer
+    deadline = time.monotonic() + 10
+    while checkpointer.runs == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert checkpointer.runs >= 1
+    assert db.scalar("SELECT count(*) FROM big") == 1500
+    db.close()
+    assert not Path(f"{db_path}-wal").exists()

@@ -143,8 +143,10 @@ def _write_whole_item(
     the note itself can be recalled; it is the chunk's vector, as the chunk is the whole text.
     Content of several chunks has none."""
     vector = plan.vectors.get(0) if len(plan.chunks) == 1 else None
-    db.execute("DELETE FROM note_embeddings WHERE item_id = ?", (item_id,))
-    if mirror:
+    had = db.one("SELECT 1 FROM note_embeddings WHERE item_id = ?", (item_id,)) is not None
+    if had:  # a vec row without its relational one is an orphan: the repair deletes those
+        db.execute("DELETE FROM note_embeddings WHERE item_id = ?", (item_id,))
+    if mirror and (had or vector is not None):
         vec_delete(db, "vec_note_embeddings", [item_id])
     if vector is None:
         return

@@ -21,6 +21,7 @@ import apsw
 
 from worker.errors import StoreError
 from worker.log import get_logger
+from worker.store.checkpoint import Checkpointer
 
 if TYPE_CHECKING:
     from worker.store.vec import Resolution
@@ -57,6 +58,11 @@ class Database:
             raise StoreError(f"cannot open database {path}: {e}") from None
         if str(path) != ":memory:" and str(mode).lower() != "wal":
             raise StoreError(f"cannot switch {path} to WAL (journal_mode is {mode})")
+        # Checkpoints off the committing thread (worker/store/checkpoint.py says why).
+        self._checkpointer: Checkpointer | None = None
+        if str(path) != ":memory:":
+            self._checkpointer = Checkpointer(str(path))
+            self.conn.set_wal_hook(self._checkpointer.hook)
         self.vec_loaded = False
         self.vec_version: str | None = None
         self.vec_error: str | None = None
@@ -200,6 +206,8 @@ class Database:
 
     def close(self) -> None:
         self.conn.close()
+        if self._checkpointer is not None:  # its connection last: it leaves no -wal behind
+            self._checkpointer.close()
 
     def __enter__(self) -> Database:
         return self
