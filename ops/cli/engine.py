@@ -10,7 +10,7 @@ import click
 from rich.markup import escape
 
 from ops.cli.base import Ctx, cli, command, err, fail, out, read_text
-from worker.errors import IndexAborted, InvalidInput
+from worker.errors import InvalidInput
 
 # -- init ------------------------------------------------------------------------------------
 
@@ -112,22 +112,28 @@ def show_results(ctx: Ctx, results: list[dict[str, Any]]) -> None:
 def index_inline(
     ctx: Ctx, db: Any, ids: list[int], *, structure_only: bool = False
 ) -> list[dict[str, Any]]:
-    from worker.pipeline import index_item
+    """The pipeline here, a group at a time as the workers run a batch (texts of several items
+    share embedding requests): one result per item, a failure as its reason."""
+    from worker.pipeline import IndexResult, index_items
     from worker.providers import build_chat
 
     embedder = ctx.embedder(db)
     chat = build_chat(ctx.settings.chunk)
+    size = ctx.settings.tasks.group_size
     results = []
     try:
-        for item_id in ids:
-            try:
-                result = index_item(
-                    db, item_id, embedder=embedder, chat=chat, reader=ctx.reader(),
-                    chunk_window=ctx.settings.chunk.window, structure_only=structure_only,
-                )  # fmt: skip
-                results.append(result.as_dict())
-            except (IndexAborted, InvalidInput) as e:
-                results.append({"item_id": item_id, "status": "failed", "error": str(e)})
+        for start in range(0, len(ids), size):
+            part = ids[start : start + size]
+            outcomes = index_items(
+                db, part, embedder=embedder, chat=chat, reader=ctx.reader(),
+                chunk_window=ctx.settings.chunk.window, structure_only=structure_only,
+            )  # fmt: skip
+            for item_id in part:
+                outcome = outcomes[item_id]
+                if isinstance(outcome, IndexResult):
+                    results.append(outcome.as_dict())
+                else:
+                    results.append({"item_id": item_id, "status": "failed", "error": str(outcome)})
     finally:
         for client in (embedder, chat):
             if client is not None:
