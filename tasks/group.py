@@ -29,9 +29,10 @@ from tasks.lock import LockSet
 from tasks.producer import enqueue, send_group
 from tasks.runtime import Runtime, get_runtime
 from worker.app import app, settings
+from worker.bulk import index_items
 from worker.errors import Cancelled, IndexAborted, KidxError
 from worker.log import KI_EMBED, get_logger
-from worker.pipeline import IndexResult, index_items
+from worker.pipeline import IndexResult
 from worker.store.items import Status, set_state
 from worker.store.jobs import (
     JobState,

@@ -11,12 +11,15 @@ The rules (DESIGN.md §3, the seed):
 * A failing vector is logged and counted; three in a row abort the item with its previous index
   intact. An isolated failure leaves that chunk without a vector and the item `partial`.
 * Cancellation rolls back, leaves the previous index, marks the item `cancelled`, propagates.
+
+Its steps (prepare_item, write_item, recorded_outcome, log_indexed) serve worker/bulk.py too,
+which runs them for many items at once.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -25,12 +28,10 @@ from worker.chunking import ChunkMethod, LLMChunker, chunk, text_hash
 from worker.chunking.llm import ChatModelLike
 from worker.embedding import (
     CancelCheck,
-    EmbedQueue,
     FailureCounter,
     Plan,
     check,
     embed_missing,
-    none_embedded,
 )
 from worker.errors import (
     Cancelled,
@@ -45,8 +46,8 @@ from worker.providers.base import EmbeddingModel
 from worker.sources import Reader
 from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.db import Database
-from worker.store.items import NOW, Item, Status, get_item, set_state, set_states
-from worker.store.repair import repair_orphans, repair_vectors
+from worker.store.items import NOW, Item, Status, get_item, set_state
+from worker.store.repair import repair_vectors
 
 log = get_logger("kidx.pipeline")
 
@@ -77,7 +78,7 @@ class IndexResult:
 
 
 @dataclass
-class _Work:
+class Work:
     """One item between its steps: read and chunked, its vectors planned, not yet written."""
 
     item: Item
@@ -118,163 +119,21 @@ def index_item(
     started = time.monotonic()
     ilog = log.bind(item_id=item_id, task_id=task_id)
     item = get_item(db, item_id, content=False)  # ItemNotFound: no state to record
-    with _outcome(db, item_id, task_id, started, ilog):
-        work = _prepare(db, item, embedder, chat, reader, chunk_window, structure_only,
+    with recorded_outcome(db, item_id, task_id, started, ilog):
+        work = prepare_item(db, item, embedder, chat, reader, chunk_window, structure_only,
                         cancel, task_id, started, ilog)  # fmt: skip
         if isinstance(work, IndexResult):
             return work
         assert embedder is not None
         embed_missing(work.plan, embedder, cancel, FailureCounter(max_consecutive_failures, ilog))
         check(cancel)
-        result = _finish(db, work, embedder.model_id, max_consecutive_failures, task_id)
-        _log_indexed(work, result)
+        result = write_item(db, work, embedder.model_id, max_consecutive_failures, task_id)
+        log_indexed(work, result)
         return result
 
 
-def index_items(
-    db: Database,
-    item_ids: list[int],
-    *,
-    embedder: EmbeddingModel | None,
-    chat: ChatModelLike | None = None,
-    reader: Reader | None = None,
-    chunk_window: int = 6000,
-    structure_only: bool = False,
-    cancel: CancelCheck | None = None,
-    task_id: str | None = None,
-    max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
-    on_done: Callable[[int, IndexResult | KidxError], None] | None = None,
-    deadline: float | None = None,
-) -> dict[int, IndexResult | KidxError]:
-    """Index several items as index_item() does each, with their texts embedded in shared
-    batches: a request carries up to the batch size whatever the items' sizes (bulk runs),
-    and goes while the next items are chunked and the finished ones written (EmbedQueue).
-
-    Each item is written in its own transaction as soon as its vectors are back, and has its
-    own outcome, passed to `on_done` when known: a result, or the KidxError index_item() would
-    have raised. The provider failing N times in a row (or refusing outright) ends the run:
-    items with every vector are written, the others, and those not yet read, get that
-    IndexAborted. Past `deadline` (time.monotonic()) no further item is started: those have no
-    outcome, for the caller to send again. Anything else (Cancelled, a time limit, a bug)
-    propagates, after each item read and not written is marked cancelled or failed."""
-    out: dict[int, IndexResult | KidxError] = {}
-    works: list[_Work] = []  # read and chunked, not yet written
-    written: list[int] = []
-
-    def done(item_id: int, outcome: IndexResult | KidxError) -> None:
-        out[item_id] = outcome
-        if on_done is not None:
-            on_done(item_id, outcome)
-
-    def write_ready() -> None:
-        """Write every item whose vectors are back, in one write transaction (an item a
-        savepoint: one that fails rolls back alone), with the `indexing` marks of the items
-        read since the last one."""
-        assert embedder is not None
-        ready = [w for w in works if w.plan.waiting == 0]
-        fresh = [w for w in works if not w.marked]
-        if not ready and not fresh:
-            return
-        indexed: list[tuple[_Work, IndexResult]] = []
-        with db.committing():
-            if fresh:
-                set_states(db, [w.item.id for w in fresh], status=Status.INDEXING,
-                           last_task_id=task_id)  # fmt: skip
-                for w in fresh:
-                    w.marked = True
-            for w in ready:
-                works.remove(w)
-                try:
-                    with _outcome(db, w.item.id, task_id, w.started, w.log):
-                        if (nothing := none_embedded(w.plan)) is not None:
-                            raise nothing
-                        check(cancel)
-                        result = _finish(db, w, embedder.model_id, max_consecutive_failures,
-                                         task_id, orphans=False)  # fmt: skip
-                except KidxError as e:
-                    done(w.item.id, e)
-                else:
-                    written.append(w.item.id)
-                    indexed.append((w, result))
-                    done(w.item.id, result)
-        for w, result in indexed:
-            _log_indexed(w, result)
-
-    queue = None
-    if embedder is not None:
-        counter = FailureCounter(max_consecutive_failures, log.bind(task_id=task_id))
-        queue = EmbedQueue(embedder, cancel, counter)
-    stop: KidxError | None = None
-    try:
-        for position, item_id in enumerate(item_ids):
-            if deadline is not None and position and time.monotonic() > deadline:
-                break
-            started = time.monotonic()
-            ilog = log.bind(item_id=item_id, task_id=task_id)
-            try:
-                item = get_item(db, item_id, content=False)
-                with _outcome(db, item_id, task_id, started, ilog):
-                    if stop is not None:  # the provider is down: not worth reading the rest
-                        raise stop
-                    w = _prepare(db, item, embedder, chat, reader, chunk_window,
-                                 structure_only, cancel, task_id, started, ilog,
-                                 mark=False)  # fmt: skip
-            except KidxError as e:
-                done(item_id, e)
-                continue
-            if isinstance(w, IndexResult):
-                done(item_id, w)
-                continue
-            assert queue is not None
-            works.append(w)
-            queue.add(w.plan)
-            try:
-                while queue.full():  # what was read meanwhile is written as requests go
-                    queue.send()
-                    write_ready()
-            except (IndexAborted, PermanentProviderError) as e:
-                stop = e
-        if queue is not None and stop is None:
-            try:
-                while queue.todo:
-                    queue.send()
-                    write_ready()
-                queue.wait()
-            except (IndexAborted, PermanentProviderError) as e:
-                stop = e
-        if stop is None:
-            write_ready()
-        else:  # what has every vector is written; the rest keeps its previous index
-            for w in [w for w in works if w.plan.waiting or w.plan.failed]:
-                works.remove(w)
-                try:
-                    with _outcome(db, w.item.id, task_id, w.started, w.log):
-                        raise stop
-                except KidxError as e:
-                    done(w.item.id, e)
-            write_ready()
-    except BaseException as e:
-        for w in works:
-            if w.item.id not in out:
-                if isinstance(e, Cancelled):
-                    set_state(db, w.item.id, status=Status.CANCELLED, last_task_id=task_id,
-                              duration_ms=w.elapsed())  # fmt: skip
-                else:
-                    _fail(db, w.item.id, f"{type(e).__name__}: {e}", task_id, w.elapsed())
-        raise
-    finally:
-        if queue is not None:
-            queue.close()
-    if written:  # the orphan check of each item's write, once for all
-        repaired = repair_orphans(db, db.dimensions)
-        if repaired.total:
-            log.info(f"{KI_EMBED} repaired the mirror", task_id=task_id,
-                     orphans_deleted=repaired.orphans_deleted)  # fmt: skip
-    return out
-
-
 @contextmanager
-def _outcome(
+def recorded_outcome(
     db: Database, item_id: int, task_id: str | None, started: float, ilog: Any
 ) -> Iterator[None]:
     """An item's failure, recorded and logged as its outcome: the state, then the exception."""
@@ -289,28 +148,28 @@ def _outcome(
         ilog.info(f"{KI_EMBED} cancelled; the previous index is intact", duration_ms=elapsed())
         raise
     except IndexAborted as e:
-        _fail(db, item_id, f"aborted: {e}", task_id, elapsed())
+        record_failure(db, item_id, f"aborted: {e}", task_id, elapsed())
         ilog.error(f"{KI_EMBED} aborted; the previous index is intact", reason=str(e),
                    duration_ms=elapsed())  # fmt: skip
         raise
     except PermanentProviderError as e:
-        _fail(db, item_id, str(e), task_id, elapsed())
+        record_failure(db, item_id, str(e), task_id, elapsed())
         ilog.error(f"{KI_EMBED} failed", reason=str(e), duration_ms=elapsed())
         raise IndexAborted(str(e)) from e
     except KidxError as e:  # bad input: a refused file or URL, nothing to index
-        _fail(db, item_id, str(e), task_id, elapsed())
+        record_failure(db, item_id, str(e), task_id, elapsed())
         ilog.error(f"{KI_EMBED} failed", reason=str(e), duration_ms=elapsed())
         raise
     except Exception as e:
-        _fail(db, item_id, f"{type(e).__name__}: {e}", task_id, elapsed())
+        record_failure(db, item_id, f"{type(e).__name__}: {e}", task_id, elapsed())
         raise
 
 
-def _prepare(
+def prepare_item(
     db: Database, item: Item, embedder: EmbeddingModel | None, chat: ChatModelLike | None,
     reader: Reader | None, chunk_window: int, structure_only: bool, cancel: CancelCheck | None,
     task_id: str | None, started: float, ilog: Any, *, mark: bool = True,
-) -> _Work | IndexResult:  # fmt: skip
+) -> Work | IndexResult:  # fmt: skip
     """Read and chunk the item, and plan its vectors (what is reused); no provider call but the
     chunk model's. With no embedding provider the item is skipped: the result says so.
     `mark=False`: the caller marks the item `indexing` (in its next write transaction)."""
@@ -361,12 +220,12 @@ def _prepare(
             dimensions=dims, chat_calls=llm.calls if llm else 0,
         )  # fmt: skip
         plan = note_plan(db, item.id, item.title, outcome.chunks, model, dims)
-    return _Work(item, text, content_hash, plan, code_chunks, method, fallback, chunk_count,
+    return Work(item, text, content_hash, plan, code_chunks, method, fallback, chunk_count,
                  started, ilog, marked=mark)  # fmt: skip
 
 
-def _finish(
-    db: Database, w: _Work, model: str, limit: int, task_id: str | None, *, orphans: bool = True
+def write_item(
+    db: Database, w: Work, model: str, limit: int, task_id: str | None, *, orphans: bool = True
 ) -> IndexResult:
     """Write the item's chunks, vectors and state in one transaction (the only one).
     `orphans=False`: the caller looks for orphan vec rows (once for many items)."""
@@ -405,7 +264,7 @@ def _finish(
     return result
 
 
-def _log_indexed(w: _Work, result: IndexResult) -> None:
+def log_indexed(w: Work, result: IndexResult) -> None:
     """After the commit: a log line written while a write transaction is open holds the
     database's write lock for every other worker process (measured: 9% of a bulk run)."""
     w.log.info(
@@ -449,7 +308,9 @@ def _record(
     db.execute(f"UPDATE item_index_state SET indexed_at = {NOW} WHERE item_id = ?", (item.id,))
 
 
-def _fail(db: Database, item_id: int, reason: str, task_id: str | None, duration: int) -> None:
+def record_failure(
+    db: Database, item_id: int, reason: str, task_id: str | None, duration: int
+) -> None:
     with db.atomic():
         set_state(
             db,

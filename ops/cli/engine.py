@@ -114,7 +114,8 @@ def index_inline(
 ) -> list[dict[str, Any]]:
     """The pipeline here, a group at a time as the workers run a batch (texts of several items
     share embedding requests): one result per item, a failure as its reason."""
-    from worker.pipeline import IndexResult, index_items
+    from worker.bulk import index_items
+    from worker.pipeline import IndexResult
     from worker.providers import build_chat
 
     embedder = ctx.embedder(db)

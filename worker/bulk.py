@@ -1,0 +1,173 @@
+"""index_items(): a bulk run's items indexed together, each as index_item() would (the steps
+are pipeline.py's), with their texts in shared embedding requests, one request in flight while
+the next items are read and chunked and the finished ones written, and the written items
+sharing a write transaction (a savepoint each)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from worker.chunking.llm import ChatModelLike
+from worker.embedding import CancelCheck, EmbedQueue, FailureCounter, check, none_embedded
+from worker.errors import Cancelled, IndexAborted, KidxError, PermanentProviderError
+from worker.log import KI_EMBED, get_logger
+from worker.pipeline import (
+    MAX_CONSECUTIVE_FAILURES,
+    IndexResult,
+    Work,
+    log_indexed,
+    prepare_item,
+    record_failure,
+    recorded_outcome,
+    write_item,
+)
+from worker.providers.base import EmbeddingModel
+from worker.sources import Reader
+from worker.store.db import Database
+from worker.store.items import Status, get_item, set_state, set_states
+from worker.store.repair import repair_orphans
+
+log = get_logger("kidx.pipeline")
+
+
+def index_items(
+    db: Database,
+    item_ids: list[int],
+    *,
+    embedder: EmbeddingModel | None,
+    chat: ChatModelLike | None = None,
+    reader: Reader | None = None,
+    chunk_window: int = 6000,
+    structure_only: bool = False,
+    cancel: CancelCheck | None = None,
+    task_id: str | None = None,
+    max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+    on_done: Callable[[int, IndexResult | KidxError], None] | None = None,
+    deadline: float | None = None,
+) -> dict[int, IndexResult | KidxError]:
+    """Index several items as index_item() does each, with their texts embedded in shared
+    batches: a request carries up to the batch size whatever the items' sizes (bulk runs),
+    and goes while the next items are chunked and the finished ones written (EmbedQueue).
+
+    Each item is written in its own transaction as soon as its vectors are back, and has its
+    own outcome, passed to `on_done` when known: a result, or the KidxError index_item() would
+    have raised. The provider failing N times in a row (or refusing outright) ends the run:
+    items with every vector are written, the others, and those not yet read, get that
+    IndexAborted. Past `deadline` (time.monotonic()) no further item is started: those have no
+    outcome, for the caller to send again. Anything else (Cancelled, a time limit, a bug)
+    propagates, after each item read and not written is marked cancelled or failed."""
+    out: dict[int, IndexResult | KidxError] = {}
+    works: list[Work] = []  # read and chunked, not yet written
+    written: list[int] = []
+
+    def done(item_id: int, outcome: IndexResult | KidxError) -> None:
+        out[item_id] = outcome
+        if on_done is not None:
+            on_done(item_id, outcome)
+
+    def write_ready() -> None:
+        """Write every item whose vectors are back, in one write transaction (an item a
+        savepoint: one that fails rolls back alone), with the `indexing` marks of the items
+        read since the last one."""
+        assert embedder is not None
+        ready = [w for w in works if w.plan.waiting == 0]
+        fresh = [w for w in works if not w.marked]
+        if not ready and not fresh:
+            return
+        indexed: list[tuple[Work, IndexResult]] = []
+        with db.committing():
+            if fresh:
+                set_states(db, [w.item.id for w in fresh], status=Status.INDEXING,
+                           last_task_id=task_id)  # fmt: skip
+                for w in fresh:
+                    w.marked = True
+            for w in ready:
+                works.remove(w)
+                try:
+                    with recorded_outcome(db, w.item.id, task_id, w.started, w.log):
+                        if (nothing := none_embedded(w.plan)) is not None:
+                            raise nothing
+                        check(cancel)
+                        result = write_item(db, w, embedder.model_id, max_consecutive_failures,
+                                         task_id, orphans=False)  # fmt: skip
+                except KidxError as e:
+                    done(w.item.id, e)
+                else:
+                    written.append(w.item.id)
+                    indexed.append((w, result))
+                    done(w.item.id, result)
+        for w, result in indexed:
+            log_indexed(w, result)
+
+    queue = None
+    if embedder is not None:
+        counter = FailureCounter(max_consecutive_failures, log.bind(task_id=task_id))
+        queue = EmbedQueue(embedder, cancel, counter)
+    stop: KidxError | None = None
+    try:
+        for position, item_id in enumerate(item_ids):
+            if deadline is not None and position and time.monotonic() > deadline:
+                break
+            started = time.monotonic()
+            ilog = log.bind(item_id=item_id, task_id=task_id)
+            try:
+                item = get_item(db, item_id, content=False)
+                with recorded_outcome(db, item_id, task_id, started, ilog):
+                    if stop is not None:  # the provider is down: not worth reading the rest
+                        raise stop
+                    w = prepare_item(db, item, embedder, chat, reader, chunk_window,
+                                 structure_only, cancel, task_id, started, ilog,
+                                 mark=False)  # fmt: skip
+            except KidxError as e:
+                done(item_id, e)
+                continue
+            if isinstance(w, IndexResult):
+                done(item_id, w)
+                continue
+            assert queue is not None
+            works.append(w)
+            queue.add(w.plan)
+            try:
+                while queue.full():  # what was read meanwhile is written as requests go
+                    queue.send()
+                    write_ready()
+            except (IndexAborted, PermanentProviderError) as e:
+                stop = e
+        if queue is not None and stop is None:
+            try:
+                while queue.todo:
+                    queue.send()
+                    write_ready()
+                queue.wait()
+            except (IndexAborted, PermanentProviderError) as e:
+                stop = e
+        if stop is None:
+            write_ready()
+        else:  # what has every vector is written; the rest keeps its previous index
+            for w in [w for w in works if w.plan.waiting or w.plan.failed]:
+                works.remove(w)
+                try:
+                    with recorded_outcome(db, w.item.id, task_id, w.started, w.log):
+                        raise stop
+                except KidxError as e:
+                    done(w.item.id, e)
+            write_ready()
+    except BaseException as e:
+        for w in works:
+            if w.item.id not in out:
+                if isinstance(e, Cancelled):
+                    set_state(db, w.item.id, status=Status.CANCELLED, last_task_id=task_id,
+                              duration_ms=w.elapsed())  # fmt: skip
+                else:
+                    record_failure(db, w.item.id, f"{type(e).__name__}: {e}", task_id, w.elapsed())
+        raise
+    finally:
+        if queue is not None:
+            queue.close()
+    if written:  # the orphan check of each item's write, once for all
+        repaired = repair_orphans(db, db.dimensions)
+        if repaired.total:
+            log.info(f"{KI_EMBED} repaired the mirror", task_id=task_id,
+                     orphans_deleted=repaired.orphans_deleted)  # fmt: skip
+    return out
