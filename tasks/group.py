@@ -98,7 +98,8 @@ class _Group:
                        error)  # fmt: skip
             if self.batch_id is not None and outcome is not None:
                 batch_outcome(self.rt.db, self.batch_id, outcome, error,
-                              abort_after=settings.tasks.batch_abort_after)  # fmt: skip
+                              abort_after=settings.tasks.batch_abort_after,
+                              job=(group_job_id(self.task_id, item_id), 0))  # fmt: skip
         metrics.run(GROUP, str(state), why)
         self.ended[item_id] = str(state)
 

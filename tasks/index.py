@@ -83,8 +83,9 @@ def _run(
         metrics.run(task.name, str(state), why)
         if batch_id is not None and outcome is not None:
             batch_outcome(
-                rt.db, batch_id, outcome, error, abort_after=settings.tasks.batch_abort_after
-            )
+                rt.db, batch_id, outcome, error, abort_after=settings.tasks.batch_abort_after,
+                job=(task_id, attempt),
+            )  # fmt: skip
 
     valid = valid_id(item_id)
     try:

@@ -179,3 +179,32 @@ def test_groups_hold_every_item_once_in_order_within_the_size(sizes, group_size,
     # As many as a multiple of the processes (when there are items enough), never an empty one.
     rounded = -(-needed // processes) * processes if n >= processes else needed
     assert len(groups) == min(n, rounded)
+
+
+def test_a_run_delivered_again_is_counted_once_in_its_batch(stack):
+    """A process killed after a run recorded its outcome but before the broker had the
+    acknowledgement: the run comes again (same task id); the batch counts it once."""
+    from tasks import NOTE
+    from worker.store.jobs import create_batch, get_batch
+
+    ids = [stack.note(f"Again {n}", sections(f"a{n}", 2)) for n in range(3)]
+    batch = create_batch(stack.db, "reindex", len(ids) + 1)
+    runs = {"redelivered-group-0001": (GROUP, [ids]), "redelivered-single-0001": (NOTE, [ids[0]])}
+
+    def finished() -> list:
+        return stack.db.all(
+            "SELECT task_id, finished_at FROM index_jobs WHERE task_id LIKE 'redelivered-%' "
+            "ORDER BY task_id"
+        )
+
+    for delivery in range(2):  # the same messages twice, as a redelivery brings them
+        before = finished()
+        for task_id, (name, args) in runs.items():
+            stack.app.send_task(name, args=args, kwargs={"batch_id": batch}, task_id=task_id)
+        # (the results backend already holds the first run's result: wait on the job rows)
+        wait_for(lambda b=before: len(finished()) == 4 and all(
+            f is not None and (not b or f != dict(b)[t]) for t, f in finished()
+        ), 60, f"delivery {delivery + 1} to end")  # fmt: skip
+    counts = get_batch(stack.db, batch)
+    assert (counts["ok"], counts["failed"], counts["skipped"]) == (4, 0, 0)
+    assert counts["state"] == "done"

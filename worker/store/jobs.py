@@ -153,11 +153,21 @@ def list_batches(db: Database, limit: int = 20) -> list[dict[str, Any]]:
 
 
 def batch_outcome(
-    db: Database, batch_id: int, outcome: str, reason: str | None, *, abort_after: int
-) -> dict[str, Any] | None:
+    db: Database, batch_id: int, outcome: str, reason: str | None, *, abort_after: int,
+    job: tuple[str, int] | None = None,
+) -> dict[str, Any] | None:  # fmt: skip
     """Count one run of a batch's task: `ok`, `failed` (final), `retry` (a failed attempt
-    that will run again), `skipped`. The Nth failure in a row aborts the batch."""
+    that will run again), `skipped`. The Nth failure in a row aborts the batch. `job` (task
+    id, attempt): the run's row, counted once whatever redeliveries run it again."""
     with db.atomic():
+        if job is not None:
+            db.execute(
+                "UPDATE index_jobs SET counted = 1 WHERE task_id = ? AND attempt = ? "
+                "AND counted = 0",
+                job,
+            )
+            if db.conn.changes() == 0:
+                return get_batch(db, batch_id)
         if outcome == "ok":
             db.execute(
                 "UPDATE index_batches SET ok = ok + 1, consecutive_failures = 0 WHERE id = ?",

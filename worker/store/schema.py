@@ -188,6 +188,17 @@ ALTER TABLE index_jobs ADD COLUMN queued_at TEXT;
     )
 )
 
+MIGRATIONS.append(
+    (
+        4,
+        """
+-- Whether a run's outcome has been counted in its batch: a run redelivered after its
+-- process died (or a group redelivered) is not counted twice.
+ALTER TABLE index_jobs ADD COLUMN counted INTEGER NOT NULL DEFAULT 0;
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
