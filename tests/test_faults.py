@@ -401,6 +401,64 @@ def test_crash_pool_processes_killed_at_random_moments_lose_nothing(tmp_path):
         record("crash", kills=kills, faults=kills, checked=checked, lost=lost)
 
 
+GROUP_CRASH_ITEMS = scale("group_crash_items", 120, 1200)
+GROUP_CRASH_KILLS = scale("group_crash_kills", 4, 20)
+
+
+def test_crash_of_bulk_groups_loses_nothing_and_counts_each_item_once(tmp_path):
+    """The same crash through a batch: `kidx.index_group` tasks (groups of items sharing
+    requests and write transactions) are redelivered whole when their process dies; what a
+    dead group wrote stays, the rest is done again, and the batch counts every item once."""
+    rng = random.Random(SEED + 10)
+    kills, lost, checked = 0, GROUP_CRASH_ITEMS, 0
+    try:
+        with fault_stack(tmp_path) as s:
+            texts = {}
+            for n in range(GROUP_CRASH_ITEMS):
+                text = short_note(rng, n)
+                texts[s.note(f"Group crash note {n}", text)] = (f"Group crash note {n}", text)
+            items = sorted(texts)
+            s.standin.delay = 0.08
+            batch_id, task_ids = send_batch(s.db, items, app=s.app)
+            moments = sorted(rng.sample(range(2, len(items) * 2 // 3), GROUP_CRASH_KILLS))
+            killed: list[int] = []
+
+            def alive() -> list[int]:
+                if not s.worker.alive():
+                    raise AssertionError(f"the worker exited:\n{s.worker.log[-3000:]}")
+                return [p for p in pool_pids(s.worker) if p not in killed]
+
+            for moment in moments:
+                wait_for(lambda m=moment: indexed_count(s.db) >= m, LONG, f"{moment} indexed")
+                time.sleep(rng.uniform(0, 0.1))
+                victim = rng.choice(wait_for(alive, 30, "a pool process"))
+                assert indexed_count(s.db) < len(items), f"all indexed before kill {kills + 1}"
+                os.kill(victim, signal.SIGKILL)
+                kills += 1
+                killed.append(victim)
+
+            def batch() -> dict[str, Any]:
+                return s.db.dicts("SELECT * FROM index_batches WHERE id = ?", (batch_id,))[0]
+
+            wait_for(lambda: batch()["state"] != "running", LONG, "the batch to end", every=0.5)
+            lost = len(not_indexed(s.db, items))
+            counts = batch()
+            assert (counts["state"], counts["ok"], counts["failed"], counts["skipped"]) == (
+                "done",
+                len(items),
+                0,
+                0,
+            ), counts
+            assert store_problems(s.db) == []
+            problems = [p for i in items for p in clean_problems(s.db, i, *texts[i])]
+            assert problems == []
+            checked = len(items)
+            assert not [i for i in items if s.redis.exists(lock_key(i))]
+            assert len(task_ids) >= 2 and s.logs.count("WorkerLostError") >= 1
+    finally:
+        record("crash", kills=kills, faults=kills, checked=checked, lost=lost)
+
+
 # -- provider chaos -------------------------------------------------------------------------
 
 CHAOS_ENV = {
