@@ -77,6 +77,7 @@ class _Group:
         self.task, self.rt, self.batch_id, self.started = task, rt, batch_id, started
         self.reason = reason
         self.abort_reason: str | None = None
+        self.locks: LockSet | None = None
         self.task_id = str(task.request.id)
         self.ids = list(dict.fromkeys(item_ids))  # an item once, whatever was sent
         self.ended: dict[int, str] = {}  # item -> its job state
@@ -111,7 +112,8 @@ class _Group:
                 raise Cancelled("revoked before it started")
             if self._batch_aborted():
                 return self._summary()
-            locks = LockSet(rt.redis, self.ids, self.task_id, settings.tasks.lock_ttl)
+            locks = self.locks = LockSet(rt.redis, self.ids, self.task_id,
+                                         settings.tasks.lock_ttl)  # fmt: skip
             held, busy = locks.acquire()
             try:
                 for item_id in busy:
@@ -177,6 +179,8 @@ class _Group:
         if isinstance(outcome, IndexAborted) and outcome.transient and settings.tasks.max_retries:
             why = "provider_transient"
             self.end(item_id, JobState.RETRY, "retry", message, why=why)
+            if self.locks is not None:  # or the retry, due in seconds, would find it locked
+                self.locks.release_one(item_id)
             retry = enqueue(self.rt.db, item_id, app=self.task.app, reason="retry",
                             batch_id=self.batch_id,
                             countdown=backoff(0, outcome.retry_after))  # fmt: skip

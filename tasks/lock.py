@@ -155,9 +155,17 @@ class LockSet:
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl / 3):
-            for lock in self.held:
+            for lock in list(self.held):
                 if not lock.lost:
                     lock.extend()
+
+    def release_one(self, item_id: int) -> None:
+        """Let one item go before the others (a run of its own is coming for it)."""
+        for lock in self.held:
+            if lock.item_id == item_id:
+                self.held.remove(lock)
+                lock.release()
+                return
 
     def release(self) -> list[int]:
         """Release every lock held; returns the items whose re-run was asked for meanwhile

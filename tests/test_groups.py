@@ -208,3 +208,23 @@ def test_a_run_delivered_again_is_counted_once_in_its_batch(stack):
     counts = get_batch(stack.db, batch)
     assert (counts["ok"], counts["failed"], counts["skipped"]) == (4, 0, 0)
     assert counts["state"] == "done"
+
+
+def test_an_item_sent_to_retry_leaves_the_group_so_its_retry_runs_meanwhile(stack):
+    """An item whose provider failed for now gets a run of its own in seconds; the group lets
+    its lock go, or that run would find the item locked and only ask for a re-run."""
+    others = [stack.note(f"Slow other {n}", sections(f"o{n}", BATCH)) for n in range(6)]
+    flaky = stack.note("Flaky", sections("flakyword", 2))
+    stack.standin.poison, stack.standin.poison_status = "flakyword", 503
+    stack.standin.delay = 0.4  # a request an item: the group outlasts the retry's countdown
+    task_id = send_group(stack.db, stack.app, [flaky, *others], None, "test")
+    wait_for(lambda: jobs(stack, flaky) and jobs(stack, flaky)[-1][1] == "retry", 30,
+             "the flaky item to be sent to retry")  # fmt: skip
+    stack.standin.poison = None  # the provider is back for the retry
+    result = stack.app.AsyncResult(task_id).get(timeout=60)
+    retry = next(r for r in result["results"] if r["item_id"] == flaky)
+    assert retry["status"] == "retry"
+    wait_for(lambda: stack.state(flaky)["status"] == "indexed", 30, "the retry to index it")
+    states = dict(jobs(stack, flaky))
+    assert states[retry["next"]] == "success"  # it ran, rather than finding the item locked
+    assert stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (flaky,)) == 2
