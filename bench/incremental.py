@@ -9,7 +9,9 @@ chapters (20) each get a one-paragraph edit: a sentence appended to a seeded ran
 paragraph (`make_edit` of bench/chunking.py). Each system, in its own process, indexes every
 chapter, then is given the edited chapters:
 
-* kidx: the pipeline in-process (`index_item` over each edited note, after `update_content`).
+* kidx: the pipeline in-process (`index_item` over each edited note, after `update_content`),
+  as single tasks run edits that arrive one by one. `kidx batch`: the edited notes in one
+  `index_items` run, as a batch or a sweep runs them (their texts share requests).
 * LangChain: `index(docs, SQLRecordManager, InMemoryVectorStore, cleanup="incremental",
   source_id_key="source")`, RecursiveCharacterTextSplitter(1500, 100). Whether SQLiteVec could
   serve instead (it implements no delete) is asked of LangChain and reported.
@@ -44,6 +46,7 @@ DEFAULT_CORPUS = ROOT.parent / "shared" / "corpus" / "rustbook"
 # name -> (peer script, its extra arguments)
 PEERS = {
     "kidx": ("kidx_incremental.py", []),
+    "kidx batch": ("kidx_incremental.py", ["--batch"]),
     "langchain": ("langchain_incremental.py", []),
     "llamaindex": ("llamaindex_incremental.py", ["--splitter", "chars"]),
     "llamaindex default": ("llamaindex_incremental.py", ["--splitter", "default"]),

@@ -5,7 +5,8 @@
 
 Phases: `setup` (a fresh database, every file of `before/` added as a note), `full` (index_item
 over every note), then the edit: each changed file's note updated (what a host application
-does) and index_item run over the edited notes only, as the queue would be told to.
+does) and index_item run over each edited note, as single tasks would; with `--batch`, the
+edited notes in one index_items run, as a batch or a sweep would (their texts share requests).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def main() -> None:
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--dimensions", type=int, default=384)
+    ap.add_argument("--batch", action="store_true", help="the edited notes as one bulk run")
     args = ap.parse_args()
 
+    from worker.bulk import index_items
     from worker.log import configure_logging
     from worker.pipeline import index_item
     from worker.providers import build_embedder
@@ -70,9 +73,15 @@ def main() -> None:
 
     t0 = time.perf_counter()
     results = []
-    for name in changed:
-        update_content(db, ids[name], new[name])
-        results.append(index_item(db, ids[name], embedder=embedder))
+    if args.batch:  # as a batch or a sweep runs them: one group, texts sharing requests
+        for name in changed:
+            update_content(db, ids[name], new[name])
+        outcomes = index_items(db, [ids[name] for name in changed], embedder=embedder)
+        results = [outcomes[ids[name]] for name in changed]
+    else:  # as single edits arrive: one task, one run an item
+        for name in changed:
+            update_content(db, ids[name], new[name])
+            results.append(index_item(db, ids[name], embedder=embedder))
     seconds = time.perf_counter() - t0
     done(
         seconds=seconds, documents=len(changed), chunks=sum(r.chunks for r in results),
