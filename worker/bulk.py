@@ -50,11 +50,12 @@ def index_items(
     batches: a request carries up to the batch size whatever the items' sizes (bulk runs),
     and goes while the next items are chunked and the finished ones written (EmbedQueue).
 
-    Each item is written in its own transaction as soon as its vectors are back, and has its
-    own outcome, passed to `on_done` when known: a result, or the KidxError index_item() would
-    have raised. The provider failing N times in a row (or refusing outright) ends the run:
-    items with every vector are written, the others, and those not yet read, get that
-    IndexAborted. Past `deadline` (time.monotonic()) no further item is started: those have no
+    Each item is written as soon as its vectors are back, in a savepoint of its own (the items
+    ready together share one write transaction; one that fails rolls back alone), and has its
+    own outcome, passed to `on_done` when known (inside that transaction: the caller's records
+    commit with the item): a result, or the KidxError index_item() would have raised. The
+    provider failing N times in a row (or refusing outright) ends the run: items with every
+    vector are written, the others, and those not yet read, get that IndexAborted. Past `deadline` (time.monotonic()) no further item is started: those have no
     outcome, for the caller to send again. Anything else (Cancelled, a time limit, a bug)
     propagates, after each item read and not written is marked cancelled or failed."""
     out: dict[int, IndexResult | KidxError] = {}
@@ -90,7 +91,7 @@ def index_items(
                             raise nothing
                         check(cancel)
                         result = write_item(db, w, embedder.model_id, max_consecutive_failures,
-                                         task_id, orphans=False)  # fmt: skip
+                                            task_id, orphans=False)  # fmt: skip
                 except KidxError as e:
                     done(w.item.id, e)
                 else:
@@ -117,8 +118,8 @@ def index_items(
                     if stop is not None:  # the provider is down: not worth reading the rest
                         raise stop
                     w = prepare_item(db, item, embedder, chat, reader, chunk_window,
-                                 structure_only, cancel, task_id, started, ilog,
-                                 mark=False)  # fmt: skip
+                                     structure_only, cancel, task_id, started, ilog,
+                                     mark=False)  # fmt: skip
             except KidxError as e:
                 done(item_id, e)
                 continue

@@ -121,7 +121,7 @@ def index_item(
     item = get_item(db, item_id, content=False)  # ItemNotFound: no state to record
     with recorded_outcome(db, item_id, task_id, started, ilog):
         work = prepare_item(db, item, embedder, chat, reader, chunk_window, structure_only,
-                        cancel, task_id, started, ilog)  # fmt: skip
+                            cancel, task_id, started, ilog)  # fmt: skip
         if isinstance(work, IndexResult):
             return work
         assert embedder is not None
