@@ -55,8 +55,9 @@ def index_items(
     own outcome, passed to `on_done` when known (inside that transaction: the caller's records
     commit with the item): a result, or the KidxError index_item() would have raised. The
     provider failing N times in a row (or refusing outright) ends the run: items with every
-    vector are written, the others, and those not yet read, get that IndexAborted. Past `deadline` (time.monotonic()) no further item is started: those have no
-    outcome, for the caller to send again. Anything else (Cancelled, a time limit, a bug)
+    vector are written, the others, and those not yet read, get that IndexAborted. Past
+    `deadline` (time.monotonic()) no further item is started: those have no outcome, for the
+    caller to send again. Anything else (Cancelled, a time limit, a bug)
     propagates, after each item read and not written is marked cancelled or failed."""
     out: dict[int, IndexResult | KidxError] = {}
     works: list[Work] = []  # read and chunked, not yet written
