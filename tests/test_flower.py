@@ -31,7 +31,7 @@ from stack import (
 )
 from tasks.cancel import revoked_key
 from tasks.lock import lock_key
-from tasks.producer import enqueue
+from tasks.producer import enqueue, send_group
 from worker.store.items import get_state, update_content
 
 USER, PASSWORD = "ops", "flower-pass-123"  # what queue_env gives Flower
@@ -178,6 +178,25 @@ def test_flower_lists_succeeded_failed_and_revoked_tasks_with_what_they_are_abou
     # The same answers through /api/task/info.
     assert stack.flower_task(done)["state"] == "SUCCESS"
     assert stack.flower_task(missing.id)["state"] == "FAILURE"
+
+
+def test_flower_shows_a_bulk_group_its_items_and_a_failure_with_its_duration(stack):
+    ids = [stack.note(f"Grouped in Flower {n}", corpus_text("ch04-03-slices.md") + f"\n\n{n}")
+           for n in range(3)]  # fmt: skip
+    good = send_group(stack.db, stack.app, ids, None, "flower-group")
+    stack.app.AsyncResult(good).get(timeout=60)
+    shown = stack.flower_state(good, "SUCCESS")
+    assert shown["name"] == "kidx.index_group" and shown["args"] == f"[{ids}]"
+    assert "'items': 3" in shown["kwargs"] and "'first': 'Grouped in Flower 0'" in shown["kwargs"]
+    assert "flower-group" in shown["kwargs"] and "'indexed': 3" in shown["result"]
+    assert isinstance(shown["runtime"], float) and shown["runtime"] > 0
+    bad = stack.app.send_task("kidx.index_group", args=[[ids[0], 987655]])
+    with pytest.raises(Exception, match="987655"):
+        bad.get(timeout=30)
+    failed = stack.flower_state(bad.id, "FAILURE")
+    assert "group of 2 items: 1 failed" in failed["exception"]
+    assert "item 987655: no item with id 987655" in failed["exception"]
+    assert re.search(r"\(after \d+\.\d s\)", failed["exception"]), failed["exception"]
 
 
 # Once that is fixed, the next one shows: TERMINATED stays set in the process after the cancelled
