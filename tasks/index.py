@@ -79,13 +79,12 @@ def _run(
     def end(
         state: JobState, outcome: str | None, error: str | None = None, why: str | None = None
     ) -> None:
-        record_end(rt.db, task_id, attempt, state, took(), error)
+        with rt.db.atomic():  # the run's row and its count in the batch, together
+            record_end(rt.db, task_id, attempt, state, took(), error)
+            if batch_id is not None and outcome is not None:
+                batch_outcome(rt.db, batch_id, outcome, error, job=(task_id, attempt),
+                              abort_after=settings.tasks.batch_abort_after)  # fmt: skip
         metrics.run(task.name, str(state), why)
-        if batch_id is not None and outcome is not None:
-            batch_outcome(
-                rt.db, batch_id, outcome, error, abort_after=settings.tasks.batch_abort_after,
-                job=(task_id, attempt),
-            )  # fmt: skip
 
     valid = valid_id(item_id)
     try:

@@ -52,8 +52,10 @@ class ItemLock:
         self._renewer: threading.Thread | None = None
         self.lost = False
 
-    def request_rerun(self) -> None:
-        self.client.set(rerun_key(self.item_id), self.task_id, ex=max(self.ttl * 10, 600))
+    def request_rerun(self, pipe: redis.client.Pipeline | None = None) -> None:
+        """Ask the holder for one more run (on `pipe`, when given, for LockSet)."""
+        (pipe or self.client).set(rerun_key(self.item_id), self.task_id,
+                                  ex=max(self.ttl * 10, 600))  # fmt: skip
 
     def take_rerun(self) -> bool:
         """Whether a re-run was requested (and clear the request)."""
@@ -132,7 +134,7 @@ class LockSet:
         tokens = [f"{self.task_id}:{uuid.uuid4().hex}" for _ in self.locks]
         pipe = self.client.pipeline(transaction=False)
         for lock in self.locks:
-            pipe.set(rerun_key(lock.item_id), self.task_id, ex=max(self.ttl * 10, 600))
+            lock.request_rerun(pipe)
         for lock, token in zip(self.locks, tokens, strict=True):
             pipe.set(lock_key(lock.item_id), token, nx=True, px=self.ttl * 1000)
         taken = pipe.execute()[len(self.locks) :]

@@ -51,21 +51,12 @@ def record_queued_many(
     reason: str | None,
 ) -> None:  # fmt: skip
     with db.atomic():
-        for task_id, item_id in runs:
-            db.execute(
-                "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
-                f"reason, queued_at) VALUES (?, 0, ?, ?, ?, 'queued', ?, {NOW}) "
-                "ON CONFLICT(task_id, attempt) DO NOTHING",
-                (task_id, task_name, item_id, batch_id, reason),
-            )
-
-
-_START = (
-    "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, reason, "
-    f"started_at) VALUES (?, ?, ?, ?, ?, 'started', ?, {NOW}) "
-    "ON CONFLICT(task_id, attempt) DO UPDATE SET state = 'started', "
-    "started_at = excluded.started_at, finished_at = NULL, duration_ms = NULL, error = NULL"
-)
+        db.executemany(
+            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
+            f"reason, queued_at) VALUES (?, 0, ?, ?, ?, 'queued', ?, {NOW}) "
+            "ON CONFLICT(task_id, attempt) DO NOTHING",
+            [(task_id, task_name, item_id, batch_id, reason) for task_id, item_id in runs],
+        )
 
 
 def record_start(
@@ -73,18 +64,24 @@ def record_start(
     batch_id: int | None, reason: str | None,
 ) -> None:  # fmt: skip
     """A run starts (again, after a redelivery: the row is reset)."""
-    with db.atomic():
-        db.execute(_START, (task_id, attempt, task_name, item_id, batch_id, reason))
+    record_starts(db, [(task_id, item_id)], task_name, batch_id, reason, attempt=attempt)
 
 
 def record_starts(
-    db: Database, runs: list[tuple[str, int]], task_name: str, batch_id: int | None,
-    reason: str | None,
+    db: Database, runs: list[tuple[str, int | None]], task_name: str, batch_id: int | None,
+    reason: str | None, *, attempt: int = 0,
 ) -> None:  # fmt: skip
-    """A group run starts: one row for each (job id, item id), in one transaction."""
+    """Runs start (a group's: one row for each (job id, item id)), in one transaction; a row
+    met again after a redelivery is reset."""
     with db.atomic():
-        for job_id, item_id in runs:
-            db.execute(_START, (job_id, 0, task_name, item_id, batch_id, reason))
+        db.executemany(
+            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
+            f"reason, started_at) VALUES (?, ?, ?, ?, ?, 'started', ?, {NOW}) "
+            "ON CONFLICT(task_id, attempt) DO UPDATE SET state = 'started', "
+            "started_at = excluded.started_at, finished_at = NULL, duration_ms = NULL, "
+            "error = NULL",
+            [(job_id, attempt, task_name, item_id, batch_id, reason) for job_id, item_id in runs],
+        )
 
 
 def group_job_id(task_id: str, item_id: int) -> str:
