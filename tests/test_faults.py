@@ -347,9 +347,34 @@ def quiet(db: Any) -> bool:
 # -- crash ----------------------------------------------------------------------------------
 
 
+def alive_pools(s: FaultStack, killed: list[int]) -> list[int]:
+    """Pool processes not killed yet (a killed one is listed until the worker reaps it, which
+    may take seconds)."""
+    if not s.worker.alive():
+        raise AssertionError(f"the worker exited:\n{s.worker.log[-3000:]}")
+    return [p for p in pool_pids(s.worker) if p not in killed]
+
+
+def kill_pool_processes(
+    s: FaultStack, rng: random.Random, items: list[int], count: int, killed: list[int]
+) -> None:
+    """SIGKILL a pool process `count` times, each when a random number of items is indexed
+    and a random fraction of a run later, so that every kill lands in the work, however fast
+    it goes. `killed` gets each victim as it falls (the figures count them, pass or fail)."""
+    moments = sorted(rng.sample(range(2, len(items) * 2 // 3), count))
+    for moment in moments:
+        wait_for(lambda m=moment: indexed_count(s.db) >= m, LONG, f"{moment} indexed")
+        time.sleep(rng.uniform(0, 0.1))  # a random moment of a run (not a wait)
+        victim = rng.choice(wait_for(lambda: alive_pools(s, killed), 30, "a pool process"))
+        assert indexed_count(s.db) < len(items), f"all indexed before kill {len(killed) + 1}"
+        os.kill(victim, signal.SIGKILL)
+        killed.append(victim)
+
+
 def test_crash_pool_processes_killed_at_random_moments_lose_nothing(tmp_path):
     rng = random.Random(SEED)
-    kills, lost, checked = 0, CRASH_ITEMS, 0
+    killed: list[int] = []
+    lost, checked = CRASH_ITEMS, 0
     try:
         with fault_stack(tmp_path) as s:
             texts = {}
@@ -360,28 +385,10 @@ def test_crash_pool_processes_killed_at_random_moments_lose_nothing(tmp_path):
             # A provider call takes 80 ms: the work outlasts the kills and the replacements.
             s.standin.delay = 0.08
             task_ids = [enqueue(s.db, i, app=s.app, reason="crash") for i in items]
-            # The moments: when a random number of items is indexed, and a random fraction of
-            # a run later, so that every kill lands in the work, however fast it goes.
-            moments = sorted(rng.sample(range(2, len(items) * 2 // 3), CRASH_KILLS))
-            killed: list[int] = []
-
-            def alive() -> list[int]:  # pool processes not killed yet (a killed one is listed
-                # until the worker reaps it, which may take seconds)
-                if not s.worker.alive():
-                    raise AssertionError(f"the worker exited:\n{s.worker.log[-3000:]}")
-                return [p for p in pool_pids(s.worker) if p not in killed]
-
-            for moment in moments:
-                wait_for(lambda m=moment: indexed_count(s.db) >= m, LONG, f"{moment} indexed")
-                time.sleep(rng.uniform(0, 0.1))  # a random moment of a run (not a wait)
-                victim = rng.choice(wait_for(alive, 30, "a pool process"))
-                assert indexed_count(s.db) < len(items), f"all indexed before kill {kills + 1}"
-                os.kill(victim, signal.SIGKILL)
-                kills += 1
-                killed.append(victim)
+            kill_pool_processes(s, rng, items, CRASH_KILLS, killed)
             # The worker replaced every one of them, and goes on.
-            wait_for(lambda: len(alive()) == 2 and len(pool_pids(s.worker)) == 2, 60,
-                     "two new pool processes")  # fmt: skip
+            wait_for(lambda: len(alive_pools(s, killed)) == 2 and len(pool_pids(s.worker)) == 2,
+                     60, "two new pool processes")  # fmt: skip
             wait_for(lambda: not not_indexed(s.db, items), LONG, "every item to be indexed",
                      every=0.5)  # fmt: skip
             for task_id in task_ids:
@@ -398,7 +405,7 @@ def test_crash_pool_processes_killed_at_random_moments_lose_nothing(tmp_path):
             mid_task = s.logs.count("WorkerLostError")
             assert mid_task >= CRASH_KILLS // 2, mid_task
     finally:
-        record("crash", kills=kills, faults=kills, checked=checked, lost=lost)
+        record("crash", kills=len(killed), faults=len(killed), checked=checked, lost=lost)
 
 
 GROUP_CRASH_ITEMS = scale("group_crash_items", 120, 1200)
@@ -410,7 +417,8 @@ def test_crash_of_bulk_groups_loses_nothing_and_counts_each_item_once(tmp_path):
     requests and write transactions) are redelivered whole when their process dies; what a
     dead group wrote stays, the rest is done again, and the batch counts every item once."""
     rng = random.Random(SEED + 10)
-    kills, lost, checked = 0, GROUP_CRASH_ITEMS, 0
+    killed: list[int] = []
+    lost, checked = GROUP_CRASH_ITEMS, 0
     try:
         with fault_stack(tmp_path) as s:
             texts = {}
@@ -420,22 +428,7 @@ def test_crash_of_bulk_groups_loses_nothing_and_counts_each_item_once(tmp_path):
             items = sorted(texts)
             s.standin.delay = 0.08
             batch_id, task_ids = send_batch(s.db, items, app=s.app)
-            moments = sorted(rng.sample(range(2, len(items) * 2 // 3), GROUP_CRASH_KILLS))
-            killed: list[int] = []
-
-            def alive() -> list[int]:
-                if not s.worker.alive():
-                    raise AssertionError(f"the worker exited:\n{s.worker.log[-3000:]}")
-                return [p for p in pool_pids(s.worker) if p not in killed]
-
-            for moment in moments:
-                wait_for(lambda m=moment: indexed_count(s.db) >= m, LONG, f"{moment} indexed")
-                time.sleep(rng.uniform(0, 0.1))
-                victim = rng.choice(wait_for(alive, 30, "a pool process"))
-                assert indexed_count(s.db) < len(items), f"all indexed before kill {kills + 1}"
-                os.kill(victim, signal.SIGKILL)
-                kills += 1
-                killed.append(victim)
+            kill_pool_processes(s, rng, items, GROUP_CRASH_KILLS, killed)
 
             def batch() -> dict[str, Any]:
                 return s.db.dicts("SELECT * FROM index_batches WHERE id = ?", (batch_id,))[0]
@@ -456,7 +449,7 @@ def test_crash_of_bulk_groups_loses_nothing_and_counts_each_item_once(tmp_path):
             assert not [i for i in items if s.redis.exists(lock_key(i))]
             assert len(task_ids) >= 2 and s.logs.count("WorkerLostError") >= 1
     finally:
-        record("crash", kills=kills, faults=kills, checked=checked, lost=lost)
+        record("crash", kills=len(killed), faults=len(killed), checked=checked, lost=lost)
 
 
 # -- provider chaos -------------------------------------------------------------------------
