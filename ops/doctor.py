@@ -34,6 +34,7 @@ from worker.providers import build_chat, build_embedder
 from worker.reconcile import last_sweeps
 from worker.settings import Settings
 from worker.store import VEC_TABLES, Database, resolve_dimensions, vec_table_dimensions
+from worker.store.removal import leftovers
 from worker.store.schema import SCHEMA_VERSION, schema_version
 
 DEFAULT_TIMEOUT = 5.0
@@ -182,10 +183,21 @@ def check_rows(settings: Settings, timeout: float) -> str:
             )
             counts.append(f"{t.name} {db.scalar(f'SELECT count(*) FROM {t.name}')}")
             problems += [f"{_n(missing, 'vector')} missing from {t.name}"] if missing else []
-            problems += [f"{_n(orphans, 'orphan')} in {t.name}"] if orphans else []
+            if orphans:
+                problems.append(f"{_n(orphans, 'orphan')} in {t.name} (of deleted rows)")
     if problems:
         raise Fail("; ".join(problems), RECONCILE)
     return "vec tables match the relational rows: " + ", ".join(counts)
+
+
+def check_leftovers(settings: Settings, timeout: float) -> str:
+    """Rows that no live item reaches: what a deleted item left (worker.store.removal)."""
+    with _store(settings, timeout) as db:
+        found = leftovers(db)
+    if found:
+        shown = ", ".join(f"{kind} {n}" for kind, n in found.items())
+        raise Fail(f"rows of deleted items left behind: {shown}", RECONCILE)
+    return "no rows of deleted items"
 
 
 def check_failed(settings: Settings, timeout: float) -> str:
@@ -362,11 +374,21 @@ def check_chunk(settings: Settings, timeout: float) -> str:
 
 CheckFn = Callable[[Settings, float], str]
 CHECKS: dict[str, CheckFn] = {
-    "database": check_database, "sqlite-vec": check_vec, "dimensions": check_dimensions,
-    "rows": check_rows, "redis": check_redis, "workers": check_workers, "beat": check_beat,
-    "flower": check_flower, "embedding": check_embedding, "chunk": check_chunk,
-    "failed": check_failed, "stuck": check_stuck, "sweeps": check_sweeps,
-}  # fmt: skip
+    "database": check_database,
+    "sqlite-vec": check_vec,
+    "dimensions": check_dimensions,
+    "rows": check_rows,
+    "leftovers": check_leftovers,
+    "redis": check_redis,
+    "workers": check_workers,
+    "beat": check_beat,
+    "flower": check_flower,
+    "embedding": check_embedding,
+    "chunk": check_chunk,
+    "failed": check_failed,
+    "stuck": check_stuck,
+    "sweeps": check_sweeps,
+}
 
 
 def _run(name: str, fn: CheckFn, settings: Settings, timeout: float, out: dict[str, Check]) -> None:

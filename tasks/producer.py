@@ -23,6 +23,7 @@ from worker.errors import ItemNotFound
 from worker.store import Database
 from worker.store.items import add_item, get_item
 from worker.store.jobs import create_batch, group_job_id, record_queued, record_queued_many
+from worker.store.removal import delete_items
 
 
 def _default_app() -> Celery:
@@ -185,3 +186,11 @@ def add_url(
     """Write a URL item (the worker fetches it), then send its task."""
     item_id = add_item(db, kind="url", title=title or url, content="", source=url)
     return item_id, enqueue_knowledge_item(db, item_id, app=app, reason="added")
+
+
+def delete_item(db: Database, item_id: int) -> None:
+    """Delete an item with its chunks, vectors and index state, in one transaction
+    (ItemNotFound if there is none). A task still queued for it ends with a one-line "no item"
+    failure, never retried; one running writes nothing. A host may equally delete the
+    `knowledge_items` row with plain SQL: the database's trigger and the sweep do the rest."""
+    delete_items(db, [item_id])

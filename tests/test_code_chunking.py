@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from worker.chunking.code import TARGET_SIZE, CodeChunk, chunk_code
 from worker.errors import InvalidInput
+from worker.settings import FilesSettings
 from worker.sources.code import CODE_SUFFIXES, list_code_files, read_code
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,15 +167,16 @@ def test_listing_this_repository_worker_package() -> None:
 
 def test_read_code_drops_the_bom_and_normalises_line_endings(tmp_path: Path) -> None:
     path = write(tmp_path, "a.py", "\ufeffx = 1\r\ny = 'é'\rz = 3\n".encode())
-    assert read_code(path) == "x = 1\ny = 'é'\nz = 3\n"
+    assert read_code(path, FilesSettings(roots=[tmp_path])) == "x = 1\ny = 'é'\nz = 3\n"
 
 
 def test_read_code_refuses_what_is_not_utf8_naming_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, "latin.py", "s = 'é'\n".encode("latin-1"))
+    roots = FilesSettings(roots=[tmp_path])
     with pytest.raises(InvalidInput, match=r"latin\.py"):
-        read_code(path)
+        read_code(path, roots)
     with pytest.raises(InvalidInput, match=r"gone\.py"):
-        read_code(tmp_path / "gone.py")
+        read_code(tmp_path / "gone.py", roots)
 
 
 # -- chunking: examples ----------------------------------------------------------------------
@@ -196,7 +198,7 @@ def only_comments(lines: list[str], first: int, last: int) -> bool:
 
 @pytest.mark.parametrize("max_size", [10**6, 1500])
 def test_a_module_of_this_repository_gives_chunks_per_top_level_definition(max_size: int) -> None:
-    text = read_code(REPO / "worker" / "pipeline.py")
+    text = read_code(REPO / "worker" / "pipeline.py", FilesSettings(roots=[REPO]))
     lines = text.split("\n")
     defs = [n for n in ast.parse(text).body if isinstance(n, DEFS)]
     assert len(defs) >= 3  # the module is edited by others: only a few must remain

@@ -214,13 +214,14 @@ def test_a_python_package_becomes_code_chunks_that_only_code_search_returns(
     from worker.sources.code import list_code_files
 
     package = ROOT / "worker" / "store"
+    code_reader = Reader(FilesSettings(roots=[package]))  # code is read under the roots only
     note = add_item(db, kind="note", title="A note", content="Vec rows are written here too.")
     index_item(db, note, embedder=embedder)
     ids = []
     for path in list_code_files(package):
         rel = str(path.relative_to(package))
         ids.append(add_item(db, kind="code", title=rel, content="", source=str(path)))
-        result = index_item(db, ids[-1], embedder=embedder, reader=Reader())
+        result = index_item(db, ids[-1], embedder=embedder, reader=code_reader)
         assert result.status == "indexed" and result.chunks >= 1
     assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id != ?", (note,)) == 0
     code_rows = db.scalar("SELECT count(*) FROM code_chunks")
@@ -250,7 +251,7 @@ def test_a_dimension_change_rebuilds_and_refills_all_four_vec_tables(tmp_path, s
     index_item(db, note, embedder=model)
     code = add_item(db, kind="code", title="x.py", content="",
                     source=str(ROOT / "worker" / "errors.py"))  # fmt: skip
-    index_item(db, code, embedder=model, reader=Reader())
+    index_item(db, code, embedder=model, reader=Reader(FilesSettings(roots=[ROOT / "worker"])))
     add_memory(db, "A memory to keep.", model)
     counts = {t: db.scalar(f"SELECT count(*) FROM {t}") for t in vec_table_dimensions(db)}
     assert all(counts.values())
@@ -293,7 +294,8 @@ def test_kidx_add_file_url_code_memory_and_search(tmp_path, standin, pages, file
         "KIDX_DB": str(tmp_path / "cli.db"),
         "KIDX_EMBEDDING__PROVIDER": "openai", "KIDX_EMBEDDING__MODEL": "standin-embed",
         "KIDX_EMBEDDING__BASE_URL": standin.base_url, "KIDX_EMBEDDING__DIMENSIONS": str(DIMS),
-        "KIDX_FILES__ROOTS": str(files_root), "KIDX_URLS__ALLOW_HOSTS": "127.0.0.1",
+        "KIDX_FILES__ROOTS": f"{files_root},{ROOT / 'worker'}",
+        "KIDX_URLS__ALLOW_HOSTS": "127.0.0.1",
     }  # fmt: skip
     exe = str(Path(sys.executable).parent / "kidx")
 

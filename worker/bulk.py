@@ -5,12 +5,15 @@ sharing a write transaction (a savepoint each)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
+import apsw
+
 from worker.chunking.llm import ChatModelLike
 from worker.embedding import CancelCheck, EmbedQueue, FailureCounter, check, none_embedded
-from worker.errors import Cancelled, IndexAborted, KidxError, PermanentProviderError
+from worker.errors import Cancelled, IndexAborted, KidxError, PermanentProviderError, StoreError
 from worker.log import KI_EMBED, get_logger
 from worker.pipeline import (
     MAX_CONSECUTIVE_FAILURES,
@@ -20,6 +23,7 @@ from worker.pipeline import (
     prepare_item,
     record_failure,
     recorded_outcome,
+    store_failure,
     write_item,
 )
 from worker.providers.base import EmbeddingModel
@@ -68,45 +72,71 @@ def index_items(
         if on_done is not None:
             on_done(item_id, outcome)
 
-    def write_ready() -> None:
+    def write_ready() -> KidxError | None:
         """Write every item whose vectors are back, in one write transaction (an item a
         savepoint: one that fails rolls back alone), with the `indexing` marks of the items
-        read since the last one."""
+        read since the last one. When the transaction does not commit (a full disk, SQLite
+        rolling it back), every item of it fails with the cause, reported again after the
+        rollback; the cause is returned, for the run to stop: the next writes would fail too.
+        An item the database refused alone also stops the run (IndexAborted)."""
         assert embedder is not None
         ready = [w for w in works if w.plan.waiting == 0]
         fresh = [w for w in works if not w.marked]
         if not ready and not fresh:
-            return
+            return None
         indexed: list[tuple[Work, IndexResult]] = []
-        with db.committing():
-            if fresh:
-                set_states(db, [w.item.id for w in fresh], status=Status.INDEXING,
-                           last_task_id=task_id)  # fmt: skip
-                for w in fresh:
-                    w.marked = True
+        halt: KidxError | None = None
+        try:
+            with db.committing():
+                if fresh:
+                    set_states(db, [w.item.id for w in fresh], status=Status.INDEXING,
+                               last_task_id=task_id)  # fmt: skip
+                for w in ready:
+                    works.remove(w)
+                    writing = False
+                    try:
+                        with recorded_outcome(db, w.item.id, task_id, w.started, w.log):
+                            if (nothing := none_embedded(w.plan)) is not None:
+                                raise nothing
+                            check(cancel)
+                            writing = True
+                            result = write_item(db, w, embedder.model_id,
+                                                max_consecutive_failures, task_id,
+                                                orphans=False)  # fmt: skip
+                    except KidxError as e:
+                        if writing and isinstance(e, IndexAborted):
+                            halt = e  # the database refused the write: so it will the next
+                        done(w.item.id, e)
+                    else:
+                        indexed.append((w, result))
+                        done(w.item.id, result)
+        except (apsw.Error, StoreError) as e:
+            halt = store_failure(e) if isinstance(e, apsw.Error) else e
+            log.error(f"{KI_EMBED} a write transaction did not commit: its items keep their "
+                      "previous index", task_id=task_id, items=len(ready),
+                      reason=str(halt))  # fmt: skip
             for w in ready:
-                works.remove(w)
-                try:
+                if w in works:
+                    works.remove(w)
+                try:  # its state and the caller's records, again: they were rolled back
                     with recorded_outcome(db, w.item.id, task_id, w.started, w.log):
-                        if (nothing := none_embedded(w.plan)) is not None:
-                            raise nothing
-                        check(cancel)
-                        result = write_item(db, w, embedder.model_id, max_consecutive_failures,
-                                            task_id, orphans=False)  # fmt: skip
+                        raise halt
                 except KidxError as e:
                     done(w.item.id, e)
-                else:
-                    written.append(w.item.id)
-                    indexed.append((w, result))
-                    done(w.item.id, result)
+            return halt
+        for w in fresh:
+            w.marked = True
         for w, result in indexed:
+            written.append(w.item.id)
             log_indexed(w, result)
+        return halt
 
     queue = None
     if embedder is not None:
         counter = FailureCounter(max_consecutive_failures, log.bind(task_id=task_id))
         queue = EmbedQueue(embedder, cancel, counter)
     stop: KidxError | None = None
+    halted = False  # stopped by the database refusing writes, not by the provider
     try:
         for position, item_id in enumerate(item_ids):
             if deadline is not None and position and time.monotonic() > deadline:
@@ -116,7 +146,7 @@ def index_items(
             try:
                 item = get_item(db, item_id, content=False)
                 with recorded_outcome(db, item_id, task_id, started, ilog):
-                    if stop is not None:  # the provider is down: not worth reading the rest
+                    if stop is not None:  # the provider or the database is down: stop reading
                         raise stop
                     w = prepare_item(db, item, embedder, chat, reader, chunk_window,
                                      structure_only, cancel, task_id, started, ilog,
@@ -131,38 +161,46 @@ def index_items(
             works.append(w)
             queue.add(w.plan)
             try:
-                while queue.full():  # what was read meanwhile is written as requests go
+                while stop is None and queue.full():  # what was read meanwhile is written
                     queue.send()
-                    write_ready()
+                    stop = write_ready()
+                    halted = stop is not None
             except (IndexAborted, PermanentProviderError) as e:
                 stop = e
         if queue is not None and stop is None:
             try:
-                while queue.todo:
+                while stop is None and queue.todo:
                     queue.send()
-                    write_ready()
-                queue.wait()
+                    stop = write_ready()
+                    halted = stop is not None
+                if stop is None:
+                    queue.wait()
             except (IndexAborted, PermanentProviderError) as e:
                 stop = e
         if stop is None:
             write_ready()
-        else:  # what has every vector is written; the rest keeps its previous index
-            for w in [w for w in works if w.plan.waiting or w.plan.failed]:
+        else:  # what has every vector is written (unless the database refused writes); the
+            # rest keeps its previous index
+            for w in [w for w in works if halted or w.plan.waiting or w.plan.failed]:
                 works.remove(w)
                 try:
                     with recorded_outcome(db, w.item.id, task_id, w.started, w.log):
                         raise stop
                 except KidxError as e:
                     done(w.item.id, e)
-            write_ready()
+            if not halted:
+                write_ready()
     except BaseException as e:
         for w in works:
             if w.item.id not in out:
-                if isinstance(e, Cancelled):
-                    set_state(db, w.item.id, status=Status.CANCELLED, last_task_id=task_id,
-                              duration_ms=w.elapsed())  # fmt: skip
-                else:
-                    record_failure(db, w.item.id, f"{type(e).__name__}: {e}", task_id, w.elapsed())
+                # Recorded if the database lets us (a full disk may not): the cause is raised.
+                with contextlib.suppress(apsw.Error, StoreError):
+                    if isinstance(e, Cancelled):
+                        set_state(db, w.item.id, status=Status.CANCELLED, last_task_id=task_id,
+                                  duration_ms=w.elapsed())
+                    else:
+                        record_failure(db, w.item.id, f"{type(e).__name__}: {e}", task_id,
+                                       w.elapsed())
         raise
     finally:
         if queue is not None:

@@ -9,6 +9,7 @@ from worker.errors import InvalidInput
 from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel, to_blob
 from worker.store.db import Database
+from worker.store.text import shown
 from worker.store.vec import VEC, vec_ready, vec_replace
 
 MAX_MEMORY = 2000  # characters: longer texts are notes, which are chunked
@@ -59,7 +60,7 @@ def search_memories(
     )
     hits = []
     for memory_id, distance in found:
-        content = db.scalar("SELECT content FROM memories WHERE id = ?", (memory_id,))
-        if content is not None:
-            hits.append(MemoryHit(memory_id, round(1.0 - distance, 6), content, via))
+        content = db.scalar("SELECT CAST(content AS BLOB) FROM memories WHERE id = ?", (memory_id,))
+        if content is not None:  # bytes a host wrote are shown, not raised (store.text)
+            hits.append(MemoryHit(memory_id, round(1.0 - distance, 6), shown(content), via))
     return hits, via, reason

@@ -24,27 +24,46 @@ def unavailable(db: Database, table: VecTable, dims: int) -> str | None:
     return None
 
 
+# What makes a vector of each table live: its row's owner still exists (a host's plain-SQL
+# delete leaves vec rows, and with foreign keys off relational ones, until the sweep).
+LIVE = {
+    "vec_work_code_chunks": "JOIN code_chunks c ON c.id = r.chunk_id "
+    "JOIN knowledge_items i ON i.id = c.item_id",
+    "vec_memories": "JOIN memories m ON m.id = r.memory_id",
+}
+KNN_MAX = 4096  # sqlite-vec 0.1's limit on k
+
+
 def nearest(
     db: Database, table: VecTable, vector: np.ndarray, k: int, model: str
 ) -> tuple[list[tuple[int, float]], str, str | None]:
-    """The k nearest (key, cosine distance) of `model`'s vectors; which path served; why."""
+    """The k nearest (key, cosine distance) of `model`'s live vectors; which path served; why
+    the fallback did, when it did."""
     q = np.asarray(vector, dtype="<f4")
+    live = LIVE.get(table.name, "")
     reason = unavailable(db, table, len(q))
-    if reason is None:
+    fetch = min(max(2 * k, 32), KNN_MAX)
+    while reason is None:
         rows = db.all(
-            f"SELECT v.{table.key}, v.distance FROM (SELECT {table.key}, distance FROM "
-            f"{table.name} WHERE embedding MATCH ? AND k = ?) v JOIN {table.source} r "
-            f"ON r.{table.source_key} = v.{table.key} AND r.model = ? ORDER BY v.distance",
-            (q.tobytes(), k, model),
+            f"SELECT v.{table.key}, v.distance, r.{table.source_key} IS NOT NULL FROM "
+            f"(SELECT {table.key}, distance FROM {table.name} WHERE embedding MATCH ? AND "
+            f"k = ?) v LEFT JOIN ({table.source} r {live}) ON r.{table.source_key} = "
+            f"v.{table.key} AND r.model = ? ORDER BY v.distance",
+            (q.tobytes(), fetch, model),
         )
-        return [(int(key), float(d)) for key, d in rows], "vec", None
+        found = [(int(key), float(d)) for key, d, ok in rows if ok]
+        if len(found) >= k or len(rows) < fetch:
+            return found[:k], "vec", None
+        if fetch == KNN_MAX:
+            reason = f"the nearest {k} need more than {KNN_MAX} rows of {table.name}"
+        fetch = min(fetch * 4, KNN_MAX)
     unit = q / (np.linalg.norm(q) or 1.0)
     scored: list[tuple[float, int]] = []
     last = -1
     while True:
         rows = db.all(
-            f"SELECT rowid, {table.source_key}, vector FROM {table.source} WHERE model = ? "
-            "AND dimensions = ? AND rowid > ? ORDER BY rowid LIMIT ?",
+            f"SELECT r.rowid, r.{table.source_key}, r.vector FROM {table.source} r {live} "
+            "WHERE r.model = ? AND r.dimensions = ? AND r.rowid > ? ORDER BY r.rowid LIMIT ?",
             (model, len(q), last, BLOCK),
         )
         if not rows:

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import apsw
+
 from worker.chunking import ChunkMethod, LLMChunker, chunk, text_hash
 from worker.chunking.llm import ChatModelLike
 from worker.embedding import (
@@ -36,9 +38,11 @@ from worker.embedding import (
 from worker.errors import (
     Cancelled,
     IndexAborted,
+    ItemNotFound,
     KidxError,
     PermanentProviderError,
     SourceUnavailable,
+    StoreError,
 )
 from worker.log import CHUNK, KI_EMBED, get_logger
 from worker.note_index import note_plan, write_notes
@@ -136,7 +140,9 @@ def index_item(
 def recorded_outcome(
     db: Database, item_id: int, task_id: str | None, started: float, ilog: Any
 ) -> Iterator[None]:
-    """An item's failure, recorded and logged as its outcome: the state, then the exception."""
+    """An item's failure, recorded and logged as its outcome: the state, then the exception.
+    The database refusing a write becomes a KidxError too (`store_failure`); recording the
+    failure is then attempted, never allowed to hide the cause."""
 
     def elapsed() -> int:
         return int((time.monotonic() - started) * 1000)
@@ -144,25 +150,55 @@ def recorded_outcome(
     try:
         yield
     except Cancelled:
-        set_state(db, item_id, status=Status.CANCELLED, last_task_id=task_id, duration_ms=elapsed())
+        _quietly(ilog, set_state, db, item_id, status=Status.CANCELLED, last_task_id=task_id,
+                 duration_ms=elapsed())  # fmt: skip
         ilog.info(f"{KI_EMBED} cancelled; the previous index is intact", duration_ms=elapsed())
         raise
+    except ItemNotFound as e:  # deleted while it ran: nothing of it is written or recorded
+        ilog.info(f"{KI_EMBED} the item was deleted; nothing written", reason=str(e))
+        raise
+    except apsw.Error as e:
+        failure = store_failure(e)
+        _quietly(ilog, record_failure, db, item_id, str(failure), task_id, elapsed())
+        ilog.error(f"{KI_EMBED} the write failed; the previous index is intact",
+                   reason=str(failure), duration_ms=elapsed())  # fmt: skip
+        raise failure from None
     except IndexAborted as e:
-        record_failure(db, item_id, f"aborted: {e}", task_id, elapsed())
+        _quietly(ilog, record_failure, db, item_id, f"aborted: {e}", task_id, elapsed())
         ilog.error(f"{KI_EMBED} aborted; the previous index is intact", reason=str(e),
                    duration_ms=elapsed())  # fmt: skip
         raise
     except PermanentProviderError as e:
-        record_failure(db, item_id, str(e), task_id, elapsed())
+        _quietly(ilog, record_failure, db, item_id, str(e), task_id, elapsed())
         ilog.error(f"{KI_EMBED} failed", reason=str(e), duration_ms=elapsed())
         raise IndexAborted(str(e)) from e
     except KidxError as e:  # bad input: a refused file or URL, nothing to index
-        record_failure(db, item_id, str(e), task_id, elapsed())
+        _quietly(ilog, record_failure, db, item_id, str(e), task_id, elapsed())
         ilog.error(f"{KI_EMBED} failed", reason=str(e), duration_ms=elapsed())
         raise
     except Exception as e:
-        record_failure(db, item_id, f"{type(e).__name__}: {e}", task_id, elapsed())
+        _quietly(ilog, record_failure, db, item_id, f"{type(e).__name__}: {e}", task_id,
+                 elapsed())  # fmt: skip
         raise
+
+
+def store_failure(e: apsw.Error) -> KidxError:
+    """What a write the database refused means for the run: a full disk or an I/O error may
+    pass (IndexAborted, transient: the task retries, a batch counts it towards its abort);
+    anything else is a StoreError."""
+    cause = f"{type(e).__name__}: {e}"
+    if isinstance(e, apsw.FullError | apsw.IOError | apsw.BusyError | apsw.ReadOnlyError):
+        return IndexAborted(f"the database could not be written ({cause})", transient=True)
+    return StoreError(f"the database refused the write ({cause})")
+
+
+def _quietly(ilog: Any, fn: Any, *args: Any, **kwargs: Any) -> None:
+    """Record an outcome if the database lets us (a full disk may not): the cause of the
+    failure is what must reach the caller."""
+    try:
+        fn(*args, **kwargs)
+    except (apsw.Error, StoreError) as e:
+        ilog.error(f"{KI_EMBED} could not record the outcome", reason=f"{type(e).__name__}: {e}")
 
 
 def prepare_item(
@@ -232,6 +268,8 @@ def write_item(
     dims = db.dimensions
     item, plan = w.item, w.plan
     with db.atomic():
+        if db.one("SELECT 1 FROM knowledge_items WHERE id = ?", (item.id,)) is None:
+            raise ItemNotFound(item.id)  # deleted while it was read and embedded
         if w.code_chunks is not None:
             from worker.code_index import write_code
 

@@ -3,7 +3,8 @@
 A record of what was indexed that never checks the vector store drifts silently (LESSONS.md:
 LangChain #39937). The reconcile sweep looks at both sides: it mends what needs no provider at
 once (vec rows missing or orphaned) and returns the items that need a run (content changed,
-pending or partial, chunks without vectors, vectors of another model or dimension). The retry
+pending or partial, chunks without vectors, vectors of another model or dimension). Rows that
+deleted items left behind (worker.store.removal) are removed first. The retry
 sweep returns failed items whose backoff has passed, until their attempts run out.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from worker.store.db import Database
 from worker.store.items import NOW
+from worker.store.removal import remove_leftovers
 from worker.store.repair import repair_vectors
 from worker.store.vec import set_meta
 
@@ -61,8 +63,13 @@ def reconcile(db: Database, *, model: str, max_items: int, horizon: float = 3600
     """Mend the mirror and list the items that need a run (at most `max_items`)."""
     dims = db.dimensions
     drift = Drift()
+    removed = remove_leftovers(db)  # first: their vec rows are then orphans, deleted next
     report = repair_vectors(db, dims)
-    drift.repaired = {"restored": report.restored, "orphans_deleted": report.orphans_deleted}
+    drift.repaired = {
+        "leftovers_removed": removed,
+        "restored": report.restored,
+        "orphans_deleted": report.orphans_deleted,
+    }
     params = {"model": model, "dims": dims, "horizon": horizon}
     busy = {r[0] for r in db.all(BUSY, params)}
     wanted: set[int] = set()

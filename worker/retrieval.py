@@ -15,6 +15,7 @@ import numpy as np
 from worker.errors import InvalidInput
 from worker.providers.base import EmbeddingModel
 from worker.store.db import Database
+from worker.store.text import shown
 from worker.store.vec import vec_table_dimensions
 
 SNIPPET = 160
@@ -62,10 +63,10 @@ def search(db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -
         raise InvalidInput("k must be at least 1")
     vector = embedder.embed([query])[0]
     reason = _vec_unavailable(db, len(vector))
-    if reason is None:
-        best = _knn_vec(db, vector, k, embedder.model_id)
-        via = "vec"
-    else:
+    best = _knn_vec(db, vector, k, embedder.model_id) if reason is None else None
+    via = "vec"
+    if best is None:
+        reason = reason or f"the best {k} items need more than {KNN_MAX} nearest chunks"
         best = _knn_fallback(db, vector, k, embedder.model_id)
         via = "fallback"
     behind = _not_on(db, embedder.model_id, len(vector))
@@ -96,46 +97,59 @@ def _merge(best: Best, item_id: int, distance: float, chunk_index: int) -> None:
         best[item_id] = (distance, chunk_index)
 
 
-def _knn_vec(db: Database, vector: np.ndarray, k: int, model: str) -> Best:
+KNN_MAX = 4096  # sqlite-vec 0.1's limit on k
+
+
+def _knn_vec(db: Database, vector: np.ndarray, k: int, model: str) -> Best | None:
+    """The best chunk of each item among the nearest vec rows, asking for more rows until k
+    items are found or the table has no more; None when more than sqlite-vec's k limit would
+    be needed (the caller scans exactly). Rows that no live item reaches (what a host's
+    plain-SQL delete leaves until the sweep) are passed over, never returned."""
     blob = np.asarray(vector, dtype="<f4").tobytes()
-    total = db.scalar("SELECT count(*) FROM note_chunk_embeddings") or 0
-    fetch = min(max(4 * k, 32), max(total, 1))
+    fetch = min(max(4 * k, 32), KNN_MAX)
     while True:
         best: Best = {}
         rows = db.all(
-            "SELECT c.item_id, c.chunk_index, v.distance FROM "
-            "(SELECT chunk_id, distance FROM vec_chunk_embeddings WHERE embedding MATCH ? "
-            " AND k = ?) v "
-            "JOIN note_chunks c ON c.id = v.chunk_id "
-            "JOIN note_chunk_embeddings e ON e.chunk_id = v.chunk_id AND e.model = ?",
+            "SELECT c.item_id, c.chunk_index, v.distance, i.id IS NOT NULL AND e.chunk_id "
+            "IS NOT NULL FROM (SELECT chunk_id, distance FROM vec_chunk_embeddings "
+            "WHERE embedding MATCH ? AND k = ?) v "
+            "LEFT JOIN note_chunks c ON c.id = v.chunk_id "
+            "LEFT JOIN note_chunk_embeddings e ON e.chunk_id = v.chunk_id AND e.model = ? "
+            "LEFT JOIN knowledge_items i ON i.id = c.item_id",
             (blob, fetch, model),
         )
-        for item_id, chunk_index, distance in rows:
-            _merge(best, item_id, distance, chunk_index)
-        if len(best) >= k or fetch >= total:
+        for item_id, chunk_index, distance, live in rows:
+            if live:
+                _merge(best, item_id, distance, chunk_index)
+        if len(best) >= k or len(rows) < fetch:
             break
-        fetch = min(fetch * 4, total)
+        if fetch == KNN_MAX:
+            return None
+        fetch = min(fetch * 4, KNN_MAX)
     for item_id, distance in db.all(
         "SELECT v.item_id, v.distance FROM "
         "(SELECT item_id, distance FROM vec_note_embeddings WHERE embedding MATCH ? AND k = ?) v "
-        "JOIN note_embeddings e ON e.item_id = v.item_id AND e.model = ?",
-        (blob, k, model),
+        "JOIN note_embeddings e ON e.item_id = v.item_id AND e.model = ? "
+        "JOIN knowledge_items i ON i.id = v.item_id",
+        (blob, min(fetch, KNN_MAX), model),
     ):
         _merge(best, item_id, distance, 0)
     return best
 
 
 def _knn_fallback(db: Database, vector: np.ndarray, k: int, model: str) -> Best:
-    """Exact cosine in memory over the relational vectors of the current model and dimension."""
+    """Exact cosine in memory over the relational vectors of the current model and dimension
+    (of live items only)."""
     q = np.asarray(vector, dtype=np.float32)
     q = q / (np.linalg.norm(q) or 1.0)
     dims = len(q)
     best: Best = {}
     queries = (
         "SELECT c.item_id, c.chunk_index, e.vector FROM note_chunk_embeddings e "
-        "JOIN note_chunks c ON c.id = e.chunk_id WHERE e.model = ? AND e.dimensions = ? "
-        "AND e.rowid > ? ORDER BY e.rowid LIMIT ?",
+        "JOIN note_chunks c ON c.id = e.chunk_id JOIN knowledge_items i ON i.id = c.item_id "
+        "WHERE e.model = ? AND e.dimensions = ? AND e.rowid > ? ORDER BY e.rowid LIMIT ?",
         "SELECT e.item_id, 0, e.vector FROM note_embeddings e "
+        "JOIN knowledge_items i ON i.id = e.item_id "
         "WHERE e.model = ? AND e.dimensions = ? AND e.rowid > ? ORDER BY e.rowid LIMIT ?",
     )
     for sql in queries:
@@ -161,13 +175,13 @@ def _hits(db: Database, best: Best, via: str, k: int) -> list[Hit]:
     hits = []
     for item_id, (distance, chunk_index) in ranked:
         row = db.one(
-            "SELECT i.title, i.kind, c.content FROM knowledge_items i "
+            "SELECT CAST(i.title AS BLOB), i.kind, c.content FROM knowledge_items i "
             "LEFT JOIN note_chunks c ON c.item_id = i.id AND c.chunk_index = ? WHERE i.id = ?",
             (chunk_index, item_id),
         )
         if row is None:
             continue
-        title, kind, content = row
+        title, kind, content = shown(row[0]), row[1], row[2]  # a host's bytes never raise
         snippet = " ".join((content or "").split())[:SNIPPET]
         hits.append(Hit(item_id, title, kind, chunk_index, round(1.0 - distance, 6), snippet, via))
     return hits

@@ -23,6 +23,9 @@ from worker.errors import Cancelled, ConfigError, InvalidInput, KidxError
 from worker.log import Redact, configure_logging
 from worker.settings import Settings, load_settings
 
+# An id SQLite can hold (a larger one would overflow before any lookup): a usage error.
+ID = click.IntRange(1, 2**63 - 1)
+
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 

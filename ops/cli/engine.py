@@ -9,7 +9,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from ops.cli.base import Ctx, cli, command, err, fail, out, read_text
+from ops.cli.base import ID, Ctx, cli, command, err, fail, out, read_text
 from worker.errors import InvalidInput
 
 # -- init ------------------------------------------------------------------------------------
@@ -69,7 +69,7 @@ def add_note(ctx: Ctx, title: str, text: str | None, file: Path | None, inline: 
 
 
 @command(cli)
-@click.argument("item", type=int)
+@click.argument("item", type=ID)
 @click.option("--text", help="The new text.")
 @click.option("--file", "file", type=click.Path(path_type=Path), help="Read the text from a file.")
 @click.option("--title", help="A new title.")
@@ -81,6 +81,20 @@ def update(ctx: Ctx, item: int, text: str | None, file: Path | None, title: str 
     with ctx.store() as db:
         update_content(db, item, content, title=title)
     ctx.emit({"id": item, "updated": True}, lambda: out.print(f"item {item} updated"))
+
+
+@command(cli)
+@click.argument("items", type=ID, nargs=-1, required=True)
+def delete(ctx: Ctx, items: tuple[int, ...]) -> None:
+    """Delete items with their chunks, vectors and index state, in one transaction (all of
+    them or, if an id is unknown, none). A run under way for one of them writes nothing."""
+    from worker.store.removal import delete_items
+
+    with ctx.store() as db:
+        deleted = delete_items(db, items)
+    ctx.emit(
+        {"deleted": deleted}, lambda: out.print("deleted " + " ".join(map(str, deleted)))
+    )
 
 
 # -- index -----------------------------------------------------------------------------------
@@ -143,7 +157,7 @@ def index_inline(
 
 
 @command(cli)
-@click.argument("items", type=int, nargs=-1)
+@click.argument("items", type=ID, nargs=-1)
 @click.option("--all", "all_items", is_flag=True, help="Every item.")
 @click.option("--inline", is_flag=True, help="Run the pipeline here (no broker); else enqueue.")
 @click.option(
@@ -175,7 +189,7 @@ def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool, struc
 
 
 @command(cli)
-@click.argument("item", type=int)
+@click.argument("item", type=ID)
 def chunks(ctx: Ctx, item: int) -> None:
     """An item's chunks: index, method, has_embedding, summary, offsets, length."""
     from worker.store.items import list_chunks
@@ -260,7 +274,7 @@ def _search_other(ctx: Ctx, db: Any, query: str, embedder: Any, k: int, *, code:
 
 
 @command(cli)
-@click.argument("item", type=int, required=False)
+@click.argument("item", type=ID, required=False)
 @click.option("--summary", is_flag=True, help="Only the counts (with --json: an object).")
 def status(ctx: Ctx, item: int | None, summary: bool) -> None:
     """The index state of one item; without one, the counts (per status, chunk method and

@@ -76,10 +76,15 @@ def add_url(ctx: Ctx, url: str, title: str | None, inline: bool) -> None:
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--inline", is_flag=True, help="Index it now, in this process.")
 def add_code(ctx: Ctx, path: Path, inline: bool) -> None:
-    """Add a source file, or every source file of a folder (honouring .gitignore); prints ids."""
-    from worker.sources.code import list_code_files
+    """Add a source file, or every source file of a folder (honouring .gitignore) under
+    KIDX_FILES__ROOTS; prints ids."""
+    from worker.sources.code import list_code_files, read_code
+    from worker.sources.files import resolve_under_roots
 
+    resolve_under_roots(path, ctx.settings.files)  # refused now, and nothing written
     files = list_code_files(path)
+    if path.is_file():  # named directly: refused now if a worker would refuse it
+        read_code(path, ctx.settings.files)
     if not files:
         raise InvalidInput(f"no source files under {path}")
     base = path.resolve() if path.is_dir() else path.resolve().parent

@@ -10,7 +10,7 @@ from typing import Any
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ops.cli.base import Ctx, cli, command, err
+from ops.cli.base import ID, Ctx, cli, command, err
 from worker.errors import InvalidInput
 
 JOB_SHOWN = ("task_id", "attempt", "task_name", "item_id", "batch_id", "state", "duration_ms",
@@ -54,7 +54,7 @@ def show_sent(ctx: Ctx, sent: list[dict[str, Any]]) -> None:
 
 
 @command(cli)
-@click.argument("items", type=int, nargs=-1, required=True)
+@click.argument("items", type=ID, nargs=-1, required=True)
 def enqueue(ctx: Ctx, items: tuple[int, ...]) -> None:
     """Send the right task (GenerateEmbedding or GenerateKnowledgeItemEmbedding) per item."""
     show_sent(ctx, send_items(ctx, list(items), "enqueue"))
@@ -120,7 +120,7 @@ def _summary(ctx: Ctx, batch: dict[str, Any]) -> None:
 
 @command(cli)
 @click.option("--failed", is_flag=True, help="Only failed runs.")
-@click.option("--batch", "batch_id", type=int, help="Only the runs of this batch.")
+@click.option("--batch", "batch_id", type=ID, help="Only the runs of this batch.")
 @click.option("--limit", type=click.IntRange(1, 100_000), default=200, show_default=True)
 def jobs(ctx: Ctx, failed: bool, batch_id: int | None, limit: int) -> None:
     """Task runs, newest first: state, duration, error."""
@@ -147,7 +147,7 @@ def jobs(ctx: Ctx, failed: bool, batch_id: int | None, limit: int) -> None:
 
 
 @command(cli)
-@click.argument("items", type=int, nargs=-1)
+@click.argument("items", type=ID, nargs=-1)
 @click.option("--failed", is_flag=True, help="Every item whose index is failed.")
 def retry(ctx: Ctx, items: tuple[int, ...], failed: bool) -> None:
     """Send items again (through the queue: the lock and batch rules apply)."""

@@ -4,7 +4,6 @@ URLs fetched safely, code read from its file (`worker/sources/files.py`, `urls.p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from worker.errors import InvalidInput
 from worker.settings import FilesSettings, UrlSettings
@@ -20,6 +19,8 @@ class Reader:
 
     def text(self, item: Item) -> str:
         """The text to index for this item (for files and URLs, extracted again each time)."""
+        if item.unreadable:  # bytes a host wrote that are not text (worker.store.text)
+            raise InvalidInput(f"item {item.id}: {item.unreadable}")
         if item.kind == "note":
             return item.content
         if not item.source:
@@ -35,7 +36,7 @@ class Reader:
         if item.kind == "code":
             from worker.sources.code import read_code
 
-            return read_code(Path(item.source))
+            return read_code(item.source, self.files)
         raise InvalidInput(f"item {item.id} has an unknown kind {item.kind!r}")
 
 

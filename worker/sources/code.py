@@ -21,6 +21,8 @@ from pathlib import Path
 import pathspec
 
 from worker.errors import InvalidInput
+from worker.settings import FilesSettings
+from worker.sources.files import read_under_roots
 
 # The lists are written as words: the formatter would put each string on a line of its own.
 CODE_SUFFIXES = frozenset(
@@ -184,15 +186,15 @@ def list_code_files(path: str | Path, *, max_bytes: int = 1_000_000) -> list[Pat
     return sorted(found)
 
 
-def read_code(path: Path) -> str:
-    """The file's text: UTF-8 (a BOM is dropped), newlines normalised to `\\n` so that chunk
-    offsets and line numbers mean the same thing whatever the file's line endings."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise InvalidInput(f"{path} cannot be read: {e}") from e
+def read_code(path: str | Path, settings: FilesSettings) -> str:
+    """The text of a source file under the allowed roots (the guard files have:
+    `read_under_roots`): UTF-8 (a BOM is dropped), never binary, newlines normalised to `\\n`
+    so that chunk offsets and line numbers mean the same thing whatever the line endings."""
+    _, data = read_under_roots(path, settings)
+    if b"\0" in data[:_SNIFF]:
+        raise InvalidInput(f"{path}: binary, not source code")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise InvalidInput(f"{path} is not UTF-8 text (byte {e.start})") from e
+        raise InvalidInput(f"{path}: is not UTF-8 text (byte {e.start})") from None
     return text.replace("\r\n", "\n").replace("\r", "\n")

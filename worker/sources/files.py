@@ -255,7 +255,19 @@ def docx_to_markdown(data: bytes, name: object) -> str:
 # -- files ----------------------------------------------------------------------------------
 
 
-def _resolve_under_roots(path: Path, settings: FilesSettings) -> Path:
+# Pseudo file systems: their "regular files" report a size of 0 and read without end
+# (/dev/zero) or give away the process (/proc/self/environ holds the API key).
+SPECIAL_ROOTS = tuple(Path(p) for p in ("/proc", "/sys", "/dev"))
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket",
+          stat.S_IFDIR: "a directory"}  # fmt: skip
+
+
+def resolve_under_roots(path: str | Path, settings: FilesSettings) -> Path:
+    """The path fully resolved (symlinks included), refused unless it lies under one of
+    `settings.roots` and outside the pseudo file systems. The one guard for every kind of
+    item read from a path (files, code)."""
+    path = Path(path)
     if not settings.roots:
         raise _refuse(path, "reading files is off: set KIDX_FILES__ROOTS to the folders allowed")
     try:
@@ -264,34 +276,51 @@ def _resolve_under_roots(path: Path, settings: FilesSettings) -> Path:
         raise _refuse(path, "no such file") from None
     except (OSError, RuntimeError) as e:  # a symlink loop, a permission denied
         raise _refuse(path, f"cannot be resolved ({e})") from None
+    shown = str(path) if resolved == path else f"{path} (resolves to {resolved})"
+    if any(resolved == r or resolved.is_relative_to(r) for r in SPECIAL_ROOTS):
+        raise InvalidInput(f"{shown}: a special file system is never read")
     roots = [r.expanduser().resolve() for r in settings.roots]
     if not any(resolved.is_relative_to(root) for root in roots):
         allowed = ", ".join(str(r) for r in roots)
-        shown = str(path) if resolved == path else f"{path} (resolves to {resolved})"
         raise InvalidInput(f"{shown}: outside the allowed folders (KIDX_FILES__ROOTS: {allowed})")
     return resolved
 
 
-def _read_bytes(path: Path, shown: Path, limit: int) -> bytes:
-    """The file's bytes, opened without following a symlink swapped in since the check and
-    without blocking on a FIFO; the size is checked before and while reading."""
+def read_under_roots(path: str | Path, settings: FilesSettings) -> tuple[Path, bytes]:
+    """The bytes of a regular file under the allowed roots, and its resolved path.
+
+    Refused before it is opened: anything outside the roots (resolved), a FIFO, a device, a
+    socket or a folder (opening a FIFO blocks; a device reads without end). Then opened
+    without following a symlink swapped in since the check and without blocking, checked
+    again on the open file, and read up to the size limit, which holds while reading too.
+    A file that says it is empty is not read (the pseudo files of /proc say so too)."""
+    shown = Path(path)
+    resolved = resolve_under_roots(shown, settings)
+    limit = settings.max_bytes
+    try:
+        mode = os.stat(resolved, follow_symlinks=False).st_mode
+    except OSError as e:
+        raise _refuse(shown, f"cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        raise _refuse(shown, f"is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, "
+                             "not a regular file")  # fmt: skip
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        if path.is_dir():
-            raise _refuse(shown, "is a directory, not a file")
-        fd = os.open(path, flags)
+        fd = os.open(resolved, flags)
     except OSError as e:
         raise _refuse(shown, f"cannot be opened ({e.strerror or e})") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise _refuse(shown, "is not a regular file")
+        if st.st_size == 0:
+            raise _refuse(shown, "the file is empty")
         if st.st_size > limit:
             raise _refuse(shown, f"{st.st_size} bytes is over the size limit of {limit} bytes")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise _refuse(shown, f"is over the size limit of {limit} bytes")
-    return data
+    return resolved, data
 
 
 def read_file(path: str | Path, settings: FilesSettings) -> str:
@@ -300,8 +329,7 @@ def read_file(path: str | Path, settings: FilesSettings) -> str:
     Raises `InvalidInput` (naming the file) for anything it will not or cannot read.
     """
     shown = Path(path)
-    resolved = _resolve_under_roots(shown, settings)
-    data = _read_bytes(resolved, shown, settings.max_bytes)
+    resolved, data = read_under_roots(shown, settings)
     if not data:
         raise _refuse(shown, "the file is empty")
     suffix = resolved.suffix.lower()

@@ -141,35 +141,40 @@ class Database:
 
     @contextmanager
     def atomic(self) -> Iterator[Database]:
-        """A write transaction (BEGIN IMMEDIATE); nested calls are savepoints."""
+        """A write transaction (BEGIN IMMEDIATE); nested calls are savepoints.
+
+        A COMMIT that fails (a full disk, an I/O error) rolls back and re-raises: the
+        connection is never left inside a transaction that a later call would mistake for its
+        own. SQLite may roll a whole transaction back by itself (SQLITE_FULL, SQLITE_IOERR):
+        a savepoint then has nothing to undo, and no further statement of the unit runs
+        outside a transaction (StoreError instead)."""
         if self._depth == 0:
             self.execute("BEGIN IMMEDIATE")
         else:
+            self._still_open()
             self.execute(f"SAVEPOINT sp{self._depth}")
         self._depth += 1
         try:
             yield self
         except BaseException:
             self._depth -= 1
-            if self._depth == 0:
-                self.execute("ROLLBACK")
-            else:
-                self.execute(f"ROLLBACK TO sp{self._depth}")
-                self.execute(f"RELEASE sp{self._depth}")
+            self._undo()
             raise
+        self._depth -= 1
+        if self._depth == 0:
+            self._commit()
         else:
-            self._depth -= 1
-            if self._depth == 0:
-                self.execute("COMMIT")
-            else:
-                self.execute(f"RELEASE sp{self._depth}")
+            self._still_open()
+            self.execute(f"RELEASE sp{self._depth}")
 
     @contextmanager
     def committing(self) -> Iterator[Database]:
         """A write transaction that commits even when an exception passes through it: each
         unit of work in it is an `atomic()` savepoint that rolls back alone, so only units that
         ended well are committed. One write lock for many items (a bulk run), where a
-        transaction each would make several writer processes queue once an item."""
+        transaction each would make several writer processes queue once an item. When the
+        COMMIT fails, or SQLite rolled the transaction back by itself, nothing of it is kept
+        and the error is raised (StoreError for the latter)."""
         if self._depth:
             yield self
             return
@@ -179,12 +184,39 @@ class Database:
             yield self
         finally:
             self._depth = 0
-            try:
-                self.execute("COMMIT")
-            except apsw.Error:  # a full disk, say: nothing of it is kept, and it is said
-                if not self.conn.get_autocommit():
+            if self.conn.get_autocommit():
+                raise StoreError("the write transaction was rolled back by SQLite")
+            self._commit()
+
+    def _still_open(self) -> None:
+        """Inside a unit of work, the transaction it belongs to must still be there."""
+        if self.conn.get_autocommit():
+            raise StoreError("the write transaction was rolled back by SQLite")
+
+    def _undo(self) -> None:
+        """Roll back the unit that failed (a savepoint, or the whole transaction), unless
+        SQLite has already rolled the transaction back; the first error is the one raised."""
+        if self.conn.get_autocommit():
+            return
+        try:
+            if self._depth == 0:
+                self.execute("ROLLBACK")
+            else:
+                self.execute(f"ROLLBACK TO sp{self._depth}")
+                self.execute(f"RELEASE sp{self._depth}")
+        except apsw.Error as e:
+            log.error("rollback failed", reason=f"{type(e).__name__}: {e}")
+
+    def _commit(self) -> None:
+        try:
+            self.execute("COMMIT")
+        except BaseException:
+            if not self.conn.get_autocommit():
+                try:
                     self.execute("ROLLBACK")
-                raise
+                except apsw.Error as e:
+                    log.error("rollback failed", reason=f"{type(e).__name__}: {e}")
+            raise
 
     def map_for_reading(self, megabytes: int = 1024) -> None:
         """Read the file through a memory map (PRAGMA mmap_size): a search scans every vector

@@ -9,6 +9,7 @@ from typing import Any
 from worker.chunking.base import text_hash
 from worker.errors import InvalidInput, ItemNotFound
 from worker.store.db import Database
+from worker.store.text import NotText, shown, strict
 
 NOW = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
 
@@ -33,7 +34,15 @@ class Item:
     source: str | None
     content: str
     content_hash: str | None
+    unreadable: str | None = None  # why its content or source cannot be indexed (not UTF-8)
 
+
+# An item's state row, created when missing: never for an item that is gone (a task still
+# running for a deleted item must not bring a row of it back).
+CREATE_STATE = (
+    "INSERT INTO item_index_state(item_id) SELECT id FROM knowledge_items WHERE id = ?1 "
+    "ON CONFLICT(item_id) DO NOTHING"
+)
 
 STATE_COLUMNS = (
     "item_id",
@@ -59,20 +68,46 @@ def add_item(
             "VALUES (?, ?, ?, ?, ?) RETURNING id",
             (kind, title, source, content, text_hash(content)),
         )
+        # A state row a host left under this id (ids are never reused, but a host may write
+        # any row) is not this item's.
+        db.execute("DELETE FROM item_index_state WHERE item_id = ?", (item_id,))
         db.execute("INSERT INTO item_index_state(item_id) VALUES (?)", (item_id,))
     return int(item_id)
 
 
 def get_item(db: Database, item_id: int, *, content: bool = True) -> Item:
-    """The item; with `content=False` its content is "" (a 20 MB note is 80 MB in Python)."""
+    """The item; with `content=False` its content is "" (a 20 MB note is 80 MB in Python).
+    Columns a host filled with bytes that are not UTF-8 never raise here (worker.store.text):
+    a title is shown with U+FFFD, content or a source that is not text sets `unreadable`."""
     column = "content" if content else "''"
-    row = db.one(
-        f"SELECT id, kind, title, source, {column}, content_hash FROM knowledge_items WHERE id = ?",
-        (item_id,),
-    )
+    sql = "SELECT id, {}, {}, {}, " + column + ", {} FROM knowledge_items WHERE id = ?"
+    names = ("kind", "title", "source", "content_hash")
+    try:
+        row = db.one(sql.format(*names), (item_id,))
+    except UnicodeDecodeError:  # a TEXT value that is not UTF-8: read every column's bytes
+        raw = sql.replace(column, f"CAST({column} AS BLOB)") if content else sql
+        row = db.one(raw.format(*(f"CAST({n} AS BLOB)" for n in names)), (item_id,))
     if row is None:
         raise ItemNotFound(item_id)
-    return Item(*row)
+    return _item(row)
+
+
+def _item(row: tuple[Any, ...]) -> Item:
+    item_id, kind, title, source, text, content_hash = row
+    problems = []
+    try:
+        text = strict(text, "the content")
+    except NotText as e:
+        text, problems = "", [str(e)]
+    if source is not None:
+        try:
+            source = strict(source, "the source")
+        except NotText as e:
+            source, problems = shown(source), [*problems, str(e)]
+    return Item(
+        int(item_id), shown(kind), shown(title), source, text, shown(content_hash) or None,
+        "; ".join(problems) or None,
+    )
 
 
 def update_content(db: Database, item_id: int, content: str, *, title: str | None = None) -> None:
@@ -89,15 +124,13 @@ def update_content(db: Database, item_id: int, content: str, *, title: str | Non
 
 
 def set_state(db: Database, item_id: int, **fields: Any) -> None:
-    """Update columns of an item's index state (the row is created if a host app did not)."""
+    """Update columns of an item's index state (the row is created if a host app did not;
+    nothing is written for an item that is gone)."""
     if "status" in fields:
         fields["status"] = str(fields["status"])
     names = list(fields)
     with db.atomic():
-        db.execute(
-            "INSERT INTO item_index_state(item_id) VALUES (?) ON CONFLICT(item_id) DO NOTHING",
-            (item_id,),
-        )
+        db.execute(CREATE_STATE, (item_id,))
         if names:
             sets = ", ".join(f"{n} = :{n}" for n in names)
             db.execute(
@@ -113,10 +146,7 @@ def set_states(db: Database, item_ids: list[int], **fields: Any) -> None:
     marks = ",".join("?" * len(item_ids))
     sets = ", ".join(f"{n} = ?" for n in fields)
     with db.atomic():
-        db.executemany(
-            "INSERT INTO item_index_state(item_id) VALUES (?) ON CONFLICT(item_id) DO NOTHING",
-            [(i,) for i in item_ids],
-        )
+        db.executemany(CREATE_STATE, [(i,) for i in item_ids])
         db.execute(
             f"UPDATE item_index_state SET {sets}, updated_at = {NOW} WHERE item_id IN ({marks})",
             (*fields.values(), *item_ids),
@@ -150,7 +180,8 @@ def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
     rows = db.dicts(
         "SELECT c.chunk_index, c.method AS chunk_method, "
         "(e.chunk_id IS NOT NULL) AS has_embedding, c.summary, c.start_offset, c.end_offset, "
-        "length(c.content) AS length FROM note_chunks c "
+        # Not length(content): SQLite's length() stops at a NUL character.
+        "c.end_offset - c.start_offset AS length FROM note_chunks c "
         "LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id "
         "WHERE c.item_id = ? ORDER BY c.chunk_index",
         (item_id,),

@@ -199,6 +199,78 @@ ALTER TABLE index_jobs ADD COLUMN counted INTEGER NOT NULL DEFAULT 0;
     )
 )
 
+# What a deleted item leaves, removed by the database itself: a host's plain-SQL DELETE runs
+# with foreign keys off (SQLite's default), so ON DELETE CASCADE does nothing there; a trigger
+# fires on every connection. Only relational rows: a trigger naming a vec0 table would fail
+# the host's DELETE on a connection without sqlite-vec. Vec rows left behind are orphans,
+# which search never returns and the reconcile sweep deletes.
+_DEPENDANTS = """
+    DELETE FROM note_chunk_embeddings
+     WHERE chunk_id IN (SELECT id FROM note_chunks WHERE item_id = old.id);
+    DELETE FROM note_chunks WHERE item_id = old.id;
+    DELETE FROM note_embeddings WHERE item_id = old.id;
+    DELETE FROM code_chunk_embeddings
+     WHERE chunk_id IN (SELECT id FROM code_chunks WHERE item_id = old.id);
+    DELETE FROM code_chunks WHERE item_id = old.id;
+    DELETE FROM item_index_state WHERE item_id = old.id;"""
+
+MIGRATIONS.append(
+    (
+        5,
+        f"""
+-- knowledge_items again, with AUTOINCREMENT: an id is never given twice, so an id a host
+-- remembers never names another item, and nothing an old item left can meet a new one.
+-- (SQLite cannot add AUTOINCREMENT in place: the table is rebuilt, with foreign keys off.)
+CREATE TABLE knowledge_items_new (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind         TEXT NOT NULL CHECK (kind IN {ITEM_KINDS}),
+    title        TEXT NOT NULL DEFAULT '',
+    source       TEXT,
+    content      TEXT NOT NULL DEFAULT '',
+    content_hash TEXT,
+    created_at   TEXT NOT NULL DEFAULT {_NOW},
+    updated_at   TEXT NOT NULL DEFAULT {_NOW}
+);
+INSERT INTO knowledge_items_new(id, kind, title, source, content, content_hash, created_at,
+                                updated_at)
+SELECT id, kind, title, source, content, content_hash, created_at, updated_at
+  FROM knowledge_items;
+DROP TABLE knowledge_items;
+ALTER TABLE knowledge_items_new RENAME TO knowledge_items;
+
+-- Ids that deleted items had (their rows may linger elsewhere) are not given again either.
+DELETE FROM sqlite_sequence WHERE name = 'knowledge_items';
+INSERT INTO sqlite_sequence(name, seq)
+SELECT 'knowledge_items', coalesce(max(m), 0) FROM (
+    SELECT max(id) AS m FROM knowledge_items
+    UNION ALL SELECT max(item_id) FROM item_index_state
+    UNION ALL SELECT max(item_id) FROM note_chunks
+    UNION ALL SELECT max(item_id) FROM note_embeddings
+    UNION ALL SELECT max(item_id) FROM code_chunks
+    UNION ALL SELECT max(item_id) FROM index_jobs
+);
+
+CREATE TRIGGER knowledge_items_content_changed
+AFTER UPDATE OF content ON knowledge_items
+WHEN new.content IS NOT old.content AND new.content_hash IS old.content_hash
+BEGIN
+    UPDATE knowledge_items SET content_hash = NULL, updated_at = {_NOW} WHERE id = new.id;
+END;
+
+CREATE TRIGGER knowledge_items_deleted
+AFTER DELETE ON knowledge_items
+BEGIN{_DEPENDANTS}
+END;
+
+CREATE TRIGGER knowledge_items_id_changed
+AFTER UPDATE OF id ON knowledge_items
+WHEN new.id IS NOT old.id
+BEGIN{_DEPENDANTS}
+END;
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
@@ -210,22 +282,34 @@ def schema_version(db: Database) -> int:
 
 
 def migrate(db: Database) -> int:
-    """Apply the migrations this database has not seen; returns the schema version."""
+    """Apply the migrations this database has not seen; returns the schema version.
+
+    Foreign keys are off while they run (a table rebuild drops the old table, which with
+    foreign keys on would delete every row that refers to it; the pragma cannot change
+    inside a transaction, so it is set around it), and renames leave the schema's other
+    objects as they are (legacy_alter_table)."""
     if schema_version(db) >= SCHEMA_VERSION:
         return SCHEMA_VERSION
-    with db.atomic():
-        current = schema_version(db)  # again, under the write lock: another process may have won
-        for number, sql in MIGRATIONS:
-            if number <= current:
-                continue
-            with db.atomic():
-                for statement in _statements(sql):
-                    db.execute(statement)
-                db.execute(
-                    "INSERT INTO index_meta(key, value) VALUES ('schema_version', ?) "
-                    "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                    (str(number),),
-                )
+    db.execute("PRAGMA foreign_keys = OFF")
+    # A host's own view over a table being rebuilt must not stop the rename that ends it.
+    db.execute("PRAGMA legacy_alter_table = ON")
+    try:
+        with db.atomic():
+            current = schema_version(db)  # again, under the write lock: another may have won
+            for number, sql in MIGRATIONS:
+                if number <= current:
+                    continue
+                with db.atomic():
+                    for statement in _statements(sql):
+                        db.execute(statement)
+                    db.execute(
+                        "INSERT INTO index_meta(key, value) VALUES ('schema_version', ?) "
+                        "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                        (str(number),),
+                    )
+    finally:
+        db.execute("PRAGMA legacy_alter_table = OFF")
+        db.execute("PRAGMA foreign_keys = ON")
     return SCHEMA_VERSION
 
 

@@ -1,0 +1,85 @@
+"""Deleting items, and the rows that deleted items left behind.
+
+`delete_items` removes an item with everything derived from it in one transaction: its state,
+chunks, vectors and their vec rows. A host may also delete the row itself with plain SQL and
+foreign keys off: the schema's trigger (migration 5) removes the relational rows then, and the
+vec rows it cannot reach become orphans, which search skips and `repair_vectors` deletes.
+
+What a deleted item can still leave (a database that predates the trigger, a host that deleted
+chunks or state rows by hand) is a *leftover*: a row that no live item reaches. `leftovers()`
+counts them by kind, for `kidx doctor`; `remove_leftovers()` deletes them, for the reconcile
+sweep. Neither needs a provider, and neither touches a live item's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from worker.errors import ItemNotFound
+from worker.store.db import Database
+from worker.store.vec import vec_delete, vec_ready
+
+_LIVE_NOTE_CHUNKS = "SELECT c.id FROM note_chunks c JOIN knowledge_items i ON i.id = c.item_id"
+_LIVE_CODE_CHUNKS = "SELECT c.id FROM code_chunks c JOIN knowledge_items i ON i.id = c.item_id"
+
+# kind of leftover -> (table, the condition that makes one of its rows a leftover)
+LEFTOVERS: dict[str, tuple[str, str]] = {
+    "index states": ("item_index_state", "item_id NOT IN (SELECT id FROM knowledge_items)"),
+    "note chunks": ("note_chunks", "item_id NOT IN (SELECT id FROM knowledge_items)"),
+    "chunk vectors": ("note_chunk_embeddings", f"chunk_id NOT IN ({_LIVE_NOTE_CHUNKS})"),
+    "whole-item vectors": ("note_embeddings", "item_id NOT IN (SELECT id FROM knowledge_items)"),
+    "code chunks": ("code_chunks", "item_id NOT IN (SELECT id FROM knowledge_items)"),
+    "code vectors": ("code_chunk_embeddings", f"chunk_id NOT IN ({_LIVE_CODE_CHUNKS})"),
+    "memory vectors": ("memory_embeddings", "memory_id NOT IN (SELECT id FROM memories)"),
+}
+
+
+def leftovers(db: Database) -> dict[str, int]:
+    """Rows that no live item (or memory) reaches, counted by kind; only kinds with some."""
+    found = {}
+    for kind, (table, where) in LEFTOVERS.items():
+        count = int(db.scalar(f"SELECT count(*) FROM {table} WHERE {where}") or 0)
+        if count:
+            found[kind] = count
+    return found
+
+
+def remove_leftovers(db: Database) -> dict[str, int]:
+    """Delete every leftover, in one transaction; what was removed, by kind. Their vec rows
+    become orphans, for `repair_vectors` (which runs after this in a sweep)."""
+    removed = {}
+    with db.atomic():
+        for kind, (table, where) in LEFTOVERS.items():
+            db.execute(f"DELETE FROM {table} WHERE {where}")
+            if changed := db.conn.changes():
+                removed[kind] = changed
+    return removed
+
+
+def delete_items(db: Database, item_ids: Iterable[int]) -> list[int]:
+    """Delete items with their state, chunks, vectors and vec rows, in one transaction; all
+    or nothing (ItemNotFound names the first unknown id). A run still under way for one of
+    them finds it gone when it writes, and writes nothing."""
+    ids = list(dict.fromkeys(item_ids))
+    with db.atomic():
+        for item_id in ids:
+            if db.one("SELECT 1 FROM knowledge_items WHERE id = ?", (item_id,)) is None:
+                raise ItemNotFound(item_id)
+        for start in range(0, len(ids), 500):
+            _delete(db, ids[start : start + 500])
+    return ids
+
+
+def _delete(db: Database, ids: list[int]) -> None:
+    marks = ",".join("?" * len(ids))
+    if db.vec_loaded and vec_ready(db, db.dimensions):
+        for table, source in (
+            ("vec_chunk_embeddings", "note_chunks"),
+            ("vec_work_code_chunks", "code_chunks"),
+        ):
+            chunks = db.all(f"SELECT id FROM {source} WHERE item_id IN ({marks})", ids)
+            vec_delete(db, table, [r[0] for r in chunks])
+        vec_delete(db, "vec_note_embeddings", ids)
+    # The relational rows go with the item: the trigger of migration 5 (and, on this
+    # connection, the foreign keys' cascade).
+    db.execute(f"DELETE FROM knowledge_items WHERE id IN ({marks})", ids)

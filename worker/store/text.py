@@ -1,0 +1,46 @@
+"""Text columns that a host application may have filled with anything.
+
+SQLite stores whatever a driver binds: a Go or C# host that binds a byte array writes a BLOB, a
+careless one writes bytes that are not UTF-8, and apsw raises UnicodeDecodeError on reading
+such a TEXT value. The rule kidx follows:
+
+* what is indexed (a note's content, a source path or URL) must be UTF-8: a BLOB holding valid
+  UTF-8 is taken as the text it is; anything else refuses that item, with the reason stored in
+  its state. Guessing would index mojibake, and U+FFFD in place of bytes would silently change
+  what the host wrote;
+* what is only shown (a title, a kind, a stored hash) is decoded with U+FFFD for what is not
+  UTF-8, so that one bad row never stops a listing or a search.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class NotText(ValueError):
+    """A value that is not UTF-8 text; the message says where it breaks."""
+
+
+def shown(value: Any) -> str:
+    """Any stored value as text to show: bytes decoded with U+FFFD where not UTF-8."""
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def strict(value: Any, what: str) -> str:
+    """A stored value that must be text: UTF-8 bytes are decoded, other bytes refused."""
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise NotText(
+                f"{what} is not UTF-8 text (byte 0x{value[e.start]:02x} at offset {e.start}); "
+                "write it as UTF-8 TEXT"
+            ) from None
+    return str(value)
+
