@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import httpx
 import redis
@@ -33,6 +33,7 @@ from worker.log import Redact
 from worker.providers import build_chat, build_embedder
 from worker.reconcile import last_sweeps
 from worker.settings import Settings
+from worker.sources.urls import safe_url
 from worker.store import VEC_TABLES, Database, resolve_dimensions, vec_table_dimensions
 from worker.store.removal import leftovers
 from worker.store.schema import SCHEMA_VERSION, schema_version
@@ -86,15 +87,6 @@ class NotChecked(Warn):
 
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
-
-
-def safe_url(url: str) -> str:
-    """The URL with its password masked."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 # -- the database ----------------------------------------------------------------------------

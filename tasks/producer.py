@@ -20,6 +20,7 @@ from celery import Celery
 
 from tasks import GROUP, KNOWLEDGE_ITEM, NOTE, TASK_FOR_KIND
 from worker.errors import ItemNotFound
+from worker.sources.urls import check_url
 from worker.store import Database
 from worker.store.items import add_item, get_item
 from worker.store.jobs import create_batch, group_job_id, record_queued, record_queued_many
@@ -183,7 +184,9 @@ def add_file(
 def add_url(
     db: Database, url: str, *, title: str | None = None, app: Celery | None = None
 ) -> tuple[int, str]:
-    """Write a URL item (the worker fetches it), then send its task."""
+    """Write a URL item (the worker fetches it), then send its task. A URL that is not
+    http(s) or that carries credentials is refused (InvalidInput), and nothing is written."""
+    check_url(url)
     item_id = add_item(db, kind="url", title=title or url, content="", source=url)
     return item_id, enqueue_knowledge_item(db, item_id, app=app, reason="added")
 

@@ -224,7 +224,7 @@ def prepare_item(
     dims, model = db.dimensions, embedder.model_id
     check(cancel)
     try:
-        text = (reader or Reader()).text(item)
+        text = (reader or Reader()).text(item, cancel)
     except SourceUnavailable as e:  # a URL that may answer later: the task retries
         raise IndexAborted(str(e), transient=True) from e
     content_hash = text_hash(text)

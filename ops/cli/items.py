@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import click
 
@@ -63,9 +62,9 @@ def add_file(ctx: Ctx, path: Path, title: str | None, inline: bool) -> None:
 @click.option("--inline", is_flag=True, help="Fetch and index it now, in this process.")
 def add_url(ctx: Ctx, url: str, title: str | None, inline: bool) -> None:
     """Add a web page (fetched by the worker, safely); prints its id."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InvalidInput(f"not an http(s) URL: {url}")
+    from worker.sources.urls import check_url
+
+    check_url(url)  # refused now (credentials in it included), and nothing written
     with ctx.store() as db:
         item_id = _item_for(db, "url", title or url, url)
         results = _index_or_send(ctx, db, [item_id], inline)

@@ -17,9 +17,11 @@ import random
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.request import getproxies
 
 import httpx
 
+from worker import net
 from worker.errors import BadAnswer, PermanentProviderError, TransientProviderError
 from worker.log import get_logger
 from worker.providers.base import backoff_delay
@@ -116,6 +118,9 @@ class JSONClient:
             base_url=settings.base_url,
             headers=headers,
             timeout=httpx.Timeout(settings.timeout, connect=settings.connect_timeout),
+            # Through a proxy from the environment (httpx's own transport, per-read
+            # timeouts), else with the deadline in all.
+            transport=None if getproxies() else net.DeadlineTransport(trust_env=True),
         )
         self.where = f"{model} at {settings.base_url}"
 
@@ -127,7 +132,8 @@ class JSONClient:
         for attempt in range(attempts):
             wait = None
             try:
-                response = self.client.post(path, json=body)
+                with net.deadline(s.timeout):  # in all: a server trickling bytes included
+                    response = self.client.post(path, json=body)
             except httpx.ConnectTimeout:
                 cause = f"connect timed out after {s.connect_timeout:g}s"
             except httpx.TimeoutException:

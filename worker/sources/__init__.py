@@ -3,6 +3,7 @@ URLs fetched safely, code read from its file (`worker/sources/files.py`, `urls.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker.errors import InvalidInput
@@ -17,8 +18,9 @@ class Reader:
     files: FilesSettings = field(default_factory=FilesSettings)
     urls: UrlSettings = field(default_factory=UrlSettings)
 
-    def text(self, item: Item) -> str:
-        """The text to index for this item (for files and URLs, extracted again each time)."""
+    def text(self, item: Item, cancel: Callable[[], bool] | None = None) -> str:
+        """The text to index for this item (for files and URLs, extracted again each time);
+        `cancel` interrupts a URL's fetch while it waits on the server."""
         if item.unreadable:  # bytes a host wrote that are not text (worker.store.text)
             raise InvalidInput(f"item {item.id}: {item.unreadable}")
         if item.kind == "note":
@@ -32,14 +34,10 @@ class Reader:
         if item.kind == "url":
             from worker.sources.urls import fetch_url
 
-            return fetch_url(item.source, self.urls).text
+            return fetch_url(item.source, self.urls, cancel=cancel).text
         if item.kind == "code":
             from worker.sources.code import read_code
 
             return read_code(item.source, self.files)
         raise InvalidInput(f"item {item.id} has an unknown kind {item.kind!r}")
 
-
-def item_text(item: Item) -> str:
-    """The text of a note (other kinds need a Reader with its settings)."""
-    return Reader().text(item)

@@ -15,14 +15,16 @@ Why it looks the way it does:
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from worker import net
 from worker.errors import InvalidInput, SourceUnavailable
 from worker.settings import UrlSettings
 from worker.sources.files import (
@@ -52,9 +54,12 @@ class Fetched:
 
 
 def system_resolve(host: str, port: int) -> list[str]:
-    """Every address the system resolver gives for `host` (IPv4 and IPv6)."""
+    """Every address the system resolver gives for `host` (IPv4 and IPv6), within the
+    fetch's deadline (the resolver itself takes no timeout)."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = net.bounded(socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM)
+    except net.DeadlinePassed as e:
+        raise SourceUnavailable(f"{host}: name resolution took too long ({e})") from None
     except socket.gaierror as e:
         if e.errno == socket.EAI_AGAIN:
             raise SourceUnavailable(f"{host}: name resolution failed for now ({e})") from None
@@ -115,16 +120,29 @@ class _Policy:
         return [str(ip) for ip in addresses]
 
 
+def check_url(url: str) -> str:
+    """A URL that may become an item: http(s), with a host, without credentials (they would
+    be stored, shown and logged); refused with the reason, naming it without them."""
+    parsed = _parse(url)
+    if parsed.userinfo:
+        raise InvalidInput(
+            f"{safe_url(url)}: a URL with credentials (user:password@) is not fetched; kidx "
+            "would store them with the item"
+        )
+    return url
+
+
 def _parse(url: str, base: httpx.URL | None = None) -> httpx.URL:
     """An http(s) URL with a host (`url` relative to `base` when given), or a refusal."""
+    shown = safe_url(url)
     try:
         parsed = base.join(url) if base is not None else httpx.URL(url)
     except (httpx.InvalidURL, TypeError) as e:
-        raise InvalidInput(f"{url}: not a valid URL ({e})") from None
+        raise InvalidInput(f"{shown}: not a valid URL ({safe_url(str(e))})") from None
     if parsed.scheme not in ("http", "https"):
-        raise InvalidInput(f"{url}: only http and https URLs can be fetched")
+        raise InvalidInput(f"{shown}: only http and https URLs can be fetched")
     if not parsed.host:
-        raise InvalidInput(f"{url}: the URL has no host")
+        raise InvalidInput(f"{shown}: the URL has no host")
     return parsed
 
 
@@ -150,20 +168,18 @@ def _status(url: httpx.URL, response: httpx.Response) -> None:
 
 
 def _body(url: httpx.URL, response: httpx.Response, settings: UrlSettings) -> bytes:
-    """The body, refused as soon as it passes the size limit or the time allowed."""
+    """The body, refused as soon as it passes the size limit (the time allowed is the
+    fetch's deadline, which every read honours)."""
     limit = settings.max_bytes
     declared = response.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise InvalidInput(f"{url}: over the size limit of {limit} bytes ({declared} declared)")
-    deadline = time.monotonic() + settings.timeout
     parts: list[bytes] = []
     size = 0
     for part in response.iter_bytes():
         size += len(part)
         if size > limit:
             raise InvalidInput(f"{url}: over the size limit of {limit} bytes")
-        if time.monotonic() > deadline:
-            raise SourceUnavailable(f"{url}: the body took longer than {settings.timeout:g}s")
         parts.append(part)
     return b"".join(parts)
 
@@ -217,19 +233,29 @@ def fetch_url(
     resolve: Resolver | None = None,
     client: httpx.Client | None = None,
     user_agent: str = "kidx/0.1 (+https://github.com/kidx)",
+    cancel: net.CancelCheck | None = None,
 ) -> Fetched:
     """Fetch `url` and return its text (Markdown for HTML), refusing what the settings do not
-    allow. `resolve` replaces the system resolver; `client` a fresh httpx client (give one
-    without proxies: a proxy would resolve the name itself and undo the address check)."""
+    allow. Everything (names resolved, redirects, headers, body) happens within
+    `settings.timeout` in all, however slowly a server trickles; `cancel` ends it between
+    two waits of at most a quarter of a second (Cancelled). `resolve` replaces the system
+    resolver; `client` a fresh httpx client (give one without proxies, a proxy would resolve
+    the name itself and undo the address check, and with a `net.DeadlineTransport`)."""
     policy = _Policy(settings)
     resolve = resolve or system_resolve
     timeout = httpx.Timeout(settings.timeout, connect=settings.connect_timeout)
     accept = ", ".join(settings.content_types) + ", */*;q=0.1"
     headers = {"User-Agent": user_agent, "Accept": accept}
     own = client is None
-    http = client or httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False)
-    current = start = _parse(url)
+    http = client or httpx.Client(
+        timeout=timeout, follow_redirects=False, trust_env=False,
+        transport=net.DeadlineTransport(),
+    )  # fmt: skip
+    current = start = _parse(check_url(url))
+    shown = safe_url(url)
     seen = {str(current)}
+    stack = contextlib.ExitStack()
+    stack.enter_context(net.deadline(settings.timeout, cancel))
     try:
         for _ in range(settings.max_redirects + 1):
             port = current.port or (443 if current.scheme == "https" else 80)
@@ -243,6 +269,9 @@ def fetch_url(
                 location = response.headers.get("location")
                 if response.status_code in REDIRECTS and location:
                     target = _parse(location, current)
+                    if target.userinfo:
+                        raise InvalidInput(f"{shown}: redirects to a URL with credentials "
+                                           f"({safe_url(str(target))}); not followed")  # fmt: skip
                     if str(target) in seen:
                         raise InvalidInput(f"{url}: redirect loop (at {target})")
                     seen.add(str(target))
@@ -259,11 +288,26 @@ def fetch_url(
             return Fetched(_to_text(current, data, media, charset), str(current), media)
         raise InvalidInput(f"{url}: too many redirects (more than {settings.max_redirects})")
     except httpx.TimeoutException as e:
-        raise SourceUnavailable(f"{current}: timed out ({type(e).__name__})") from None
+        detail = str(e) or type(e).__name__
+        raise SourceUnavailable(f"{safe_url(str(current))}: timed out ({detail})") from None
     except httpx.DecodingError as e:
-        raise InvalidInput(f"{current}: the body could not be decoded ({e})") from None
+        raise InvalidInput(
+            f"{safe_url(str(current))}: the body could not be decoded ({e})"
+        ) from None
     except httpx.TransportError as e:
-        raise SourceUnavailable(f"{current}: {type(e).__name__}: {e}") from None
+        raise SourceUnavailable(f"{safe_url(str(current))}: {type(e).__name__}: {e}") from None
     finally:
+        stack.close()
         if own:
             http.close()
+
+
+def safe_url(url: str) -> str:
+    """The URL with any credentials in it masked: what may be shown, stored and logged."""
+    try:
+        parts = urlsplit(url)
+        if "@" not in parts.netloc:
+            return url
+        return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+    except ValueError:
+        return "(a URL that does not parse)" if "@" in url else url
