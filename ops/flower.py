@@ -5,7 +5,8 @@
 
 Flower keeps its task history in memory unless told otherwise; here it is saved in
 `<KIDX_DATA_DIR>/flower.db` so that it survives a restart. The credentials reach Flower in
-FLOWER_BASIC_AUTH, not on its command line, where `ps` would show them.
+FLOWER_BASIC_AUTH, not on its command line, where `ps` would show them; they guard every page,
+`/metrics` included (Flower's own default leaves that one open), all but `/healthcheck`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,20 @@ def main(argv: list[str] | None = None) -> None:
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
     cmd = flower_command(settings, address=address, port=f.port)
     os.environ["FLOWER_BASIC_AUTH"] = f"{user}:{password}"
-    os.execv(cmd[0], cmd)
+    serve(cmd)
+
+
+def serve(cmd: list[str]) -> None:
+    """Run Flower in this process (`cmd` as `flower_command` gives it), every page behind
+    the credentials: Flower leaves `/metrics` open for Prometheus, which can send them
+    (`basic_auth` in its scrape config); only `/healthcheck` stays open."""
+    from celery.bin.celery import main as celery
+    from flower.views import monitor
+    from tornado import web
+
+    monitor.Metrics.get = web.authenticated(monitor.Metrics.get)  # type: ignore[method-assign]
+    sys.argv = ["celery", *cmd[3:]]  # after `python -m celery`
+    celery()
 
 
 if __name__ == "__main__":

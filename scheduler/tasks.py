@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.schedule import RECONCILE, RETRY_SWEEP
+from tasks.lock import held
 from tasks.producer import send_batch
 from tasks.runtime import get_runtime
 from worker.app import app, settings
@@ -21,8 +22,13 @@ def reconcile_sweep() -> dict[str, Any]:
     """Repair vec rows at once; send the items that need a run as a `reconcile` batch."""
     rt = get_runtime(settings)
     model = rt.embedder.model_id if rt.embedder is not None else settings.embedding.model
-    drift = reconcile(rt.db, model=model, max_items=settings.scheduler.max_items,
-                      horizon=settings.tasks.visibility_timeout)  # fmt: skip
+    drift = reconcile(
+        rt.db,
+        model=model,
+        max_items=settings.scheduler.max_items,
+        horizon=settings.tasks.visibility_timeout,
+        locked=lambda ids: held(rt.redis, ids),  # an `indexing` item without: its run died
+    )
     batch_id = None
     if drift.to_index:
         batch_id, _ = send_batch(rt.db, drift.to_index, kind="reconcile", app=app)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import apsw
 import structlog
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
@@ -24,7 +25,7 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded
 from tasks import GROUP, metrics
 from tasks import cancel as cancellation
 from tasks.cancel import TERMINATED, CancelToken, running
-from tasks.index import IndexFailed, backoff, changed, one_line, valid_id
+from tasks.index import IndexFailed, backoff, bad_arguments, changed, one_line, valid_id
 from tasks.lock import LockSet
 from tasks.producer import enqueue, send_group
 from tasks.runtime import Runtime, get_runtime
@@ -60,9 +61,15 @@ def index_group(
         if not isinstance(item_ids, list) or not item_ids or not all(map(valid_id, item_ids)):
             shown = repr(item_ids)[:80]
             raise IndexFailed(f"the item ids must be a list of positive integers, not {shown}")
-        return _Group(self, get_runtime(settings), item_ids, reason, batch_id, started).run(
-            structure_only
-        )
+        rt = get_runtime(settings)
+        problem = bad_arguments(rt, item_ids[0], reason, batch_id, structure_only)
+        if problem is not None:  # its job rows say so, without what cannot be stored
+            group = _Group(self, rt, item_ids, reason if isinstance(reason, str) else None,
+                           None, started)  # fmt: skip
+            for item_id in group.ids:
+                group._failed(item_id, one_line(item_id, problem, group.took()), "bad_input")
+            raise IndexFailed(group._failure_line())
+        return _Group(self, rt, item_ids, reason, batch_id, started).run(structure_only)
     finally:
         structlog.contextvars.unbind_contextvars("task_id")
 
@@ -93,14 +100,21 @@ class _Group:
         self, item_id: int, state: JobState, outcome: str | None, error: str | None = None,
         why: str | None = None,
     ) -> None:  # fmt: skip
-        """An item's run ends: its job row and its count in the batch, in one transaction."""
-        with self.rt.db.atomic():
-            record_end(self.rt.db, group_job_id(self.task_id, item_id), 0, state, self.took(),
-                       error)  # fmt: skip
-            if self.batch_id is not None and outcome is not None:
-                batch_outcome(self.rt.db, self.batch_id, outcome, error,
-                              abort_after=settings.tasks.batch_abort_after,
-                              job=(group_job_id(self.task_id, item_id), 0))  # fmt: skip
+        """An item's run ends: its job row and its count in the batch, in one transaction
+        (the group's write transaction, when the item was just written: if that does not
+        commit, the item ends again, failed). A database that refuses (a full disk) is logged:
+        the task's result still says what happened."""
+        try:
+            with self.rt.db.atomic():
+                record_end(self.rt.db, group_job_id(self.task_id, item_id), 0, state,
+                           self.took(), error)  # fmt: skip
+                if self.batch_id is not None and outcome is not None:
+                    batch_outcome(self.rt.db, self.batch_id, outcome, error,
+                                  abort_after=settings.tasks.batch_abort_after,
+                                  job=(group_job_id(self.task_id, item_id), 0))  # fmt: skip
+        except (apsw.Error, KidxError) as e:
+            log.error("could not record an item's end", item_id=item_id,
+                      reason=f"{type(e).__name__}: {e}")  # fmt: skip
         metrics.run(GROUP, str(state), why)
         self.ended[item_id] = str(state)
 
@@ -130,6 +144,7 @@ class _Group:
                         chunk_window=settings.chunk.window, structure_only=structure_only,
                         cancel=token, task_id=self.task_id, on_done=self._done,
                         deadline=self.started + settings.tasks.soft_time_limit / 2,
+                        context_chars=settings.embedding.context_chars,
                     )  # fmt: skip
             finally:
                 asked = locks.release()
@@ -170,22 +185,29 @@ class _Group:
             else:
                 self.end(item_id, JobState.SUCCESS, "ok")
                 metrics.record_chunks(result)
-            self.results.append(result)
+            self._result(result)
             return
+        if item_id in self.ended:  # reported as written, then its transaction did not commit
+            self.failures = [f for f in self.failures if not f.startswith(f"item {item_id}:")]
         if self._batch_aborted_now():  # by this group's failures or another's: no retry
             self._skip(item_id)
             return
         message = one_line(item_id, str(outcome), self.took())
         if isinstance(outcome, IndexAborted) and outcome.transient and settings.tasks.max_retries:
             why = "provider_transient"
-            self.end(item_id, JobState.RETRY, "retry", message, why=why)
             if self.locks is not None:  # or the retry, due in seconds, would find it locked
                 self.locks.release_one(item_id)
-            retry = enqueue(self.rt.db, item_id, app=self.task.app, reason="retry",
-                            batch_id=self.batch_id,
-                            countdown=backoff(0, outcome.retry_after))  # fmt: skip
-            self.results.append({"item_id": item_id, "status": "retry", "error": message,
-                                 "next": retry})  # fmt: skip
+            try:
+                retry = enqueue(self.rt.db, item_id, app=self.task.app, reason="retry",
+                                batch_id=self.batch_id,
+                                countdown=backoff(0, outcome.retry_after))  # fmt: skip
+            except (apsw.Error, KidxError) as e:  # no retry to be had: it failed
+                message = one_line(item_id, f"{outcome}; not sent again: {e}", self.took())
+                self._failed(item_id, message, why)
+                return
+            self.end(item_id, JobState.RETRY, "retry", message, why=why)
+            self._result({"item_id": item_id, "status": "retry", "error": message,
+                          "next": retry})  # fmt: skip
             return
         why = "provider_permanent" if isinstance(outcome, IndexAborted) else "bad_input"
         self._failed(item_id, message, why)
@@ -205,9 +227,15 @@ class _Group:
                  next=follow)  # fmt: skip
 
     def _failed(self, item_id: int, message: str, why: str) -> None:
-        self.end(item_id, JobState.FAILED, "failed", message, why=why)
+        outcome = "refused" if why == "bad_input" else "failed"  # bad input: no batch abort
+        self.end(item_id, JobState.FAILED, outcome, message, why=why)
         self.failures.append(message)
-        self.results.append({"item_id": item_id, "status": "failed", "error": message})
+        self._result({"item_id": item_id, "status": "failed", "error": message})
+
+    def _result(self, result: dict[str, Any]) -> None:
+        """An item's result; one reported again (its write did not commit) replaces it."""
+        self.results = [r for r in self.results if r["item_id"] != result["item_id"]]
+        self.results.append(result)
 
     def _open(self) -> list[int]:
         return [i for i in self.ids if i not in self.ended]

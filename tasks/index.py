@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+import apsw
 import structlog
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
@@ -69,9 +70,16 @@ def _run(
     started = time.monotonic()
     req = task.request
     task_id, attempt = str(req.id), int(req.retries or 0)
-    structlog.contextvars.bind_contextvars(task_id=task_id, item_id=item_id)
+    valid = valid_id(item_id)
+    structlog.contextvars.bind_contextvars(
+        task_id=task_id, item_id=item_id if valid else f"{item_id!r:.60}"
+    )
     cancellation.reset()
     rt = get_runtime(settings)
+    problem = bad_arguments(rt, item_id, reason, batch_id, structure_only)
+    if problem is not None:  # recorded without what cannot be stored (a batch that is not one)
+        batch_id = None
+        reason = reason if isinstance(reason, str) else None
 
     def took() -> int:
         return int((time.monotonic() - started) * 1000)
@@ -79,19 +87,21 @@ def _run(
     def end(
         state: JobState, outcome: str | None, error: str | None = None, why: str | None = None
     ) -> None:
-        with rt.db.atomic():  # the run's row and its count in the batch, together
-            record_end(rt.db, task_id, attempt, state, took(), error)
-            if batch_id is not None and outcome is not None:
-                batch_outcome(rt.db, batch_id, outcome, error, job=(task_id, attempt),
-                              abort_after=settings.tasks.batch_abort_after)  # fmt: skip
+        try:
+            with rt.db.atomic():  # the run's row and its count in the batch, together
+                record_end(rt.db, task_id, attempt, state, took(), error)
+                if batch_id is not None and outcome is not None:
+                    batch_outcome(rt.db, batch_id, outcome, error, job=(task_id, attempt),
+                                  abort_after=settings.tasks.batch_abort_after)  # fmt: skip
+        except (apsw.Error, KidxError) as e:  # a full disk: the task's result still says it
+            log.error("could not record the run's end", reason=f"{type(e).__name__}: {e}")
         metrics.run(task.name, str(state), why)
 
-    valid = valid_id(item_id)
     try:
         record_start(rt.db, task_id, attempt, task.name, item_id if valid else None, batch_id,
-                     reason)  # fmt: skip
-        if not valid:
-            raise InvalidInput(f"the item id must be a positive integer, not {item_id!r:.60}")
+                     reason[:200] if reason else None)  # fmt: skip
+        if problem is not None:
+            raise InvalidInput(problem)
         token = CancelToken(rt.redis, task_id)
         if token():
             raise Cancelled("revoked before it started")
@@ -158,10 +168,34 @@ def _run(
         raise IndexFailed(message) from None
     except KidxError as e:  # unknown item, wrong kind, bad input: retrying cannot help
         message = one_line(item_id, str(e), took())
-        end(JobState.FAILED, "failed", message, why="bad_input")
+        end(JobState.FAILED, "refused", message, why="bad_input")
+        raise IndexFailed(message) from None
+    except Exception as e:  # a bug, or the database refusing: one line, and a job row that says
+        message = one_line(item_id, f"{type(e).__name__}: {e}", took())
+        end(JobState.FAILED, "failed", message, why="error")
+        log.exception(f"{KI_EMBED} failed", reason=message)
         raise IndexFailed(message) from None
     finally:
         structlog.contextvars.unbind_contextvars("task_id", "item_id")
+
+
+def bad_arguments(
+    rt: Runtime, item_id: object, reason: object, batch_id: object, structure_only: object
+) -> str | None:
+    """What is wrong with a task's arguments (a host may send anything a JSON message
+    holds), in one line; None when they are fine."""
+    if not valid_id(item_id):
+        return f"the item id must be a positive integer, not {item_id!r:.60}"
+    if reason is not None and not isinstance(reason, str):
+        return f"reason must be a string, not {reason!r:.60}"
+    if not isinstance(structure_only, bool):
+        return f"structure_only must be true or false, not {structure_only!r:.60}"
+    if batch_id is not None:
+        if not valid_id(batch_id):
+            return f"the batch id must be a positive integer, not {batch_id!r:.60}"
+        if get_batch(rt.db, batch_id) is None:  # type: ignore[arg-type]
+            return f"no batch with id {batch_id}"
+    return None
 
 
 def _locked_runs(
@@ -185,6 +219,7 @@ def _locked_runs(
                 rt.db, item_id, embedder=rt.embedder, chat=rt.chat, reader=rt.reader,
                 chunk_window=settings.chunk.window, structure_only=structure_only,
                 cancel=token, task_id=str(task.request.id),
+                context_chars=settings.embedding.context_chars,
             )  # fmt: skip
 
         with running():

@@ -39,6 +39,14 @@ def rerun_key(item_id: int) -> str:
     return f"kidx:rerun:item:{item_id}"
 
 
+def held(client: redis.Redis, item_ids: list[int]) -> set[int]:
+    """Which of these items a run holds the lock of now (one round trip)."""
+    pipe = client.pipeline(transaction=False)
+    for item_id in item_ids:
+        pipe.exists(lock_key(item_id))
+    return {i for i, n in zip(item_ids, pipe.execute(), strict=True) if n}
+
+
 class ItemLock:
     """Held by one task run at a time, for one item."""
 

@@ -12,18 +12,28 @@ from __future__ import annotations
 
 import heapq
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from celery import Celery
+from kombu.exceptions import KombuError
+from redis.exceptions import RedisError
 
 from tasks import GROUP, KNOWLEDGE_ITEM, NOTE, TASK_FOR_KIND
-from worker.errors import ItemNotFound
-from worker.sources.urls import check_url
+from worker.errors import BrokerUnavailable, ItemNotFound
+from worker.sources.urls import check_url, safe_url
 from worker.store import Database
 from worker.store.items import add_item, get_item
-from worker.store.jobs import create_batch, group_job_id, record_queued, record_queued_many
+from worker.store.jobs import (
+    abort_batch,
+    create_batch,
+    forget_queued,
+    group_job_id,
+    record_queued,
+    record_queued_many,
+)
 from worker.store.removal import delete_items
 
 
@@ -48,11 +58,33 @@ def _send(
     shown = {"kind": item.kind, "title": item.title[:60], "reason": reason}
     if batch_id is not None:
         shown["batch"] = batch_id
-    (app or _default_app()).send_task(
-        name, args=[item_id], kwargs=kwargs, task_id=task_id, kwargsrepr=repr(shown),
-        countdown=countdown,
-    )  # fmt: skip
+    app = app or _default_app()
+    with _sending(db, app, [task_id], item_id):
+        app.send_task(
+            name, args=[item_id], kwargs=kwargs, task_id=task_id, kwargsrepr=repr(shown),
+            countdown=countdown,
+        )  # fmt: skip
     return task_id
+
+
+@contextmanager
+def _sending(db: Database, app: Celery, task_ids: list[str], item_id: int | None) -> Iterator[None]:
+    """A send that the broker refuses (down, or silent past KIDX_TASKS__BROKER_PATIENCE)
+    leaves no `queued` record, and says so: BrokerUnavailable, naming the broker."""
+    try:
+        yield
+    except (KombuError, RedisError, OSError) as e:
+        forget_queued(db, task_ids)
+        where = safe_url(str(app.conf.broker_url))
+        kept = (
+            f"; item {item_id} is saved, and the reconcile sweep sends it once the broker is back"
+            if item_id is not None
+            else ""
+        )
+        raise BrokerUnavailable(
+            f"the broker at {where} did not take the task ({type(e).__name__}: {e}){kept}",
+            item_id=item_id,
+        ) from None
 
 
 def enqueue_note(
@@ -102,12 +134,17 @@ def send_batch(
         group_size = kidx_settings.tasks.group_size if kidx_settings else 1
     processes = kidx_settings.tasks.concurrency if kidx_settings else 1
     reason = reason or kind
-    return batch_id, [
-        send_group(db, app, g, batch_id, reason)
-        if len(g) > 1
-        else enqueue(db, g[0], app=app, reason=reason, batch_id=batch_id)
-        for g in plan_groups(sizes, group_size, processes)
-    ]
+    sent: list[str] = []
+    try:
+        for g in plan_groups(sizes, group_size, processes):
+            if len(g) > 1:
+                sent.append(send_group(db, app, g, batch_id, reason))
+            else:
+                sent.append(enqueue(db, g[0], app=app, reason=reason, batch_id=batch_id))
+    except BrokerUnavailable as e:  # what was sent ends skipped, for `kidx retry --failed`
+        abort_batch(db, batch_id, f"the broker did not take its tasks: {e}")
+        raise
+    return batch_id, sent
 
 
 def plan_groups(sizes: dict[int, int], group_size: int, processes: int) -> list[list[int]]:
@@ -161,13 +198,15 @@ def send_group(
     kwargs: dict[str, Any] = {"reason": reason, "batch_id": batch_id}
     if structure_only:
         kwargs["structure_only"] = True
-    app.send_task(GROUP, args=[item_ids], kwargs=kwargs, task_id=task_id,
-                  kwargsrepr=repr(shown))  # fmt: skip
+    with _sending(db, app, [group_job_id(task_id, i) for i in item_ids], None):
+        app.send_task(GROUP, args=[item_ids], kwargs=kwargs, task_id=task_id,
+                      kwargsrepr=repr(shown))  # fmt: skip
     return task_id
 
 
 def add_note(db: Database, title: str, text: str, *, app: Celery | None = None) -> tuple[int, str]:
-    """Write a note, then send its task: (item id, task id)."""
+    """Write a note, then send its task: (item id, task id). With the broker away the note
+    stays written and BrokerUnavailable (its `item_id`) says so; the sweep sends it later."""
     item_id = add_item(db, kind="note", title=title, content=text)
     return item_id, enqueue_note(db, item_id, app=app, reason="added")
 

@@ -33,7 +33,8 @@ def test_a_backup_taken_while_another_process_writes_is_whole(tmp_path: Path):
     for i in range(500):
         add_item(db, kind="note", title=f"n{i}", content="some text of a note " * 50)
     db.close()
-    env = {**os.environ, "KIDX_DB": str(source), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "KIDX_DB": str(source), "HF_HUB_OFFLINE": "1",
+           "KIDX_BROKER_URL": "redis://127.0.0.1:6379/6"}  # fmt: skip
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(source)], env=env,
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     kidx = str(Path(sys.executable).parent / "kidx")

@@ -45,6 +45,9 @@ STATE_KEYS = {
 NOWHERE = "http://127.0.0.1:9/v1"  # for runs that must never reach a provider
 
 
+CLI_BROKER = "redis://127.0.0.1:6379/6"  # the CLI tests' Redis database (tests use 1-9)
+
+
 def base_env(db: Path, base_url: str) -> dict[str, str]:
     env = {
         k: v
@@ -53,6 +56,7 @@ def base_env(db: Path, base_url: str) -> dict[str, str]:
     }
     env.update(
         KIDX_DB=str(db),
+        KIDX_BROKER_URL=CLI_BROKER,  # in-process runs take the items' locks there
         KIDX_EMBEDDING__PROVIDER="openai",
         KIDX_EMBEDDING__MODEL="standin-embed",
         KIDX_EMBEDDING__BASE_URL=base_url,

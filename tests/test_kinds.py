@@ -291,7 +291,7 @@ def test_kidx_add_file_url_code_memory_and_search(tmp_path, standin, pages, file
     (files_root / "notes.md").write_text(corpus_text("ch04-02-references-and-borrowing.md"))
     env = {
         "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
-        "KIDX_DB": str(tmp_path / "cli.db"),
+        "KIDX_DB": str(tmp_path / "cli.db"), "KIDX_BROKER_URL": "redis://127.0.0.1:6379/6",
         "KIDX_EMBEDDING__PROVIDER": "openai", "KIDX_EMBEDDING__MODEL": "standin-embed",
         "KIDX_EMBEDDING__BASE_URL": standin.base_url, "KIDX_EMBEDDING__DIMENSIONS": str(DIMS),
         "KIDX_FILES__ROOTS": f"{files_root},{ROOT / 'worker'}",

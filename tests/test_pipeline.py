@@ -331,9 +331,9 @@ def test_items_together_cancelled_leave_every_unwritten_item_cancelled(db, embed
     read: list[int] = []
 
     class Counting(Reader):
-        def text(self, item):
+        def text(self, item, cancel=None):
             read.append(item.id)
-            return super().text(item)
+            return super().text(item, cancel)
 
     def cancel() -> bool:  # once two items have been read and a request has gone (any thread)
         return len(read) >= 2 and standin.requests > 0
@@ -357,10 +357,10 @@ def test_items_together_are_read_and_written_while_a_request_is_in_flight(db):
     seen: list[bool] = []
 
     class Watching(Reader):
-        def text(self, item):
+        def text(self, item, cancel=None):
             if item.id == ids[2]:
                 third_read.set()
-            return super().text(item)
+            return super().text(item, cancel)
 
     class Waiting(FakeEmbedder):
         def embed_batch(self, texts: list[str]) -> np.ndarray:

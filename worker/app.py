@@ -28,6 +28,13 @@ def create_app(settings: Settings) -> Celery:
     """A Celery app configured from `settings` (tests and host applications make their own)."""
     t = settings.tasks
     transport = {"visibility_timeout": t.visibility_timeout}
+    # A broker that is down or does not answer fails a send within the patience (kombu's
+    # advice for a broker that can vanish without closing the connection).
+    broker = {
+        **transport,
+        "socket_connect_timeout": t.broker_patience,
+        "socket_timeout": t.broker_patience,
+    }
     app = Celery("kidx", broker=settings.broker_url, backend=settings.backend_url)
     app.conf.update(
         include=TASK_MODULES,
@@ -39,7 +46,7 @@ def create_app(settings: Settings) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options=transport,
+        broker_transport_options=broker,
         result_backend_transport_options=transport,
         worker_send_task_events=True,
         task_send_sent_event=True,

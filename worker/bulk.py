@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import apsw
 
+from worker.chunking.base import CONTEXT_CHARS
 from worker.chunking.llm import ChatModelLike
 from worker.embedding import CancelCheck, EmbedQueue, FailureCounter, check, none_embedded
 from worker.errors import Cancelled, IndexAborted, KidxError, PermanentProviderError, StoreError
@@ -49,6 +50,7 @@ def index_items(
     max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
     on_done: Callable[[int, IndexResult | KidxError], None] | None = None,
     deadline: float | None = None,
+    context_chars: int = CONTEXT_CHARS,
 ) -> dict[int, IndexResult | KidxError]:
     """Index several items as index_item() does each, with their texts embedded in shared
     batches: a request carries up to the batch size whatever the items' sizes (bulk runs),
@@ -150,7 +152,7 @@ def index_items(
                         raise stop
                     w = prepare_item(db, item, embedder, chat, reader, chunk_window,
                                      structure_only, cancel, task_id, started, ilog,
-                                     mark=False)  # fmt: skip
+                                     mark=False, context_chars=context_chars)  # fmt: skip
             except KidxError as e:
                 done(item_id, e)
                 continue

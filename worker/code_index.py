@@ -8,6 +8,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 from worker.chunking import text_hash
+from worker.chunking.base import CONTEXT_CHARS
 from worker.chunking.code import CodeChunk, chunk_code
 from worker.embedding import Plan
 from worker.errors import InvalidInput
@@ -20,11 +21,14 @@ from worker.store.vec import VEC, vec_delete, vec_ready, vec_replace
 SNIPPET = 160
 
 
-def code_plan(db: Database, item: Item, chunks: list[CodeChunk], model: str, dims: int) -> Plan:
+def code_plan(
+    db: Database, item: Item, chunks: list[CodeChunk], model: str, dims: int,
+    context: int = CONTEXT_CHARS,
+) -> Plan:  # fmt: skip
     """Reuse a vector wherever the same input (path, lines, symbol, content) was embedded."""
     plan = Plan(
-        chunks, lambda i: chunks[i].embedding_input(item.title),
-        [text_hash(c.embedding_input(item.title)) for c in chunks], item_id=item.id,
+        chunks, lambda i: chunks[i].embedding_input(item.title, context),
+        [text_hash(c.embedding_input(item.title, context)) for c in chunks], item_id=item.id,
     )  # fmt: skip
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     for chunk_id, embed_hash, vector in db.all(
@@ -40,12 +44,14 @@ def code_plan(db: Database, item: Item, chunks: list[CodeChunk], model: str, dim
     return plan
 
 
-def plan_code(db: Database, item: Item, text: str, model: str) -> tuple[Plan, list[CodeChunk]]:
+def plan_code(
+    db: Database, item: Item, text: str, model: str, context: int = CONTEXT_CHARS
+) -> tuple[Plan, list[CodeChunk]]:
     """Chunk a code item and match its chunks to their old vectors; embedding is the caller's."""
     chunks = chunk_code(text, item.source or item.title)
     if not chunks:
         raise InvalidInput(f"{item.title}: no code to index")
-    return code_plan(db, item, chunks, model, db.dimensions), chunks
+    return code_plan(db, item, chunks, model, db.dimensions, context), chunks
 
 
 def write_code(db: Database, item: Item, plan: Plan, chunks: list[CodeChunk], model: str) -> None:

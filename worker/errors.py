@@ -7,6 +7,7 @@
     ├── WrongTaskKind            a task of the wrong kind for its item
     ├── StoreError               the database cannot do what was asked
     ├── SourceUnavailable        a URL could not be fetched now (timeout, 5xx): retry later
+    ├── BrokerUnavailable        the broker did not take a task: nothing was sent
     ├── ProviderError            an embedding or chat provider failed
     │   ├── TransientProviderError   retrying later may help: 408/409/429/5xx, timeouts, resets
     │   └── PermanentProviderError   retrying cannot help: 400/401/403, exhausted quota
@@ -51,6 +52,15 @@ class StoreError(KidxError):
 
 class SourceUnavailable(KidxError):
     """An item's source could not be read now (a timeout, a 5xx): a later retry may work."""
+
+
+class BrokerUnavailable(KidxError):
+    """The broker did not take a task within the patience; nothing was sent (`item_id`: the
+    item whose row was written, for the reconcile sweep to send once the broker is back)."""
+
+    def __init__(self, message: str, *, item_id: int | None = None) -> None:
+        super().__init__(message)
+        self.item_id = item_id
 
 
 class ProviderError(KidxError):

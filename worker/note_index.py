@@ -10,6 +10,7 @@ from typing import Any
 import apsw
 
 from worker.chunking import Chunk, text_hash
+from worker.chunking.base import CONTEXT_CHARS
 from worker.embedding import FailureCounter, Plan
 from worker.log import KI_EMBED
 from worker.store.db import Database
@@ -18,12 +19,13 @@ from worker.store.vec import vec_delete, vec_ready, vec_replace
 
 
 def note_plan(
-    db: Database, item_id: int, title: str, chunks: list[Chunk], model: str, dims: int
-) -> Plan:
+    db: Database, item_id: int, title: str, chunks: list[Chunk], model: str, dims: int,
+    context: int = CONTEXT_CHARS,
+) -> Plan:  # fmt: skip
     """Match new chunks to old vectors by the hash of the embedder input, wherever they moved."""
     plan = Plan(
-        chunks, lambda i: chunks[i].embedding_input(title),
-        [text_hash(c.embedding_input(title)) for c in chunks], item_id=item_id,
+        chunks, lambda i: chunks[i].embedding_input(title, context),
+        [text_hash(c.embedding_input(title, context)) for c in chunks], item_id=item_id,
     )  # fmt: skip
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     for chunk_id, embed_hash, vector in db.all(

@@ -27,6 +27,7 @@ from typing import Any
 import apsw
 
 from worker.chunking import ChunkMethod, LLMChunker, chunk, text_hash
+from worker.chunking.base import CONTEXT_CHARS
 from worker.chunking.llm import ChatModelLike
 from worker.embedding import (
     CancelCheck,
@@ -113,19 +114,22 @@ def index_item(
     cancel: CancelCheck | None = None,
     task_id: str | None = None,
     max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+    context_chars: int = CONTEXT_CHARS,
 ) -> IndexResult:
     """Index one item (see the module docstring). Raises IndexAborted, Cancelled, KidxError.
 
     `chat`: the chunk model, for LLM chunking (falls back to structural chunking when it fails);
     `structure_only` skips it for this run. `reader`: where files, URLs and code are read from
-    (their roots and limits); notes need none.
+    (their roots and limits); notes need none. `context_chars`: how much of the title and the
+    heading path goes before each chunk's text for the embedder.
     """
     started = time.monotonic()
     ilog = log.bind(item_id=item_id, task_id=task_id)
     item = get_item(db, item_id, content=False)  # ItemNotFound: no state to record
     with recorded_outcome(db, item_id, task_id, started, ilog):
         work = prepare_item(db, item, embedder, chat, reader, chunk_window, structure_only,
-                            cancel, task_id, started, ilog)  # fmt: skip
+                            cancel, task_id, started, ilog,
+                            context_chars=context_chars)  # fmt: skip
         if isinstance(work, IndexResult):
             return work
         assert embedder is not None
@@ -205,6 +209,7 @@ def prepare_item(
     db: Database, item: Item, embedder: EmbeddingModel | None, chat: ChatModelLike | None,
     reader: Reader | None, chunk_window: int, structure_only: bool, cancel: CancelCheck | None,
     task_id: str | None, started: float, ilog: Any, *, mark: bool = True,
+    context_chars: int = CONTEXT_CHARS,
 ) -> Work | IndexResult:  # fmt: skip
     """Read and chunk the item, and plan its vectors (what is reused); no provider call but the
     chunk model's. With no embedding provider the item is skipped: the result says so.
@@ -224,7 +229,7 @@ def prepare_item(
     dims, model = db.dimensions, embedder.model_id
     check(cancel)
     try:
-        text = (reader or Reader()).text(item, cancel)
+        text = (reader or Reader()).text(item, cancel=cancel)
     except SourceUnavailable as e:  # a URL that may answer later: the task retries
         raise IndexAborted(str(e), transient=True) from e
     content_hash = text_hash(text)
@@ -234,7 +239,7 @@ def prepare_item(
     if item.kind == "code":
         from worker.code_index import plan_code
 
-        plan, code_chunks = plan_code(db, item, text, model)
+        plan, code_chunks = plan_code(db, item, text, model, context_chars)
         chunk_count = len(code_chunks)
     else:
         llm = None
@@ -255,7 +260,7 @@ def prepare_item(
             f"{CHUNK} chunked", chunk_method=str(method), chunk_count=chunk_count,
             dimensions=dims, chat_calls=llm.calls if llm else 0,
         )  # fmt: skip
-        plan = note_plan(db, item.id, item.title, outcome.chunks, model, dims)
+        plan = note_plan(db, item.id, item.title, outcome.chunks, model, dims, context_chars)
     return Work(item, text, content_hash, plan, code_chunks, method, fallback, chunk_count,
                  started, ilog, marked=mark)  # fmt: skip
 

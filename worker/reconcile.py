@@ -11,6 +11,7 @@ sweep returns failed items whose backoff has passed, until their attempts run ou
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from worker.store.db import Database
@@ -20,10 +21,20 @@ from worker.store.repair import repair_vectors
 from worker.store.vec import set_meta
 
 # Items a sweep must not send: a task for them is queued or running (not lost: younger than the
-# visibility timeout, after which Redis would have redelivered it anyway).
-BUSY = """
+# visibility timeout, after which Redis would have redelivered it anyway). A send the broker
+# refused leaves no `queued` row (tasks.producer), so its item is not taken for busy.
+BUSY_JOBS = """
 SELECT item_id FROM index_jobs WHERE state IN ('queued', 'started')
  AND (julianday('now') - julianday(coalesce(started_at, queued_at))) * 86400 < :horizon
+"""
+# Items marked `indexing`: a run holds them, or held them and died (a killed process, inline
+# or a worker's). The item's lock tells which, when the caller can look (`locked`); without
+# it, a mark younger than the horizon counts as a run under way.
+INDEXING = """
+SELECT item_id, (julianday('now') - julianday(updated_at)) * 86400 < :horizon
+  FROM item_index_state WHERE status = 'indexing'
+"""
+BUSY = f"""{BUSY_JOBS}
 UNION SELECT item_id FROM item_index_state WHERE status = 'indexing'
  AND (julianday('now') - julianday(updated_at)) * 86400 < :horizon
 """
@@ -59,8 +70,13 @@ class Drift:
         return asdict(self)
 
 
-def reconcile(db: Database, *, model: str, max_items: int, horizon: float = 3600.0) -> Drift:
-    """Mend the mirror and list the items that need a run (at most `max_items`)."""
+def reconcile(
+    db: Database, *, model: str, max_items: int, horizon: float = 3600.0,
+    locked: Callable[[list[int]], set[int]] | None = None,
+) -> Drift:  # fmt: skip
+    """Mend the mirror and list the items that need a run (at most `max_items`). `locked`:
+    which of these items a run holds the lock of now; an item marked `indexing` whose lock
+    is not held was left by a run that died, and is sent again (`interrupted`)."""
     dims = db.dimensions
     drift = Drift()
     removed = remove_leftovers(db)  # first: their vec rows are then orphans, deleted next
@@ -71,12 +87,18 @@ def reconcile(db: Database, *, model: str, max_items: int, horizon: float = 3600
         "orphans_deleted": report.orphans_deleted,
     }
     params = {"model": model, "dims": dims, "horizon": horizon}
-    busy = {r[0] for r in db.all(BUSY, params)}
+    busy = {r[0] for r in db.all(BUSY_JOBS, params)}
+    marked = {item_id: bool(young) for item_id, young in db.all(INDEXING, params)}
+    held = locked(sorted(marked)) if locked is not None and marked else set()
+    running = held if locked is not None else {i for i, young in marked.items() if young}
+    busy |= running
     wanted: set[int] = set()
     for name, sql in FINDINGS.items():
         ids = sorted({r[0] for r in db.all(sql, params)})
         drift.found[name] = ids
         wanted.update(ids)
+    drift.found["interrupted"] = sorted(set(marked) - running - busy)
+    wanted.update(drift.found["interrupted"])
     drift.busy = len(wanted & busy)
     drift.to_index = sorted(wanted - busy)[:max_items]
     return drift

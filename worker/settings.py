@@ -79,6 +79,9 @@ class EmbeddingSettings(HTTPProviderSettings):
     # How vectors come back from an OpenAI-compatible server: base64 (a quarter of the bytes,
     # what the OpenAI SDKs ask for) or float; a server that refuses base64 is asked for floats.
     encoding_format: Literal["base64", "float"] = "base64"
+    # Characters of the title, heading path and summary put before each chunk's text for the
+    # embedder (the stored title is never cut): a huge title must not ride on every chunk.
+    context_chars: int = Field(default=300, ge=20, le=20_000)
 
     @model_validator(mode="after")
     def _default_model(self) -> EmbeddingSettings:
@@ -130,6 +133,9 @@ class TaskSettings(BaseModel):
     # the rest go on in a group of their own.
     group_size: int = Field(default=128, ge=1, le=1000)
     concurrency: int = Field(default=2, ge=1)
+    # Seconds a producer (and `kidx`) waits for the broker before BrokerUnavailable: the
+    # Redis socket timeouts (above the 1 s a worker's BRPOP waits).
+    broker_patience: float = Field(default=5.0, ge=1.5, le=300)
 
     @model_validator(mode="after")
     def _ordered(self) -> TaskSettings:

@@ -61,9 +61,34 @@ class Ctx:
         return create_app(self.settings)
 
     def redis(self) -> Any:
+        """A client of the broker's Redis that gives up within the broker patience."""
         import redis
 
-        return redis.Redis.from_url(self.settings.broker_url)
+        patience = self.settings.tasks.broker_patience
+        return redis.Redis.from_url(
+            self.settings.broker_url, socket_timeout=patience, socket_connect_timeout=patience
+        )
+
+    def broker_redis(self) -> Any:
+        """`redis()` if the broker answers, else None, said once on stderr: in-process runs
+        take the items' locks there, and go on without them when there is no broker."""
+        import redis
+
+        from worker.sources.urls import safe_url
+
+        client = self.redis()
+        try:
+            client.ping()
+        except (redis.RedisError, OSError) as e:
+            client.close()
+            if not self.json:
+                where = safe_url(self.settings.broker_url)
+                err.print(
+                    f"note: no broker at {escape(where)} ({escape(str(e))}): indexing "
+                    "without the items' locks"
+                )
+            return None
+        return client
 
     def emit(self, data: Any, human: Callable[[], None]) -> None:
         """Print `data` as JSON, or call `human` to print it for people; no secret gets out

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +13,7 @@ import click
 from rich.markup import escape
 
 from ops.cli.base import ID, Ctx, cli, command, err, fail, out, read_text
-from worker.errors import InvalidInput
+from worker.errors import InvalidInput, KidxError
 
 # -- init ------------------------------------------------------------------------------------
 
@@ -127,33 +130,77 @@ def index_inline(
     ctx: Ctx, db: Any, ids: list[int], *, structure_only: bool = False
 ) -> list[dict[str, Any]]:
     """The pipeline here, a group at a time as the workers run a batch (texts of several items
-    share embedding requests): one result per item, a failure as its reason."""
-    from worker.bulk import index_items
-    from worker.pipeline import IndexResult
+    share embedding requests): one result per item, a failure as its reason. Each group's
+    items are locked as a worker locks them (a busy item is reported `coalesced`, and its
+    holder runs it once more), so that two runs never embed one item twice."""
     from worker.providers import build_chat
 
     embedder = ctx.embedder(db)
     chat = build_chat(ctx.settings.chunk)
+    client = ctx.broker_redis()
     size = ctx.settings.tasks.group_size
-    results = []
+    results: dict[int, dict[str, Any]] = {}
     try:
         for start in range(0, len(ids), size):
             part = ids[start : start + size]
-            outcomes = index_items(
-                db, part, embedder=embedder, chat=chat, reader=ctx.reader(),
-                chunk_window=ctx.settings.chunk.window, structure_only=structure_only,
-            )  # fmt: skip
-            for item_id in part:
-                outcome = outcomes[item_id]
-                if isinstance(outcome, IndexResult):
-                    results.append(outcome.as_dict())
-                else:
-                    results.append({"item_id": item_id, "status": "failed", "error": str(outcome)})
+            results |= _locked_group(ctx, db, client, part, embedder, chat, structure_only)
     finally:
-        for client in (embedder, chat):
-            if client is not None:
-                client.close()
+        for closable in (embedder, chat, client):
+            if closable is not None:
+                closable.close()
+    return [results[i] for i in ids if i in results]
+
+
+def _locked_group(
+    ctx: Ctx, db: Any, client: Any, ids: list[int], embedder: Any, chat: Any,
+    structure_only: bool,
+) -> dict[int, dict[str, Any]]:  # fmt: skip
+    from tasks.lock import LockSet
+    from worker.bulk import index_items
+    from worker.pipeline import IndexResult
+
+    def run(item_ids: list[int]) -> None:
+        outcomes = index_items(
+            db, item_ids, embedder=embedder, chat=chat, reader=ctx.reader(),
+            chunk_window=ctx.settings.chunk.window, structure_only=structure_only,
+            context_chars=ctx.settings.embedding.context_chars,
+        )  # fmt: skip
+        for item_id, outcome in outcomes.items():
+            results[item_id] = (
+                outcome.as_dict()
+                if isinstance(outcome, IndexResult)
+                else {"item_id": item_id, "status": "failed", "error": str(outcome)}
+            )
+
+    results: dict[int, dict[str, Any]] = {}
+    if client is None:  # no broker: no lock to take (and no worker to meet)
+        run(ids)
+        return results
+    owner = f"inline:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    locks = LockSet(client, ids, owner, ctx.settings.tasks.lock_ttl)
+    held, busy = locks.acquire()
+    busy_note = "being indexed by another run, which runs it once more"
+    for item_id in busy:
+        results[item_id] = {"item_id": item_id, "status": "coalesced", "error": busy_note}
+    try:
+        run(held)
+    finally:
+        asked = locks.release()
+    if again := [i for i in asked if _changed(db, i)]:  # edited while this ran: once more
+        run(again)
     return results
+
+
+def _changed(db: Any, item_id: int) -> bool:
+    from worker.chunking import text_hash
+    from worker.store.items import get_item, get_state
+
+    try:
+        item = get_item(db, item_id)
+    except KidxError:
+        return False
+    content_hash = item.content_hash or text_hash(item.content)
+    return get_state(db, item_id).get("indexed_hash") != content_hash
 
 
 @command(cli)

@@ -9,6 +9,18 @@ from typing import NamedTuple
 MAX_CHUNK_SIZE = 1500
 MIN_CHUNK_SIZE = 200
 OVERLAP_SIZE = 100
+# Characters of a title, a heading path or a summary that go in front of every chunk sent to
+# the embedder (KIDX_EMBEDDING__CONTEXT_CHARS): a 1 MB title would otherwise be sent once a
+# chunk, and refused by a real provider chunk by chunk. What is stored is never cut.
+CONTEXT_CHARS = 300
+
+
+def clip(text: str, limit: int, *, keep_end: bool = False) -> str:
+    """At most `limit` characters of `text`, an ellipsis where it was cut (at the start when
+    `keep_end`: the deepest headings of a path are the most specific)."""
+    if len(text) <= limit:
+        return text
+    return "…" + text[-(limit - 1) :] if keep_end else text[: limit - 1] + "…"
 
 
 class ChunkMethod(enum.StrEnum):
@@ -37,11 +49,13 @@ class Chunk(NamedTuple):
     fence_open: str | None = None
     fence_close: str | None = None
 
-    def embedding_input(self, title: str) -> str:
-        """Title, heading path, summary, then the (re-fenced) content: what is embedded."""
-        head = [line for line in (title.strip(), " > ".join(self.headings)) if line]
+    def embedding_input(self, title: str, context: int = CONTEXT_CHARS) -> str:
+        """Title, heading path, summary (each cut to `context` characters), then the
+        (re-fenced) content: what is embedded."""
+        path = clip(" > ".join(self.headings), context, keep_end=True)
+        head = [line for line in (clip(title.strip(), context), path) if line]
         if self.summary:
-            head.append(self.summary)
+            head.append(clip(self.summary, context))
         body = self.content
         if self.fence_open:
             body = f"{self.fence_open}\n{body}"

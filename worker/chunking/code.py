@@ -27,7 +27,7 @@ import warnings
 from bisect import bisect_right
 from typing import NamedTuple
 
-from worker.chunking.base import MAX_CHUNK_SIZE
+from worker.chunking.base import CONTEXT_CHARS, MAX_CHUNK_SIZE, clip
 
 TARGET_SIZE = 1000
 """Small neighbouring pieces are packed up to this size (never past the maximum)."""
@@ -53,12 +53,12 @@ class CodeChunk(NamedTuple):
     content: str
     symbol: str | None = None
 
-    def embedding_input(self, path: str) -> str:
+    def embedding_input(self, path: str, context: int = CONTEXT_CHARS) -> str:
         """Where the chunk is and what it defines, then the code: the path and the symbol are
-        often what a question names."""
-        where = f"{path}:{self.start_line}-{self.end_line}"
+        often what a question names (each cut to `context` characters)."""
+        where = f"{clip(path, context, keep_end=True)}:{self.start_line}-{self.end_line}"
         if self.symbol:
-            where += f" {self.symbol}"
+            where += f" {clip(self.symbol, context)}"
         return f"{where}\n\n{self.content}"
 
 

@@ -59,6 +59,16 @@ def record_queued_many(
         )
 
 
+def forget_queued(db: Database, task_ids: list[str]) -> None:
+    """Runs recorded as queued whose task never reached the broker: no trace of them, so that
+    no sweep takes their items for busy."""
+    with db.atomic():
+        db.executemany(
+            "DELETE FROM index_jobs WHERE task_id = ? AND attempt = 0 AND state = 'queued'",
+            [(t,) for t in task_ids],
+        )
+
+
 def record_start(
     db: Database, task_id: str, attempt: int, task_name: str, item_id: int | None,
     batch_id: int | None, reason: str | None,
@@ -136,6 +146,16 @@ def create_batch(db: Database, kind: str, total: int) -> int:
         )
 
 
+def abort_batch(db: Database, batch_id: int, reason: str) -> None:
+    """End a running batch as aborted: its tasks still to run end skipped with the reason."""
+    with db.atomic():
+        db.execute(
+            f"UPDATE index_batches SET state = 'aborted', abort_reason = ?, finished_at = {NOW} "
+            "WHERE id = ? AND state = 'running'",
+            (reason, batch_id),
+        )
+
+
 def get_batch(db: Database, batch_id: int) -> dict[str, Any] | None:
     rows = db.dicts(
         f"SELECT {', '.join(BATCH_COLUMNS)} FROM index_batches WHERE id = ?", (batch_id,)
@@ -154,7 +174,9 @@ def batch_outcome(
     job: tuple[str, int] | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
     """Count one run of a batch's task: `ok`, `failed` (final), `retry` (a failed attempt
-    that will run again), `skipped`. The Nth failure in a row aborts the batch. `job` (task
+    that will run again), `refused` (final, for its input: a missing file, a deleted item),
+    `skipped`. The Nth failure in a row aborts the batch; a refusal neither counts towards
+    that nor breaks the run of failures. `job` (task
     id, attempt): the run's row, counted once whatever redeliveries run it again."""
     with db.atomic():
         if job is not None:
@@ -187,6 +209,8 @@ def batch_outcome(
                     abort_after,
                 ),
             )
+        elif outcome == "refused":  # bad input says nothing of the provider: no abort
+            db.execute("UPDATE index_batches SET failed = failed + 1 WHERE id = ?", (batch_id,))
         elif outcome == "skipped":
             db.execute("UPDATE index_batches SET skipped = skipped + 1 WHERE id = ?", (batch_id,))
         db.execute(
