@@ -73,7 +73,8 @@ def _sending(db: Database, app: Celery, task_ids: list[str], item_id: int | None
     leaves no `queued` record, and says so: BrokerUnavailable, naming the broker."""
     try:
         yield
-    except (KombuError, RedisError, OSError) as e:
+    except (KombuError, RedisError, OSError, RuntimeError) as e:
+        # (RuntimeError: Celery's "Retry limit exceeded ... reconnect to the result store")
         forget_queued(db, task_ids)
         where = safe_url(str(app.conf.broker_url))
         kept = (
@@ -81,9 +82,9 @@ def _sending(db: Database, app: Celery, task_ids: list[str], item_id: int | None
             if item_id is not None
             else ""
         )
+        cause = " ".join(f"{type(e).__name__}: {e}".split())
         raise BrokerUnavailable(
-            f"the broker at {where} did not take the task ({type(e).__name__}: {e}){kept}",
-            item_id=item_id,
+            f"the broker at {where} did not take the task ({cause}){kept}", item_id=item_id
         ) from None
 
 

@@ -167,30 +167,36 @@ class Stack:
     reach them (the Celery app, a connection, the `kidx` command)."""
 
     def __init__(
-        self, tmp: Path, standin: Any, worker: str = "w1", env: dict[str, str] | None = None
-    ) -> None:
+        self, tmp: Path, standin: Any, worker: str = "w1", env: dict[str, str] | None = None,
+        redis_db: int = REDIS_DB, db_path: Path | None = None,
+    ) -> None:  # fmt: skip
         from worker.app import create_app
         from worker.settings import load_settings
         from worker.store import connect
 
         self.tmp = tmp
         self.standin = standin
-        self.env = queue_env(tmp, standin.base_url, **(env or {}))
+        self.db_path = db_path or tmp / "kidx.db"
+        self.env = queue_env(tmp, standin.base_url, **{"KIDX_BROKER_URL": broker_url(redis_db),
+                                                       "KIDX_DB": str(self.db_path),
+                                                       **(env or {})})  # fmt: skip
         self.settings = load_settings(
-            db=tmp / "kidx.db", broker_url=broker_url(),
+            db=self.db_path, broker_url=broker_url(redis_db),
             embedding={"provider": "openai", "model": "standin-embed",
                        "base_url": standin.base_url, "dimensions": 64},
         )  # fmt: skip
         self.app = create_app(self.settings)
-        self.db = connect(tmp / "kidx.db", embedding=self.settings.embedding)
-        self.redis = redis.Redis.from_url(broker_url())
+        self.db = connect(self.db_path, embedding=self.settings.embedding)
+        self.redis = redis.Redis.from_url(broker_url(redis_db))
         self.worker_name = worker
         self.worker = start_worker(self.env, tmp, self.app, name=worker)
 
-    def kidx(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def kidx(
+        self, *args: str, timeout: float = 60, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         exe = str(Path(sys.executable).parent / "kidx")
-        return subprocess.run([exe, *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout, cwd=str(self.tmp))  # fmt: skip
+        return subprocess.run([exe, *args], env={**self.env, **(env or {})}, capture_output=True,
+                              text=True, timeout=timeout, cwd=str(self.tmp))  # fmt: skip
 
     def note(self, title: str, text: str) -> int:
         from worker.store.items import add_item

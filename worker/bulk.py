@@ -113,7 +113,9 @@ def index_items(
                         indexed.append((w, result))
                         done(w.item.id, result)
         except (apsw.Error, StoreError) as e:
-            halt = store_failure(e) if isinstance(e, apsw.Error) else e
+            # The cause, when an item met it first (a full disk), rather than its echo ("the
+            # transaction was rolled back").
+            halt = halt or (store_failure(e) if isinstance(e, apsw.Error) else e)
             log.error(f"{KI_EMBED} a write transaction did not commit: its items keep their "
                       "previous index", task_id=task_id, items=len(ready),
                       reason=str(halt))  # fmt: skip

@@ -166,9 +166,13 @@ class _Backend(httpcore.NetworkBackend):
         self._inner = httpcore.SyncBackend()
 
     def connect_tcp(
-        self, host: str, port: int, timeout: float | None = None,
-        local_address: str | None = None, socket_options: Any = None,
-    ) -> httpcore.NetworkStream:  # fmt: skip
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.NetworkStream:
         return _Stream(
             self._inner.connect_tcp(host, port, _cut(timeout), local_address, socket_options)
         )

@@ -22,7 +22,7 @@ class Reader:
         """The text to index for this item (for files and URLs, extracted again each time);
         `cancel` interrupts a URL's fetch while it waits on the server."""
         if item.unreadable:  # bytes a host wrote that are not text (worker.store.text)
-            raise InvalidInput(f"item {item.id}: {item.unreadable}")
+            raise InvalidInput(item.unreadable)
         if item.kind == "note":
             return item.content
         if not item.source:

@@ -22,15 +22,17 @@ from worker.store.vec import vec_delete, vec_ready
 _LIVE_NOTE_CHUNKS = "SELECT c.id FROM note_chunks c JOIN knowledge_items i ON i.id = c.item_id"
 _LIVE_CODE_CHUNKS = "SELECT c.id FROM code_chunks c JOIN knowledge_items i ON i.id = c.item_id"
 
-# kind of leftover -> (table, the condition that makes one of its rows a leftover)
+# kind of leftover -> (table, the condition that makes one of its rows a leftover); vectors
+# before their chunks: with foreign keys on, a chunk's deletion would take its vector along,
+# uncounted.
 LEFTOVERS: dict[str, tuple[str, str]] = {
-    "index states": ("item_index_state", "item_id NOT IN (SELECT id FROM knowledge_items)"),
-    "note chunks": ("note_chunks", "item_id NOT IN (SELECT id FROM knowledge_items)"),
     "chunk vectors": ("note_chunk_embeddings", f"chunk_id NOT IN ({_LIVE_NOTE_CHUNKS})"),
+    "note chunks": ("note_chunks", "item_id NOT IN (SELECT id FROM knowledge_items)"),
     "whole-item vectors": ("note_embeddings", "item_id NOT IN (SELECT id FROM knowledge_items)"),
-    "code chunks": ("code_chunks", "item_id NOT IN (SELECT id FROM knowledge_items)"),
     "code vectors": ("code_chunk_embeddings", f"chunk_id NOT IN ({_LIVE_CODE_CHUNKS})"),
+    "code chunks": ("code_chunks", "item_id NOT IN (SELECT id FROM knowledge_items)"),
     "memory vectors": ("memory_embeddings", "memory_id NOT IN (SELECT id FROM memories)"),
+    "index states": ("item_index_state", "item_id NOT IN (SELECT id FROM knowledge_items)"),
 }
 
 

@@ -43,4 +43,3 @@ def strict(value: Any, what: str) -> str:
                 "write it as UTF-8 TEXT"
             ) from None
     return str(value)
-
