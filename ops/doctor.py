@@ -176,7 +176,7 @@ def check_rows(settings: Settings, timeout: float) -> str:
             counts.append(f"{t.name} {db.scalar(f'SELECT count(*) FROM {t.name}')}")
             problems += [f"{_n(missing, 'vector')} missing from {t.name}"] if missing else []
             if orphans:
-                problems.append(f"{_n(orphans, 'orphan')} in {t.name} (of deleted rows)")
+                problems.append(f"{_n(orphans, 'orphan')} in {t.name}")
     if problems:
         raise Fail("; ".join(problems), RECONCILE)
     return "vec tables match the relational rows: " + ", ".join(counts)

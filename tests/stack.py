@@ -133,7 +133,11 @@ def start_worker(
         replies = app.control.ping(timeout=0.5) or []
         return any(name in key for reply in replies for key in reply)
 
-    wait_for(ready, 60, "the worker to answer a ping", every=0.2)
+    try:
+        wait_for(ready, 60, "the worker to answer a ping", every=0.2)
+    except BaseException:  # never left running to take another test's tasks
+        proc.stop()
+        raise
     return proc
 
 
@@ -152,7 +156,11 @@ def start_flower(env: dict[str, str], tmp_path: Path, port: int) -> Proc:
         except httpx.HTTPError:
             return False
 
-    wait_for(ready, 60, "Flower to answer", every=0.2)
+    try:
+        wait_for(ready, 60, "Flower to answer", every=0.2)
+    except BaseException:
+        proc.stop()
+        raise
     return proc
 
 

@@ -160,7 +160,7 @@ def test_redis_down_names_it_and_never_prints_the_password(stack):
     out, lines = stack.doctor(KIDX_BROKER_URL=url)
     assert out.returncode == 1
     assert failing(lines) == ["redis"], out.stdout
-    assert "Redis unreachable at redis://:***@127.0.0.1" in lines["redis"][1]
+    assert "Redis unreachable at redis://***@127.0.0.1" in lines["redis"][1]
     assert "KIDX_BROKER_URL" in lines["redis"][1]
     assert lines["workers"] == ("WARN", "not checked: Redis is unreachable")
     assert BROKER_PASSWORD not in out.stdout + out.stderr

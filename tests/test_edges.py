@@ -362,6 +362,23 @@ def test_a_trickling_server_meets_the_deadline_in_all(edge: Edge, trickle: Trick
     assert "timed out (not done within the 2 s allowed in all)" in out.stderr
 
 
+def test_a_trickling_provider_meets_its_timeout_in_all(trickle: Trickle) -> None:
+    from worker.errors import TransientProviderError
+    from worker.providers import build_embedder
+    from worker.settings import EmbeddingSettings
+
+    settings = EmbeddingSettings(
+        provider="openai", model="trickled", base_url=trickle.url.rsplit("/", 1)[0] + "/v1",
+        dimensions=64, timeout=1.5, max_retries=0,
+    )  # fmt: skip
+    embedder = build_embedder(settings, dimensions=64)
+    assert embedder is not None
+    with pytest.raises(TransientProviderError, match=r"timed out after 1\.5s"):
+        embedder.embed(["a text the provider answers one byte at a time"])
+    embedder.close()
+    assert trickle.connections == 1
+
+
 @pytest.mark.parametrize("terminate", [False, True], ids=["cancel", "terminate"])
 def test_a_fetch_in_progress_is_cancelled_and_ends_revoked(
     edge: Edge, trickle: Trickle, terminate: bool

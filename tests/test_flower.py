@@ -46,16 +46,24 @@ class FlowerStack(Stack):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(base_url=self.url, auth=(USER, PASSWORD), timeout=10)
-        self.flower = self._start_flower()
+        try:
+            self.flower = self._start_flower()
+        except BaseException:  # the worker must not outlive a failed start
+            super().close()
+            raise
 
     def _start_flower(self) -> Any:
         proc = start_flower(self.env, self.tmp, self.port)
 
         def sees_the_worker() -> bool:  # its event receiver is up: the worker's heartbeats
-            text = httpx.get(f"{self.url}/metrics", timeout=2).text
+            text = httpx.get(f"{self.url}/metrics", auth=(USER, PASSWORD), timeout=2).text
             return bool(re.search(rf'flower_worker_online\{{worker="{WORKER}@[^"]*"\}} 1\.0', text))
 
-        wait_for(sees_the_worker, 30, "Flower to see the worker's heartbeat", every=0.2)
+        try:
+            wait_for(sees_the_worker, 30, "Flower to see the worker's heartbeat", every=0.2)
+        except BaseException:
+            proc.stop()
+            raise
         return proc
 
     def restart_flower(self) -> None:

@@ -257,3 +257,37 @@ def test_the_wal_is_checkpointed_by_a_thread_and_removed_at_close(db_path):
     assert db.scalar("SELECT count(*) FROM big") == 1500
     db.close()
     assert not Path(f"{db_path}-wal").exists()
+
+
+def test_migration_5_gives_autoincrement_ids_past_every_leftover_and_the_triggers(tmp_path):
+    """A database of schema 4 whose newest item was deleted with foreign keys off: after the
+    migration, ids are never given again (not even the deleted one's), and a delete on a
+    connection with foreign keys off leaves no relational row."""
+    from worker.store.schema import MIGRATIONS, _statements
+
+    path = tmp_path / "old.db"
+    old = Database(path)
+    for number, sql in MIGRATIONS[:4]:
+        for statement in _statements(sql):
+            old.execute(statement)
+        old.execute(
+            "INSERT INTO index_meta(key, value) VALUES ('schema_version', ?) "
+            "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+            (str(number),),
+        )
+    old.execute("PRAGMA foreign_keys = OFF")
+    for n in (1, 2, 3):
+        old.execute("INSERT INTO knowledge_items(id, kind, content) VALUES (?, 'note', 'x')", (n,))
+        old.execute("INSERT INTO item_index_state(item_id) VALUES (?)", (n,))
+    old.execute("DELETE FROM knowledge_items WHERE id = 3")  # its state row lingers
+    old.close()
+    db = connect(path, vec=False)
+    assert schema_version(db) == SCHEMA_VERSION
+    assert [r[0] for r in db.all("SELECT id FROM knowledge_items ORDER BY id")] == [1, 2]
+    assert add_item(db, kind="note", title="new", content="A new note.") == 4  # not 3
+    db.execute("PRAGMA foreign_keys = OFF")  # as a host's connection has them
+    db.execute("DELETE FROM knowledge_items WHERE id = 4")
+    assert db.scalar("SELECT count(*) FROM item_index_state WHERE item_id = 4") == 0
+    db.execute("PRAGMA foreign_keys = ON")
+    assert add_item(db, kind="note", title="newer", content="And another.") == 5
+    db.close()
