@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import redis
 from celery import Celery
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
@@ -70,8 +71,13 @@ def _send(
 @contextmanager
 def _sending(db: Database, app: Celery, task_ids: list[str], item_id: int | None) -> Iterator[None]:
     """A send that the broker refuses (down, or silent past KIDX_TASKS__BROKER_PATIENCE)
-    leaves no `queued` record, and says so: BrokerUnavailable, naming the broker."""
+    leaves no `queued` record, and says so: BrokerUnavailable, naming the broker.
+
+    The broker is asked first, once, within the patience: Celery's send subscribes to the
+    task's result before it publishes, and retries that 20 times a second apart (a producer
+    waited 19 s on a Redis that was down, and left its `queued` row behind)."""
     try:
+        _ping(app)
         yield
     except (KombuError, RedisError, OSError, RuntimeError) as e:
         # (RuntimeError: Celery's "Retry limit exceeded ... reconnect to the result store")
@@ -86,6 +92,20 @@ def _sending(db: Database, app: Celery, task_ids: list[str], item_id: int | None
         raise BrokerUnavailable(
             f"the broker at {where} did not take the task ({cause}){kept}", item_id=item_id
         ) from None
+
+
+def _ping(app: Celery) -> None:
+    """PING the broker's Redis on a client kept with the app, that gives up within the
+    patience (one round trip on a kept connection)."""
+    client = getattr(app, "_kidx_ping", None)
+    if client is None:
+        settings = getattr(app, "kidx_settings", None)
+        patience = settings.tasks.broker_patience if settings is not None else 5.0
+        client = redis.Redis.from_url(
+            str(app.conf.broker_url), socket_timeout=patience, socket_connect_timeout=patience
+        )
+        app._kidx_ping = client  # type: ignore[attr-defined]
+    client.ping()
 
 
 def enqueue_note(

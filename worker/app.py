@@ -35,17 +35,7 @@ def create_app(settings: Settings) -> Celery:
         "socket_connect_timeout": t.broker_patience,
         "socket_timeout": t.broker_patience,
     }
-    # The result store too: sending a task subscribes to its result, and Celery's default
-    # there is 20 reconnections a second apart (a producer waited 19 s on a Redis that was down).
-    results = {
-        **transport,
-        "retry_policy": {
-            "max_retries": max(1, round(t.broker_patience)),
-            "interval_start": 0,
-            "interval_step": 0.5,
-            "interval_max": 1,
-        },
-    }
+
     app = Celery("kidx", broker=settings.broker_url, backend=settings.backend_url)
     app.conf.update(
         include=TASK_MODULES,
@@ -58,9 +48,7 @@ def create_app(settings: Settings) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         broker_transport_options=broker,
-        result_backend_transport_options=results,
-        redis_socket_connect_timeout=t.broker_patience,
-        redis_socket_timeout=t.broker_patience,
+        result_backend_transport_options=transport,
         worker_send_task_events=True,
         task_send_sent_event=True,
         task_track_started=True,
