@@ -140,15 +140,15 @@ def test_a_code_row_naming_any_path_is_refused_and_the_key_goes_nowhere(edge: Ed
         edge.db_path,
         *(
             (
-                "INSERT INTO knowledge_items(kind, title, source) "
-                "VALUES ('code', ?, ?) RETURNING id",
-                [f"code {n}", source],
+                "INSERT INTO knowledge_items(kind, title, source) VALUES (?, ?, ?) RETURNING id",
+                [kind, f"{kind} {n}", source],
             )
+            for kind in ("code", "file")  # one guard for every kind read from a path
             for n, source in enumerate(cases)
         ),
     )
     ids = [r[0][0] for r in rows]
-    for item, (source, words) in zip(ids, cases.items(), strict=True):
+    for item, (source, words) in zip(ids, [*cases.items(), *cases.items()], strict=True):
         state, value = edge.run(KNOWLEDGE_ITEM, item)
         assert state == "FAILURE" and words in str(value), (source, value)
         assert "\n" not in str(value)
