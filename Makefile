@@ -44,6 +44,7 @@ stack-stop:
 
 test: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 lint: setup

@@ -76,9 +76,13 @@ def write_versions(corpus: Path, out: Path, edits: int, seed: int) -> list[str]:
 
 
 def run_system(
-    name: str, standin: StandInProcess, versions: Path, tmp: Path, batch_size: int,
+    name: str,
+    standin: StandInProcess,
+    versions: Path,
+    tmp: Path,
+    batch_size: int,
     dimensions: int,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp))
     phases: dict[str, dict[str, Any]] = {}
 
@@ -86,9 +90,20 @@ def run_system(
         phases[phase] = {**info, **standin.count()}  # counts since the previous phase
         standin.reset(0.0)
 
-    args = ["--before", str(versions / "before"), "--after", str(versions / "after"),
-            "--base-url", standin.base_url, "--work", str(work), "--batch-size",
-            str(batch_size), "--dimensions", str(dimensions)]  # fmt: skip
+    args = [
+        "--before",
+        str(versions / "before"),
+        "--after",
+        str(versions / "after"),
+        "--base-url",
+        standin.base_url,
+        "--work",
+        str(work),
+        "--batch-size",
+        str(batch_size),
+        "--dimensions",
+        str(dimensions),
+    ]
     standin.reset(0.0)
     script, extra = PEERS[name]
     final = run_peer(script, args + extra, on_phase, log=tmp / f"{name.replace(' ', '-')}.log")
@@ -96,11 +111,17 @@ def run_system(
     shutil.rmtree(work, ignore_errors=True)
     full = phases["full"]
     return {
-        "full": {"requests": full["requests"], "texts": full["texts"],
-                 "seconds": full["seconds"], "chunks": full["chunks"]},
-        "setup": phases["setup"], "requests": counted["requests"], "texts": counted["texts"],
+        "full": {
+            "requests": full["requests"],
+            "texts": full["texts"],
+            "seconds": full["seconds"],
+            "chunks": full["chunks"],
+        },
+        "setup": phases["setup"],
+        "requests": counted["requests"],
+        "texts": counted["texts"],
         **final,
-    }  # fmt: skip
+    }
 
 
 def run(corpus: Path, edits: int, seed: int, batch_size: int, dimensions: int) -> dict[str, Any]:
@@ -111,10 +132,14 @@ def run(corpus: Path, edits: int, seed: int, batch_size: int, dimensions: int) -
         edited = write_versions(corpus, tmp / "versions", edits, seed)
         with StandInProcess(dimensions, log=tmp / "standin.log") as standin:
             for name in PEERS:
-                rows[name] = run_system(name, standin, tmp / "versions", tmp, batch_size,
-                                        dimensions)  # fmt: skip
-                print(f"  {name}: {rows[name]['texts']} texts, {rows[name]['seconds']:.2f} s",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                rows[name] = run_system(
+                    name, standin, tmp / "versions", tmp, batch_size, dimensions
+                )
+                print(
+                    f"  {name}: {rows[name]['texts']} texts, {rows[name]['seconds']:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     kidx = rows["kidx"]
@@ -125,11 +150,19 @@ def run(corpus: Path, edits: int, seed: int, batch_size: int, dimensions: int) -
             ratios[f"{key}_vs_{peer.replace(' ', '_')}"] = kidx[key] / other if other else None
     sqlitevec = rows["langchain"]["setup"].get("sqlitevec")
     return {
-        "corpus": str(corpus), "edits": len(edited), "edited": edited, "seed": seed,
+        "corpus": str(corpus),
+        "edits": len(edited),
+        "edited": edited,
+        "seed": seed,
         "edit": "a sentence of 12 corpus words appended to a prose paragraph",
-        "batch_size": batch_size, "dimensions": dimensions, "model": MODEL,
-        "machine": machine(), "wall_seconds": time.perf_counter() - started,
-        "rows": rows, "ratios": ratios, "langchain_sqlitevec": sqlitevec,
+        "batch_size": batch_size,
+        "dimensions": dimensions,
+        "model": MODEL,
+        "machine": machine(),
+        "wall_seconds": time.perf_counter() - started,
+        "rows": rows,
+        "ratios": ratios,
+        "langchain_sqlitevec": sqlitevec,
         "goals": {
             "texts_vs_langchain": ratios["texts_vs_langchain"],
             "at_most_half_of_langchain": ratios["texts_vs_langchain"] <= 0.5,
@@ -137,39 +170,53 @@ def run(corpus: Path, edits: int, seed: int, batch_size: int, dimensions: int) -
             "at_most_a_tenth_of_llamaindex": ratios["texts_vs_llamaindex"] <= 0.1,
             "texts_vs_llamaindex_default": ratios["texts_vs_llamaindex_default"],
         },
-    }  # fmt: skip
+    }
 
 
 def print_table(result: dict[str, Any]) -> None:
     m = result["machine"]
-    print(f"corpus {result['corpus']}; {result['edits']} chapters edited ({result['edit']}), "
-          f"seed {result['seed']}; batch size {result['batch_size']}, {result['dimensions']} "
-          f"dimensions, model {result['model']}; {m['nproc']} CPUs ({m['cpu']}), "
-          f"{m['memory_gib']} GiB")  # fmt: skip
-    header = (f"{'system':<20}{'full chunks':>12}{'full texts':>12}{'edit reqs':>12}"
-              f"{'edit texts':>12}{'edit s':>10}{'kidx ÷ x':>10}")  # fmt: skip
+    print(
+        f"corpus {result['corpus']}; {result['edits']} chapters edited ({result['edit']}), "
+        f"seed {result['seed']}; batch size {result['batch_size']}, {result['dimensions']} "
+        f"dimensions, model {result['model']}; {m['nproc']} CPUs ({m['cpu']}), "
+        f"{m['memory_gib']} GiB"
+    )
+    header = (
+        f"{'system':<20}{'full chunks':>12}{'full texts':>12}{'edit reqs':>12}"
+        f"{'edit texts':>12}{'edit s':>10}{'kidx ÷ x':>10}"
+    )
     print(header)
     print("-" * len(header))
     kidx = result["rows"]["kidx"]["texts"]
     for name, r in result["rows"].items():
         ratio = kidx / r["texts"] if r["texts"] else float("nan")
-        print(f"{name:<20}{r['full']['chunks']:>12}{r['full']['texts']:>12}{r['requests']:>12}"
-              f"{r['texts']:>12}{r['seconds']:>10.3f}{ratio:>10.3f}")  # fmt: skip
+        print(
+            f"{name:<20}{r['full']['chunks']:>12}{r['full']['texts']:>12}{r['requests']:>12}"
+            f"{r['texts']:>12}{r['seconds']:>10.3f}{ratio:>10.3f}"
+        )
     k = result["rows"]["kidx"]
-    print(f"\nkidx: {k['chunks']} chunks in the edited notes, {k['reused']} reused, "
-          f"{k['embedded']} embedded")  # fmt: skip
+    print(
+        f"\nkidx: {k['chunks']} chunks in the edited notes, {k['reused']} reused, "
+        f"{k['embedded']} embedded"
+    )
     lc = result["rows"]["langchain"]["index"]
     print(f"LangChain index(): {lc}")
     sv = result["langchain_sqlitevec"]
     if sv:
-        print(f"LangChain SQLiteVec implements delete: {sv['implements_delete']}; "
-              f"index(cleanup='incremental') over it: {sv['index_incremental']}")  # fmt: skip
+        print(
+            f"LangChain SQLiteVec implements delete: {sv['implements_delete']}; "
+            f"index(cleanup='incremental') over it: {sv['index_incremental']}"
+        )
     g = result["goals"]
-    print(f"\ngoal: at most half of LangChain's texts: {g['texts_vs_langchain']:.3f}, "
-          f"{'met' if g['at_most_half_of_langchain'] else 'not met'}")  # fmt: skip
-    print(f"goal: at most a tenth of LlamaIndex's texts: {g['texts_vs_llamaindex']:.3f}, "
-          f"{'met' if g['at_most_a_tenth_of_llamaindex'] else 'not met'} (with its splitter's "
-          f"defaults: {g['texts_vs_llamaindex_default']:.3f})")  # fmt: skip
+    print(
+        f"\ngoal: at most half of LangChain's texts: {g['texts_vs_langchain']:.3f}, "
+        f"{'met' if g['at_most_half_of_langchain'] else 'not met'}"
+    )
+    print(
+        f"goal: at most a tenth of LlamaIndex's texts: {g['texts_vs_llamaindex']:.3f}, "
+        f"{'met' if g['at_most_a_tenth_of_llamaindex'] else 'not met'} (with its splitter's "
+        f"defaults: {g['texts_vs_llamaindex_default']:.3f})"
+    )
 
 
 def main() -> None:

@@ -45,14 +45,18 @@ def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "ch04-01-what-is-ownership.md"
     text = (CORPUS / name).read_text(encoding="utf-8")
     with StandIn(dimensions=64) as standin, tempfile.TemporaryDirectory() as tmp:
-        emb = EmbeddingSettings(provider="openai", model="standin-embed",
-                                base_url=standin.base_url, dimensions=64)  # fmt: skip
+        emb = EmbeddingSettings(
+            provider="openai", model="standin-embed", base_url=standin.base_url, dimensions=64
+        )
         db = connect(Path(tmp) / "r.db", embedding=emb)
         chat = ChatModel(ChunkSettings(model="standin-chat", base_url=standin.base_url))
         item = add_item(db, kind="note", title=name, content=text)
         result = index_item(db, item, embedder=build_embedder(emb, dimensions=64), chat=chat)
-        rows = db.all("SELECT chunk_index, method, length(content), summary FROM note_chunks "
-                      "WHERE item_id = ? ORDER BY chunk_index", (item,))  # fmt: skip
+        rows = db.all(
+            "SELECT chunk_index, method, length(content), summary FROM note_chunks "
+            "WHERE item_id = ? ORDER BY chunk_index",
+            (item,),
+        )
         print(
             f"{name}: {len(text)} characters, {standin.chat.requests} chat requests "
             f"(windows), {result.chunks} chunks, method {result.chunk_method}"

@@ -262,8 +262,14 @@ def run_case(size: int, dims: int, queries: int, k: int, seed: int, tmp: Path) -
     )
     for f in tmp.glob(path.name + "*"):
         f.unlink()
-    return {"size": size, "dims": dims, "items": -(-size // CHUNKS_PER_ITEM),
-            "vec0_fetch": fetch, **built, "rows": rows}  # fmt: skip
+    return {
+        "size": size,
+        "dims": dims,
+        "items": -(-size // CHUNKS_PER_ITEM),
+        "vec0_fetch": fetch,
+        **built,
+        "rows": rows,
+    }
 
 
 def machine() -> dict[str, object]:
@@ -354,10 +360,13 @@ def main() -> None:
                 gc.collect()  # the case's matrix and connections go before the next is built
     size, d, limit = GOAL
     ratio = next(
-        (c["rows"]["kidx vec0"]["ratio_to_numpy"] for c in cases
-         if c["size"] == size and c["dims"] == d),
+        (
+            c["rows"]["kidx vec0"]["ratio_to_numpy"]
+            for c in cases
+            if c["size"] == size and c["dims"] == d
+        ),
         None,
-    )  # fmt: skip
+    )
     result = {
         "machine": machine(),
         "queries": args.queries,

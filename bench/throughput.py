@@ -116,9 +116,16 @@ class CpuMeter:
 
 
 def kidx_run(
-    files: list[tuple[Path, str]], standin: StandInProcess, *, concurrency: int, latency: float,
-    batch_size: int, dimensions: int, tmp: Path, profile: Path | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    files: list[tuple[Path, str]],
+    standin: StandInProcess,
+    *,
+    concurrency: int,
+    latency: float,
+    batch_size: int,
+    dimensions: int,
+    tmp: Path,
+    profile: Path | None = None,
+) -> dict[str, Any]:
     from tasks.producer import send_batch
     from worker.app import create_app
     from worker.settings import load_settings
@@ -127,8 +134,13 @@ def kidx_run(
 
     work = Path(tempfile.mkdtemp(prefix=f"kidx-c{concurrency}-", dir=tmp))
     stack.flush()
-    embedding = {"provider": "openai", "model": MODEL, "base_url": standin.base_url,
-                 "dimensions": dimensions, "batch_size": batch_size}  # fmt: skip
+    embedding = {
+        "provider": "openai",
+        "model": MODEL,
+        "base_url": standin.base_url,
+        "dimensions": dimensions,
+        "batch_size": batch_size,
+    }
     settings = load_settings(db=work / "kidx.db", broker_url=stack.BROKER, embedding=embedding)
     app = create_app(settings)
     db = connect(work / "kidx.db", embedding=settings.embedding)
@@ -137,24 +149,33 @@ def kidx_run(
         for p, t in files
     ]
     env = stack.worker_env(
-        work, standin.base_url, model=MODEL, dimensions=dimensions, batch_size=batch_size,
-        api_key=API_KEY, concurrency=concurrency,
-    )  # fmt: skip
+        work,
+        standin.base_url,
+        model=MODEL,
+        dimensions=dimensions,
+        batch_size=batch_size,
+        api_key=API_KEY,
+        concurrency=concurrency,
+    )
     name = f"bench-c{concurrency}"
     worker = stack.start_worker(env, work, app, name=name, concurrency=concurrency)
     spies: list[subprocess.Popen[bytes]] = []
     batch_id = 0
 
     def finished() -> bool:
-        row = db.one("SELECT ok + failed + skipped, total FROM index_batches WHERE id = ?",
-                     (batch_id,))  # fmt: skip
+        row = db.one(
+            "SELECT ok + failed + skipped, total FROM index_batches WHERE id = ?", (batch_id,)
+        )
         return bool(row and row[0] >= row[1])
 
     try:
         if profile is not None:
             spies = start_spies(worker, profile, f"kidx-c{concurrency}-latency{latency:g}")
-        pids = {"worker main": [worker.popen.pid], "pool": stack.pool_pids(worker),
-                "standin": [standin.pid]}  # fmt: skip
+        pids = {
+            "worker main": [worker.popen.pid],
+            "pool": stack.pool_pids(worker),
+            "standin": [standin.pid],
+        }
         if (rpid := redis_pid()) is not None:
             pids["redis"] = [rpid]
         meter = CpuMeter(pids)
@@ -181,20 +202,28 @@ def kidx_run(
     # dispatch, acknowledgements, results) can be told apart.
     runs = db.all(
         "SELECT substr(task_id, 1, 36), min(julianday(started_at)), max(julianday(finished_at)), "
-        "count(*) FROM index_jobs WHERE batch_id = ? GROUP BY 1", (batch_id,),
-    )  # fmt: skip
+        "count(*) FROM index_jobs WHERE batch_id = ? GROUP BY 1",
+        (batch_id,),
+    )
     db.close()
     shutil.rmtree(work, ignore_errors=True)
     in_tasks = sum((end - start) * 86400 for _, start, end, _ in runs)
     return {
-        "seconds": seconds, "send_seconds": sent, "chunks": chunks, "vec_rows": vec_rows,
-        "requests": counted["requests"], "texts": counted["texts"], "statuses": statuses,
-        "quiet_before": quiet, **cpu,
-        "tasks": len(runs), "items_per_task": len(ids) / max(1, len(runs)),
+        "seconds": seconds,
+        "send_seconds": sent,
+        "chunks": chunks,
+        "vec_rows": vec_rows,
+        "requests": counted["requests"],
+        "texts": counted["texts"],
+        "statuses": statuses,
+        "quiet_before": quiet,
+        **cpu,
+        "tasks": len(runs),
+        "items_per_task": len(ids) / max(1, len(runs)),
         # seconds of each process: in tasks, and the rest of the run (outside any task)
         "task_seconds": in_tasks / concurrency,
         "outside_seconds": seconds - in_tasks / concurrency,
-    }  # fmt: skip
+    }
 
 
 def start_spies(worker: stack.Proc, out: Path, label: str) -> list[subprocess.Popen[bytes]]:
@@ -205,8 +234,20 @@ def start_spies(worker: stack.Proc, out: Path, label: str) -> list[subprocess.Po
     procs = []
     targets = [("main", worker.popen.pid)] + [("pool", p) for p in stack.pool_pids(worker)]
     for role, pid in targets:
-        cmd = [spy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw", "--idle",
-               "--threads", "--output", str(out / f"{label}-{role}-{pid}.txt")]  # fmt: skip
+        cmd = [
+            spy,
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            "250",
+            "--format",
+            "raw",
+            "--idle",
+            "--threads",
+            "--output",
+            str(out / f"{label}-{role}-{pid}.txt"),
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(1.0)  # py-spy attaches
     return procs
@@ -228,9 +269,14 @@ def stop_spies(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def langchain_run(
-    corpus: Path, standin: StandInProcess, *, latency: float, batch_size: int, dimensions: int,
+    corpus: Path,
+    standin: StandInProcess,
+    *,
+    latency: float,
+    batch_size: int,
+    dimensions: int,
     tmp: Path,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="langchain-", dir=tmp))
     pids = {"standin": [standin.pid]}
     if (rpid := redis_pid()) is not None:
@@ -252,9 +298,18 @@ def langchain_run(
             counted = standin.count()
             timed.update(info, **cpu, requests=counted["requests"], texts=counted["texts"])
 
-    args = ["--corpus", str(corpus), "--base-url", standin.base_url, "--db",
-            str(work / "langchain.db"), "--batch-size", str(batch_size), "--dimensions",
-            str(dimensions)]  # fmt: skip
+    args = [
+        "--corpus",
+        str(corpus),
+        "--base-url",
+        standin.base_url,
+        "--db",
+        str(work / "langchain.db"),
+        "--batch-size",
+        str(batch_size),
+        "--dimensions",
+        str(dimensions),
+    ]
     result = run_peer("langchain_throughput.py", args, on_phase, log=tmp / "langchain.log")
     shutil.rmtree(work, ignore_errors=True)
     return {**result, **timed, "quiet_before": quiet[0]}
@@ -264,9 +319,13 @@ def langchain_run(
 
 
 def run(
-    corpus: Path, batch_size: int, dimensions: int, latency: float, rounds: int,
+    corpus: Path,
+    batch_size: int,
+    dimensions: int,
+    latency: float,
+    rounds: int,
     profile: Path | None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     from worker.log import configure_logging
 
     configure_logging(level="warning")  # not the store's info lines between the results
@@ -278,20 +337,32 @@ def run(
     tmp = Path(tempfile.mkdtemp(prefix="kidx-bench-throughput-"))
     try:
         with StandInProcess(dimensions, log=tmp / "standin.log") as standin:
-            plan = [(t, d, name) for t, d in ((instant, 0.0), (bound, latency))
-                    for _ in range(rounds) for name in SYSTEMS]  # fmt: skip
+            plan = [
+                (t, d, name)
+                for t, d in ((instant, 0.0), (bound, latency))
+                for _ in range(rounds)
+                for name in SYSTEMS
+            ]
             for table, delay, name in plan:
-                common = {"latency": delay, "batch_size": batch_size, "dimensions": dimensions,
-                          "tmp": tmp}  # fmt: skip
+                common = {
+                    "latency": delay,
+                    "batch_size": batch_size,
+                    "dimensions": dimensions,
+                    "tmp": tmp,
+                }
                 if name == "langchain":
                     r = langchain_run(corpus, standin, **common)
                 else:
-                    r = kidx_run(files, standin, concurrency=int(name[-1]), profile=profile,
-                                 **common)  # fmt: skip
+                    r = kidx_run(
+                        files, standin, concurrency=int(name[-1]), profile=profile, **common
+                    )
                 table[name].append(r)
-                print(f"  {'bound' if delay else 'instant'} {name}: {r['seconds']:.2f} s, "
-                      f"background {r['background_cores']:.2f} cores", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                print(
+                    f"  {'bound' if delay else 'instant'} {name}: {r['seconds']:.2f} s, "
+                    f"background {r['background_cores']:.2f} cores",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -323,11 +394,19 @@ def run(
         r["share_of_floor"] = r["latency_floor_s"] / r["seconds"]
         bound_rows[name] = r
     result: dict[str, Any] = {
-        "corpus": str(corpus), "files": len(files), "megabytes": megabytes,
-        "batch_size": batch_size, "dimensions": dimensions, "model": MODEL, "latency": latency,
-        "rounds": rounds, "machine": machine(), "wall_seconds": time.perf_counter() - started,
-        "instant": rows, "provider_bound": bound_rows,
-    }  # fmt: skip
+        "corpus": str(corpus),
+        "files": len(files),
+        "megabytes": megabytes,
+        "batch_size": batch_size,
+        "dimensions": dimensions,
+        "model": MODEL,
+        "latency": latency,
+        "rounds": rounds,
+        "machine": machine(),
+        "wall_seconds": time.perf_counter() - started,
+        "instant": rows,
+        "provider_bound": bound_rows,
+    }
     result["goals"] = {
         "kidx_c2_vs_langchain": rows["kidx c2"]["vs_langchain"],
         "kidx_c2_at_least_langchain": rows["kidx c2"]["vs_langchain"] >= 1.0,
@@ -349,59 +428,80 @@ def print_tables(result: dict[str, Any]) -> None:
         f"{m['memory_gib']} GiB"
     )
     print("\nstand-in answering at once")
-    _table(result["instant"], [
-        ("procs", "processes", "{}"),
-        ("chunks", "chunks", "{}"),
-        ("seconds", "seconds", "{:.2f}"),
-        ("chunks/s", "chunks_per_s", "{:.0f}"),
-        ("MB/s", "mb_per_s", "{:.3f}"),
-        ("requests", "requests", "{}"),
-        ("texts/req", "texts_per_request", "{:.1f}"),
-        ("÷ LangChain", "vs_langchain", "{:.2f}"),
-        ("cores used", "cores_used", "{:.2f}"),
-        ("background", "background_cores", "{:.2f}"),
-    ])  # fmt: skip
-    print(f"\nprovider-bound: every answer after {result['latency'] * 1000:.0f} ms; ceiling = "
-          f"batch size {result['batch_size']} x processes / latency; `latency s` = requests x "
-          f"latency / processes")  # fmt: skip
-    _table(result["provider_bound"], [
-        ("procs", "processes", "{}"),
-        ("texts", "texts", "{}"),
-        ("requests", "requests", "{}"),
-        ("texts/req", "texts_per_request", "{:.1f}"),
-        ("seconds", "seconds", "{:.2f}"),
-        ("texts/s", "texts_per_s", "{:.0f}"),
-        ("ceiling", "ceiling_texts_per_s", "{:.0f}"),
-        ("of ceiling", "share_of_ceiling", "{:.1%}"),
-        ("latency s", "latency_floor_s", "{:.2f}"),
-        ("of latency", "share_of_floor", "{:.1%}"),
-        ("background", "background_cores", "{:.2f}"),
-    ])  # fmt: skip
+    _table(
+        result["instant"],
+        [
+            ("procs", "processes", "{}"),
+            ("chunks", "chunks", "{}"),
+            ("seconds", "seconds", "{:.2f}"),
+            ("chunks/s", "chunks_per_s", "{:.0f}"),
+            ("MB/s", "mb_per_s", "{:.3f}"),
+            ("requests", "requests", "{}"),
+            ("texts/req", "texts_per_request", "{:.1f}"),
+            ("÷ LangChain", "vs_langchain", "{:.2f}"),
+            ("cores used", "cores_used", "{:.2f}"),
+            ("background", "background_cores", "{:.2f}"),
+        ],
+    )
+    print(
+        f"\nprovider-bound: every answer after {result['latency'] * 1000:.0f} ms; ceiling = "
+        f"batch size {result['batch_size']} x processes / latency; `latency s` = requests x "
+        f"latency / processes"
+    )
+    _table(
+        result["provider_bound"],
+        [
+            ("procs", "processes", "{}"),
+            ("texts", "texts", "{}"),
+            ("requests", "requests", "{}"),
+            ("texts/req", "texts_per_request", "{:.1f}"),
+            ("seconds", "seconds", "{:.2f}"),
+            ("texts/s", "texts_per_s", "{:.0f}"),
+            ("ceiling", "ceiling_texts_per_s", "{:.0f}"),
+            ("of ceiling", "share_of_ceiling", "{:.1%}"),
+            ("latency s", "latency_floor_s", "{:.2f}"),
+            ("of latency", "share_of_floor", "{:.1%}"),
+            ("background", "background_cores", "{:.2f}"),
+        ],
+    )
     print(
         "\nkidx's tasks (groups of items): seconds of a pool process in tasks, and the rest of "
         "the run (send_batch, Celery's dispatch and results, waiting for the last process)"
     )
     tables = (("now", "instant"), ("50ms", "provider_bound"))
-    kidx_rows = {f"{k} {label}": r for label, table in tables
-                 for k, r in result[table].items() if k != "langchain"}  # fmt: skip
-    _table(kidx_rows, [
-        ("tasks", "tasks", "{}"),
-        ("items/task", "items_per_task", "{:.0f}"),
-        ("seconds", "seconds", "{:.3f}"),
-        ("in tasks", "task_seconds", "{:.3f}"),
-        ("outside", "outside_seconds", "{:.3f}"),
-        ("send s", "send_seconds", "{:.3f}"),
-    ], width=18)  # fmt: skip
+    kidx_rows = {
+        f"{k} {label}": r
+        for label, table in tables
+        for k, r in result[table].items()
+        if k != "langchain"
+    }
+    _table(
+        kidx_rows,
+        [
+            ("tasks", "tasks", "{}"),
+            ("items/task", "items_per_task", "{:.0f}"),
+            ("seconds", "seconds", "{:.3f}"),
+            ("in tasks", "task_seconds", "{:.3f}"),
+            ("outside", "outside_seconds", "{:.3f}"),
+            ("send s", "send_seconds", "{:.3f}"),
+        ],
+        width=18,
+    )
     g = result["goals"]
-    print(f"\ngoal: kidx (2 processes) >= LangChain: {g['kidx_c2_vs_langchain']:.2f}x, "
-          f"{'met' if g['kidx_c2_at_least_langchain'] else 'not met'}")  # fmt: skip
-    print(f"goal: >= 90% of the provider-bound ceiling: 1 process "
-          f"{g['kidx_c1_share_of_ceiling']:.1%}, 2 processes {g['kidx_c2_share_of_ceiling']:.1%}, "
-          f"{'met' if g['kidx_at_least_90pct_of_ceiling'] else 'not met'}")  # fmt: skip
+    print(
+        f"\ngoal: kidx (2 processes) >= LangChain: {g['kidx_c2_vs_langchain']:.2f}x, "
+        f"{'met' if g['kidx_c2_at_least_langchain'] else 'not met'}"
+    )
+    print(
+        f"goal: >= 90% of the provider-bound ceiling: 1 process "
+        f"{g['kidx_c1_share_of_ceiling']:.1%}, 2 processes {g['kidx_c2_share_of_ceiling']:.1%}, "
+        f"{'met' if g['kidx_at_least_90pct_of_ceiling'] else 'not met'}"
+    )
 
 
-def _table(rows: dict[str, dict[str, Any]], cols: list[tuple[str, str, str]], width: int = 12
-           ) -> None:  # fmt: skip
+def _table(
+    rows: dict[str, dict[str, Any]], cols: list[tuple[str, str, str]], width: int = 12
+) -> None:
     header = f"{'system':<{width}}" + "".join(f"{c[0]:>12}" for c in cols)
     print(header)
     print("-" * len(header))
@@ -421,8 +521,9 @@ def main() -> None:
     args = ap.parse_args()
     if not args.corpus.is_dir():
         sys.exit(f"corpus not found: {args.corpus}")
-    result = run(args.corpus, args.batch_size, args.dimensions, args.latency, args.rounds,
-                 args.profile)  # fmt: skip
+    result = run(
+        args.corpus, args.batch_size, args.dimensions, args.latency, args.rounds, args.profile
+    )
     print_tables(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

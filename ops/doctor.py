@@ -152,9 +152,9 @@ def check_dimensions(settings: Settings, timeout: float) -> str:
     if wrong := [f"{name} {d}" for name, d in tables.items() if d != want]:
         raise Fail(
             f"vec tables at another dimension ({', '.join(wrong)}) than the resolved {want} "
-            f"(from the {source})", "`kidx init` rebuilds them (items of another dimension "
-            "become pending)",
-        )  # fmt: skip
+            f"(from the {source})",
+            "`kidx init` rebuilds them (items of another dimension become pending)",
+        )
     return f"{want} (from the {source}) in all {len(tables)} vec tables"
 
 
@@ -168,8 +168,9 @@ def check_rows(settings: Settings, timeout: float) -> str:
             truth = f"SELECT {t.source_key} FROM {t.source} WHERE dimensions = ?"
             missing = db.scalar(
                 f"SELECT count(*) FROM ({truth}) WHERE {t.source_key} NOT IN "
-                f"(SELECT {t.key} FROM {t.name})", (d,),
-            )  # fmt: skip
+                f"(SELECT {t.key} FROM {t.name})",
+                (d,),
+            )
             orphans = db.scalar(
                 f"SELECT count(*) FROM {t.name} WHERE {t.key} NOT IN ({truth})", (d,)
             )
@@ -200,8 +201,10 @@ def check_failed(settings: Settings, timeout: float) -> str:
         )
     if rows:
         last = f" (last: {rows[0][1]})" if rows[0][1] else ""
-        raise Fail(f"{_n(len(rows), 'item')} failed to index{last}",
-                   "see `kidx jobs --failed`, then `kidx retry --failed`")  # fmt: skip
+        raise Fail(
+            f"{_n(len(rows), 'item')} failed to index{last}",
+            "see `kidx jobs --failed`, then `kidx retry --failed`",
+        )
     return "no failed items"
 
 
@@ -209,10 +212,16 @@ def check_stuck(settings: Settings, timeout: float) -> str:
     limit = settings.tasks.time_limit
     older = "(julianday('now') - julianday({})) * 86400 > ?"
     with _store(settings, timeout) as db:
-        runs = db.all("SELECT DISTINCT item_id FROM index_jobs WHERE state = 'started' AND "
-                      + older.format("started_at"), (limit,))  # fmt: skip
-        items = db.all("SELECT item_id FROM item_index_state WHERE status = 'indexing' AND "
-                       + older.format("updated_at"), (limit,))  # fmt: skip
+        runs = db.all(
+            "SELECT DISTINCT item_id FROM index_jobs WHERE state = 'started' AND "
+            + older.format("started_at"),
+            (limit,),
+        )
+        items = db.all(
+            "SELECT item_id FROM item_index_state WHERE status = 'indexing' AND "
+            + older.format("updated_at"),
+            (limit,),
+        )
     if runs or items:
         ids = sorted({r[0] for r in runs + items if r[0] is not None})
         shown = " ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
@@ -286,8 +295,10 @@ def check_beat(settings: Settings, timeout: float) -> str:
     at, _, identity = value.decode(errors="replace").partition(" ")
     age = time.time() - float(at)
     if age > LEASE_TTL:
-        raise Fail(f"the last beat heartbeat is {age:.0f} s old ({identity})",
-                   "beat is stuck or stopped: restart it (celery -A worker.app beat)")  # fmt: skip
+        raise Fail(
+            f"the last beat heartbeat is {age:.0f} s old ({identity})",
+            "beat is stuck or stopped: restart it (celery -A worker.app beat)",
+        )
     return f"heartbeat {max(age, 0):.0f} s ago from {identity}"
 
 
@@ -301,8 +312,10 @@ def check_flower(settings: Settings, timeout: float) -> str:
     except httpx.HTTPError as e:
         status, problem = 0, str(e) or type(e).__name__
     if status != 200:
-        raise Fail(f"Flower not reachable at {url} ({problem})",
-                   "start it (python -m ops.flower), or fix KIDX_FLOWER__ADDRESS/PORT")  # fmt: skip
+        raise Fail(
+            f"Flower not reachable at {url} ({problem})",
+            "start it (python -m ops.flower), or fix KIDX_FLOWER__ADDRESS/PORT",
+        )
     return url
 
 
@@ -319,8 +332,10 @@ def _quick(settings: Any, timeout: float) -> Any:
 def check_embedding(settings: Settings, timeout: float) -> str:
     e = settings.embedding
     if e.provider == "none":
-        raise Warn("KIDX_EMBEDDING__PROVIDER=none: nothing gets vectors",
-                   "set KIDX_EMBEDDING__PROVIDER to openai or local")  # fmt: skip
+        raise Warn(
+            "KIDX_EMBEDDING__PROVIDER=none: nothing gets vectors",
+            "set KIDX_EMBEDDING__PROVIDER to openai or local",
+        )
     with _store(settings, timeout) as db:
         want = db.dimensions
     embedder = build_embedder(_quick(e, timeout), dimensions=want)
@@ -337,8 +352,10 @@ def check_embedding(settings: Settings, timeout: float) -> str:
     finally:
         embedder.close()
     if got != want:
-        raise Fail(f"wrong dimension: the provider returns {got}, the index has {want}",
-                   "set KIDX_EMBEDDING__DIMENSIONS or switch back the model")  # fmt: skip
+        raise Fail(
+            f"wrong dimension: the provider returns {got}, the index has {want}",
+            "set KIDX_EMBEDDING__DIMENSIONS or switch back the model",
+        )
     return f"{e.provider} {e.model} answers with {got} dimensions"
 
 
@@ -357,8 +374,10 @@ def check_chunk(settings: Settings, timeout: float) -> str:
     finally:
         chat.close()
     if not isinstance(answer, dict) or not isinstance(answer.get("chunks"), list):
-        raise Fail(f"chunk model {model} answered without chunks", "use a model that follows "
-                   "JSON instructions, or unset KIDX_CHUNK__MODEL")  # fmt: skip
+        raise Fail(
+            f"chunk model {model} answered without chunks",
+            "use a model that follows JSON instructions, or unset KIDX_CHUNK__MODEL",
+        )
     return f"{model} answers"
 
 

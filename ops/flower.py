@@ -23,19 +23,28 @@ from worker.settings import Settings, load_settings
 def flower_command(settings: Settings, *, address: str, port: int) -> list[str]:
     data = Path(settings.data_dir)
     return [
-        sys.executable, "-m", "celery", "-A", "worker.app", "flower",
-        f"--address={address}", f"--port={port}", "--persistent=True",
-        f"--db={data / 'flower.db'}", "--state_save_interval=5000",
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "worker.app",
+        "flower",
+        f"--address={address}",
+        f"--port={port}",
+        "--persistent=True",
+        f"--db={data / 'flower.db'}",
+        "--state_save_interval=5000",
         "--purge_offline_workers=3600",
-    ]  # fmt: skip
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--demo", action="store_true",
+        "--demo",
+        action="store_true",
         help="local demo: bind 127.0.0.1 and make up a password if none is set",
-    )  # fmt: skip
+    )
     args = ap.parse_args(argv)
     settings = load_settings()
     f = settings.flower

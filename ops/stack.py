@@ -41,8 +41,15 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 def worker_args(concurrency: int) -> list[str]:
     """The worker's arguments after the interpreter, without paths under the data directory."""
-    return [*CELERY, "worker", "--pool=prefork", f"--concurrency={concurrency}",
-            "--loglevel=INFO", "-n", NODE]  # fmt: skip
+    return [
+        *CELERY,
+        "worker",
+        "--pool=prefork",
+        f"--concurrency={concurrency}",
+        "--loglevel=INFO",
+        "-n",
+        NODE,
+    ]
 
 
 def beat_args() -> list[str]:
@@ -57,12 +64,20 @@ def commands(settings: Settings, data: Path, demo: bool = False) -> dict[str, li
     """The full command of each process, as `start` runs it."""
     log = data / "log"
     return {
-        "worker": [sys.executable, *worker_args(settings.tasks.concurrency),
-                   f"--statedb={data / 'worker-%h.state'}", f"--logfile={log / 'worker.log'}"],
-        "beat": [sys.executable, *beat_args(), f"--schedule={data / 'beat-schedule'}",
-                 f"--logfile={log / 'beat.log'}"],
+        "worker": [
+            sys.executable,
+            *worker_args(settings.tasks.concurrency),
+            f"--statedb={data / 'worker-%h.state'}",
+            f"--logfile={log / 'worker.log'}",
+        ],
+        "beat": [
+            sys.executable,
+            *beat_args(),
+            f"--schedule={data / 'beat-schedule'}",
+            f"--logfile={log / 'beat.log'}",
+        ],
         "flower": [sys.executable, *flower_args(demo)],
-    }  # fmt: skip
+    }
 
 
 class Stack:
@@ -161,16 +176,37 @@ def start_redis(stack: Stack) -> None:
             if binary is None
             else "it is not a local redis:// URL: start that Redis"
         )
-        fail(f"error: no Redis answers at KIDX_BROKER_URL={stack.url} and {todo}, or point "
-             "KIDX_BROKER_URL at a running Redis")  # fmt: skip
+        fail(
+            f"error: no Redis answers at KIDX_BROKER_URL={stack.url} and {todo}, or point "
+            "KIDX_BROKER_URL at a running Redis"
+        )
     (stack.data / "redis").mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        [binary, "--daemonize", "yes", "--bind", "127.0.0.1", "--port", str(parts.port or 6379),
-         "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction",
-         "--dir", str(stack.data / "redis"), "--pidfile", str(stack.pid_file("redis")),
-         "--logfile", str(stack.log_file("redis"))],
-        check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            binary,
+            "--daemonize",
+            "yes",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(parts.port or 6379),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory-policy",
+            "noeviction",
+            "--dir",
+            str(stack.data / "redis"),
+            "--pidfile",
+            str(stack.pid_file("redis")),
+            "--logfile",
+            str(stack.log_file("redis")),
+        ],
+        check=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
     if not wait_until(lambda: redis_answers(stack.url), 10):
         fail(f"error: redis-server did not answer within 10 s:\n{stack.tail('redis')}")
     print(f"redis   started at {stack.url} (pid {stack.pid('redis')})")
@@ -228,9 +264,11 @@ def start(stack: Stack, demo: bool) -> None:
 
         if not wait_until(up, timeout) or stack.pid(name) is None:
             what = "exited" if stack.pid(name) is None else f"did not answer in {timeout:.0f} s"
-            fail(f"error: the {name} {what}; the end of "
-                 f"{stack.log_file(name)}:\n{stack.tail(name)}\n"
-                 "(python -m ops.stack stop ends what did start)")  # fmt: skip
+            fail(
+                f"error: the {name} {what}; the end of "
+                f"{stack.log_file(name)}:\n{stack.tail(name)}\n"
+                "(python -m ops.stack stop ends what did start)"
+            )
     print(f"worker  {node} answers a ping")
     print(f"flower  {stack.flower_url()} answers")
     line = stack.demo_line()

@@ -54,8 +54,9 @@ class LeaderScheduler(PersistentScheduler):
             log.warning("beat cannot reach Redis; not sending", reason=str(e))
             got = False
         if got != self.leading:
-            log.info("beat leads" if got else "beat follows (another beat leads)",
-                     identity=self.identity)  # fmt: skip
+            log.info(
+                "beat leads" if got else "beat follows (another beat leads)", identity=self.identity
+            )
             self.leading = got
         return got
 

@@ -33,9 +33,12 @@ def reconcile_sweep() -> dict[str, Any]:
     if drift.to_index:
         batch_id, _ = send_batch(rt.db, drift.to_index, kind="reconcile", app=app)
     summary = {
-        "repaired": drift.repaired, "found": {k: len(v) for k, v in drift.found.items()},
-        "busy": drift.busy, "sent": len(drift.to_index), "batch_id": batch_id,
-    }  # fmt: skip
+        "repaired": drift.repaired,
+        "found": {k: len(v) for k, v in drift.found.items()},
+        "busy": drift.busy,
+        "sent": len(drift.to_index),
+        "batch_id": batch_id,
+    }
     record_sweep(rt.db, "reconcile", summary)
     log.info("reconcile sweep", **summary)
     return summary
@@ -46,9 +49,13 @@ def retry_sweep() -> dict[str, Any]:
     """Send failed items whose backoff has passed as a `retry` batch."""
     rt = get_runtime(settings)
     s = settings.scheduler
-    due = due_retries(rt.db, max_attempts=s.retry_max_attempts, backoff=s.retry_backoff,
-                      backoff_max=s.retry_backoff_max,
-                      horizon=settings.tasks.visibility_timeout)[: s.max_items]  # fmt: skip
+    due = due_retries(
+        rt.db,
+        max_attempts=s.retry_max_attempts,
+        backoff=s.retry_backoff,
+        backoff_max=s.retry_backoff_max,
+        horizon=settings.tasks.visibility_timeout,
+    )[: s.max_items]
     batch_id = send_batch(rt.db, due, kind="retry", app=app)[0] if due else None
     summary = {"sent": len(due), "batch_id": batch_id}
     record_sweep(rt.db, "retry_sweep", summary)

@@ -1,7 +1,7 @@
 """Cancellation is a revoke, not a failure.
 
 Celery's plain `revoke()` does not reach a running task, and `terminate=True` sends its process
-SIGTERM (LESSONS.md). So:
+SIGTERM, mid-write. So:
 
 * Every worker's `revoke` remote-control command (the one `kidx cancel` and Flower's revoke
   button send) is Celery's own, wrapped: it first records the task id in Redis, where the

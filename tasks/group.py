@@ -36,6 +36,7 @@ from worker.log import KI_EMBED, get_logger
 from worker.pipeline import IndexResult
 from worker.store.items import Status, set_state
 from worker.store.jobs import (
+    BatchState,
     JobState,
     batch_outcome,
     get_batch,
@@ -49,9 +50,12 @@ log = get_logger("kidx.tasks")
 
 @app.task(name=GROUP, bind=True)
 def index_group(
-    self: Task, item_ids: list[int], reason: str | None = None, batch_id: int | None = None,
+    self: Task,
+    item_ids: list[int],
+    reason: str | None = None,
+    batch_id: int | None = None,
     structure_only: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Index a bulk run's items together."""
     started = time.monotonic()
     task_id = str(self.request.id)
@@ -64,8 +68,9 @@ def index_group(
         rt = get_runtime(settings)
         problem = bad_arguments(rt, item_ids[0], reason, batch_id, structure_only)
         if problem is not None:  # its job rows say so, without what cannot be stored
-            group = _Group(self, rt, item_ids, reason if isinstance(reason, str) else None,
-                           None, started)  # fmt: skip
+            group = _Group(
+                self, rt, item_ids, reason if isinstance(reason, str) else None, None, started
+            )
             for item_id in group.ids:
                 group._failed(item_id, one_line(item_id, problem, group.took()), "bad_input")
             raise IndexFailed(group._failure_line())
@@ -78,9 +83,14 @@ class _Group:
     """One run of a group: its items' records, as each item's outcome becomes known."""
 
     def __init__(
-        self, task: Task, rt: Runtime, item_ids: list[int], reason: str | None,
-        batch_id: int | None, started: float,
-    ) -> None:  # fmt: skip
+        self,
+        task: Task,
+        rt: Runtime,
+        item_ids: list[int],
+        reason: str | None,
+        batch_id: int | None,
+        started: float,
+    ) -> None:
         self.task, self.rt, self.batch_id, self.started = task, rt, batch_id, started
         self.reason = reason
         self.abort_reason: str | None = None
@@ -90,31 +100,43 @@ class _Group:
         self.ended: dict[int, str] = {}  # item -> its job state
         self.failures: list[str] = []
         self.results: list[dict[str, Any]] = []
-        record_starts(rt.db, [(group_job_id(self.task_id, i), i) for i in self.ids], GROUP,
-                      batch_id, reason)  # fmt: skip
+        record_starts(
+            rt.db, [(group_job_id(self.task_id, i), i) for i in self.ids], GROUP, batch_id, reason
+        )
 
     def took(self) -> int:
         return int((time.monotonic() - self.started) * 1000)
 
     def end(
-        self, item_id: int, state: JobState, outcome: str | None, error: str | None = None,
+        self,
+        item_id: int,
+        state: JobState,
+        outcome: str | None,
+        error: str | None = None,
         why: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """An item's run ends: its job row and its count in the batch, in one transaction
         (the group's write transaction, when the item was just written: if that does not
         commit, the item ends again, failed). A database that refuses (a full disk) is logged:
         the task's result still says what happened."""
         try:
             with self.rt.db.atomic():
-                record_end(self.rt.db, group_job_id(self.task_id, item_id), 0, state,
-                           self.took(), error)  # fmt: skip
+                record_end(
+                    self.rt.db, group_job_id(self.task_id, item_id), 0, state, self.took(), error
+                )
                 if self.batch_id is not None and outcome is not None:
-                    batch_outcome(self.rt.db, self.batch_id, outcome, error,
-                                  abort_after=settings.tasks.batch_abort_after,
-                                  job=(group_job_id(self.task_id, item_id), 0))  # fmt: skip
+                    batch_outcome(
+                        self.rt.db,
+                        self.batch_id,
+                        outcome,
+                        error,
+                        abort_after=settings.tasks.batch_abort_after,
+                        job=(group_job_id(self.task_id, item_id), 0),
+                    )
         except (apsw.Error, KidxError) as e:
-            log.error("could not record an item's end", item_id=item_id,
-                      reason=f"{type(e).__name__}: {e}")  # fmt: skip
+            log.error(
+                "could not record an item's end", item_id=item_id, reason=f"{type(e).__name__}: {e}"
+            )
         metrics.run(GROUP, str(state), why)
         self.ended[item_id] = str(state)
 
@@ -126,13 +148,14 @@ class _Group:
                 raise Cancelled("revoked before it started")
             if self._batch_aborted():
                 return self._summary()
-            locks = self.locks = LockSet(rt.redis, self.ids, self.task_id,
-                                         settings.tasks.lock_ttl)  # fmt: skip
+            locks = self.locks = LockSet(rt.redis, self.ids, self.task_id, settings.tasks.lock_ttl)
             held, busy = locks.acquire()
             try:
                 for item_id in busy:
-                    log.info(f"{KI_EMBED} coalesced: the item is being indexed by another run",
-                             item_id=item_id)  # fmt: skip
+                    log.info(
+                        f"{KI_EMBED} coalesced: the item is being indexed by another run",
+                        item_id=item_id,
+                    )
                     self.end(item_id, JobState.COALESCED, "ok")
                     self.results.append({"item_id": item_id, "status": "coalesced"})
                 for client in (rt.embedder, rt.chat):
@@ -140,12 +163,19 @@ class _Group:
                         client.sleep = token.sleep  # a provider's backoff ends on cancellation
                 with running():
                     index_items(
-                        rt.db, held, embedder=rt.embedder, chat=rt.chat, reader=rt.reader,
-                        chunk_window=settings.chunk.window, structure_only=structure_only,
-                        cancel=token, task_id=self.task_id, on_done=self._done,
+                        rt.db,
+                        held,
+                        embedder=rt.embedder,
+                        chat=rt.chat,
+                        reader=rt.reader,
+                        chunk_window=settings.chunk.window,
+                        structure_only=structure_only,
+                        cancel=token,
+                        task_id=self.task_id,
+                        on_done=self._done,
                         deadline=self.started + settings.tasks.soft_time_limit / 2,
                         context_chars=settings.embedding.context_chars,
-                    )  # fmt: skip
+                    )
             finally:
                 asked = locks.release()
             self._send_on(self._open(), structure_only)
@@ -162,15 +192,19 @@ class _Group:
                 self.end(item_id, JobState.REVOKED, "skipped", "cancelled")
                 set_state(rt.db, item_id, status=Status.CANCELLED, last_task_id=self.task_id)
             self.task.backend.mark_as_revoked(self.task_id, "cancelled", request=self.task.request)
-            self.task.send_event("task-revoked", terminated=TERMINATED.is_set(), signum=None,
-                                 expired=False)  # fmt: skip
-            log.info(f"{KI_EMBED} group revoked; what was not written keeps its previous index",
-                     duration_ms=self.took())  # fmt: skip
+            self.task.send_event(
+                "task-revoked", terminated=TERMINATED.is_set(), signum=None, expired=False
+            )
+            log.info(
+                f"{KI_EMBED} group revoked; what was not written keeps its previous index",
+                duration_ms=self.took(),
+            )
             raise Ignore() from None
         except Exception as e:  # a bug or a store failure: every open item names it
             for item_id in self._open():
-                self._failed(item_id, one_line(item_id, f"{type(e).__name__}: {e}",
-                                                self.took()), "bad_input")  # fmt: skip
+                self._failed(
+                    item_id, one_line(item_id, f"{type(e).__name__}: {e}", self.took()), "bad_input"
+                )
             raise IndexFailed(self._failure_line()) from None
         if self.failures:
             raise IndexFailed(self._failure_line())
@@ -198,16 +232,20 @@ class _Group:
             if self.locks is not None:  # or the retry, due in seconds, would find it locked
                 self.locks.release_one(item_id)
             try:
-                retry = enqueue(self.rt.db, item_id, app=self.task.app, reason="retry",
-                                batch_id=self.batch_id,
-                                countdown=backoff(0, outcome.retry_after))  # fmt: skip
+                retry = enqueue(
+                    self.rt.db,
+                    item_id,
+                    app=self.task.app,
+                    reason="retry",
+                    batch_id=self.batch_id,
+                    countdown=backoff(0, outcome.retry_after),
+                )
             except (apsw.Error, KidxError) as e:  # no retry to be had: it failed
                 message = one_line(item_id, f"{outcome}; not sent again: {e}", self.took())
                 self._failed(item_id, message, why)
                 return
             self.end(item_id, JobState.RETRY, "retry", message, why=why)
-            self._result({"item_id": item_id, "status": "retry", "error": message,
-                          "next": retry})  # fmt: skip
+            self._result({"item_id": item_id, "status": "retry", "error": message, "next": retry})
             return
         why = "provider_permanent" if isinstance(outcome, IndexAborted) else "bad_input"
         self._failed(item_id, message, why)
@@ -217,14 +255,23 @@ class _Group:
         group of their own, in the same batch: a big group never meets the time limit."""
         if not item_ids:
             return
-        follow = send_group(self.rt.db, self.task.app, item_ids, self.batch_id,
-                            self.reason or "group", structure_only=structure_only)  # fmt: skip
+        follow = send_group(
+            self.rt.db,
+            self.task.app,
+            item_ids,
+            self.batch_id,
+            self.reason or "group",
+            structure_only=structure_only,
+        )
         note = f"not started within half the time limit: sent on in group {follow}"
         for item_id in item_ids:
             self.end(item_id, JobState.RETRY, None, note)
             self.results.append({"item_id": item_id, "status": "sent on", "next": follow})
-        log.info(f"{KI_EMBED} group past its deadline: the rest sent on", items=len(item_ids),
-                 next=follow)  # fmt: skip
+        log.info(
+            f"{KI_EMBED} group past its deadline: the rest sent on",
+            items=len(item_ids),
+            next=follow,
+        )
 
     def _failed(self, item_id: int, message: str, why: str) -> None:
         outcome = "refused" if why == "bad_input" else "failed"  # bad input: no batch abort
@@ -247,8 +294,11 @@ class _Group:
             return False
         for item_id in self.ids:
             self._skip(item_id)
-        log.info(f"{KI_EMBED} skipped: its batch was aborted", batch_id=self.batch_id,
-                 items=len(self.ids))  # fmt: skip
+        log.info(
+            f"{KI_EMBED} skipped: its batch was aborted",
+            batch_id=self.batch_id,
+            items=len(self.ids),
+        )
         return True
 
     def _batch_aborted_now(self) -> bool:
@@ -256,25 +306,35 @@ class _Group:
             return False
         batch = get_batch(self.rt.db, self.batch_id)
         self.abort_reason = batch["abort_reason"] if batch else None
-        return bool(batch and batch["state"] == "aborted")
+        return bool(batch and batch["state"] == BatchState.ABORTED)
 
     def _skip(self, item_id: int) -> None:
         """Not run for an aborted batch: `failed`, so that `kidx retry --failed` picks it up."""
         self.end(item_id, JobState.SKIPPED, "skipped", self.abort_reason)
-        set_state(self.rt.db, item_id, status=Status.FAILED, last_task_id=self.task_id,
-                  last_error=f"not run: batch {self.batch_id} was aborted "
-                             f"({self.abort_reason})")  # fmt: skip
+        set_state(
+            self.rt.db,
+            item_id,
+            status=Status.FAILED,
+            last_task_id=self.task_id,
+            last_error=f"not run: batch {self.batch_id} was aborted ({self.abort_reason})",
+        )
         self.results.append({"item_id": item_id, "status": "skipped"})
 
     def _summary(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
         for r in self.results:
             counts[r["status"]] = counts.get(r["status"], 0) + 1
-        return {"items": len(self.ids), **counts, "duration_ms": self.took(),
-                "results": self.results}  # fmt: skip
+        return {
+            "items": len(self.ids),
+            **counts,
+            "duration_ms": self.took(),
+            "results": self.results,
+        }
 
     def _failure_line(self) -> str:
         shown = "; ".join(self.failures[:3]) + (" ..." if len(self.failures) > 3 else "")
         others = len(self.ids) - len(self.failures)
-        return (f"group of {len(self.ids)} items: {len(self.failures)} failed ({shown}), "
-                f"{others} did not fail (after {self.took() / 1000:.1f} s)")  # fmt: skip
+        return (
+            f"group of {len(self.ids)} items: {len(self.failures)} failed ({shown}), "
+            f"{others} did not fail (after {self.took() / 1000:.1f} s)"
+        )

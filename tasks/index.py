@@ -1,4 +1,4 @@
-"""The two tasks of the seed, thin: take the lock, call the engine, record, report.
+"""The two indexing tasks, thin: take the lock, call the engine, record, report.
 
     GenerateEmbedding(item_id, reason=None)                notes
     GenerateKnowledgeItemEmbedding(item_id, reason=None)   files, URLs, code
@@ -34,7 +34,14 @@ from worker.errors import Cancelled, IndexAborted, InvalidInput, KidxError, Wron
 from worker.log import KI_EMBED, Redact, get_logger
 from worker.pipeline import index_item
 from worker.store.items import Status, get_item, get_state, set_state
-from worker.store.jobs import JobState, batch_outcome, get_batch, record_end, record_start
+from worker.store.jobs import (
+    BatchState,
+    JobState,
+    batch_outcome,
+    get_batch,
+    record_end,
+    record_start,
+)
 
 log = get_logger("kidx.tasks")
 
@@ -48,18 +55,24 @@ class IndexFailed(Exception):
 
 @app.task(name=NOTE, bind=True)
 def generate_embedding(
-    self: Task, item_id: int, reason: str | None = None, batch_id: int | None = None,
+    self: Task,
+    item_id: int,
+    reason: str | None = None,
+    batch_id: int | None = None,
     structure_only: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Index a note."""
     return _run(self, item_id, reason, batch_id, structure_only)
 
 
 @app.task(name=KNOWLEDGE_ITEM, bind=True)
 def generate_knowledge_item_embedding(
-    self: Task, item_id: int, reason: str | None = None, batch_id: int | None = None,
+    self: Task,
+    item_id: int,
+    reason: str | None = None,
+    batch_id: int | None = None,
     structure_only: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Index a file, URL or code item."""
     return _run(self, item_id, reason, batch_id, structure_only)
 
@@ -91,15 +104,28 @@ def _run(
             with rt.db.atomic():  # the run's row and its count in the batch, together
                 record_end(rt.db, task_id, attempt, state, took(), error)
                 if batch_id is not None and outcome is not None:
-                    batch_outcome(rt.db, batch_id, outcome, error, job=(task_id, attempt),
-                                  abort_after=settings.tasks.batch_abort_after)  # fmt: skip
+                    batch_outcome(
+                        rt.db,
+                        batch_id,
+                        outcome,
+                        error,
+                        job=(task_id, attempt),
+                        abort_after=settings.tasks.batch_abort_after,
+                    )
         except (apsw.Error, KidxError) as e:  # a full disk: the task's result still says it
             log.error("could not record the run's end", reason=f"{type(e).__name__}: {e}")
         metrics.run(task.name, str(state), why)
 
     try:
-        record_start(rt.db, task_id, attempt, task.name, item_id if valid else None, batch_id,
-                     reason[:200] if reason else None)  # fmt: skip
+        record_start(
+            rt.db,
+            task_id,
+            attempt,
+            task.name,
+            item_id if valid else None,
+            batch_id,
+            reason[:200] if reason else None,
+        )
         if problem is not None:
             raise InvalidInput(problem)
         token = CancelToken(rt.redis, task_id)
@@ -107,7 +133,7 @@ def _run(
             raise Cancelled("revoked before it started")
         if batch_id is not None:
             batch = get_batch(rt.db, batch_id)
-            if batch and batch["state"] == "aborted":
+            if batch and batch["state"] == BatchState.ABORTED:
                 end(JobState.SKIPPED, "skipped", batch["abort_reason"])
                 # Its index is not what was asked for: `kidx retry --failed` picks it up.
                 set_state(
@@ -216,11 +242,17 @@ def _locked_runs(
 
         def run() -> Any:
             return index_item(
-                rt.db, item_id, embedder=rt.embedder, chat=rt.chat, reader=rt.reader,
-                chunk_window=settings.chunk.window, structure_only=structure_only,
-                cancel=token, task_id=str(task.request.id),
+                rt.db,
+                item_id,
+                embedder=rt.embedder,
+                chat=rt.chat,
+                reader=rt.reader,
+                chunk_window=settings.chunk.window,
+                structure_only=structure_only,
+                cancel=token,
+                task_id=str(task.request.id),
                 context_chars=settings.embedding.context_chars,
-            )  # fmt: skip
+            )
 
         with running():
             result = run()

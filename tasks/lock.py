@@ -62,8 +62,7 @@ class ItemLock:
 
     def request_rerun(self, pipe: redis.client.Pipeline | None = None) -> None:
         """Ask the holder for one more run (on `pipe`, when given, for LockSet)."""
-        (pipe or self.client).set(rerun_key(self.item_id), self.task_id,
-                                  ex=max(self.ttl * 10, 600))  # fmt: skip
+        (pipe or self.client).set(rerun_key(self.item_id), self.task_id, ex=max(self.ttl * 10, 600))
 
     def take_rerun(self) -> bool:
         """Whether a re-run was requested (and clear the request)."""
@@ -187,13 +186,16 @@ class LockSet:
             return []
         pipe = self.client.pipeline(transaction=False)
         for lock in self.held:
-            lock.lock.lua_release(keys=[lock.lock.name], args=[lock.lock.local.token],
-                                  client=pipe)  # fmt: skip
+            lock.lock.lua_release(keys=[lock.lock.name], args=[lock.lock.local.token], client=pipe)
         released = pipe.execute(raise_on_error=False)
         for lock, ok in zip(self.held, released, strict=True):
             if ok is not True and ok != 1:  # expired or taken over
-                log.warning("item lock was already gone at release", item_id=lock.item_id,
-                            task_id=self.task_id, reason=str(ok))  # fmt: skip
+                log.warning(
+                    "item lock was already gone at release",
+                    item_id=lock.item_id,
+                    task_id=self.task_id,
+                    reason=str(ok),
+                )
         pipe = self.client.pipeline(transaction=False)
         for lock in self.held:
             pipe.getdel(rerun_key(lock.item_id))

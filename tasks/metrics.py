@@ -39,12 +39,18 @@ def _make(folder: Path) -> SimpleNamespace:
         runs=Counter("kidx_item_runs", "Task runs by outcome", ["task", "outcome"]),
         chunks=Counter("kidx_chunks", "Chunks written, by where the vector came from", ["source"]),
         failures=Counter("kidx_failures", "Failed runs by reason", ["reason"]),
-        run_seconds=Histogram("kidx_run_seconds", "Duration of pipeline runs",
-                              buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 300)),
-        provider_seconds=Histogram("kidx_provider_seconds", "Duration of provider calls",
-                                   ["provider"],
-                                   buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)),
-    )  # fmt: skip
+        run_seconds=Histogram(
+            "kidx_run_seconds",
+            "Duration of pipeline runs",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+        ),
+        provider_seconds=Histogram(
+            "kidx_provider_seconds",
+            "Duration of provider calls",
+            ["provider"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+        ),
+    )
 
 
 def run(task: str, outcome: str, failure: str | None = None) -> None:

@@ -45,9 +45,16 @@ def _default_app() -> Celery:
 
 
 def _send(
-    db: Database, app: Celery | None, name: str, item_id: int, *, reason: str | None,
-    batch_id: int | None = None, countdown: float | None = None, structure_only: bool = False,
-) -> str:  # fmt: skip
+    db: Database,
+    app: Celery | None,
+    name: str,
+    item_id: int,
+    *,
+    reason: str | None,
+    batch_id: int | None = None,
+    countdown: float | None = None,
+    structure_only: bool = False,
+) -> str:
     item = get_item(db, item_id, content=False)
     task_id = str(uuid.uuid4())
     record_queued(db, task_id, name, item_id, batch_id, reason)
@@ -62,9 +69,13 @@ def _send(
     app = app or _default_app()
     with _sending(db, app, [task_id], item_id):
         app.send_task(
-            name, args=[item_id], kwargs=kwargs, task_id=task_id, kwargsrepr=repr(shown),
+            name,
+            args=[item_id],
+            kwargs=kwargs,
+            task_id=task_id,
+            kwargsrepr=repr(shown),
             countdown=countdown,
-        )  # fmt: skip
+        )
     return task_id
 
 
@@ -123,14 +134,28 @@ def enqueue_knowledge_item(
 
 
 def enqueue(
-    db: Database, item_id: int, *, app: Celery | None = None, reason: str | None = None,
-    batch_id: int | None = None, countdown: float | None = None, structure_only: bool = False,
-) -> str:  # fmt: skip
+    db: Database,
+    item_id: int,
+    *,
+    app: Celery | None = None,
+    reason: str | None = None,
+    batch_id: int | None = None,
+    countdown: float | None = None,
+    structure_only: bool = False,
+) -> str:
     """Send the right task for the item's kind; returns the task id. `structure_only`: no chunk
     model for this run."""
     name = TASK_FOR_KIND[get_item(db, item_id, content=False).kind]
-    return _send(db, app, name, item_id, reason=reason, batch_id=batch_id, countdown=countdown,
-                 structure_only=structure_only)  # fmt: skip
+    return _send(
+        db,
+        app,
+        name,
+        item_id,
+        reason=reason,
+        batch_id=batch_id,
+        countdown=countdown,
+        structure_only=structure_only,
+    )
 
 
 def send_batch(
@@ -196,10 +221,13 @@ def _sizes(db: Database, ids: list[int]) -> dict[int, int]:
     found: dict[int, int] = {}
     for start in range(0, len(ids), 500):
         part = ids[start : start + 500]
-        found.update(db.all(
-            f"SELECT id, length(content) FROM knowledge_items WHERE id IN "
-            f"({','.join('?' * len(part))})", part,
-        ))  # fmt: skip
+        found.update(
+            db.all(
+                f"SELECT id, length(content) FROM knowledge_items WHERE id IN "
+                f"({','.join('?' * len(part))})",
+                part,
+            )
+        )
     for i in ids:
         if i not in found:
             raise ItemNotFound(i)
@@ -207,21 +235,28 @@ def _sizes(db: Database, ids: list[int]) -> dict[int, int]:
 
 
 def send_group(
-    db: Database, app: Celery, item_ids: list[int], batch_id: int | None, reason: str, *,
+    db: Database,
+    app: Celery,
+    item_ids: list[int],
+    batch_id: int | None,
+    reason: str,
+    *,
     structure_only: bool = False,
-) -> str:  # fmt: skip
+) -> str:
     """One `kidx.index_group` task for these items (recorded as queued, one row an item)."""
     task_id = str(uuid.uuid4())
-    record_queued_many(db, [(group_job_id(task_id, i), i) for i in item_ids], GROUP, batch_id,
-                       reason)  # fmt: skip
+    record_queued_many(
+        db, [(group_job_id(task_id, i), i) for i in item_ids], GROUP, batch_id, reason
+    )
     first = get_item(db, item_ids[0], content=False).title
     shown = {"items": len(item_ids), "first": first[:60], "reason": reason, "batch": batch_id}
     kwargs: dict[str, Any] = {"reason": reason, "batch_id": batch_id}
     if structure_only:
         kwargs["structure_only"] = True
     with _sending(db, app, [group_job_id(task_id, i) for i in item_ids], None):
-        app.send_task(GROUP, args=[item_ids], kwargs=kwargs, task_id=task_id,
-                      kwargsrepr=repr(shown))  # fmt: skip
+        app.send_task(
+            GROUP, args=[item_ids], kwargs=kwargs, task_id=task_id, kwargsrepr=repr(shown)
+        )
     return task_id
 
 

@@ -91,9 +91,13 @@ class Proc:
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
-            cmd, env=env, cwd=str(ROOT), stdout=self._log, stderr=subprocess.STDOUT,
+            cmd,
+            env=env,
+            cwd=str(ROOT),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
 
     @property
     def log(self) -> str:
@@ -121,11 +125,21 @@ def start_worker(
     data = tmp_path / "data"
     data.mkdir(parents=True, exist_ok=True)
     proc = Proc(
-        [*CELERY, "worker", "--pool=prefork", f"--concurrency={concurrency}", "--loglevel=INFO",
-         f"--statedb={data / f'{name}.state'}", "-n", f"{name}@%h", "--without-gossip",
-         "--without-mingle"],
-        env, tmp_path / f"{name}.log",
-    )  # fmt: skip
+        [
+            *CELERY,
+            "worker",
+            "--pool=prefork",
+            f"--concurrency={concurrency}",
+            "--loglevel=INFO",
+            f"--statedb={data / f'{name}.state'}",
+            "-n",
+            f"{name}@%h",
+            "--without-gossip",
+            "--without-mingle",
+        ],
+        env,
+        tmp_path / f"{name}.log",
+    )
 
     def ready() -> bool:
         if not proc.alive():
@@ -175,9 +189,14 @@ class Stack:
     reach them (the Celery app, a connection, the `kidx` command)."""
 
     def __init__(
-        self, tmp: Path, standin: Any, worker: str = "w1", env: dict[str, str] | None = None,
-        redis_db: int = REDIS_DB, db_path: Path | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        tmp: Path,
+        standin: Any,
+        worker: str = "w1",
+        env: dict[str, str] | None = None,
+        redis_db: int = REDIS_DB,
+        db_path: Path | None = None,
+    ) -> None:
         from worker.app import create_app
         from worker.settings import load_settings
         from worker.store import connect
@@ -185,14 +204,25 @@ class Stack:
         self.tmp = tmp
         self.standin = standin
         self.db_path = db_path or tmp / "kidx.db"
-        self.env = queue_env(tmp, standin.base_url, **{"KIDX_BROKER_URL": broker_url(redis_db),
-                                                       "KIDX_DB": str(self.db_path),
-                                                       **(env or {})})  # fmt: skip
+        self.env = queue_env(
+            tmp,
+            standin.base_url,
+            **{
+                "KIDX_BROKER_URL": broker_url(redis_db),
+                "KIDX_DB": str(self.db_path),
+                **(env or {}),
+            },
+        )
         self.settings = load_settings(
-            db=self.db_path, broker_url=broker_url(redis_db),
-            embedding={"provider": "openai", "model": "standin-embed",
-                       "base_url": standin.base_url, "dimensions": 64},
-        )  # fmt: skip
+            db=self.db_path,
+            broker_url=broker_url(redis_db),
+            embedding={
+                "provider": "openai",
+                "model": "standin-embed",
+                "base_url": standin.base_url,
+                "dimensions": 64,
+            },
+        )
         self.app = create_app(self.settings)
         self.db = connect(self.db_path, embedding=self.settings.embedding)
         self.redis = redis.Redis.from_url(broker_url(redis_db))
@@ -203,8 +233,14 @@ class Stack:
         self, *args: str, timeout: float = 60, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
         exe = str(Path(sys.executable).parent / "kidx")
-        return subprocess.run([exe, *args], env={**self.env, **(env or {})}, capture_output=True,
-                              text=True, timeout=timeout, cwd=str(self.tmp))  # fmt: skip
+        return subprocess.run(
+            [exe, *args],
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=str(self.tmp),
+        )
 
     def note(self, title: str, text: str) -> int:
         from worker.store.items import add_item

@@ -33,13 +33,19 @@ def test_a_backup_taken_while_another_process_writes_is_whole(tmp_path: Path):
     for i in range(500):
         add_item(db, kind="note", title=f"n{i}", content="some text of a note " * 50)
     db.close()
-    env = {**os.environ, "KIDX_DB": str(source), "HF_HUB_OFFLINE": "1",
-           "KIDX_BROKER_URL": "redis://127.0.0.1:6379/6"}  # fmt: skip
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(source)], env=env,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "KIDX_DB": str(source),
+        "HF_HUB_OFFLINE": "1",
+        "KIDX_BROKER_URL": "redis://127.0.0.1:6379/6",
+    }
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(source)], env=env, stdout=subprocess.PIPE, text=True
+    )
     kidx = str(Path(sys.executable).parent / "kidx")
-    out = subprocess.run([kidx, "backup", str(dest), "--json"], env=env, capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [kidx, "backup", str(dest), "--json"], env=env, capture_output=True, text=True, timeout=60
+    )
     written = int(writer.communicate(timeout=30)[0].strip())
     assert out.returncode == 0, out.stderr
     assert '"integrity": "ok"' in out.stdout and written > 0
@@ -47,6 +53,7 @@ def test_a_backup_taken_while_another_process_writes_is_whole(tmp_path: Path):
     assert copy.scalar("PRAGMA integrity_check") == "ok"
     assert 500 <= copy.scalar("SELECT count(*) FROM knowledge_items") <= 500 + written
     copy.close()
-    again = subprocess.run([kidx, "backup", str(dest)], env=env, capture_output=True, text=True,
-                           timeout=60)  # fmt: skip
+    again = subprocess.run(
+        [kidx, "backup", str(dest)], env=env, capture_output=True, text=True, timeout=60
+    )
     assert again.returncode == 1 and "exists" in again.stderr

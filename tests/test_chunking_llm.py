@@ -58,8 +58,10 @@ def test_a_good_answer_gives_llm_chunks_with_summaries(db, embedder, chat, stand
     assert standin.chat.requests == len(windows_of(text, 6000)) >= 3
     # The summary goes into what is embedded, before the content.
     first = chunks[0]
-    assert any(t.startswith("Ownership") and first["summary"] in t and first["content"] in t
-               for t in standin.texts)  # fmt: skip
+    assert any(
+        t.startswith("Ownership") and first["summary"] in t and first["content"] in t
+        for t in standin.texts
+    )
     state = get_state(db, item)
     assert state["chunk_method"] == "llm" and state["last_error"] is None
 
@@ -67,26 +69,43 @@ def test_a_good_answer_gives_llm_chunks_with_summaries(db, embedder, chat, stand
 BAD_ANSWERS = {
     "not JSON": "Here are your chunks: 1-3, 4-9.",
     "wrong shape": {"boundaries": [1, 4, 9]},
-    "ids out of range": lambda units: {"chunks": [{"start": 1, "end": len(units) + 5,
-                                                   "summary": "x"}]},
-    "overlapping": lambda units: {"chunks": [{"start": 1, "end": 2, "summary": "a"},
-                                             {"start": 2, "end": len(units), "summary": "b"}]},
-    "gapped": lambda units: {"chunks": [{"start": 1, "end": 1, "summary": "a"},
-                                        {"start": 3, "end": len(units), "summary": "b"}]},
+    "ids out of range": lambda units: {
+        "chunks": [{"start": 1, "end": len(units) + 5, "summary": "x"}]
+    },
+    "overlapping": lambda units: {
+        "chunks": [
+            {"start": 1, "end": 2, "summary": "a"},
+            {"start": 2, "end": len(units), "summary": "b"},
+        ]
+    },
+    "gapped": lambda units: {
+        "chunks": [
+            {"start": 1, "end": 1, "summary": "a"},
+            {"start": 3, "end": len(units), "summary": "b"},
+        ]
+    },
     "empty list": {"chunks": []},
-    "rewrites the text": lambda units: {"chunks": [{"start": 1, "end": len(units), "summary": "s",
-                                                    "text": "An invented text."}]},
+    "rewrites the text": lambda units: {
+        "chunks": [{"start": 1, "end": len(units), "summary": "s", "text": "An invented text."}]
+    },
     "HTTP 500": ChatReply(status=500, content="upstream exploded"),
     "timeout": ChatReply(delay=3.0, content="{}"),
     "refusal": ChatReply(refusal="I cannot help with chunking."),
     "cut off": ChatReply(content='{"chunks": [', finish_reason="length"),
-}  # fmt: skip
+}
 REASONS = {
-    "not JSON": "not JSON", "wrong shape": '"chunks" list', "ids out of range": "outside",
-    "overlapping": "overlaps", "gapped": "gap", "empty list": "no chunks",
-    "rewrites the text": "rewrites the text", "HTTP 500": "HTTP 500", "timeout": "timed out",
-    "refusal": "refused", "cut off": "cut off",
-}  # fmt: skip
+    "not JSON": "not JSON",
+    "wrong shape": '"chunks" list',
+    "ids out of range": "outside",
+    "overlapping": "overlaps",
+    "gapped": "gap",
+    "empty list": "no chunks",
+    "rewrites the text": "rewrites the text",
+    "HTTP 500": "HTTP 500",
+    "timeout": "timed out",
+    "refusal": "refused",
+    "cut off": "cut off",
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_ANSWERS))
@@ -131,8 +150,9 @@ def test_a_server_that_refuses_json_schema_is_asked_with_json_object(db, embedde
         db, kind="note", title="U", content=corpus_text("ch04-02-references-and-borrowing.md")
     )
     index_item(db, other, embedder=embedder, chat=chat)
-    assert all(b["response_format"]["type"] == "json_object"
-               for b in standin.chat.bodies[before:])  # remembered  # fmt: skip
+    assert all(
+        b["response_format"]["type"] == "json_object" for b in standin.chat.bodies[before:]
+    )  # remembered
 
 
 def test_a_60000_character_document_is_covered_end_to_end(db, embedder, chat, standin):
@@ -155,8 +175,9 @@ def test_a_60000_character_document_is_covered_end_to_end(db, embedder, chat, st
 def test_text_under_500_characters_may_be_one_chunk(db, embedder, chat, standin):
     text = "A short note.\n\nWith two paragraphs, both brief.\n\nAnd a third."
     item = add_item(db, kind="note", title="T", content=text)
-    standin.chat.script = [lambda units: {"chunks": [{"start": 1, "end": len(units),
-                                                      "summary": "A short note."}]}]  # fmt: skip
+    standin.chat.script = [
+        lambda units: {"chunks": [{"start": 1, "end": len(units), "summary": "A short note."}]}
+    ]
     index_item(db, item, embedder=embedder, chat=chat)
     chunks = rows(db, item)
     assert len(chunks) == 1 and chunks[0]["content"] == text and chunks[0]["method"] == "llm"

@@ -426,30 +426,44 @@ BAD_INPUT = [
     pytest.param(["status", "999", "--json"], "no item with id 999", id="status-unknown-json"),
     pytest.param(["update", "999", "--text", "x"], "no item with id 999", id="update-unknown"),
     pytest.param(["index", "1", "999", "--inline"], "no item with id 999", id="index-unknown"),
-    pytest.param(["add", "note", "--title", "T", "--file", "{d}/missing.md"], "missing.md",
-                 id="add-missing-file"),
-    pytest.param(["add", "note", "--title", "T", "--file", "{d}"], "not a readable file",
-                 id="add-directory"),
-    pytest.param(["add", "note", "--title", "T", "--file", "{d}/locked.md"], "locked.md",
-                 id="add-unreadable", marks=NOT_ROOT),
-    pytest.param(["add", "note", "--title", "T", "--file", "{d}/latin1.txt"], "not UTF-8",
-                 id="add-not-utf8"),
+    pytest.param(
+        ["add", "note", "--title", "T", "--file", "{d}/missing.md"],
+        "missing.md",
+        id="add-missing-file",
+    ),
+    pytest.param(
+        ["add", "note", "--title", "T", "--file", "{d}"], "not a readable file", id="add-directory"
+    ),
+    pytest.param(
+        ["add", "note", "--title", "T", "--file", "{d}/locked.md"],
+        "locked.md",
+        id="add-unreadable",
+        marks=NOT_ROOT,
+    ),
+    pytest.param(
+        ["add", "note", "--title", "T", "--file", "{d}/latin1.txt"], "not UTF-8", id="add-not-utf8"
+    ),
     pytest.param(["update", "1", "--file", "{d}/latin1.txt"], "not UTF-8", id="update-not-utf8"),
-    pytest.param(["update", "1", "--file", "{d}/missing.md"], "missing.md",
-                 id="update-missing-file"),
+    pytest.param(
+        ["update", "1", "--file", "{d}/missing.md"], "missing.md", id="update-missing-file"
+    ),
     pytest.param(["add", "note", "--title", "T", "--text", "   "], "empty", id="add-empty"),
-    pytest.param(["add", "note", "--title", "T", "--text", " \n\t ", "--json"], "empty",
-                 id="add-empty-json"),
+    pytest.param(
+        ["add", "note", "--title", "T", "--text", " \n\t ", "--json"], "empty", id="add-empty-json"
+    ),
     pytest.param(["update", "1", "--text", "  \n "], "empty", id="update-empty"),
-    pytest.param(["add", "note", "--title", "T", "--text", "x", "--file", "{d}/ok.md"],
-                 "exactly one", id="add-text-and-file"),
+    pytest.param(
+        ["add", "note", "--title", "T", "--text", "x", "--file", "{d}/ok.md"],
+        "exactly one",
+        id="add-text-and-file",
+    ),
     pytest.param(["add", "note", "--title", "T"], "exactly one", id="add-neither"),
     pytest.param(["update", "1"], "exactly one", id="update-neither"),
     pytest.param(["index", "--inline"], "--all", id="index-neither"),
     pytest.param(["index", "1", "--all", "--inline"], "--all", id="index-ids-and-all"),
     pytest.param(["search", ""], "empty", id="search-empty"),
     pytest.param(["search", "   ", "--json"], "empty", id="search-blank-json"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("args", "expected"), BAD_INPUT)

@@ -61,8 +61,11 @@ def test_the_four_services_exist(compose: dict[str, Any]) -> None:
 def test_each_command_is_one_the_native_stack_runs(compose: dict[str, Any], name: str) -> None:
     ours = as_python_args(service(compose, name)["command"])
     default = TaskSettings().concurrency
-    native = {"worker": ops_stack.worker_args(default), "beat": ops_stack.beat_args(),
-              "flower": ops_stack.flower_args()}[name]  # fmt: skip
+    native = {
+        "worker": ops_stack.worker_args(default),
+        "beat": ops_stack.beat_args(),
+        "flower": ops_stack.flower_args(),
+    }[name]
     full = ops_stack.commands(Settings(), Path("/data"))[name][1:]
     # The program and subcommand, in order: -m celery -A worker.app worker|beat, -m ops.flower.
     head = list(itertools.takewhile(lambda a: not a.startswith("--"), native))
@@ -157,11 +160,15 @@ def test_workers_scale_and_share_the_data_volume(compose: dict[str, Any]) -> Non
     assert "container_name" not in service(compose, "worker")
     for name in ("worker", "beat", "flower"):
         volumes = service(compose, name)["volumes"]
-        assert any(v.split(":")[1] == "/data" and v.split(":")[0] in compose["volumes"]
-                   for v in volumes), f"{name} does not mount the shared data volume"  # fmt: skip
+        assert any(
+            v.split(":")[1] == "/data" and v.split(":")[0] in compose["volumes"] for v in volumes
+        ), f"{name} does not mount the shared data volume"
         assert service(compose, name)["environment"]["KIDX_DB"] == "/data/kidx.db"
-    mounts = {v.split(":")[0] for n in ("worker", "beat", "flower")
-              for v in service(compose, n)["volumes"]}  # fmt: skip
+    mounts = {
+        v.split(":")[0]
+        for n in ("worker", "beat", "flower")
+        for v in service(compose, n)["volumes"]
+    }
     assert len(mounts) == 1, "worker, beat and flower must share one volume"
 
 
@@ -192,9 +199,13 @@ def stack_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def run_stack(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "ops.stack", *args], env=env, cwd=str(ROOT),
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", "ops.stack", *args],
+        env=env,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_status_with_nothing_started(tmp_path: Path) -> None:
@@ -216,9 +227,10 @@ def test_status_with_nothing_started(tmp_path: Path) -> None:
 
 def test_start_without_any_redis_says_what_to_do(tmp_path: Path) -> None:
     path = os.pathsep.join(
-        d for d in os.environ.get("PATH", "").split(os.pathsep)
+        d
+        for d in os.environ.get("PATH", "").split(os.pathsep)
         if d and not (Path(d) / "redis-server").exists()
-    )  # fmt: skip
+    )
     env = stack_env(tmp_path, PATH=path)
     result = run_stack(env, "start", "--demo")
     assert result.returncode != 0

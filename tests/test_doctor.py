@@ -57,14 +57,22 @@ class DoctorStack(Stack):
         self.tmp, self.standin, self.worker_name = tmp, standin, WORKER
         self.port = free_port()
         self.env = queue_env(
-            tmp, standin.base_url, KIDX_BROKER_URL=broker_url(DOCTOR_DB),
-            KIDX_FLOWER__PORT=str(self.port), KIDX_CHUNK__BASE_URL=standin.base_url,
-        )  # fmt: skip
+            tmp,
+            standin.base_url,
+            KIDX_BROKER_URL=broker_url(DOCTOR_DB),
+            KIDX_FLOWER__PORT=str(self.port),
+            KIDX_CHUNK__BASE_URL=standin.base_url,
+        )
         self.settings = load_settings(
-            db=tmp / "kidx.db", broker_url=broker_url(DOCTOR_DB),
-            embedding={"provider": "openai", "model": "standin-embed",
-                       "base_url": standin.base_url, "dimensions": 64},
-        )  # fmt: skip
+            db=tmp / "kidx.db",
+            broker_url=broker_url(DOCTOR_DB),
+            embedding={
+                "provider": "openai",
+                "model": "standin-embed",
+                "base_url": standin.base_url,
+                "dimensions": 64,
+            },
+        )
         self.app = create_app(self.settings)
         self.db = connect(tmp / "kidx.db", embedding=self.settings.embedding)
         self.redis = redis.Redis.from_url(broker_url(DOCTOR_DB))
@@ -84,8 +92,14 @@ class DoctorStack(Stack):
     def doctor(self, *args: str, **env: str) -> tuple[subprocess.CompletedProcess[str], dict]:
         """Run `kidx doctor`; the result and {check: (level, text)} from its lines."""
         exe = str(Path(sys.executable).parent / "kidx")
-        out = subprocess.run([exe, "doctor", *args], env={**self.env, **env}, cwd=str(self.tmp),
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [exe, "doctor", *args],
+            env={**self.env, **env},
+            cwd=str(self.tmp),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         lines: dict[str, tuple[str, str]] = {}
         if "--json" not in args:
             for line in out.stdout.splitlines():
@@ -221,8 +235,10 @@ def test_vec_rows_deleted_behind_kidx_s_back_are_counted(stack):
     chunks = stack.db.all("SELECT id FROM note_chunks WHERE item_id = ?", (stack.item,))
     for (cid,) in chunks[:3]:
         stack.db.execute("DELETE FROM vec_chunk_embeddings WHERE chunk_id = ?", (cid,))
-    stack.db.execute("INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (888888, ?)",
-                     (np.ones(64, dtype="<f4").tobytes(),))  # fmt: skip
+    stack.db.execute(
+        "INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (888888, ?)",
+        (np.ones(64, dtype="<f4").tobytes(),),
+    )
     try:
         out, lines = stack.doctor()
     finally:
@@ -241,13 +257,16 @@ def test_failed_and_stuck_jobs_are_two_problems_on_two_lines(stack):
 
     failed = add_item(stack.db, kind="note", title="Failed", content="It failed.")
     stuck = add_item(stack.db, kind="note", title="Stuck", content="Its worker died.")
-    stack.db.execute("UPDATE item_index_state SET status = 'failed', last_error = 'boom 401' "
-                     "WHERE item_id = ?", (failed,))  # fmt: skip
+    stack.db.execute(
+        "UPDATE item_index_state SET status = 'failed', last_error = 'boom 401' WHERE item_id = ?",
+        (failed,),
+    )
     stack.db.execute(
         "INSERT INTO index_jobs(task_id, task_name, item_id, state, started_at) VALUES "
         "('t-stuck', 'GenerateEmbedding', ?, 'started', strftime('%Y-%m-%dT%H:%M:%fZ', 'now', "
-        "'-1 hour'))", (stuck,),
-    )  # fmt: skip
+        "'-1 hour'))",
+        (stuck,),
+    )
     try:
         out, lines = stack.doctor()
     finally:

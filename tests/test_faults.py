@@ -81,12 +81,46 @@ BIG_NOTE = scale("big_note_bytes", 20_000_000, 20_000_000)
 LONG = 600.0 if SOAK else 180.0
 
 WORDS = [
-    "ownership", "borrow", "lifetime", "trait", "generic", "closure", "iterator", "vector",
-    "string", "slice", "module", "crate", "pattern", "match", "enum", "struct", "method",
-    "reference", "pointer", "thread", "channel", "mutex", "async", "future", "error", "result",
-    "option", "panic", "macro", "test", "cargo", "heap", "stack", "memory", "value", "move",
-    "copy", "clone", "drop",
-]  # fmt: skip
+    "ownership",
+    "borrow",
+    "lifetime",
+    "trait",
+    "generic",
+    "closure",
+    "iterator",
+    "vector",
+    "string",
+    "slice",
+    "module",
+    "crate",
+    "pattern",
+    "match",
+    "enum",
+    "struct",
+    "method",
+    "reference",
+    "pointer",
+    "thread",
+    "channel",
+    "mutex",
+    "async",
+    "future",
+    "error",
+    "result",
+    "option",
+    "panic",
+    "macro",
+    "test",
+    "cargo",
+    "heap",
+    "stack",
+    "memory",
+    "value",
+    "move",
+    "copy",
+    "clone",
+    "drop",
+]
 
 
 # -- the stack on database 5 ----------------------------------------------------------------
@@ -97,22 +131,33 @@ class FaultStack(Stack):
     more worker nodes."""
 
     def __init__(
-        self, tmp: Path, standin: StandIn, *, env: dict[str, str] | None = None,
-        workers: tuple[str, ...] = ("fault1",), concurrency: int = 2,
-    ) -> None:  # fmt: skip
+        self,
+        tmp: Path,
+        standin: StandIn,
+        *,
+        env: dict[str, str] | None = None,
+        workers: tuple[str, ...] = ("fault1",),
+        concurrency: int = 2,
+    ) -> None:
         from worker.app import create_app
         from worker.settings import load_settings
         from worker.store import connect
 
         self.tmp = tmp
         self.standin = standin
-        self.env = queue_env(tmp, standin.base_url, KIDX_BROKER_URL=broker_url(FAULT_DB),
-                             **(env or {}))  # fmt: skip
+        self.env = queue_env(
+            tmp, standin.base_url, KIDX_BROKER_URL=broker_url(FAULT_DB), **(env or {})
+        )
         self.settings = load_settings(
-            db=tmp / "kidx.db", broker_url=broker_url(FAULT_DB),
-            embedding={"provider": "openai", "model": "standin-embed",
-                       "base_url": standin.base_url, "dimensions": DIMS},
-        )  # fmt: skip
+            db=tmp / "kidx.db",
+            broker_url=broker_url(FAULT_DB),
+            embedding={
+                "provider": "openai",
+                "model": "standin-embed",
+                "base_url": standin.base_url,
+                "dimensions": DIMS,
+            },
+        )
         self.app = create_app(self.settings)
         self.db = connect(tmp / "kidx.db", embedding=self.settings.embedding)
         self.redis = redis.Redis.from_url(broker_url(FAULT_DB))
@@ -387,10 +432,14 @@ def test_crash_pool_processes_killed_at_random_moments_lose_nothing(tmp_path):
             task_ids = [enqueue(s.db, i, app=s.app, reason="crash") for i in items]
             kill_pool_processes(s, rng, items, CRASH_KILLS, killed)
             # The worker replaced every one of them, and goes on.
-            wait_for(lambda: len(alive_pools(s, killed)) == 2 and len(pool_pids(s.worker)) == 2,
-                     60, "two new pool processes")  # fmt: skip
-            wait_for(lambda: not not_indexed(s.db, items), LONG, "every item to be indexed",
-                     every=0.5)  # fmt: skip
+            wait_for(
+                lambda: len(alive_pools(s, killed)) == 2 and len(pool_pids(s.worker)) == 2,
+                60,
+                "two new pool processes",
+            )
+            wait_for(
+                lambda: not not_indexed(s.db, items), LONG, "every item to be indexed", every=0.5
+            )
             for task_id in task_ids:
                 assert s.app.AsyncResult(task_id).get(timeout=60)["status"] == "indexed"
             lost = len(not_indexed(s.db, items))
@@ -538,8 +587,11 @@ def test_total_outage_aborts_the_batch_and_retry_failed_completes_it(tmp_path):
                 (batch_id,),
             )
             # Every run of the batch met the outage: it failed, or was skipped for the abort.
-            faults = s.db.scalar("SELECT count(*) FROM index_jobs WHERE batch_id = ? AND state "
-                                 "IN ('failed', 'retry', 'skipped')", (batch_id,))  # fmt: skip
+            faults = s.db.scalar(
+                "SELECT count(*) FROM index_jobs WHERE batch_id = ? AND state "
+                "IN ('failed', 'retry', 'skipped')",
+                (batch_id,),
+            )
             assert 3 <= ran <= 3 + 2  # three failures, and what two processes had in flight
             assert batch["skipped"] >= OUTAGE_ITEMS - ran
             assert set(statuses(s.db, items).values()) == {"failed"}  # none left pending
@@ -617,12 +669,17 @@ def test_edit_storm_each_note_ends_indexed_as_its_final_text(tmp_path):
             assert failures == []
 
             def final(i: int) -> bool:
-                state = s.db.one("SELECT status, indexed_hash FROM item_index_state "
-                                 "WHERE item_id = ?", (i,))  # fmt: skip
+                state = s.db.one(
+                    "SELECT status, indexed_hash FROM item_index_state WHERE item_id = ?", (i,)
+                )
                 return state == ("indexed", text_hash("\n\n".join(notes[i])))
 
-            wait_for(lambda: quiet(s.db) and all(final(i) for i in items), 60,
-                     "every note to be indexed as its final text", every=0.2)  # fmt: skip
+            wait_for(
+                lambda: quiet(s.db) and all(final(i) for i in items),
+                60,
+                "every note to be indexed as its final text",
+                every=0.2,
+            )
             lost = sum(1 for i in items if not final(i))
             problems = [
                 f"item {i}: {p}"
@@ -676,11 +733,22 @@ def send_raw_json(url: str, body: bytes) -> str:
     with Connection(url) as conn:
         producer = conn.Producer()
         producer.publish(
-            body, routing_key="celery", exchange="", content_type="application/json",
-            content_encoding="utf-8", serializer=None,
-            headers={"id": task_id, "task": "GenerateEmbedding", "lang": "py", "argsrepr": "",
-                     "kwargsrepr": "", "origin": "test", "retries": 0},
-        )  # fmt: skip
+            body,
+            routing_key="celery",
+            exchange="",
+            content_type="application/json",
+            content_encoding="utf-8",
+            serializer=None,
+            headers={
+                "id": task_id,
+                "task": "GenerateEmbedding",
+                "lang": "py",
+                "argsrepr": "",
+                "kwargsrepr": "",
+                "origin": "test",
+                "retries": 0,
+            },
+        )
     return task_id
 
 
@@ -711,8 +779,10 @@ def hostile_cases(s: FaultStack, root: Path) -> list[Case]:
         cases.append(Case(name, expect, words, item, enqueue(s.db, item, app=s.app), text))
 
     def raw_note(name: str, text: str) -> None:  # written by a host application, unchecked
-        item = s.db.scalar("INSERT INTO knowledge_items(kind, title, content) "
-                           "VALUES ('note', ?, ?) RETURNING id", (name, text))  # fmt: skip
+        item = s.db.scalar(
+            "INSERT INTO knowledge_items(kind, title, content) VALUES ('note', ?, ?) RETURNING id",
+            (name, text),
+        )
         cases.append(Case(name, "empty", "empty", item, enqueue(s.db, item, app=s.app), text))
 
     def source(name: str, kind: str, where: str, words: str) -> None:
@@ -742,10 +812,17 @@ def hostile_cases(s: FaultStack, root: Path) -> list[Case]:
     note("20 MB note", "".join(big))
     note("1 MB line without a space", "abcdefghij" * 100_000)
     note("NUL bytes", "A note\x00with NUL\x00 bytes in it. " * 200)
-    note("deeply nested Markdown",
-         "".join(">" * d + f" quote {d}\n" for d in range(1, 400))
-         + "\n" + "".join("  " * d + f"- item {d}\n" for d in range(400))
-         + "\n" + "*" * 5000 + "_" * 5000 + "[" * 3000 + "]" * 3000)  # fmt: skip
+    note(
+        "deeply nested Markdown",
+        "".join(">" * d + f" quote {d}\n" for d in range(1, 400))
+        + "\n"
+        + "".join("  " * d + f"- item {d}\n" for d in range(400))
+        + "\n"
+        + "*" * 5000
+        + "_" * 5000
+        + "[" * 3000
+        + "]" * 3000,
+    )
     note(
         "10,000 headings",
         "".join(f"{'#' * (1 + h % 6)} Heading {h}\n\nBody {h}.\n\n" for h in range(10_000)),
@@ -764,10 +841,18 @@ def hostile_cases(s: FaultStack, root: Path) -> list[Case]:
     (root / "escape.md").symlink_to("/etc/passwd")
     source("a symlink out of the roots", "file", str(root / "escape.md"), "outside the allowed")
     source("a file that is not there", "file", str(root / "missing.md"), "no such file")
-    source("a URL to a refused address", "url", f"{s.standin.base_url}/embeddings",
-           "is not a public address")  # fmt: skip
-    source("a URL to the metadata service", "url", "http://169.254.169.254/latest/meta-data/",
-           "is not a public address")  # fmt: skip
+    source(
+        "a URL to a refused address",
+        "url",
+        f"{s.standin.base_url}/embeddings",
+        "is not a public address",
+    )
+    source(
+        "a URL to the metadata service",
+        "url",
+        "http://169.254.169.254/latest/meta-data/",
+        "is not a public address",
+    )
     source("a URL that is not http", "url", "file:///etc/passwd", "http")
     must = "the item id must be a positive integer, not "
     task("a non-integer item id", must + "'abc'", "GenerateEmbedding", "abc")
@@ -775,16 +860,35 @@ def hostile_cases(s: FaultStack, root: Path) -> list[Case]:
     task("a fractional item id", must + "1.5", "GenerateEmbedding", 1.5)
     task("a boolean item id", must + "True", "GenerateEmbedding", True)
     task("no item id", "item_id", "GenerateEmbedding")
-    task("an unknown task argument", "unexpected keyword argument 'colour'", "GenerateEmbedding",
-         cases[0].item, colour="red")  # fmt: skip
+    task(
+        "an unknown task argument",
+        "unexpected keyword argument 'colour'",
+        "GenerateEmbedding",
+        cases[0].item,
+        colour="red",
+    )
     task("an unknown task", "NoSuchTask", "NoSuchTask", 1)
     marker = root.parent / "pickle-ran"
     pickled = send_pickle(url, "GenerateEmbedding", [cases[2].item], {"reason": Opener(marker)})
-    cases.append(Case("a pickle-serialised message", "logged", "untrusted content of type pickle",
-                      task_id=pickled, mark=marker.name))  # fmt: skip
+    cases.append(
+        Case(
+            "a pickle-serialised message",
+            "logged",
+            "untrusted content of type pickle",
+            task_id=pickled,
+            mark=marker.name,
+        )
+    )
     garbled = send_raw_json(url, b"{this is not json")
-    cases.append(Case("a message whose JSON does not parse", "logged", "can't decode",
-                      task_id=garbled, mark=garbled))  # fmt: skip
+    cases.append(
+        Case(
+            "a message whose JSON does not parse",
+            "logged",
+            "can't decode",
+            task_id=garbled,
+            mark=garbled,
+        )
+    )
     return cases
 
 
@@ -852,8 +956,9 @@ def outcome(s: FaultStack, case: Case) -> str:
         if result.state != "FAILURE" or case.words not in str(value):
             return f"{result.state}: {value!r}"[:300]
         return "ok"
-    state = s.db.one("SELECT status, last_error FROM item_index_state WHERE item_id = ?",
-                     (case.item,))  # fmt: skip
+    state = s.db.one(
+        "SELECT status, last_error FROM item_index_state WHERE item_id = ?", (case.item,)
+    )
     chunks = s.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (case.item,))
     if case.expect == "failed":
         if state is None or state[0] != "failed" or case.words not in (state[1] or ""):
@@ -894,8 +999,9 @@ def test_security_pickle_refused_flower_closed_and_no_secret_in_any_log(tmp_path
                 # A pickle message is refused by the worker, not loaded, not run.
                 marker = tmp_path / "pickle-ran"
                 item = s.note("Target of a pickle", "A note that a pickle message names.")
-                pickled = send_pickle(broker_url(FAULT_DB), "GenerateEmbedding", [item],
-                                      {"reason": Opener(marker)})  # fmt: skip
+                pickled = send_pickle(
+                    broker_url(FAULT_DB), "GenerateEmbedding", [item], {"reason": Opener(marker)}
+                )
                 faults += 1
                 # Celery's line names no task id, but quotes the body (and so the marker's name).
                 wait_for(lambda: marker.name in s.worker.log, 30, "the worker to see the message")
@@ -903,8 +1009,10 @@ def test_security_pickle_refused_flower_closed_and_no_secret_in_any_log(tmp_path
                 assert said and all(x["level"] in ("error", "warning", "critical") for x in said)
                 assert "untrusted content of type pickle" in json.dumps(said)
                 assert not marker.exists()
-                assert s.db.scalar("SELECT count(*) FROM index_jobs WHERE task_id = ?",
-                                   (pickled,)) == 0  # fmt: skip
+                assert (
+                    s.db.scalar("SELECT count(*) FROM index_jobs WHERE task_id = ?", (pickled,))
+                    == 0
+                )
                 assert s.state(item)["status"] == "pending"
                 assert s.app.AsyncResult(pickled).state == "PENDING"  # nothing stored
                 # Flower: closed without the credentials, everywhere.
@@ -938,8 +1046,11 @@ def test_security_pickle_refused_flower_closed_and_no_secret_in_any_log(tmp_path
                 assert r.status_code == 401
                 faults += 1
                 worker_log, flower_log = s.worker.log, flower.log
-                refusal = [x for x in log_lines(worker_log)
-                           if x.get("item_id") == quoted and x["level"] == "error"]  # fmt: skip
+                refusal = [
+                    x
+                    for x in log_lines(worker_log)
+                    if x.get("item_id") == quoted and x["level"] == "error"
+                ]
                 assert refusal and "***" in json.dumps(refusal)  # it was there, and masked
                 for name, log in (("worker", worker_log), ("flower", flower_log)):
                     assert API_KEY not in log, f"the API key is in the {name} log"

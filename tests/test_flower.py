@@ -189,8 +189,10 @@ def test_flower_lists_succeeded_failed_and_revoked_tasks_with_what_they_are_abou
 
 
 def test_flower_shows_a_bulk_group_its_items_and_a_failure_with_its_duration(stack):
-    ids = [stack.note(f"Grouped in Flower {n}", corpus_text("ch04-03-slices.md") + f"\n\n{n}")
-           for n in range(3)]  # fmt: skip
+    ids = [
+        stack.note(f"Grouped in Flower {n}", corpus_text("ch04-03-slices.md") + f"\n\n{n}")
+        for n in range(3)
+    ]
     good = send_group(stack.db, stack.app, ids, None, "flower-group")
     stack.app.AsyncResult(good).get(timeout=60)
     shown = stack.flower_state(good, "SUCCESS")
@@ -276,8 +278,9 @@ def test_revoking_a_running_task_in_flower_cancels_it_and_keeps_the_index(stack,
     runs = [enqueue(stack.db, item, app=stack.app), enqueue(stack.db, other, app=stack.app)]
     again, alongside = (stack.app.AsyncResult(t).get(timeout=60) for t in runs)
     assert again["status"] == "indexed" and alongside["status"] == "indexed"
-    rows = stack.db.all("SELECT content, start_offset, end_offset FROM note_chunks "
-                        "WHERE item_id = ?", (item,))  # fmt: skip
+    rows = stack.db.all(
+        "SELECT content, start_offset, end_offset FROM note_chunks WHERE item_id = ?", (item,)
+    )
     assert rows and all(content == changed[s:e] for content, s, e in rows)
     assert get_state(stack.db, item)["status"] == "indexed"
 

@@ -95,8 +95,9 @@ def test_cancelling_a_group_by_an_item_job_id_keeps_every_previous_index(stack):
     ids = [stack.note(f"Cancel {n}", sections(f"c{n}", 4)) for n in range(6)]
     first = send_group(stack.db, stack.app, ids, None, "first")
     stack.app.AsyncResult(first).get(timeout=60)
-    before = {i: stack.db.all("SELECT content FROM note_chunks WHERE item_id = ?", (i,))
-              for i in ids}  # fmt: skip
+    before = {
+        i: stack.db.all("SELECT content FROM note_chunks WHERE item_id = ?", (i,)) for i in ids
+    }
     for i in ids:
         update_content(stack.db, i, sections(f"x{i}", 4))
     stack.standin.delay = 0.7
@@ -202,9 +203,14 @@ def test_a_run_delivered_again_is_counted_once_in_its_batch(stack):
         for task_id, (name, args) in runs.items():
             stack.app.send_task(name, args=args, kwargs={"batch_id": batch}, task_id=task_id)
         # (the results backend already holds the first run's result: wait on the job rows)
-        wait_for(lambda b=before: len(finished()) == 4 and all(
-            f is not None and (not b or f != dict(b)[t]) for t, f in finished()
-        ), 60, f"delivery {delivery + 1} to end")  # fmt: skip
+        wait_for(
+            lambda b=before: (
+                len(finished()) == 4
+                and all(f is not None and (not b or f != dict(b)[t]) for t, f in finished())
+            ),
+            60,
+            f"delivery {delivery + 1} to end",
+        )
     counts = get_batch(stack.db, batch)
     assert (counts["ok"], counts["failed"], counts["skipped"]) == (4, 0, 0)
     assert counts["state"] == "done"
@@ -218,14 +224,20 @@ def test_an_item_sent_to_retry_leaves_the_group_so_its_retry_runs_meanwhile(stac
     stack.standin.poison, stack.standin.poison_status = "flakyword", 503
     stack.standin.delay = 0.4  # a request an item: the group outlasts the retry's countdown
     task_id = send_group(stack.db, stack.app, [flaky, *others], None, "test")
-    wait_for(lambda: jobs(stack, flaky) and jobs(stack, flaky)[-1][1] == "retry", 30,
-             "the flaky item to be sent to retry")  # fmt: skip
+    wait_for(
+        lambda: jobs(stack, flaky) and jobs(stack, flaky)[-1][1] == "retry",
+        30,
+        "the flaky item to be sent to retry",
+    )
     stack.standin.poison = None  # the provider is back for the retry
     result = stack.app.AsyncResult(task_id).get(timeout=60)
     retry = next(r for r in result["results"] if r["item_id"] == flaky)
     assert retry["status"] == "retry"
     # It ran, rather than finding the item locked (its job row ends after the item's write).
-    wait_for(lambda: dict(jobs(stack, flaky)).get(retry["next"]) == "success", 30,
-             "the retry to index it")  # fmt: skip
+    wait_for(
+        lambda: dict(jobs(stack, flaky)).get(retry["next"]) == "success",
+        30,
+        "the retry to index it",
+    )
     assert stack.state(flaky)["status"] == "indexed"
     assert stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (flaky,)) == 2

@@ -89,8 +89,11 @@ def reader(files_root: Path) -> Reader:
 
 
 def headings(markdown: str) -> list[str]:
-    return [line.lstrip("#").strip() for line in markdown.splitlines()
-            if line.startswith("#") and not line.startswith("#!")]  # fmt: skip
+    return [
+        line.lstrip("#").strip()
+        for line in markdown.splitlines()
+        if line.startswith("#") and not line.startswith("#!")
+    ]
 
 
 def chunk_texts(db, item_id: int) -> list[str]:
@@ -151,8 +154,9 @@ def test_a_chapter_as_html_and_as_pdf_gives_chunks_with_its_headings(
         ("latin.md", "caf\xe9".encode("latin-1"), "not UTF-8"),
     ],
 )
-def test_a_refused_file_gets_a_clear_stored_error(db, embedder, reader, files_root, tmp_path,
-                                                   name, data, words):  # fmt: skip
+def test_a_refused_file_gets_a_clear_stored_error(
+    db, embedder, reader, files_root, tmp_path, name, data, words
+):
     path = tmp_path / name if data is None else files_root / name
     path.write_bytes(data if data is not None else b"# Outside the roots\n")
     item = add_item(db, kind="file", title=name, content="", source=str(path))
@@ -249,8 +253,9 @@ def test_a_dimension_change_rebuilds_and_refills_all_four_vec_tables(tmp_path, s
     model = build_embedder(settings, dimensions=db.dimensions)
     note = add_item(db, kind="note", title="N", content="A note.")
     index_item(db, note, embedder=model)
-    code = add_item(db, kind="code", title="x.py", content="",
-                    source=str(ROOT / "worker" / "errors.py"))  # fmt: skip
+    code = add_item(
+        db, kind="code", title="x.py", content="", source=str(ROOT / "worker" / "errors.py")
+    )
     index_item(db, code, embedder=model, reader=Reader(FilesSettings(roots=[ROOT / "worker"])))
     add_memory(db, "A memory to keep.", model)
     counts = {t: db.scalar(f"SELECT count(*) FROM {t}") for t in vec_table_dimensions(db)}
@@ -290,18 +295,23 @@ def test_kidx_add_file_url_code_memory_and_search(tmp_path, standin, pages, file
     pages.routes["/slices"] = (200, "text/html", ARTICLE.encode())
     (files_root / "notes.md").write_text(corpus_text("ch04-02-references-and-borrowing.md"))
     env = {
-        "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
-        "KIDX_DB": str(tmp_path / "cli.db"), "KIDX_BROKER_URL": "redis://127.0.0.1:6379/6",
-        "KIDX_EMBEDDING__PROVIDER": "openai", "KIDX_EMBEDDING__MODEL": "standin-embed",
-        "KIDX_EMBEDDING__BASE_URL": standin.base_url, "KIDX_EMBEDDING__DIMENSIONS": str(DIMS),
+        "PATH": "/usr/bin:/bin",
+        "HF_HUB_OFFLINE": "1",
+        "KIDX_DB": str(tmp_path / "cli.db"),
+        "KIDX_BROKER_URL": "redis://127.0.0.1:6379/6",
+        "KIDX_EMBEDDING__PROVIDER": "openai",
+        "KIDX_EMBEDDING__MODEL": "standin-embed",
+        "KIDX_EMBEDDING__BASE_URL": standin.base_url,
+        "KIDX_EMBEDDING__DIMENSIONS": str(DIMS),
         "KIDX_FILES__ROOTS": f"{files_root},{ROOT / 'worker'}",
         "KIDX_URLS__ALLOW_HOSTS": "127.0.0.1",
-    }  # fmt: skip
+    }
     exe = str(Path(sys.executable).parent / "kidx")
 
     def kidx(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([exe, *args], env=env, capture_output=True, text=True,
-                              timeout=60, cwd=str(tmp_path))  # fmt: skip
+        return subprocess.run(
+            [exe, *args], env=env, capture_output=True, text=True, timeout=60, cwd=str(tmp_path)
+        )
 
     out = kidx("add", "file", str(files_root / "notes.md"), "--inline")
     assert out.returncode == 0, out.stderr

@@ -49,9 +49,14 @@ def test_the_bundled_model_imports_neither_sentence_transformers_nor_transformer
         "print(json.dumps([v.shape[1]] + [n in sys.modules for n in "
         "('sentence_transformers', 'sklearn', 'transformers', 'scipy')]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT, env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-                                        "PATH": "/usr/bin:/bin"}, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1]) == [384, False, False, False, False]
 

@@ -370,9 +370,12 @@ def test_items_together_are_read_and_written_while_a_request_is_in_flight(db):
     model = Waiting()
     model.batch_size = 2
     results = index_items(
-        db, ids, embedder=model, reader=Watching(),
+        db,
+        ids,
+        embedder=model,
+        reader=Watching(),
         on_done=lambda i, r: i == ids[0] and first_written.set(),
-    )  # fmt: skip
+    )
     assert [results[i].status for i in ids] == ["indexed"] * 4
     assert [len(c) for c in model.calls] == [2, 2]  # A and B, then C and D
     assert seen == [True, True]
@@ -418,8 +421,9 @@ def test_three_failed_vec_writes_in_a_row_roll_the_item_back(db, embedder):
     update_content(db, item, corpus_text(CHAPTER).replace("trait", "VECFAULT trait"))
     fail_vec_writes_of(db, "VECFAULT")
     for _, chunk_id, *_ in before["chunks"]:  # the plain mirror starts as the vec0 one was
-        db.execute("INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (?, x'00')",
-                   (chunk_id,))  # fmt: skip
+        db.execute(
+            "INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (?, x'00')", (chunk_id,)
+        )
     with pytest.raises(IndexAborted, match=r"3 consecutive vector failures.*vec write"):
         index_item(db, item, embedder=embedder)
     assert snapshot(db, item)["chunks"] == before["chunks"]

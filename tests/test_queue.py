@@ -25,8 +25,17 @@ from tasks.producer import enqueue, send_batch
 from worker.chunking import chunk_structure
 from worker.store.items import update_content
 
-RESULT_FIELDS = {"status", "chunk_method", "chunks", "reused", "embedded", "failed", "dimensions",
-                 "model", "duration_ms"}  # fmt: skip
+RESULT_FIELDS = {
+    "status",
+    "chunk_method",
+    "chunks",
+    "reused",
+    "embedded",
+    "failed",
+    "dimensions",
+    "model",
+    "duration_ms",
+}
 CHAPTER = "ch10-02-traits.md"  # 20 chunks
 
 
@@ -100,8 +109,11 @@ def test_fifty_enqueues_during_a_run_cost_at_most_two_runs(stack):
     )
     assert 1 <= runs <= 2 and runs + coalesced == 51
     last = text + "\n\nEdit number 49 of the burst."
-    rows = stack.db.all("SELECT content, start_offset, end_offset FROM note_chunks "
-                        "WHERE item_id = ? ORDER BY chunk_index", (item,))  # fmt: skip
+    rows = stack.db.all(
+        "SELECT content, start_offset, end_offset FROM note_chunks "
+        "WHERE item_id = ? ORDER BY chunk_index",
+        (item,),
+    )
     assert all(content == last[s:e] for content, s, e in rows)  # the last content, exactly
     covered = {i for _, s, e in rows for i in range(s, e)}
     assert all(i in covered for i, ch in enumerate(last) if not ch.isspace())

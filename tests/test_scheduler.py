@@ -23,11 +23,16 @@ class SweepStack(Stack):
     """Model A has 384 dimensions here (the stand-in answers the `dimensions` it is sent)."""
 
     def __init__(self, tmp: Path, standin: object) -> None:
-        super().__init__(tmp, standin, worker="sweeper", env={
-            "KIDX_EMBEDDING__DIMENSIONS": "384",
-            "KIDX_SCHEDULER__RETRY_BACKOFF": "1",
-            "KIDX_SCHEDULER__RETRY_MAX_ATTEMPTS": "3",
-        })  # fmt: skip
+        super().__init__(
+            tmp,
+            standin,
+            worker="sweeper",
+            env={
+                "KIDX_EMBEDDING__DIMENSIONS": "384",
+                "KIDX_SCHEDULER__RETRY_BACKOFF": "1",
+                "KIDX_SCHEDULER__RETRY_MAX_ATTEMPTS": "3",
+            },
+        )
 
     def sweep(self, name: str = "kidx.reconcile") -> dict:
         return self.app.send_task(name).get(timeout=60)
@@ -35,11 +40,15 @@ class SweepStack(Stack):
     def wait_idle(self, timeout: float = 60) -> None:
         """Until no task is queued or running."""
         wait_for(
-            lambda: not self.db.scalar(
-                "SELECT count(*) FROM index_jobs WHERE state IN ('queued', 'started')"
+            lambda: (
+                not self.db.scalar(
+                    "SELECT count(*) FROM index_jobs WHERE state IN ('queued', 'started')"
+                )
             ),
-            timeout, "the queue to drain", every=0.1,
-        )  # fmt: skip
+            timeout,
+            "the queue to drain",
+            every=0.1,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +75,9 @@ def test_one_sweep_mends_vec_rows_without_any_embedding_call(stack):
     for cid in ids[:3]:
         stack.db.execute("DELETE FROM vec_chunk_embeddings WHERE chunk_id = ?", (cid,))
     orphan = np.ones(384, dtype="<f4").tobytes()
-    stack.db.execute("INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (777777, ?)",
-                     (orphan,))  # fmt: skip
+    stack.db.execute(
+        "INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (777777, ?)", (orphan,)
+    )
     stack.standin.reset()
     summary = stack.sweep()
     assert summary["repaired"]["restored"]["vec_chunk_embeddings"] == 3
@@ -79,8 +89,11 @@ def test_one_sweep_mends_vec_rows_without_any_embedding_call(stack):
 
 def test_an_item_edited_directly_in_the_database_is_indexed_by_the_next_sweep(stack):
     item = indexed_note(stack, "Direct", "The first version, indexed through kidx.")
-    stack.db.execute("UPDATE knowledge_items SET content = 'A second version, written by a host "
-                     "application straight into the table.' WHERE id = ?", (item,))  # fmt: skip
+    stack.db.execute(
+        "UPDATE knowledge_items SET content = 'A second version, written by a host "
+        "application straight into the table.' WHERE id = ?",
+        (item,),
+    )
     summary = stack.sweep()
     assert summary["sent"] >= 1 and summary["found"]["changed"] >= 1
     stack.wait_idle()
@@ -124,13 +137,19 @@ def test_two_beats_send_each_sweep_once(stack):
     before = stack.worker.log.count('"event": "reconcile sweep"')
     started = time.monotonic()
     beats = [
-        Proc([*CELERY, "beat", "--loglevel=INFO", f"--schedule={stack.tmp}/beat-{n}.db"], env,
-             stack.tmp / f"beat-{n}.log")
+        Proc(
+            [*CELERY, "beat", "--loglevel=INFO", f"--schedule={stack.tmp}/beat-{n}.db"],
+            env,
+            stack.tmp / f"beat-{n}.log",
+        )
         for n in (1, 2)
-    ]  # fmt: skip
+    ]
     try:
-        wait_for(lambda: stack.redis.exists(HEARTBEAT_KEY) and stack.redis.exists(LEASE_KEY), 30,
-                 "a beat to take the lease")  # fmt: skip
+        wait_for(
+            lambda: stack.redis.exists(HEARTBEAT_KEY) and stack.redis.exists(LEASE_KEY),
+            30,
+            "a beat to take the lease",
+        )
         wait_for(lambda: stack.state(pending)["status"] == "indexed", 60, "the sweep to index it")
         time.sleep(3)  # three more intervals: a second beat would send three more sweeps
         logs = [b.log for b in beats]
@@ -148,8 +167,10 @@ def test_two_beats_send_each_sweep_once(stack):
 
 
 def test_a_model_switch_reindexes_everything_while_search_keeps_answering(stack):
-    ids = [indexed_note(stack, f"Switch {i}", f"Note {i} about moving values in Rust.")
-           for i in range(4)]  # fmt: skip
+    ids = [
+        indexed_note(stack, f"Switch {i}", f"Note {i} about moving values in Rust.")
+        for i in range(4)
+    ]
     stack.env.update({"KIDX_EMBEDDING__MODEL": "standin-big", "KIDX_EMBEDDING__DIMENSIONS": "1536"})
     try:
         stack.restart_worker()  # the new model's process rebuilds the vec tables at 1536
@@ -163,12 +184,14 @@ def test_a_model_switch_reindexes_everything_while_search_keeps_answering(stack)
         assert {get_state(stack.db, i)["dimensions"] for i in ids} == {1536}
         status = json.loads(stack.kidx("status", "--summary", "--json").stdout)
         assert "standin-big (1536)" in status["by_model"]
-        hits = json.loads(stack.kidx("search", "Note 1 about moving values in Rust.", "--json",
-                                     "-k", "3").stdout)  # fmt: skip
+        hits = json.loads(
+            stack.kidx("search", "Note 1 about moving values in Rust.", "--json", "-k", "3").stdout
+        )
         assert hits and hits[0]["via"] == "vec"
     finally:
-        stack.env.update({"KIDX_EMBEDDING__MODEL": "standin-embed",
-                          "KIDX_EMBEDDING__DIMENSIONS": "384"})  # fmt: skip
+        stack.env.update(
+            {"KIDX_EMBEDDING__MODEL": "standin-embed", "KIDX_EMBEDDING__DIMENSIONS": "384"}
+        )
 
 
 def test_kidx_status_shows_counts_sweeps_and_batches(stack):

@@ -363,8 +363,13 @@ def make_handler(site: Site) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: object) -> None:
             pass
 
-        def reply(self, code: int, body: bytes, ctype: str = "text/html; charset=utf-8",
-                  headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        def reply(
+            self,
+            code: int,
+            body: bytes,
+            ctype: str = "text/html; charset=utf-8",
+            headers: dict[str, str] | None = None,
+        ) -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
@@ -557,9 +562,13 @@ def test_https_goes_to_the_checked_address_with_sni() -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["http://127.0.0.1:{port}/article", "http://[::1]:{port}/article",
-     "http://[::ffff:127.0.0.1]:{port}/article", "http://0.0.0.0:{port}/article"],
-)  # fmt: skip
+    [
+        "http://127.0.0.1:{port}/article",
+        "http://[::1]:{port}/article",
+        "http://[::ffff:127.0.0.1]:{port}/article",
+        "http://0.0.0.0:{port}/article",
+    ],
+)
 def test_loopback_literals_are_refused(site: Site, url: str) -> None:
     message = refused(
         "is not a public address",
@@ -587,9 +596,22 @@ def test_any_private_address_refuses_the_name() -> None:
 
 @pytest.mark.parametrize(
     "address",
-    ["169.254.169.254", "100.64.0.1", "224.0.0.1", "0.0.0.0", "240.0.0.1", "fe80::1", "ff0e::1",
-     "fc00::1", "::", "64:ff9b::7f00:1", "64:ff9b::a01:203", "2002:7f00:1::1", "::ffff:10.0.0.1"],
-)  # fmt: skip
+    [
+        "169.254.169.254",
+        "100.64.0.1",
+        "224.0.0.1",
+        "0.0.0.0",
+        "240.0.0.1",
+        "fe80::1",
+        "ff0e::1",
+        "fc00::1",
+        "::",
+        "64:ff9b::7f00:1",
+        "64:ff9b::a01:203",
+        "2002:7f00:1::1",
+        "::ffff:10.0.0.1",
+    ],
+)
 def test_every_kind_of_non_global_address_is_refused(address: str) -> None:
     resolve = resolver({"tricky.example": [address]})
     url = "http://tricky.example/"
@@ -615,12 +637,18 @@ def test_a_public_address_is_fetched(address: str) -> None:
     ("target", "table", "match"),
     [
         ("http://[::1]:{port}/article", {}, r"::1"),
-        ("http://internal.example:{port}/article", {"internal.example": ["10.0.0.5"]},
-         r"10\.0\.0\.5"),
-        ("http://localhost:{port}/article", {"localhost": ["127.0.0.1", "::1"]},
-         r"localhost resolves to ::1"),
+        (
+            "http://internal.example:{port}/article",
+            {"internal.example": ["10.0.0.5"]},
+            r"10\.0\.0\.5",
+        ),
+        (
+            "http://localhost:{port}/article",
+            {"localhost": ["127.0.0.1", "::1"]},
+            r"localhost resolves to ::1",
+        ),
     ],
-)  # fmt: skip
+)
 def test_redirect_from_an_allowed_host_to_a_refused_one(
     site: Site, target: str, table: dict[str, list[str]], match: str
 ) -> None:

@@ -3,11 +3,11 @@
     celery -A worker.app worker --pool=prefork --concurrency=2 -n kidx@%h \
            --statedb=data/worker-%h.state
 
-Reliability (LESSONS.md): JSON only; a task is acknowledged after it ran (`acks_late`) and put
-back when its process dies (`task_reject_on_worker_lost`); one task prefetched per process; the
-Redis visibility timeout is above the hard time limit (or Redis would hand a running task to a
-second worker), and is the same wherever Celery reads one. Events, `task_track_started` and
-`result_extended` feed Flower, the Tasks page.
+Reliability: JSON only (a pickle from the broker would run code); a task is acknowledged after it
+ran (`acks_late`) and put back when its process dies (`task_reject_on_worker_lost`); one task
+prefetched per process; the Redis visibility timeout is above the hard time limit (or Redis would
+hand a running task to a second worker), and is the same wherever Celery reads one. Events,
+`task_track_started` and `result_extended` feed Flower, the Tasks page.
 """
 
 from __future__ import annotations

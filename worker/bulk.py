@@ -91,8 +91,9 @@ def index_items(
         try:
             with db.committing():
                 if fresh:
-                    set_states(db, [w.item.id for w in fresh], status=Status.INDEXING,
-                               last_task_id=task_id)  # fmt: skip
+                    set_states(
+                        db, [w.item.id for w in fresh], status=Status.INDEXING, last_task_id=task_id
+                    )
                 for w in ready:
                     works.remove(w)
                     writing = False
@@ -102,9 +103,14 @@ def index_items(
                                 raise nothing
                             check(cancel)
                             writing = True
-                            result = write_item(db, w, embedder.model_id,
-                                                max_consecutive_failures, task_id,
-                                                orphans=False)  # fmt: skip
+                            result = write_item(
+                                db,
+                                w,
+                                embedder.model_id,
+                                max_consecutive_failures,
+                                task_id,
+                                orphans=False,
+                            )
                     except KidxError as e:
                         if writing and isinstance(e, IndexAborted):
                             halt = e  # the database refused the write: so it will the next
@@ -116,9 +122,13 @@ def index_items(
             # The cause, when an item met it first (a full disk), rather than its echo ("the
             # transaction was rolled back").
             halt = halt or (store_failure(e) if isinstance(e, apsw.Error) else e)
-            log.error(f"{KI_EMBED} a write transaction did not commit: its items keep their "
-                      "previous index", task_id=task_id, items=len(ready),
-                      reason=str(halt))  # fmt: skip
+            log.error(
+                f"{KI_EMBED} a write transaction did not commit: its items keep their "
+                "previous index",
+                task_id=task_id,
+                items=len(ready),
+                reason=str(halt),
+            )
             for w in ready:
                 if w in works:
                     works.remove(w)
@@ -152,9 +162,21 @@ def index_items(
                 with recorded_outcome(db, item_id, task_id, started, ilog):
                     if stop is not None:  # the provider or the database is down: stop reading
                         raise stop
-                    w = prepare_item(db, item, embedder, chat, reader, chunk_window,
-                                     structure_only, cancel, task_id, started, ilog,
-                                     mark=False, context_chars=context_chars)  # fmt: skip
+                    w = prepare_item(
+                        db,
+                        item,
+                        embedder,
+                        chat,
+                        reader,
+                        chunk_window,
+                        structure_only,
+                        cancel,
+                        task_id,
+                        started,
+                        ilog,
+                        mark=False,
+                        context_chars=context_chars,
+                    )
             except KidxError as e:
                 done(item_id, e)
                 continue
@@ -200,11 +222,17 @@ def index_items(
                 # Recorded if the database lets us (a full disk may not): the cause is raised.
                 with contextlib.suppress(apsw.Error, StoreError):
                     if isinstance(e, Cancelled):
-                        set_state(db, w.item.id, status=Status.CANCELLED, last_task_id=task_id,
-                                  duration_ms=w.elapsed())
+                        set_state(
+                            db,
+                            w.item.id,
+                            status=Status.CANCELLED,
+                            last_task_id=task_id,
+                            duration_ms=w.elapsed(),
+                        )
                     else:
-                        record_failure(db, w.item.id, f"{type(e).__name__}: {e}", task_id,
-                                       w.elapsed())
+                        record_failure(
+                            db, w.item.id, f"{type(e).__name__}: {e}", task_id, w.elapsed()
+                        )
         raise
     finally:
         if queue is not None:
@@ -212,6 +240,9 @@ def index_items(
     if written:  # the orphan check of each item's write, once for all
         repaired = repair_orphans(db, db.dimensions)
         if repaired.total:
-            log.info(f"{KI_EMBED} repaired the mirror", task_id=task_id,
-                     orphans_deleted=repaired.orphans_deleted)  # fmt: skip
+            log.info(
+                f"{KI_EMBED} repaired the mirror",
+                task_id=task_id,
+                orphans_deleted=repaired.orphans_deleted,
+            )
     return out

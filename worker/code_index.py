@@ -1,6 +1,6 @@
 """Code items: chunked along top-level definitions, written to `code_chunks` and
-`vec_work_code_chunks` only, so that code never interferes with note vectors (seed); searched on
-their own (`search_code`)."""
+`vec_work_code_chunks` only, so that code never crowds out the notes' nearest neighbours;
+searched on their own (`search_code`)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,20 @@ SNIPPET = 160
 
 
 def code_plan(
-    db: Database, item: Item, chunks: list[CodeChunk], model: str, dims: int,
+    db: Database,
+    item: Item,
+    chunks: list[CodeChunk],
+    model: str,
+    dims: int,
     context: int = CONTEXT_CHARS,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """Reuse a vector wherever the same input (path, lines, symbol, content) was embedded."""
     plan = Plan(
-        chunks, lambda i: chunks[i].embedding_input(item.title, context),
-        [text_hash(c.embedding_input(item.title, context)) for c in chunks], item_id=item.id,
-    )  # fmt: skip
+        chunks,
+        lambda i: chunks[i].embedding_input(item.title, context),
+        [text_hash(c.embedding_input(item.title, context)) for c in chunks],
+        item_id=item.id,
+    )
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     for chunk_id, embed_hash, vector in db.all(
         "SELECT c.id, c.embed_hash, e.vector FROM code_chunks c JOIN code_chunk_embeddings e "

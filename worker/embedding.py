@@ -57,9 +57,13 @@ class FailureCounter:
         self.in_a_row = 0
 
     def fail(
-        self, chunk_index: int, cause: str, error: Exception | None = None, *,
+        self,
+        chunk_index: int,
+        cause: str,
+        error: Exception | None = None,
+        *,
         item_id: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.in_a_row += 1
         where = {"chunk_index": chunk_index} | ({"item_id": item_id} if item_id else {})
         self.log.warning(f"{KI_EMBED} vector failed", **where, reason=cause)
@@ -85,9 +89,11 @@ def embed_missing(
 
 
 def embed_plans(
-    plans: Sequence[Plan], embedder: EmbeddingModel, cancel: CancelCheck | None,
+    plans: Sequence[Plan],
+    embedder: EmbeddingModel,
+    cancel: CancelCheck | None,
     counter: FailureCounter,
-) -> dict[int, IndexAborted]:  # fmt: skip
+) -> dict[int, IndexAborted]:
     """Embed what the plans do not reuse, in batches filled across them (a batch of items costs
     the requests of their texts, not one request an item). Returns the plans (by position) that
     must not be written: of which not one new vector came back (writing those would replace a
@@ -159,9 +165,11 @@ class EmbedQueue:
 
 
 def embed_batch(
-    batch: Sequence[tuple[Plan, int]], embedder: EmbeddingModel, cancel: CancelCheck | None,
+    batch: Sequence[tuple[Plan, int]],
+    embedder: EmbeddingModel,
+    cancel: CancelCheck | None,
     counter: FailureCounter,
-) -> None:  # fmt: skip
+) -> None:
     """One request of up to the batch size; a failing batch is retried text by text, so that
     one bad input costs one vector, not the batch. Raises IndexAborted (N failures in a row)
     and PermanentProviderError (refused as a whole)."""

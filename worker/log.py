@@ -1,8 +1,8 @@
 """structlog set-up, called once, only from process entry points (CLI, worker, beat).
 
-Events of chunking start with `[Chunk]`, those of item embedding with `[KI Embed]` (the seed's
-prefixes). structlog goes through the standard library's logging, so Celery's own lines get the
-same JSON shape. Secrets never reach a line: values of secret-looking keys are masked and every
+Events of chunking start with `[Chunk]`, those of item embedding with `[KI Embed]`, the prefixes an
+operator greps for. structlog goes through the standard library's logging, so Celery's own lines get
+the same JSON shape. Secrets never reach a line: values of secret-looking keys are masked and every
 configured secret value is replaced wherever it appears.
 """
 

@@ -19,14 +19,21 @@ from worker.store.vec import vec_delete, vec_ready, vec_replace
 
 
 def note_plan(
-    db: Database, item_id: int, title: str, chunks: list[Chunk], model: str, dims: int,
+    db: Database,
+    item_id: int,
+    title: str,
+    chunks: list[Chunk],
+    model: str,
+    dims: int,
     context: int = CONTEXT_CHARS,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """Match new chunks to old vectors by the hash of the embedder input, wherever they moved."""
     plan = Plan(
-        chunks, lambda i: chunks[i].embedding_input(title, context),
-        [text_hash(c.embedding_input(title, context)) for c in chunks], item_id=item_id,
-    )  # fmt: skip
+        chunks,
+        lambda i: chunks[i].embedding_input(title, context),
+        [text_hash(c.embedding_input(title, context)) for c in chunks],
+        item_id=item_id,
+    )
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     for chunk_id, embed_hash, vector in db.all(
         "SELECT c.id, c.embed_hash, e.vector FROM note_chunks c "
@@ -43,9 +50,16 @@ def note_plan(
 
 
 def write_notes(
-    db: Database, item_id: int, plan: Plan, model: str, dims: int, limit: int, ilog: Any,
-    *, orphans: bool = True,
-) -> tuple[int, int]:  # fmt: skip
+    db: Database,
+    item_id: int,
+    plan: Plan,
+    model: str,
+    dims: int,
+    limit: int,
+    ilog: Any,
+    *,
+    orphans: bool = True,
+) -> tuple[int, int]:
     """Write an item's chunks and vectors in the caller's transaction: (vec rows repaired, vec
     writes that failed). Three failed vec writes in a row raise IndexAborted (rolled back).
     `orphans=False`: the caller looks for orphan vec rows itself (repair_vectors)."""
@@ -70,8 +84,16 @@ def write_notes(
     def row(i: int) -> tuple[Any, ...]:
         c = plan.chunks[i]
         headings = " > ".join(c.headings)
-        return (c.index, c.content, c.summary, str(c.method), c.start, c.end, headings,
-                plan.hashes[i])  # fmt: skip
+        return (
+            c.index,
+            c.content,
+            c.summary,
+            str(c.method),
+            c.start,
+            c.end,
+            headings,
+            plan.hashes[i],
+        )
 
     db.executemany(
         "UPDATE note_chunks SET chunk_index = ?, content = ?, summary = ?, method = ?, "
@@ -108,9 +130,12 @@ def write_notes(
 
 
 def _mirror_chunks(
-    db: Database, vectors: list[tuple[int, bytes]], plan: Plan, ids: dict[int, int],
+    db: Database,
+    vectors: list[tuple[int, bytes]],
+    plan: Plan,
+    ids: dict[int, int],
     counter: FailureCounter,
-) -> int:  # fmt: skip
+) -> int:
     """The new chunks' vec rows (DELETE + INSERT: a stray row may hold an id), all at once;
     when that fails, row by row, each failure counted (three in a row abort). Returns the
     rows that failed."""
@@ -141,7 +166,7 @@ def _mirror_chunks(
 def _write_whole_item(
     db: Database, item_id: int, plan: Plan, model: str, dims: int, mirror: bool
 ) -> None:
-    """Single-chunk content also gets a whole-item vector (the seed's vec_note_embeddings), so
+    """Single-chunk content also gets a whole-item vector (`vec_note_embeddings`), so
     the note itself can be recalled; it is the chunk's vector, as the chunk is the whole text.
     Content of several chunks has none."""
     vector = plan.vectors.get(0) if len(plan.chunks) == 1 else None

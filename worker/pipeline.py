@@ -1,6 +1,6 @@
 """index_item(): one item's chunk -> embed -> write, with reuse, repair and failure counting.
 
-The rules (DESIGN.md §3, the seed):
+The rules:
 
 * No provider: the item is `skipped`, nothing else is written.
 * Reuse: a chunk whose embedding input (title, heading path, summary, content) and model are
@@ -62,7 +62,7 @@ NO_PROVIDER = "no embedding provider configured (KIDX_EMBEDDING__PROVIDER=none)"
 
 @dataclass
 class IndexResult:
-    """What one run did: the task's JSON result (DESIGN.md §4)."""
+    """What one run did: the task's JSON result."""
 
     item_id: int
     status: str
@@ -127,9 +127,20 @@ def index_item(
     ilog = log.bind(item_id=item_id, task_id=task_id)
     item = get_item(db, item_id, content=False)  # ItemNotFound: no state to record
     with recorded_outcome(db, item_id, task_id, started, ilog):
-        work = prepare_item(db, item, embedder, chat, reader, chunk_window, structure_only,
-                            cancel, task_id, started, ilog,
-                            context_chars=context_chars)  # fmt: skip
+        work = prepare_item(
+            db,
+            item,
+            embedder,
+            chat,
+            reader,
+            chunk_window,
+            structure_only,
+            cancel,
+            task_id,
+            started,
+            ilog,
+            context_chars=context_chars,
+        )
         if isinstance(work, IndexResult):
             return work
         assert embedder is not None
@@ -154,8 +165,15 @@ def recorded_outcome(
     try:
         yield
     except Cancelled:
-        _quietly(ilog, set_state, db, item_id, status=Status.CANCELLED, last_task_id=task_id,
-                 duration_ms=elapsed())  # fmt: skip
+        _quietly(
+            ilog,
+            set_state,
+            db,
+            item_id,
+            status=Status.CANCELLED,
+            last_task_id=task_id,
+            duration_ms=elapsed(),
+        )
         ilog.info(f"{KI_EMBED} cancelled; the previous index is intact", duration_ms=elapsed())
         raise
     except ItemNotFound as e:  # deleted while it ran: nothing of it is written or recorded
@@ -164,13 +182,19 @@ def recorded_outcome(
     except apsw.Error as e:
         failure = store_failure(e)
         _quietly(ilog, record_failure, db, item_id, str(failure), task_id, elapsed())
-        ilog.error(f"{KI_EMBED} the write failed; the previous index is intact",
-                   reason=str(failure), duration_ms=elapsed())  # fmt: skip
+        ilog.error(
+            f"{KI_EMBED} the write failed; the previous index is intact",
+            reason=str(failure),
+            duration_ms=elapsed(),
+        )
         raise failure from None
     except IndexAborted as e:
         _quietly(ilog, record_failure, db, item_id, f"aborted: {e}", task_id, elapsed())
-        ilog.error(f"{KI_EMBED} aborted; the previous index is intact", reason=str(e),
-                   duration_ms=elapsed())  # fmt: skip
+        ilog.error(
+            f"{KI_EMBED} aborted; the previous index is intact",
+            reason=str(e),
+            duration_ms=elapsed(),
+        )
         raise
     except PermanentProviderError as e:
         _quietly(ilog, record_failure, db, item_id, str(e), task_id, elapsed())
@@ -181,8 +205,7 @@ def recorded_outcome(
         ilog.error(f"{KI_EMBED} failed", reason=str(e), duration_ms=elapsed())
         raise
     except Exception as e:
-        _quietly(ilog, record_failure, db, item_id, f"{type(e).__name__}: {e}", task_id,
-                 elapsed())  # fmt: skip
+        _quietly(ilog, record_failure, db, item_id, f"{type(e).__name__}: {e}", task_id, elapsed())
         raise
 
 
@@ -206,11 +229,21 @@ def _quietly(ilog: Any, fn: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def prepare_item(
-    db: Database, item: Item, embedder: EmbeddingModel | None, chat: ChatModelLike | None,
-    reader: Reader | None, chunk_window: int, structure_only: bool, cancel: CancelCheck | None,
-    task_id: str | None, started: float, ilog: Any, *, mark: bool = True,
+    db: Database,
+    item: Item,
+    embedder: EmbeddingModel | None,
+    chat: ChatModelLike | None,
+    reader: Reader | None,
+    chunk_window: int,
+    structure_only: bool,
+    cancel: CancelCheck | None,
+    task_id: str | None,
+    started: float,
+    ilog: Any,
+    *,
+    mark: bool = True,
     context_chars: int = CONTEXT_CHARS,
-) -> Work | IndexResult:  # fmt: skip
+) -> Work | IndexResult:
     """Read and chunk the item, and plan its vectors (what is reused); no provider call but the
     chunk model's. With no embedding provider the item is skipped: the result says so.
     `mark=False`: the caller marks the item `indexing` (in its next write transaction)."""
@@ -222,8 +255,14 @@ def prepare_item(
         item = get_item(db, item_id)
     if embedder is None:
         duration = int((time.monotonic() - started) * 1000)
-        set_state(db, item_id, status=Status.SKIPPED, last_error=NO_PROVIDER,
-                  last_task_id=task_id, duration_ms=duration)  # fmt: skip
+        set_state(
+            db,
+            item_id,
+            status=Status.SKIPPED,
+            last_error=NO_PROVIDER,
+            last_task_id=task_id,
+            duration_ms=duration,
+        )
         ilog.info(f"{KI_EMBED} skipped", reason=NO_PROVIDER)
         return IndexResult(item_id, str(Status.SKIPPED), error=NO_PROVIDER, duration_ms=duration)
     dims, model = db.dimensions, embedder.model_id
@@ -257,12 +296,26 @@ def prepare_item(
         if item.kind == "note":  # the chunks hold what is needed: let a big text go
             item, text = replace(item, content=""), ""
         ilog.info(
-            f"{CHUNK} chunked", chunk_method=str(method), chunk_count=chunk_count,
-            dimensions=dims, chat_calls=llm.calls if llm else 0,
-        )  # fmt: skip
+            f"{CHUNK} chunked",
+            chunk_method=str(method),
+            chunk_count=chunk_count,
+            dimensions=dims,
+            chat_calls=llm.calls if llm else 0,
+        )
         plan = note_plan(db, item.id, item.title, outcome.chunks, model, dims, context_chars)
-    return Work(item, text, content_hash, plan, code_chunks, method, fallback, chunk_count,
-                 started, ilog, marked=mark)  # fmt: skip
+    return Work(
+        item,
+        text,
+        content_hash,
+        plan,
+        code_chunks,
+        method,
+        fallback,
+        chunk_count,
+        started,
+        ilog,
+        marked=mark,
+    )
 
 
 def write_item(
@@ -282,13 +335,27 @@ def write_item(
             repaired = repair_vectors(db, dims, item_id=item.id, orphans=orphans).total
             vec_failed = 0
         else:
-            repaired, vec_failed = write_notes(db, item.id, plan, model, dims, limit, w.log,
-                                               orphans=orphans)  # fmt: skip
+            repaired, vec_failed = write_notes(
+                db, item.id, plan, model, dims, limit, w.log, orphans=orphans
+            )
             if repaired:
                 w.log.info(f"{KI_EMBED} repaired the mirror", repaired=repaired)
         failed = len(plan.failed) + vec_failed
-        _record(db, item, w.text, w.content_hash, w.chunk_count, failed, plan, w.method,
-                w.fallback, model, dims, task_id, w.elapsed())  # fmt: skip
+        _record(
+            db,
+            item,
+            w.text,
+            w.content_hash,
+            w.chunk_count,
+            failed,
+            plan,
+            w.method,
+            w.fallback,
+            model,
+            dims,
+            task_id,
+            w.elapsed(),
+        )
     result = IndexResult(
         item_id=item.id,
         status=str(Status.PARTIAL if failed else Status.INDEXED),
@@ -316,11 +383,20 @@ def log_indexed(w: Work, result: IndexResult) -> None:
 
 
 def _record(
-    db: Database, item: Item, text: str, content_hash: str, chunk_count: int, failed: int,
+    db: Database,
+    item: Item,
+    text: str,
+    content_hash: str,
+    chunk_count: int,
+    failed: int,
     plan: Plan,
-    method: ChunkMethod, fallback: str | None, model: str, dims: int, task_id: str | None,
+    method: ChunkMethod,
+    fallback: str | None,
+    model: str,
+    dims: int,
+    task_id: str | None,
     duration_ms: int,
-) -> None:  # fmt: skip
+) -> None:
     """The index state (and, for files, URLs and code, the text just read), in the write's
     transaction."""
     notes = []
@@ -335,19 +411,26 @@ def _record(
             "(content_hash IS NULL OR content_hash != ?)",
             (content_hash, item.id, content_hash),
         )
-    else:  # the text last extracted (DESIGN.md §2)
+    else:  # the text last extracted, so a host can read it
         db.execute(
             f"UPDATE knowledge_items SET content = ?, content_hash = ?, updated_at = {NOW} "
             "WHERE id = ? AND (content_hash IS NULL OR content_hash != ?)",
             (text, content_hash, item.id, content_hash),
         )
     set_state(
-        db, item.id,
+        db,
+        item.id,
         status=Status.PARTIAL if failed else Status.INDEXED,
-        indexed_hash=content_hash, chunk_method=str(method), chunk_count=chunk_count,
-        model=model, dimensions=dims, last_error="; ".join(notes) or None, last_task_id=task_id,
-        attempts=0, duration_ms=duration_ms,
-    )  # fmt: skip
+        indexed_hash=content_hash,
+        chunk_method=str(method),
+        chunk_count=chunk_count,
+        model=model,
+        dimensions=dims,
+        last_error="; ".join(notes) or None,
+        last_task_id=task_id,
+        attempts=0,
+        duration_ms=duration_ms,
+    )
     db.execute(f"UPDATE item_index_state SET indexed_at = {NOW} WHERE item_id = ?", (item.id,))
 
 

@@ -1,6 +1,6 @@
 """What the periodic sweeps find, without a queue: the engine side of `scheduler/`.
 
-A record of what was indexed that never checks the vector store drifts silently (LESSONS.md:
+A record of what was indexed that never checks the vector store drifts silently (seen in
 LangChain #39937). The reconcile sweep looks at both sides: it mends what needs no provider at
 once (vec rows missing or orphaned) and returns the items that need a run (content changed,
 pending or partial, chunks without vectors, vectors of another model or dimension). Rows that
@@ -71,9 +71,13 @@ class Drift:
 
 
 def reconcile(
-    db: Database, *, model: str, max_items: int, horizon: float = 3600.0,
+    db: Database,
+    *,
+    model: str,
+    max_items: int,
+    horizon: float = 3600.0,
     locked: Callable[[list[int]], set[int]] | None = None,
-) -> Drift:  # fmt: skip
+) -> Drift:
     """Mend the mirror and list the items that need a run (at most `max_items`). `locked`:
     which of these items a run holds the lock of now; an item marked `indexing` whose lock
     is not held was left by a run that died, and is sent again (`interrupted`)."""

@@ -2,8 +2,8 @@
 sqlite-vec, a vec table or the right dimension is missing. Same result shape either way, and
 the result says which path served it.
 
-One hit per item (its best chunk, or its whole-item vector), ordered by distance: the seed's
-application listed note hits before chunk hits and showed one note twice (LESSONS.md).
+One hit per item (its best chunk, or its whole-item vector), ordered by distance: listing note
+hits before chunk hits shows one note twice and ignores the distance.
 """
 
 from __future__ import annotations

@@ -194,10 +194,13 @@ class UrlSettings(BaseModel):
     timeout: float = Field(default=20.0, gt=0)
     content_types: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: [
-            "text/html", "application/xhtml+xml", "text/plain", "text/markdown",
+            "text/html",
+            "application/xhtml+xml",
+            "text/plain",
+            "text/markdown",
             "application/pdf",
         ]
-    )  # fmt: skip
+    )
 
     _split = field_validator("allow_hosts", "content_types", mode="before")(_split_list)
 

@@ -75,10 +75,15 @@ def run_peer(
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as err:
         proc = subprocess.Popen(
-            [sys.executable, str(PEERS / script), *args], env=env or peer_env(), cwd=str(ROOT),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+            [sys.executable, str(PEERS / script), *args],
+            env=env or peer_env(),
+            cwd=str(ROOT),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         timer = threading.Timer(timeout, _kill, (proc,))
         timer.start()
         final: dict[str, Any] | None = None
@@ -126,11 +131,20 @@ class StandInProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as err:
             self._proc = subprocess.Popen(
-                [sys.executable, str(PEERS / "standin_server.py"), "--dimensions",
-                 str(self.dimensions)],
-                env=peer_env(), cwd=str(ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=err, text=True, start_new_session=True,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    str(PEERS / "standin_server.py"),
+                    "--dimensions",
+                    str(self.dimensions),
+                ],
+                env=peer_env(),
+                cwd=str(ROOT),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                start_new_session=True,
+            )
         self.base_url = self._line(timeout=60)
         if not self.base_url.startswith("http://127.0.0.1:"):
             raise RuntimeError(f"the stand-in did not start: {self.base_url!r}")

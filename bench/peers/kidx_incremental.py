@@ -52,24 +52,35 @@ def main() -> None:
     old, new, changed = read_pair(args.before, args.after)
     settings = load_settings(
         db=args.work / "kidx.db",
-        embedding={"provider": "openai", "model": MODEL, "base_url": args.base_url,
-                   "api_key": API_KEY, "dimensions": args.dimensions,
-                   "batch_size": args.batch_size, "max_retries": 0},
-    )  # fmt: skip
+        embedding={
+            "provider": "openai",
+            "model": MODEL,
+            "base_url": args.base_url,
+            "api_key": API_KEY,
+            "dimensions": args.dimensions,
+            "batch_size": args.batch_size,
+            "max_retries": 0,
+        },
+    )
     db = connect(settings.db, embedding=settings.embedding)
     embedder = build_embedder(settings.embedding, dimensions=db.dimensions)
     ids = {
-        name: add_item(db, kind="note", title=title_of(text, name), content=text,
-                       source=source_of(name))
+        name: add_item(
+            db, kind="note", title=title_of(text, name), content=text, source=source_of(name)
+        )
         for name, text in old.items()
-    }  # fmt: skip
+    }
     phase("setup", files=len(ids), changed=len(changed))
 
     t0 = time.perf_counter()
     results = [index_item(db, i, embedder=embedder) for i in ids.values()]
     full_s = time.perf_counter() - t0
-    phase("full", seconds=full_s, chunks=sum(r.chunks for r in results),
-          embedded=sum(r.embedded for r in results))  # fmt: skip
+    phase(
+        "full",
+        seconds=full_s,
+        chunks=sum(r.chunks for r in results),
+        embedded=sum(r.embedded for r in results),
+    )
 
     t0 = time.perf_counter()
     results = []
@@ -84,11 +95,14 @@ def main() -> None:
             results.append(index_item(db, ids[name], embedder=embedder))
     seconds = time.perf_counter() - t0
     done(
-        seconds=seconds, documents=len(changed), chunks=sum(r.chunks for r in results),
-        reused=sum(r.reused for r in results), embedded=sum(r.embedded for r in results),
+        seconds=seconds,
+        documents=len(changed),
+        chunks=sum(r.chunks for r in results),
+        reused=sum(r.reused for r in results),
+        embedded=sum(r.embedded for r in results),
         statuses=sorted({r.status for r in results}),
         embedded_per_document=dict(zip(changed, (r.embedded for r in results), strict=True)),
-    )  # fmt: skip
+    )
     embedder.close()
     db.close()
 

@@ -47,8 +47,13 @@ def sqlitevec_answer(embeddings: object, work: Path) -> dict[str, object]:
     manager.create_schema()
     answer: dict[str, object] = {"implements_delete": type(store).delete is not VectorStore.delete}
     try:
-        index([Document(page_content="x", metadata={"source": "x"})], manager, store,
-              cleanup="incremental", source_id_key="source")  # fmt: skip
+        index(
+            [Document(page_content="x", metadata={"source": "x"})],
+            manager,
+            store,
+            cleanup="incremental",
+            source_id_key="source",
+        )
         answer["index_incremental"] = "accepted"
     except Exception as e:  # what LangChain answers is the finding
         answer["index_incremental"] = f"{type(e).__name__}: {e}"
@@ -75,9 +80,14 @@ def main() -> None:
     old, new, changed = read_pair(args.before, args.after)
     splitter = RecursiveCharacterTextSplitter(chunk_size=1500, chunk_overlap=100)
     embeddings = OpenAIEmbeddings(
-        model=MODEL, base_url=args.base_url, api_key=API_KEY, dimensions=args.dimensions,
-        chunk_size=args.batch_size, check_embedding_ctx_length=False, max_retries=0,
-    )  # fmt: skip
+        model=MODEL,
+        base_url=args.base_url,
+        api_key=API_KEY,
+        dimensions=args.dimensions,
+        chunk_size=args.batch_size,
+        check_embedding_ctx_length=False,
+        max_retries=0,
+    )
     sqlitevec = sqlitevec_answer(embeddings, args.work)
     store = InMemoryVectorStore(embeddings)
     manager = SQLRecordManager("kidx-bench", db_url=f"sqlite:///{args.work / 'records.db'}")
@@ -89,8 +99,16 @@ def main() -> None:
         )
 
     def run(texts: dict[str, str], names: list[str]) -> dict:
-        return dict(index(docs(texts, names), manager, store, cleanup="incremental",
-                          source_id_key="source", batch_size=args.batch_size))  # fmt: skip
+        return dict(
+            index(
+                docs(texts, names),
+                manager,
+                store,
+                cleanup="incremental",
+                source_id_key="source",
+                batch_size=args.batch_size,
+            )
+        )
 
     phase("setup", files=len(old), changed=len(changed), sqlitevec=sqlitevec)
 
@@ -101,8 +119,7 @@ def main() -> None:
     t0 = time.perf_counter()
     result = run(new, changed)
     seconds = time.perf_counter() - t0
-    done(seconds=seconds, documents=len(changed), index=result,
-         chunks=len(docs(new, changed)))  # fmt: skip
+    done(seconds=seconds, documents=len(changed), index=result, chunks=len(docs(new, changed)))
 
 
 if __name__ == "__main__":

@@ -45,9 +45,14 @@ def main() -> None:
     metadatas = [{"source": str(p.resolve())} for p in files]
     splitter = RecursiveCharacterTextSplitter(chunk_size=1500, chunk_overlap=100)
     embeddings = OpenAIEmbeddings(
-        model=MODEL, base_url=args.base_url, api_key=API_KEY, dimensions=args.dimensions,
-        chunk_size=args.batch_size, check_embedding_ctx_length=False, max_retries=0,
-    )  # fmt: skip
+        model=MODEL,
+        base_url=args.base_url,
+        api_key=API_KEY,
+        dimensions=args.dimensions,
+        chunk_size=args.batch_size,
+        check_embedding_ctx_length=False,
+        max_retries=0,
+    )
     conn = sqlite3.connect(str(args.db))
     conn.row_factory = sqlite3.Row
     conn.enable_load_extension(True)

@@ -49,9 +49,13 @@ def main() -> None:
 
     old, new, changed = read_pair(args.before, args.after)
     embed = OpenAIEmbedding(
-        model_name=MODEL, api_base=args.base_url, api_key=API_KEY, dimensions=args.dimensions,
-        embed_batch_size=args.batch_size, max_retries=0,
-    )  # fmt: skip
+        model_name=MODEL,
+        api_base=args.base_url,
+        api_key=API_KEY,
+        dimensions=args.dimensions,
+        embed_batch_size=args.batch_size,
+        max_retries=0,
+    )
     if args.splitter == "chars":
         splitter = SentenceSplitter(chunk_size=1500, chunk_overlap=100, tokenizer=list)
     else:
@@ -61,11 +65,13 @@ def main() -> None:
         docstore=SimpleDocumentStore(),
         vector_store=SimpleVectorStore(),
         docstore_strategy=DocstoreStrategy.UPSERTS,
-    )  # fmt: skip
+    )
 
     def docs(texts: dict[str, str], names: list[str]) -> list[Document]:
-        return [Document(text=texts[n], id_=source_of(n), metadata={"source": source_of(n)})
-                for n in names]  # fmt: skip
+        return [
+            Document(text=texts[n], id_=source_of(n), metadata={"source": source_of(n)})
+            for n in names
+        ]
 
     phase("setup", files=len(old), changed=len(changed))
 
@@ -76,8 +82,12 @@ def main() -> None:
     t0 = time.perf_counter()
     nodes = pipeline.run(documents=docs(new, changed))
     seconds = time.perf_counter() - t0
-    done(seconds=seconds, documents=len(changed), chunks=len(nodes),
-         docstore_documents=len(pipeline.docstore.docs))  # fmt: skip
+    done(
+        seconds=seconds,
+        documents=len(changed),
+        chunks=len(nodes),
+        docstore_documents=len(pipeline.docstore.docs),
+    )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,16 @@ def flush() -> None:
 
 
 def worker_env(
-    work: Path, base_url: str, *, model: str, dimensions: int, batch_size: int, api_key: str,
-    concurrency: int, **extra: str,
-) -> dict[str, str]:  # fmt: skip
+    work: Path,
+    base_url: str,
+    *,
+    model: str,
+    dimensions: int,
+    batch_size: int,
+    api_key: str,
+    concurrency: int,
+    **extra: str,
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KIDX_", "FLOWER_", "CELERY_"))}
     env.update(
         {

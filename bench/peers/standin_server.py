@@ -39,8 +39,11 @@ def main() -> None:
                 _unit_vector.cache_clear()  # no run is served faster for an earlier run's texts
                 print("ok", flush=True)
             elif command == "count":
-                counts = {"requests": standin.requests, "texts": len(standin.texts),
-                          "cpu_seconds": time.process_time()}  # fmt: skip
+                counts = {
+                    "requests": standin.requests,
+                    "texts": len(standin.texts),
+                    "cpu_seconds": time.process_time(),
+                }
                 print(json.dumps(counts), flush=True)
             elif command == "quit":
                 break

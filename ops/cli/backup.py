@@ -42,8 +42,12 @@ def backup(ctx: Ctx, dest: Path, force: bool) -> None:
         out.close()
         src.close()
     ok = check == [("ok",)]
-    info = {"backup": str(dest), "bytes": dest.stat().st_size, "integrity": "ok" if ok else check,
-            "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
+    info = {
+        "backup": str(dest),
+        "bytes": dest.stat().st_size,
+        "integrity": "ok" if ok else check,
+        "seconds": round(time.monotonic() - started, 3),
+    }
     ctx.emit(
         info,
         lambda: click.echo(

@@ -12,9 +12,12 @@ from ops.doctor import DEFAULT_TIMEOUT
 
 @command(cli)
 @click.option(
-    "--timeout", type=click.FloatRange(0.1, 600), default=DEFAULT_TIMEOUT, show_default=True,
+    "--timeout",
+    type=click.FloatRange(0.1, 600),
+    default=DEFAULT_TIMEOUT,
+    show_default=True,
     help="Seconds each check may take.",
-)  # fmt: skip
+)
 def doctor(ctx: Ctx, timeout: float) -> None:
     """Check the database, sqlite-vec, Redis, workers, beat, Flower, the models and the jobs;
     one line per check. Exit status 0 only when nothing failed (warnings are not failures)."""

@@ -95,9 +95,7 @@ def delete(ctx: Ctx, items: tuple[int, ...]) -> None:
 
     with ctx.store() as db:
         deleted = delete_items(db, items)
-    ctx.emit(
-        {"deleted": deleted}, lambda: out.print("deleted " + " ".join(map(str, deleted)))
-    )
+    ctx.emit({"deleted": deleted}, lambda: out.print("deleted " + " ".join(map(str, deleted))))
 
 
 # -- index -----------------------------------------------------------------------------------
@@ -152,19 +150,29 @@ def index_inline(
 
 
 def _locked_group(
-    ctx: Ctx, db: Any, client: Any, ids: list[int], embedder: Any, chat: Any,
+    ctx: Ctx,
+    db: Any,
+    client: Any,
+    ids: list[int],
+    embedder: Any,
+    chat: Any,
     structure_only: bool,
-) -> dict[int, dict[str, Any]]:  # fmt: skip
+) -> dict[int, dict[str, Any]]:
     from tasks.lock import LockSet
     from worker.bulk import index_items
     from worker.pipeline import IndexResult
 
     def run(item_ids: list[int]) -> None:
         outcomes = index_items(
-            db, item_ids, embedder=embedder, chat=chat, reader=ctx.reader(),
-            chunk_window=ctx.settings.chunk.window, structure_only=structure_only,
+            db,
+            item_ids,
+            embedder=embedder,
+            chat=chat,
+            reader=ctx.reader(),
+            chunk_window=ctx.settings.chunk.window,
+            structure_only=structure_only,
             context_chars=ctx.settings.embedding.context_chars,
-        )  # fmt: skip
+        )
         for item_id, outcome in outcomes.items():
             results[item_id] = (
                 outcome.as_dict()
@@ -307,8 +315,10 @@ def _search_other(ctx: Ctx, db: Any, query: str, embedder: Any, k: int, *, code:
 
         hits, _, reason = search_code(db, query, embedder, k=k)
         headers = ("score", "item", "path", "lines", "snippet")
-        rows = [(f"{h.score:.3f}", h.item_id, h.path, f"{h.start_line}-{h.end_line}", h.snippet)
-                for h in hits]  # fmt: skip
+        rows = [
+            (f"{h.score:.3f}", h.item_id, h.path, f"{h.start_line}-{h.end_line}", h.snippet)
+            for h in hits
+        ]
     else:
         from worker.memories import search_memories
 
@@ -356,5 +366,7 @@ def _print_overview(o: dict[str, Any]) -> None:
     for kind, sweep in o["last_sweeps"].items():
         click.echo(f"{'last ' + kind:<10} {sweep.get('at')} (sent {sweep.get('sent', 0)})")
     for b in o["running_batches"]:
-        click.echo(f"batch {b['id']:<4} {b['kind']} running: {b['ok']} ok, {b['failed']} failed, "
-                   f"{b['skipped']} skipped of {b['total']}")  # fmt: skip
+        click.echo(
+            f"batch {b['id']:<4} {b['kind']} running: {b['ok']} ok, {b['failed']} failed, "
+            f"{b['skipped']} skipped of {b['total']}"
+        )

@@ -88,8 +88,10 @@ def add_code(ctx: Ctx, path: Path, inline: bool) -> None:
         raise InvalidInput(f"no source files under {path}")
     base = path.resolve() if path.is_dir() else path.resolve().parent
     with ctx.store() as db:
-        ids = [_item_for(db, "code", str(f.resolve().relative_to(base)), str(f.resolve()))
-               for f in files]  # fmt: skip
+        ids = [
+            _item_for(db, "code", str(f.resolve().relative_to(base)), str(f.resolve()))
+            for f in files
+        ]
         results = _index_or_send(ctx, db, ids, inline)
     _report(ctx, ids, results if inline else [])
 

@@ -12,9 +12,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ops.cli.base import ID, Ctx, cli, command, err
 from worker.errors import InvalidInput
+from worker.store.jobs import BatchState
 
-JOB_SHOWN = ("task_id", "attempt", "task_name", "item_id", "batch_id", "state", "duration_ms",
-             "error")  # fmt: skip
+JOB_SHOWN = (
+    "task_id",
+    "attempt",
+    "task_name",
+    "item_id",
+    "batch_id",
+    "state",
+    "duration_ms",
+    "error",
+)
 
 
 def _workers_online(app: Any) -> int:
@@ -85,18 +94,28 @@ def reindex(ctx: Ctx, all_items: bool, wait: bool, timeout: float | None) -> Non
     if not _workers_online(app):
         err.print("note: no worker answered yet; waiting for one to start")
     deadline = None if timeout is None else time.monotonic() + timeout
-    with ctx.store() as db, Progress(
-        TextColumn(f"batch {batch_id}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
-        console=err, disable=ctx.json, transient=False,
-    ) as progress:  # fmt: skip
+    with (
+        ctx.store() as db,
+        Progress(
+            TextColumn(f"batch {batch_id}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[detail]}"),
+            TimeElapsedColumn(),
+            console=err,
+            disable=ctx.json,
+            transient=False,
+        ) as progress,
+    ):
         bar = progress.add_task("reindex", total=len(ids), detail="")
         while True:
             batch = get_batch(db, batch_id) or {}
             done = batch["ok"] + batch["failed"] + batch["skipped"]
             detail = f"ok {batch['ok']} failed {batch['failed']} skipped {batch['skipped']}"
             progress.update(bar, completed=done, detail=detail)
-            if batch["state"] != "running" and (batch["state"] == "aborted" or done >= len(ids)):
+            if batch["state"] != BatchState.RUNNING and (
+                batch["state"] == BatchState.ABORTED or done >= len(ids)
+            ):
                 break
             if deadline is not None and time.monotonic() > deadline:
                 break
@@ -114,7 +133,7 @@ def _summary(ctx: Ctx, batch: dict[str, Any]) -> None:
             click.echo(f"why: {batch['abort_reason']}")
 
     ctx.emit(batch, human)
-    if batch["state"] != "done" or batch["failed"]:
+    if batch["state"] != BatchState.DONE or batch["failed"]:
         sys.exit(1)
 
 

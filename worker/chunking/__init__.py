@@ -1,5 +1,5 @@
 """Chunkers: LLM boundaries when a chunk model is configured and works, structural otherwise
-(the seed's preference and fallback); `chunk()` picks and falls back."""
+(LLM chunking preferred, structure its fallback); `chunk()` picks and falls back."""
 
 from __future__ import annotations
 

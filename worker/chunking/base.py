@@ -24,7 +24,7 @@ def clip(text: str, limit: int, *, keep_end: bool = False) -> str:
 
 
 class ChunkMethod(enum.StrEnum):
-    """Which chunker produced a chunk (the seed's `ChunkMethod`)."""
+    """Which chunker produced a chunk (`ChunkMethod`, as a host's UI shows it)."""
 
     LLM = "llm"
     STRUCTURE = "structure"

@@ -1,7 +1,8 @@
 """LLM chunking that can never lose or invent text: the model chooses boundaries, not content.
 
-The seed's own application asked the model to rewrite the text as chunks, read only the first
-12,000 characters, and indexed nothing when the answer did not parse (LESSONS.md). Here:
+A model asked to rewrite the text as chunks can invent text; one shown only the first 12,000
+characters loses the rest; one whose answer does not parse must not leave an item without an
+index. Here:
 
 * The text is cut into numbered units (paragraphs; sentences inside long ones; a fenced block
   stays one unit) and shown in windows that cover all of it. Windows are cut by the structural
@@ -33,7 +34,7 @@ from worker.errors import BadAnswer, Cancelled, KidxError, ProviderError
 PROMPT_VERSION = "1"
 UNIT_MAX = 700  # a paragraph longer than this is shown as its sentences
 MERGE_UNDER = 150  # a chunk this short is merged into a neighbour
-SINGLE_CHUNK_UNDER = 500  # a text this short may be one chunk (seed)
+SINGLE_CHUNK_UNDER = 500  # a text this short may be one chunk: nothing to split
 SUMMARY_MAX = 200
 _SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+")
 
@@ -136,8 +137,7 @@ def units_of(text: str, a: int, b: int) -> list[Unit]:
 
 def windows_of(text: str, size: int) -> list[Window]:
     """Windows of at most `size` characters, cut where the structure says (content-defined)."""
-    regions = chunk_structure(text, max_size=size, min_size=size // 10, overlap=0,
-                              window=size // 3)  # fmt: skip
+    regions = chunk_structure(text, max_size=size, min_size=size // 10, overlap=0, window=size // 3)
     result = []
     for r in regions:
         units = units_of(text, r.start, r.end)
@@ -281,8 +281,12 @@ def _merge_small(
         if left is None and right is None:
             i += 1
             continue
-        k = left if right is None or (left is not None and out[left][1] - out[left][0]
-                                     <= out[right][1] - out[right][0]) else i  # fmt: skip
+        k = (
+            left
+            if right is None
+            or (left is not None and out[left][1] - out[left][0] <= out[right][1] - out[right][0])
+            else i
+        )
         a, b = out[k], out[k + 1]
         keep = a[2] if (a[1] - a[0]) >= (b[1] - b[0]) else b[2]
         out[k : k + 2] = [(a[0], b[1], keep or a[2] or b[2])]
@@ -299,9 +303,11 @@ def _finish(text: str, spans: Sequence[tuple[int, int, str | None]]) -> list[Chu
         pieces = (
             [(s, e, None, None)]
             if e - s <= MAX_CHUNK_SIZE
-            else [(s + c.start, s + c.end, c.fence_open, c.fence_close)
-                  for c in chunk_structure(text[s:e])]
-        )  # fmt: skip
+            else [
+                (s + c.start, s + c.end, c.fence_open, c.fence_close)
+                for c in chunk_structure(text[s:e])
+            ]
+        )
         for ps, pe, fence_open, fence_close in pieces:
             chunks.append(
                 Chunk(

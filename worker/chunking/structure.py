@@ -2,8 +2,8 @@
 
 Why it looks the way it does:
 
-* Every chunk is an exact slice `text[start:end]` (the seed's own sentence splitter glued words
-  together; LESSONS.md). Offsets are the truth, content is derived from them.
+* Every chunk is an exact slice `text[start:end]` (a splitter that drops the white space it
+  matched glues words together). Offsets are the truth, content is derived from them.
 * Boundaries are chosen by content, not by position, so that an edit moves only the chunks around
   it (greedy packing re-cuts everything after an insertion). A candidate boundary is a heading, a
   paragraph break or the edge of a fenced block; each has a strength derived from the text at that

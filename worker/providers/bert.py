@@ -69,8 +69,9 @@ class BertEncoder:
         return F.linear(x, self.w[f"{name}.weight"], self.w[f"{name}.bias"])
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.layer_norm(x, (self.hidden_size,), self.w[f"{name}.weight"],
-                            self.w[f"{name}.bias"], self.eps)  # fmt: skip
+        return F.layer_norm(
+            x, (self.hidden_size,), self.w[f"{name}.weight"], self.w[f"{name}.bias"], self.eps
+        )
 
     def __call__(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor
@@ -95,11 +96,14 @@ class BertEncoder:
             q = split(self._linear(x, f"{p}.attention.self.query"))
             k = split(self._linear(x, f"{p}.attention.self.key"))
             v = split(self._linear(x, f"{p}.attention.self.value"))
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep,
-                                                 scale=1 / math.sqrt(head_size))  # fmt: skip
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=keep, scale=1 / math.sqrt(head_size)
+            )
             ctx = ctx.transpose(1, 2).reshape(batch, length, self.hidden_size)
-            x = self._norm(self._linear(ctx, f"{p}.attention.output.dense") + x,
-                           f"{p}.attention.output.LayerNorm")  # fmt: skip
+            x = self._norm(
+                self._linear(ctx, f"{p}.attention.output.dense") + x,
+                f"{p}.attention.output.LayerNorm",
+            )
             h = F.gelu(self._linear(x, f"{p}.intermediate.dense"))
             x = self._norm(self._linear(h, f"{p}.output.dense") + x, f"{p}.output.LayerNorm")
         return x

@@ -39,9 +39,13 @@ class ChatModel:
     ) -> None:
         self.model_id = settings.model
         self.http = JSONClient(
-            settings, model=settings.model, log_prefix=CHUNK, client=client, sleep=sleep,
+            settings,
+            model=settings.model,
+            log_prefix=CHUNK,
+            client=client,
+            sleep=sleep,
             rand=rand,
-        )  # fmt: skip
+        )
         self.schema_supported = True
 
     @property

@@ -81,16 +81,20 @@ def read_config(path: Path) -> tuple[str, bool, int | None]:
         if kind == "Pooling":
             config = json.loads((path / module["path"] / "config.json").read_text())
             modes = [mode for key, mode in _POOLING.items() if config.get(key)]
-            others = [k for k, v in config.items() if k.startswith("pooling_mode") and v
-                      and k not in _POOLING]  # fmt: skip
+            others = [
+                k
+                for k, v in config.items()
+                if k.startswith("pooling_mode") and v and k not in _POOLING
+            ]
             if len(modes) != 1 or others:
                 raise ConfigError(f"{path}: pooling {modes + others} is not supported")
             pooling = modes[0]
         elif kind == "Normalize":
             normalize = True
         elif kind != "Transformer":
-            raise ConfigError(f"{path}: the module {kind} is not supported (only Transformer, "
-                              "Pooling, Normalize)")  # fmt: skip
+            raise ConfigError(
+                f"{path}: the module {kind} is not supported (only Transformer, Pooling, Normalize)"
+            )
     max_length = None
     bert_config = path / "sentence_bert_config.json"
     if bert_config.is_file():
@@ -157,8 +161,7 @@ def _load_auto(path: Path, max_length: int | None) -> tuple[Callable, int]:
     limit = min(max_length or tokenizer.model_max_length, model.config.max_position_embeddings)
 
     def forward(texts: list[str]) -> tuple[Any, Any]:
-        enc = tokenizer(texts, padding=True, truncation=True, max_length=limit,
-                        return_tensors="pt")  # fmt: skip
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt")
         return model(**enc).last_hidden_state, enc["attention_mask"]
 
     return forward, int(model.config.hidden_size)

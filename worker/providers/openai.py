@@ -45,9 +45,13 @@ class OpenAIEmbeddings(EmbeddingModel):
         self.batch_size = settings.batch_size
         self.dimensions = dimensions
         self.http = JSONClient(
-            settings, model=settings.model, log_prefix=KI_EMBED, client=client, sleep=sleep,
+            settings,
+            model=settings.model,
+            log_prefix=KI_EMBED,
+            client=client,
+            sleep=sleep,
             rand=rand,
-        )  # fmt: skip
+        )
         self._where = self.http.where
         # base64: a quarter of the bytes of a JSON list of floats, decoded without parsing
         # them (what the OpenAI SDKs ask for); a server that refuses it gets "float".
@@ -74,8 +78,10 @@ class OpenAIEmbeddings(EmbeddingModel):
             if "encoding_format" not in body or not _refuses_base64(str(e)):
                 raise
             self.encoding_format = "float"
-            log.info(f"{KI_EMBED} the server refuses base64 vectors: asking for floats",
-                     provider=self._where)  # fmt: skip
+            log.info(
+                f"{KI_EMBED} the server refuses base64 vectors: asking for floats",
+                provider=self._where,
+            )
             return self.embed_batch(texts)
         return self._parse(answer, len(texts))
 

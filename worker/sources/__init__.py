@@ -40,4 +40,3 @@ class Reader:
 
             return read_code(item.source, self.files)
         raise InvalidInput(f"item {item.id} has an unknown kind {item.kind!r}")
-

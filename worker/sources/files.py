@@ -29,14 +29,23 @@ _BINARY = """.doc .xls .xlsx .ppt .pptx .odt .ods .odp .epub .zip .gz .tgz .bz2 
 .ttf .otf .iso .dmg"""
 BINARY_SUFFIXES = frozenset(_BINARY.split())
 # Longest first: the UTF-32 LE mark begins with the UTF-16 LE one.
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"),
-         (codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"),
-         (codecs.BOM_UTF16_BE, "utf-16-be"))  # fmt: skip
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
 _SNIFF = 8192
 _META_CHARSET = re.compile(rb"""<meta[^>]+charset\s*=\s*["']?\s*([A-Za-z0-9._:-]+)""", re.I)
 # Per WHATWG, pages labelled Latin-1 or ASCII are really windows-1252.
-_LABEL_ALIASES = {"iso-8859-1": "cp1252", "latin1": "cp1252", "latin-1": "cp1252",
-                  "ascii": "cp1252", "us-ascii": "cp1252"}  # fmt: skip
+_LABEL_ALIASES = {
+    "iso-8859-1": "cp1252",
+    "latin1": "cp1252",
+    "latin-1": "cp1252",
+    "ascii": "cp1252",
+    "us-ascii": "cp1252",
+}
 # Lines of plain text that the chunker would take for a heading or a code fence.
 _MARKDOWN_LOOKALIKE = re.compile(r"^([ \t]{0,3})(#{1,6}(?:[ \t]|$)|`{3}|~{3})", re.M)
 
@@ -258,9 +267,13 @@ def docx_to_markdown(data: bytes, name: object) -> str:
 # Pseudo file systems: their "regular files" report a size of 0 and read without end
 # (/dev/zero) or give away the process (/proc/self/environ holds the API key).
 SPECIAL_ROOTS = tuple(Path(p) for p in ("/proc", "/sys", "/dev"))
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket",
-          stat.S_IFDIR: "a directory"}  # fmt: skip
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
 
 
 def resolve_under_roots(path: str | Path, settings: FilesSettings) -> Path:
@@ -302,8 +315,9 @@ def read_under_roots(path: str | Path, settings: FilesSettings) -> tuple[Path, b
     except OSError as e:
         raise _refuse(shown, f"cannot be read ({e.strerror or e})") from None
     if not stat.S_ISREG(mode):
-        raise _refuse(shown, f"is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, "
-                             "not a regular file")  # fmt: skip
+        raise _refuse(
+            shown, f"is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, not a regular file"
+        )
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(resolved, flags)

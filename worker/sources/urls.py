@@ -248,9 +248,11 @@ def fetch_url(
     headers = {"User-Agent": user_agent, "Accept": accept}
     own = client is None
     http = client or httpx.Client(
-        timeout=timeout, follow_redirects=False, trust_env=False,
+        timeout=timeout,
+        follow_redirects=False,
+        trust_env=False,
         transport=net.DeadlineTransport(),
-    )  # fmt: skip
+    )
     current = start = _parse(check_url(url))
     shown = safe_url(url)
     seen = {str(current)}
@@ -270,8 +272,10 @@ def fetch_url(
                 if response.status_code in REDIRECTS and location:
                     target = _parse(location, current)
                     if target.userinfo:
-                        raise InvalidInput(f"{shown}: redirects to a URL with credentials "
-                                           f"({safe_url(str(target))}); not followed")  # fmt: skip
+                        raise InvalidInput(
+                            f"{shown}: redirects to a URL with credentials "
+                            f"({safe_url(str(target))}); not followed"
+                        )
                     if str(target) in seen:
                         raise InvalidInput(f"{url}: redirect loop (at {target})")
                     seen.add(str(target))

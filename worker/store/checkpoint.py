@@ -36,8 +36,9 @@ class Checkpointer:
         """Called by SQLite after each commit with the WAL's size in pages."""
         if pages >= self.pages:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="kidx-checkpoint")  # fmt: skip
+                self._thread = threading.Thread(
+                    target=self._run, daemon=True, name="kidx-checkpoint"
+                )
                 self._thread.start()
             self._wake.set()
         return apsw.SQLITE_OK

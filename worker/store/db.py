@@ -226,10 +226,6 @@ class Database:
         self.execute(f"PRAGMA mmap_size = {int(megabytes) * 1024 * 1024}")
 
     @property
-    def in_transaction(self) -> bool:
-        return self._depth > 0
-
-    @property
     def dimensions(self) -> int:
         """The index's resolved dimension (set by `connect()`)."""
         if self.resolution is None:

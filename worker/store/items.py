@@ -105,7 +105,12 @@ def _item(row: tuple[Any, ...]) -> Item:
         except NotText as e:
             source, problems = shown(source), [*problems, str(e)]
     return Item(
-        int(item_id), shown(kind), shown(title), source, text, shown(content_hash) or None,
+        int(item_id),
+        shown(kind),
+        shown(title),
+        source,
+        text,
+        shown(content_hash) or None,
         "; ".join(problems) or None,
     )
 
@@ -175,7 +180,8 @@ def list_states(db: Database) -> list[dict[str, Any]]:
 
 
 def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
-    """The seed's NoteChunkDto: index, method, has_embedding, summary, offsets, length."""
+    """What a chunk list shows (a UI's NoteChunkDto): index, method, has_embedding, summary,
+    offsets, length."""
     get_item(db, item_id)
     rows = db.dicts(
         "SELECT c.chunk_index, c.method AS chunk_method, "

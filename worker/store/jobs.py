@@ -28,28 +28,46 @@ class JobState(enum.StrEnum):
 
 
 class BatchState(enum.StrEnum):
+    """Where a batch is: running until every item is counted, or aborted after N failures."""
+
     RUNNING = "running"
     DONE = "done"
     ABORTED = "aborted"
 
 
 JOB_COLUMNS = (
-    "task_id", "attempt", "task_name", "item_id", "batch_id", "state", "reason", "started_at",
-    "finished_at", "duration_ms", "error",
-)  # fmt: skip
+    "task_id",
+    "attempt",
+    "task_name",
+    "item_id",
+    "batch_id",
+    "state",
+    "reason",
+    "started_at",
+    "finished_at",
+    "duration_ms",
+    "error",
+)
 
 
 def record_queued(
-    db: Database, task_id: str, task_name: str, item_id: int, batch_id: int | None,
+    db: Database,
+    task_id: str,
+    task_name: str,
+    item_id: int,
+    batch_id: int | None,
     reason: str | None,
-) -> None:  # fmt: skip
+) -> None:
     record_queued_many(db, [(task_id, item_id)], task_name, batch_id, reason)
 
 
 def record_queued_many(
-    db: Database, runs: list[tuple[str, int]], task_name: str, batch_id: int | None,
+    db: Database,
+    runs: list[tuple[str, int]],
+    task_name: str,
+    batch_id: int | None,
     reason: str | None,
-) -> None:  # fmt: skip
+) -> None:
     with db.atomic():
         db.executemany(
             "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
@@ -70,17 +88,27 @@ def forget_queued(db: Database, task_ids: list[str]) -> None:
 
 
 def record_start(
-    db: Database, task_id: str, attempt: int, task_name: str, item_id: int | None,
-    batch_id: int | None, reason: str | None,
-) -> None:  # fmt: skip
+    db: Database,
+    task_id: str,
+    attempt: int,
+    task_name: str,
+    item_id: int | None,
+    batch_id: int | None,
+    reason: str | None,
+) -> None:
     """A run starts (again, after a redelivery: the row is reset)."""
     record_starts(db, [(task_id, item_id)], task_name, batch_id, reason, attempt=attempt)
 
 
 def record_starts(
-    db: Database, runs: list[tuple[str, int | None]], task_name: str, batch_id: int | None,
-    reason: str | None, *, attempt: int = 0,
-) -> None:  # fmt: skip
+    db: Database,
+    runs: list[tuple[str, int | None]],
+    task_name: str,
+    batch_id: int | None,
+    reason: str | None,
+    *,
+    attempt: int = 0,
+) -> None:
     """Runs start (a group's: one row for each (job id, item id)), in one transaction; a row
     met again after a redelivery is reset."""
     with db.atomic():
@@ -101,9 +129,13 @@ def group_job_id(task_id: str, item_id: int) -> str:
 
 
 def record_end(
-    db: Database, task_id: str, attempt: int, state: JobState, duration_ms: int,
+    db: Database,
+    task_id: str,
+    attempt: int,
+    state: JobState,
+    duration_ms: int,
     error: str | None = None,
-) -> None:  # fmt: skip
+) -> None:
     with db.atomic():
         db.execute(
             f"UPDATE index_jobs SET state = ?, finished_at = {NOW}, duration_ms = ?, error = ? "
@@ -132,9 +164,18 @@ def list_jobs(
 # -- batches ---------------------------------------------------------------------------------
 
 BATCH_COLUMNS = (
-    "id", "kind", "state", "total", "ok", "failed", "skipped", "consecutive_failures",
-    "abort_reason", "created_at", "finished_at",
-)  # fmt: skip
+    "id",
+    "kind",
+    "state",
+    "total",
+    "ok",
+    "failed",
+    "skipped",
+    "consecutive_failures",
+    "abort_reason",
+    "created_at",
+    "finished_at",
+)
 
 
 def create_batch(db: Database, kind: str, total: int) -> int:
@@ -163,16 +204,15 @@ def get_batch(db: Database, batch_id: int) -> dict[str, Any] | None:
     return rows[0] if rows else None
 
 
-def list_batches(db: Database, limit: int = 20) -> list[dict[str, Any]]:
-    return db.dicts(
-        f"SELECT {', '.join(BATCH_COLUMNS)} FROM index_batches ORDER BY id DESC LIMIT ?", (limit,)
-    )
-
-
 def batch_outcome(
-    db: Database, batch_id: int, outcome: str, reason: str | None, *, abort_after: int,
+    db: Database,
+    batch_id: int,
+    outcome: str,
+    reason: str | None,
+    *,
+    abort_after: int,
     job: tuple[str, int] | None = None,
-) -> dict[str, Any] | None:  # fmt: skip
+) -> dict[str, Any] | None:
     """Count one run of a batch's task: `ok`, `failed` (final), `retry` (a failed attempt
     that will run again), `refused` (final, for its input: a missing file, a deleted item),
     `skipped`. The Nth failure in a row aborts the batch; a refusal neither counts towards

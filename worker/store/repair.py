@@ -76,9 +76,13 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
 
 
 def repair_vectors(
-    db: Database, dimensions: int, *, item_id: int | None = None, orphans: bool = True,
+    db: Database,
+    dimensions: int,
+    *,
+    item_id: int | None = None,
+    orphans: bool = True,
     kept: Collection[int] | None = None,
-) -> RepairReport:  # fmt: skip
+) -> RepairReport:
     """Restore missing vec rows and delete orphans: of one item's tables, or everywhere.
 
     For one item (the pipeline's write): its own vectors are checked one by one, and orphans

@@ -1,6 +1,6 @@
 """The four vec0 tables: a mirror of the relational vectors that can always be rebuilt.
 
-Dimension resolution follows the seed, with one refinement: the most recent embedding row counts
+Dimension resolution, in this order, with one refinement: the most recent embedding row counts
 only if the configured model made it (with the configured `dimensions`, when that is set).
 Otherwise a model switch could never rebuild the tables: the old model's rows would keep
 winning, and the new model's vectors would have nowhere to go.
@@ -59,7 +59,7 @@ class Resolution:
 
 
 def resolve_dimensions(db: Database, embedding: EmbeddingSettings) -> Resolution:
-    """The dimension the index should have now, in the seed's order (see the module doc)."""
+    """The dimension the index should have now, in the order of the module doc."""
     where = "model = :model" + (" AND dimensions = :dims" if embedding.dimensions else "")
     union = " UNION ALL ".join(
         f"SELECT dimensions, created_at FROM {table} WHERE {where}" for table in EMBEDDING_TABLES
