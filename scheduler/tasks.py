@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.schedule import RECONCILE, RETRY_SWEEP
 from tasks.lock import held
 from tasks.producer import send_batch
 from tasks.runtime import get_runtime
-from worker.app import app, settings
+from worker.app import RECONCILE, RETRY_SWEEP, app, settings
 from worker.log import get_logger
 from worker.reconcile import due_retries, reconcile, record_sweep
 

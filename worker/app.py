@@ -17,11 +17,23 @@ from typing import Any
 
 from celery import Celery, signals
 
-from scheduler.schedule import beat_schedule
 from worker.log import configure_logging
 from worker.settings import Settings, load_settings
 
+# The layers above reach the app, never the other way: the tasks and the beat schedule are
+# named here (Celery's `include` imports the modules when a worker starts), not imported.
 TASK_MODULES = ["tasks.metrics", "tasks.index", "tasks.group", "tasks.cancel", "scheduler.tasks"]
+RECONCILE = "kidx.reconcile"  # scheduler/tasks.py
+RETRY_SWEEP = "kidx.retry_sweep"
+
+
+def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
+    """The periodic sweeps, by task name, every so many seconds from the settings."""
+    s = settings.scheduler
+    return {
+        "kidx-reconcile": {"task": RECONCILE, "schedule": s.reconcile_every},
+        "kidx-retry-sweep": {"task": RETRY_SWEEP, "schedule": s.retry_every},
+    }
 
 
 def create_app(settings: Settings) -> Celery:

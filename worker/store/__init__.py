@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from worker.settings import EmbeddingSettings, Settings
-from worker.store.db import Database
+from worker.store.db import Database, Resolution
 from worker.store.repair import RepairReport, repair_vectors
 from worker.store.schema import migrate
 from worker.store.vec import (
     VEC_TABLES,
-    Resolution,
     resolve_dimensions,
     sync_vec_tables,
     vec_ready,

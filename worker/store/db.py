@@ -14,8 +14,9 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import apsw
 
@@ -23,12 +24,17 @@ from worker.errors import StoreError
 from worker.log import get_logger
 from worker.store.checkpoint import Checkpointer
 
-if TYPE_CHECKING:
-    from worker.store.vec import Resolution
-
 log = get_logger("kidx.store")
 
 Params = Sequence[Any] | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The index's dimension, and where it came from (worker.store.vec resolves it)."""
+
+    dimensions: int
+    source: str  # "embedding row", "model", "setting"
 
 
 def vec_library_path() -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from worker.log import KI_EMBED, get_logger
 from worker.settings import DEFAULT_DIMENSIONS, EmbeddingSettings
-from worker.store.db import Database
+from worker.store.db import Database, Resolution
 
 log = get_logger("kidx.store")
 
@@ -50,12 +50,6 @@ UNION SELECT item_id FROM note_embeddings WHERE dimensions != :d
 UNION SELECT c.item_id FROM code_chunks c JOIN code_chunk_embeddings e ON e.chunk_id = c.id
  WHERE e.dimensions != :d
 """
-
-
-@dataclass(frozen=True)
-class Resolution:
-    dimensions: int
-    source: str  # "embedding row", "model", "setting"
 
 
 def resolve_dimensions(db: Database, embedding: EmbeddingSettings) -> Resolution:
