@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ops.standin import StandIn  # noqa: E402
+from testkit.standin import StandIn  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "edges.json"
 

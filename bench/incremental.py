@@ -3,7 +3,7 @@
     python bench/incremental.py [--corpus DIR] [--edits N] [--seed S] [--batch-size B]
         [--dimensions D] [--json PATH]
 
-One run, one stand-in (ops/standin.py in a process of its own, counting requests and texts
+One run, one stand-in (testkit/standin.py in a process of its own, counting requests and texts
 where they arrive), the same model name, dimension and batch size for everyone. `--edits`
 chapters (20) each get a one-paragraph edit: a sentence appended to a seeded random prose
 paragraph (`make_edit` of bench/chunking.py). Each system, in its own process, indexes every

@@ -3,7 +3,7 @@ sizes, and one request body exactly as an OpenAI-compatible server would receive
 
     python bench/llm_report.py [CHAPTER]
 
-The model is the stand-in's automatic one (ops/standin_chat.py: consecutive units grouped to
+The model is the stand-in's automatic one (testkit/standin_chat.py: consecutive units grouped to
 about 900 characters), over real HTTP on 127.0.0.1; the embeddings are the stand-in's too.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ops.standin import StandIn  # noqa: E402
+from testkit.standin import StandIn  # noqa: E402
 from worker.pipeline import index_item  # noqa: E402
 from worker.providers import build_embedder  # noqa: E402
 from worker.providers.chat import ChatModel  # noqa: E402

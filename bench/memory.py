@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
-from ops.standin import StandIn  # noqa: E402
+from testkit.standin import StandIn  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "corpus" / "rustbook"
 DB_NUMBER = 8

@@ -3,7 +3,7 @@
     python bench/throughput.py [--corpus DIR] [--batch-size B] [--dimensions D]
         [--latency S] [--rounds R] [--profile DIR] [--json PATH]
 
-One run, one stand-in (ops/standin.py in a process of its own: an OpenAI-compatible
+One run, one stand-in (testkit/standin.py in a process of its own: an OpenAI-compatible
 /v1/embeddings on 127.0.0.1 that counts requests and texts where they arrive), the same model
 name, dimension and batch size for everyone:
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from ops.standin import StandIn
+from testkit.standin import StandIn
 from worker.providers import build_embedder
 from worker.providers.base import EmbeddingModel
 from worker.settings import EmbeddingSettings

@@ -265,7 +265,7 @@ class Stack:
 @contextlib.contextmanager
 def running_stack(tmp: Path, make: Callable[[Path, Any], Stack]) -> Iterator[Stack]:
     """A stack on a flushed database, flushed again afterwards, with nothing left running."""
-    from ops.standin import StandIn
+    from testkit.standin import StandIn
 
     flush(REDIS_DB)
     with StandIn(dimensions=64) as standin:

@@ -10,7 +10,7 @@ import pytest
 import structlog
 
 from conftest import CORPUS, corpus_text
-from ops.standin_chat import ChatReply
+from testkit.standin_chat import ChatReply
 from worker.chunking.llm import SUMMARY_MAX, units_of, windows_of
 from worker.pipeline import index_item
 from worker.providers.chat import ChatModel

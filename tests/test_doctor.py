@@ -23,7 +23,6 @@ from pydantic import SecretStr
 
 from conftest import corpus_text
 from ops.doctor import CHECKS, Check, run_checks
-from ops.standin import StandIn
 from scheduler.beat import HEARTBEAT_KEY
 from stack import (
     CELERY,
@@ -37,6 +36,7 @@ from stack import (
     start_worker,
     wait_for,
 )
+from testkit.standin import StandIn
 from worker.store import repair_vectors
 
 DOCTOR_DB = 7  # not the queue tests' database (4): both can run at once

@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
-from ops.standin import StandIn
 from stack import API_KEY, Stack, flush, free_port, start_flower, wait_for
 from tasks import GROUP, KNOWLEDGE_ITEM, NOTE
 from tasks.lock import lock_key
 from tasks.producer import add_note, delete_item, enqueue, send_batch, send_group
+from testkit.standin import StandIn
 from worker.errors import BrokerUnavailable
 from worker.store.items import add_item
 

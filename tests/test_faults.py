@@ -35,7 +35,6 @@ import redis
 from celery import Celery
 from faults_report import record
 
-from ops.standin import StandIn, vector_for
 from stack import (
     API_KEY,
     Proc,
@@ -50,6 +49,7 @@ from stack import (
 )
 from tasks.lock import lock_key
 from tasks.producer import enqueue, send_batch
+from testkit.standin import StandIn, vector_for
 from worker.chunking import MAX_CHUNK_SIZE, chunk_structure, text_hash
 from worker.providers.base import to_blob
 from worker.store.items import add_item, update_content

@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from conftest import corpus_text
-from ops.standin import StandIn
 from stack import (
     Stack,
     free_port,
@@ -32,6 +31,7 @@ from stack import (
 from tasks.cancel import revoked_key
 from tasks.lock import lock_key
 from tasks.producer import enqueue, send_group
+from testkit.standin import StandIn
 from worker.store.items import get_state, update_content
 
 USER, PASSWORD = "ops", "flower-pass-123"  # what queue_env gives Flower

@@ -107,3 +107,19 @@ def test_the_analysis_sees_an_upward_import_when_there_is_one(tmp_path: Path) ->
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from tasks.producer import enqueue\n")
     assert "tasks.producer" in imports(probe)
+
+
+def test_the_test_doubles_are_neither_installed_nor_imported_by_the_product() -> None:
+    import tomllib
+
+    from setuptools import find_packages
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    installed = find_packages(where=str(ROOT), include=include)
+    assert "worker" in installed and "ops.cli" in installed
+    assert not [p for p in installed if p.startswith(("testkit", "tests", "bench"))]
+    users = sorted(
+        m for m, path in modules().items() if any(n.startswith("testkit") for n in imports(path))
+    )
+    assert users == []

@@ -2,7 +2,7 @@
 
 Unit tests drive `OpenAIEmbeddings` through `httpx.MockTransport` with a recording `sleep` and
 `rand=lambda: 1.0`, so nothing really sleeps and every backoff is exact. The second half talks
-to the loopback stand-in (`ops.standin.StandIn`) over real sockets, with no mocks at all.
+to the loopback stand-in (`testkit.standin.StandIn`) over real sockets, with no mocks at all.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ops.standin import StandIn, vector_for
+from testkit.standin import StandIn, vector_for
 from tests.conftest import DIMS, standin_settings
 from worker.errors import (
     BadAnswer,

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ops.standin import StandIn, vector_for
+from testkit.standin import StandIn, vector_for
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "text-embedding-3-small"
@@ -84,7 +84,8 @@ def test_vectors_are_deterministic_unit_float32_and_match_vector_for(client: htt
 
 def test_vector_for_is_the_same_in_another_process() -> None:
     code = (
-        "import json; from ops.standin import vector_for; print(json.dumps(vector_for('é x', 8)))"
+        "import json; from testkit.standin import vector_for; "
+        "print(json.dumps(vector_for('é x', 8)))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}  # a salted hash() would differ here
     out = subprocess.run(
@@ -410,7 +411,7 @@ def test_two_servers_run_at_once() -> None:
 
 
 def test_command_line_serves_until_interrupted() -> None:
-    command = [sys.executable, "-m", "ops.standin", "--port", "0", "--dimensions", "8"]
+    command = [sys.executable, "-m", "testkit.standin", "--port", "0", "--dimensions", "8"]
     with subprocess.Popen(
         [*command, "--delay", "0.2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     ) as process:
@@ -424,7 +425,7 @@ def test_command_line_serves_until_interrupted() -> None:
             assert time.monotonic() - started >= 0.2
             assert vectors(response) == [vector_for("x", 8)]
             process.send_signal(signal.SIGINT)
-            assert process.wait(timeout=5) == 0
+            assert process.wait(timeout=60) == 0  # at once when idle; a bound, not a pace
             assert process.stderr is not None
             assert process.stderr.read() == b""
         finally:

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from ops.standin import StandIn, vector_for
-from ops.standin_chat import ChatReply, ChatScript, automatic_chunks, parse_units
+from testkit.standin import StandIn, vector_for
+from testkit.standin_chat import ChatReply, ChatScript, automatic_chunks, parse_units
 
 MODEL = "gpt-standin"
 SCHEMA_FORMAT = {

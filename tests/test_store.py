@@ -221,7 +221,7 @@ def test_python_sqlite3_is_never_imported():
     """Two SQLite libraries in one process crashed here: the engine must not load sqlite3."""
     code = (
         "import sys, tempfile, os, worker.pipeline, worker.retrieval, worker.store, ops.cli;"
-        "import ops.standin, worker.providers.openai, worker.providers.local, ops.doctor;"
+        "import testkit.standin, worker.providers.openai, worker.providers.local, ops.doctor;"
         "ops.doctor._warm_up();"  # what `kidx doctor` imports before its checks
         "from worker.store import connect;"
         "db = connect(os.path.join(tempfile.mkdtemp(), 'x.db'));"  # loads sqlite-vec

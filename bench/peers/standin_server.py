@@ -1,4 +1,4 @@
-"""The embedding stand-in (ops/standin.py) in a process of its own, driven over stdin/stdout.
+"""The embedding stand-in (testkit/standin.py) in a process of its own, driven over stdin/stdout.
 
     python bench/peers/standin_server.py --dimensions D
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ops.standin import StandIn, _unit_vector
+from testkit.standin import StandIn, _unit_vector
 
 
 def main() -> None:

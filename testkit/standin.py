@@ -6,7 +6,7 @@ faults a real provider produces: error statuses, Retry-After, slow answers, wron
 or dimensions, NaN, reordered items, poisoned inputs and non-JSON bodies; and, for fault
 suites, ``chaos``: a seeded random share of requests meets a 500, a 429 or a timeout.
 
-Run ``python -m ops.standin --port 8089`` to serve it by hand.
+Run ``python -m testkit.standin --port 8089`` to serve it by hand.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from urllib.parse import urlsplit
 import numpy as np
 import numpy.typing as npt
 
-from ops.standin_chat import ChatScript
+from testkit.standin_chat import ChatScript
 
 EMBEDDINGS_PATH = "/v1/embeddings"
-CHAT_PATH = "/v1/chat/completions"  # answered by ``StandIn.chat`` (ops/standin_chat.py)
+CHAT_PATH = "/v1/chat/completions"  # answered by ``StandIn.chat`` (testkit/standin_chat.py)
 HEALTH_PATH = "/health"
 GARBAGE_BODY = b"<html>oops</html>"
 STOP_JOIN_SECONDS = 2.0
@@ -553,7 +553,7 @@ class _Handler(BaseHTTPRequestHandler):
 def main(argv: list[str] | None = None) -> int:
     """Serve until Ctrl-C or SIGTERM, for manual use and benchmarks run as a subprocess."""
     parser = argparse.ArgumentParser(
-        prog="python -m ops.standin",
+        prog="python -m testkit.standin",
         description="Serve a deterministic OpenAI-compatible embeddings API on 127.0.0.1.",
     )
     parser.add_argument("--host", default="127.0.0.1")
@@ -567,13 +567,16 @@ def main(argv: list[str] | None = None) -> int:
     standin = StandIn(args.dimensions, host=args.host, port=args.port)
     standin.delay = args.delay
     standin.chaos, standin.chaos_seed = args.chaos, args.chaos_seed
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM: stop like Ctrl-C
+    # Ctrl-C and SIGTERM set an event rather than raise: a KeyboardInterrupt that arrived
+    # before the wait began (a busy machine: right after the address is printed) escaped the
+    # try below and the process ended with a traceback instead of stopping cleanly.
+    stopping = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopping.set())
     standin.start()
-    print(standin.base_url, flush=True)
     try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
+        print(standin.base_url, flush=True)
+        stopping.wait()
     finally:
         standin.stop()
     return 0

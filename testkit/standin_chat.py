@@ -5,7 +5,7 @@ JSON chunk boundaries back. A real model is slow, costs money and answers differ
 so tests get this instead: a deterministic automatic model that groups units by size, a scripted
 queue for exact answers (including broken ones), and switches for the faults a provider produces.
 
-This module knows nothing of HTTP serving; ``ops.standin.StandIn`` owns one ``ChatScript`` as
+This module knows nothing of HTTP serving; ``testkit.standin.StandIn`` owns one ``ChatScript`` as
 ``standin.chat`` and hands it each request body.
 """
 
