@@ -6,20 +6,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery import Task, shared_task
+
 from tasks.lock import held
 from tasks.producer import send_batch
-from tasks.runtime import get_runtime
-from worker.app import RECONCILE, RETRY_SWEEP, app, settings
+from tasks.runtime import runtime
+from worker.app import RECONCILE, RETRY_SWEEP
 from worker.log import get_logger
 from worker.reconcile import due_retries, reconcile, record_sweep
 
 log = get_logger("kidx.scheduler")
 
 
-@app.task(name=RECONCILE)
-def reconcile_sweep() -> dict[str, Any]:
+@shared_task(name=RECONCILE, bind=True)
+def reconcile_sweep(self: Task) -> dict[str, Any]:
     """Repair vec rows at once; send the items that need a run as a `reconcile` batch."""
-    rt = get_runtime(settings)
+    rt = runtime(self.app)
+    settings = rt.settings
     model = rt.embedder.model_id if rt.embedder is not None else settings.embedding.model
     drift = reconcile(
         rt.db,
@@ -30,7 +33,7 @@ def reconcile_sweep() -> dict[str, Any]:
     )
     batch_id = None
     if drift.to_index:
-        batch_id, _ = send_batch(rt.db, drift.to_index, kind="reconcile", app=app)
+        batch_id, _ = send_batch(rt.db, drift.to_index, kind="reconcile", app=self.app)
     summary = {
         "repaired": drift.repaired,
         "found": {k: len(v) for k, v in drift.found.items()},
@@ -43,10 +46,11 @@ def reconcile_sweep() -> dict[str, Any]:
     return summary
 
 
-@app.task(name=RETRY_SWEEP)
-def retry_sweep() -> dict[str, Any]:
+@shared_task(name=RETRY_SWEEP, bind=True)
+def retry_sweep(self: Task) -> dict[str, Any]:
     """Send failed items whose backoff has passed as a `retry` batch."""
-    rt = get_runtime(settings)
+    rt = runtime(self.app)
+    settings = rt.settings
     s = settings.scheduler
     due = due_retries(
         rt.db,
@@ -55,7 +59,7 @@ def retry_sweep() -> dict[str, Any]:
         backoff_max=s.retry_backoff_max,
         horizon=settings.tasks.visibility_timeout,
     )[: s.max_items]
-    batch_id = send_batch(rt.db, due, kind="retry", app=app)[0] if due else None
+    batch_id = send_batch(rt.db, due, kind="retry", app=self.app)[0] if due else None
     summary = {"sent": len(due), "batch_id": batch_id}
     record_sweep(rt.db, "retry_sweep", summary)
     log.info("retry sweep", **summary)

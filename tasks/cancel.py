@@ -81,6 +81,29 @@ class CancelToken:
             TERMINATED.wait(min(left, self.poll))
 
 
+class RunScope:
+    """The cancel token of the run under way in this process, for what is built once a process:
+    a provider's wait before a retry (its `Hooks.sleep`) ends as soon as that run is cancelled."""
+
+    def __init__(self) -> None:
+        self.token: CancelToken | None = None
+
+    def sleep(self, seconds: float) -> None:
+        token = self.token
+        if token is None:
+            time.sleep(seconds)
+        else:
+            token.sleep(seconds)
+
+    @contextmanager
+    def running(self, token: CancelToken) -> Iterator[None]:
+        self.token = token
+        try:
+            yield
+        finally:
+            self.token = None
+
+
 @contextmanager
 def running() -> Iterator[None]:
     """The span in which SIGTERM cancels the task instead of ending the process.

@@ -168,6 +168,17 @@ class LockSet:
                 if not lock.lost:
                     lock.extend()
 
+    def take_reruns(self) -> list[int]:
+        """The held items someone asked to run again since the lock was taken (the requests
+        are cleared: this run covers them)."""
+        if not self.held:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for lock in self.held:
+            pipe.getdel(rerun_key(lock.item_id))
+        asked = pipe.execute()
+        return [lock.item_id for lock, a in zip(self.held, asked, strict=True) if a is not None]
+
     def release_one(self, item_id: int) -> None:
         """Let one item go before the others (a run of its own is coming for it)."""
         for lock in self.held:

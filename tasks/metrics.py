@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from celery.signals import worker_init, worker_process_shutdown
 
-from worker.app import settings
 from worker.log import get_logger
 
 log = get_logger("kidx.metrics")
@@ -70,25 +67,20 @@ def record_chunks(result: dict[str, Any]) -> None:
         _m.run_seconds.observe(result["duration_ms"] / 1000)
 
 
-def timed(provider: str, call: Callable[..., Any]) -> Callable[..., Any]:
-    """`call`, timed into kidx_provider_seconds (once metrics exist)."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            if _m is not None:
-                _m.provider_seconds.labels(provider).observe(time.perf_counter() - started)
-
-    return wrapper
+def observe_provider(provider: str, seconds: float) -> None:
+    """A provider call's time (`Hooks.observe`), into kidx_provider_seconds."""
+    if _m is not None:
+        _m.provider_seconds.labels(provider).observe(seconds)
 
 
 @worker_init.connect
-def _start(**_: Any) -> None:
+def _start(sender: Any = None, **_: Any) -> None:
     """In the worker's main process, before the pool forks: the folder, the metrics, and the
-    endpoint that sums what the pool processes write."""
+    endpoint that sums what the pool processes write (the settings are the worker's app's)."""
     global _m
+    settings = getattr(getattr(sender, "app", None), "kidx_settings", None)
+    if settings is None:
+        return
     port = settings.metrics.port
     if not port:
         return

@@ -1,15 +1,19 @@
-"""What a worker process builds once: the database connection, the embedding provider, a Redis
-client. Built lazily in the pool process itself (after the fork: an SQLite connection must not
-cross one), and again if the process id changes."""
+"""What a worker process builds once and hands down: the settings, the database connection,
+the providers (built with the process's cancellable wait and its metrics, not patched after),
+a Redis client. Kept on the Celery app the tasks run in (`task.app`), built after the fork (an
+SQLite connection must not cross one) and again if the process id changes."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
-from worker.providers import EmbeddingModel, build_chat, build_embedder
+from tasks.cancel import RunScope
+from worker.log import Redact
+from worker.providers import EmbeddingModel, Hooks, build_chat, build_embedder
 from worker.providers.chat import ChatModel
 from worker.settings import Settings
 from worker.sources import Reader
@@ -24,48 +28,53 @@ class Runtime:
     chat: ChatModel | None
     reader: Reader
     redis: redis.Redis
+    scope: RunScope  # the run under way: what a provider's retry wait asks
+    redact: Redact  # every configured secret, for what a task stores or says
     pid: int
 
-
-_current: Runtime | None = None
-
-
-def get_runtime(settings: Settings) -> Runtime:
-    global _current
-    if _current is None or _current.pid != os.getpid():
-        if settings.embedding.provider == "local":
-            _share_cpus(settings.tasks.concurrency)
-        db = open_store(settings)
-        embedder = build_embedder(settings.embedding, dimensions=db.dimensions)
-        chat = build_chat(settings.chunk)
-        from tasks.metrics import timed
-
-        if embedder is not None:
-            embedder.embed_batch = timed("embedding", embedder.embed_batch)  # type: ignore[method-assign]
-        if chat is not None:
-            chat.complete_json = timed("chat", chat.complete_json)  # type: ignore[method-assign]
-        _current = Runtime(
-            settings=settings,
-            db=db,
-            embedder=embedder,
-            chat=chat,
-            reader=Reader(settings.files, settings.urls),
-            redis=redis.Redis.from_url(settings.broker_url),
-            pid=os.getpid(),
-        )
-    return _current
-
-
-def close_runtime() -> None:
-    """At the process's end: close the database (no -wal/-shm left behind) and the clients."""
-    global _current
-    if _current is not None and _current.pid == os.getpid():
-        for client in (_current.embedder, _current.chat):
+    def close(self) -> None:
+        """At the process's end: close the database (no -wal/-shm left behind), the clients."""
+        for client in (self.embedder, self.chat):
             if client is not None:
                 client.close()
-        _current.redis.close()
-        _current.db.close()
-    _current = None
+        self.redis.close()
+        self.db.close()
+
+
+def runtime(app: Any) -> Runtime:
+    """This process's runtime for `app` (a Celery app made by `worker.app.create_app`)."""
+    rt: Runtime | None = getattr(app, "kidx_runtime", None)
+    if rt is None or rt.pid != os.getpid():
+        rt = app.kidx_runtime = build_runtime(app.kidx_settings)
+    return rt
+
+
+def close_runtime(app: Any) -> None:
+    rt: Runtime | None = getattr(app, "kidx_runtime", None)
+    if rt is not None and rt.pid == os.getpid():
+        rt.close()
+    app.kidx_runtime = None
+
+
+def build_runtime(settings: Settings) -> Runtime:
+    from tasks.metrics import observe_provider
+
+    if settings.embedding.provider == "local":
+        _share_cpus(settings.tasks.concurrency)
+    db = open_store(settings)
+    scope = RunScope()
+    hooks = Hooks(sleep=scope.sleep, observe=observe_provider)
+    return Runtime(
+        settings=settings,
+        db=db,
+        embedder=build_embedder(settings.embedding, dimensions=db.dimensions, hooks=hooks),
+        chat=build_chat(settings.chunk, hooks=hooks),
+        reader=Reader(settings.files, settings.urls),
+        redis=redis.Redis.from_url(settings.broker_url),
+        scope=scope,
+        redact=Redact(settings.secrets()),
+        pid=os.getpid(),
+    )
 
 
 def _share_cpus(processes: int) -> None:

@@ -29,7 +29,7 @@ from worker.errors import (
     ProviderError,
     TransientProviderError,
 )
-from worker.providers.base import backoff_delay
+from worker.providers.base import Hooks, backoff_delay
 from worker.providers.openai import (
     USER_AGENT,
     OpenAIEmbeddings,
@@ -156,7 +156,11 @@ def build() -> Iterator[Build]:
         sleeps: list[float] = []
         client = httpx.Client(transport=httpx.MockTransport(script), base_url=settings.base_url)
         model = OpenAIEmbeddings(
-            settings, dimensions=expect, client=client, sleep=sleeps.append, rand=lambda: rand
+            settings,
+            dimensions=expect,
+            client=client,
+            hooks=Hooks(sleep=sleeps.append),
+            rand=lambda: rand,
         )
         models.append(model)
         return model, sleeps

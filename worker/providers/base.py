@@ -7,12 +7,24 @@ writing live in the pipeline, so every provider gets them the same way.
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from worker.errors import BadAnswer
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the caller gives a provider when it builds it, rather than patching a built one:
+    how to wait before a retry (a wait that a cancellation can end) and where the time of each
+    call goes (`observe(kind, seconds)`, kind `embedding` or `chat`: metrics)."""
+
+    sleep: Callable[[float], None] = time.sleep
+    observe: Callable[[str, float], None] | None = None
 
 
 class EmbeddingModel(ABC):
@@ -24,6 +36,8 @@ class EmbeddingModel(ABC):
     batch_size: int = 64
     #: the dimension every vector must have (None: learn it from the first answer)
     dimensions: int | None = None
+    #: the caller's waits and metrics (set by the constructor)
+    hooks: Hooks = Hooks()
 
     @abstractmethod
     def embed_batch(self, texts: list[str]) -> Sequence[Sequence[float]] | np.ndarray:
@@ -35,7 +49,12 @@ class EmbeddingModel(ABC):
 
     def embed_checked(self, texts: list[str]) -> np.ndarray:
         """One batch, validated: the right count, the right dimension, finite values."""
-        answer = self.embed_batch(texts)
+        started = time.perf_counter()
+        try:
+            answer = self.embed_batch(texts)
+        finally:
+            if self.hooks.observe is not None:
+                self.hooks.observe("embedding", time.perf_counter() - started)
         try:
             vectors = np.asarray(answer, dtype=np.float32)
         except (ValueError, TypeError) as e:

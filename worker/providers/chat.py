@@ -18,6 +18,7 @@ import httpx
 
 from worker.errors import BadAnswer
 from worker.log import CHUNK
+from worker.providers.base import Hooks
 from worker.providers.http import JSONClient, ProviderHTTPError
 from worker.settings import ChunkSettings
 
@@ -33,30 +34,34 @@ class ChatModel:
         self,
         settings: ChunkSettings,
         *,
+        hooks: Hooks | None = None,
         client: httpx.Client | None = None,
-        sleep: Callable[[float], None] = time.sleep,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self.model_id = settings.model
+        self.hooks = hooks or Hooks()
         self.http = JSONClient(
             settings,
             model=settings.model,
             log_prefix=CHUNK,
             client=client,
-            sleep=sleep,
+            sleep=self.hooks.sleep,
             rand=rand,
         )
         self.schema_supported = True
 
-    @property
-    def sleep(self) -> Callable[[float], None]:
-        return self.http.sleep
-
-    @sleep.setter
-    def sleep(self, value: Callable[[float], None]) -> None:
-        self.http.sleep = value
-
     def complete_json(
+        self, messages: list[dict[str, str]], *, schema: dict[str, Any], name: str
+    ) -> Any:
+        """The JSON object the model answered (its time reported to the hooks)."""
+        started = time.perf_counter()
+        try:
+            return self._complete_json(messages, schema=schema, name=name)
+        finally:
+            if self.hooks.observe is not None:
+                self.hooks.observe("chat", time.perf_counter() - started)
+
+    def _complete_json(
         self, messages: list[dict[str, str]], *, schema: dict[str, Any], name: str
     ) -> Any:
         body: dict[str, Any] = {"model": self.model_id, "messages": messages, "temperature": 0}

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from worker.errors import ConfigError, PermanentProviderError
-from worker.providers.base import EmbeddingModel
+from worker.providers.base import EmbeddingModel, Hooks
 from worker.settings import LOCAL_DEFAULT_MODEL, EmbeddingSettings
 
 _BUNDLED = {LOCAL_DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2"}
@@ -195,7 +195,10 @@ def encode(m: _Model, texts: list[str], batch: int = _ENCODE_BATCH) -> np.ndarra
 class LocalEmbeddings(EmbeddingModel):
     """Embeddings computed in this process on the CPU."""
 
-    def __init__(self, settings: EmbeddingSettings, *, dimensions: int | None) -> None:
+    def __init__(
+        self, settings: EmbeddingSettings, *, dimensions: int | None, hooks: Hooks | None = None
+    ) -> None:
+        self.hooks = hooks or Hooks()
         self.model_id = settings.model
         self.batch_size = settings.batch_size
         self.dimensions = dimensions

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import binascii
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ import numpy as np
 
 from worker.errors import BadAnswer
 from worker.log import KI_EMBED, get_logger
-from worker.providers.base import EmbeddingModel
+from worker.providers.base import EmbeddingModel, Hooks
 from worker.providers.http import (  # noqa: F401 - re-exported for callers and tests
     PER_INPUT,
     RETRYABLE,
@@ -36,34 +35,27 @@ class OpenAIEmbeddings(EmbeddingModel):
         settings: EmbeddingSettings,
         *,
         dimensions: int | None,
+        hooks: Hooks | None = None,
         client: httpx.Client | None = None,
-        sleep: Callable[[float], None] = time.sleep,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self.settings = settings
         self.model_id = settings.model
         self.batch_size = settings.batch_size
         self.dimensions = dimensions
+        self.hooks = hooks or Hooks()
         self.http = JSONClient(
             settings,
             model=settings.model,
             log_prefix=KI_EMBED,
             client=client,
-            sleep=sleep,
+            sleep=self.hooks.sleep,
             rand=rand,
         )
         self._where = self.http.where
         # base64: a quarter of the bytes of a JSON list of floats, decoded without parsing
         # them (what the OpenAI SDKs ask for); a server that refuses it gets "float".
         self.encoding_format = settings.encoding_format
-
-    @property
-    def sleep(self) -> Callable[[float], None]:
-        return self.http.sleep
-
-    @sleep.setter
-    def sleep(self, value: Callable[[float], None]) -> None:
-        self.http.sleep = value
 
     def embed_batch(self, texts: list[str]) -> list[list[float] | np.ndarray]:
         body: dict[str, Any] = {"model": self.model_id, "input": texts}

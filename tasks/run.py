@@ -1,0 +1,379 @@
+"""One task run: a set of items indexed under their locks, each outcome recorded as it comes.
+The one path behind the three tasks; a single item's run is a group of one.
+
+What happens here, once, whatever the task: a revoke seen before the start; an aborted batch
+(its items skipped and left `failed`, for `kidx retry --failed`); the items' locks (a busy item
+ends `coalesced` and its holder runs it once more); the engine's run (`worker.bulk`), each
+item's outcome recorded when it is known (its job row and its count in the batch, in one
+transaction); an item asked for again while it ran, indexed once more under its lock if it
+changed (asked again after that: sent again); a provider that may recover (the item sent again
+later, as `retry_later` says); a revoke, a terminate and the soft time limit, for every item not
+yet written. A task says only what differs: the id of an item's job row, how a retry is sent,
+the shape of its result (`SingleRun`, `GroupRun`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from typing import Any
+
+import apsw
+from celery import Task
+from celery.exceptions import Ignore, SoftTimeLimitExceeded
+
+from tasks import metrics
+from tasks.cancel import TERMINATED, CancelToken, running
+from tasks.lock import LockSet
+from tasks.producer import enqueue, send_group
+from tasks.runtime import Runtime
+from worker.bulk import index_items
+from worker.chunking import text_hash
+from worker.errors import Cancelled, IndexAborted, KidxError, WrongTaskKind
+from worker.log import KI_EMBED, get_logger
+from worker.pipeline import IndexResult
+from worker.store.items import Status, get_item, get_state, set_state
+from worker.store.jobs import BatchState, JobState, batch_outcome, get_batch, record_end
+
+log = get_logger("kidx.tasks")
+
+
+class IndexFailed(Exception):
+    """A run failed for good; the message names the cause and how long the run took."""
+
+
+class Run:
+    """A run of `task` over `item_ids` (their job rows already recorded as started)."""
+
+    #: the item kinds this task handles (None: any)
+    kinds: frozenset[str] | None = None
+    #: whether items not started past the deadline go on in a group of their own
+    sends_on: bool = False
+
+    def __init__(
+        self,
+        task: Task,
+        rt: Runtime,
+        item_ids: list[int],
+        *,
+        reason: str | None,
+        batch_id: int | None,
+        structure_only: bool,
+        started: float,
+    ) -> None:
+        self.task, self.rt, self.settings = task, rt, rt.settings
+        self.task_id = str(task.request.id)
+        self.attempt = int(task.request.retries or 0)
+        self.ids = list(dict.fromkeys(item_ids))  # an item once, whatever was sent
+        self.reason, self.batch_id, self.structure_only = reason, batch_id, structure_only
+        self.started = started
+        self.token = CancelToken(rt.redis, self.task_id)
+        self.locks: LockSet | None = None
+        self.abort_reason: str | None = None
+        self.ended: dict[int, str] = {}  # item -> its job state
+        self.results: dict[int, dict[str, Any]] = {}  # item -> its result, in order
+        self.failures: dict[int, str] = {}  # item -> its one-line failure
+
+    # -- what a task says ---------------------------------------------------------------------
+
+    def job(self, item_id: int) -> tuple[str, int]:
+        """The item's job row: (task id, attempt)."""
+        raise NotImplementedError
+
+    def retry_later(self, item_id: int, error: IndexAborted, message: str) -> None:
+        """Send the item again later (a provider that may recover), or fail it."""
+        raise NotImplementedError
+
+    def result(self) -> dict[str, Any]:
+        """The task's result, once every item has ended."""
+        raise NotImplementedError
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def took(self) -> int:
+        return int((time.monotonic() - self.started) * 1000)
+
+    def line(self, item_id: int, cause: str) -> str:
+        """One line naming the item, the cause (no secret in it) and how long the run took."""
+        cause = " ".join(self.rt.redact.scrub(cause).split())
+        return f"item {str(item_id)[:60]}: {cause} (after {self.took() / 1000:.1f} s)"
+
+    def execute(self) -> dict[str, Any]:
+        """Run the items; the task's result, or IndexFailed naming each item that failed."""
+        try:
+            if self.token():
+                raise Cancelled("revoked before it started")
+            if self._batch_aborted():
+                for item_id in self.ids:
+                    self._skip(item_id)
+                log.info(
+                    f"{KI_EMBED} skipped: its batch was aborted",
+                    batch_id=self.batch_id,
+                    items=len(self.ids),
+                )
+                return self.result()
+            self._check_kinds()
+            asked = self._under_locks([i for i in self.ids if i not in self.ended])
+            self._send_on([i for i in self.ids if i not in self.ended])
+            for item_id in asked:  # asked for again after its re-run: a run of its own
+                if changed(self.rt, item_id):
+                    follow = enqueue(self.rt.db, item_id, app=self.task.app, reason="changed")
+                    log.info(
+                        f"{KI_EMBED} changed again during the run: sent again",
+                        item_id=item_id,
+                        next=follow,
+                    )
+        except (Cancelled, SoftTimeLimitExceeded) as e:
+            if isinstance(e, SoftTimeLimitExceeded) and not TERMINATED.is_set():
+                limit = f"ran over the soft time limit of {self.settings.tasks.soft_time_limit} s"
+                for item_id in self._open():
+                    self._failed(item_id, self.line(item_id, limit), "time_limit")
+                raise IndexFailed(self.failure()) from None
+            self._revoked()
+        except Exception as e:  # a bug, or the database refusing: each open item names it
+            for item_id in self._open():
+                self._failed(item_id, self.line(item_id, f"{type(e).__name__}: {e}"), "error")
+            log.exception(f"{KI_EMBED} the run failed", reason=f"{type(e).__name__}: {e}")
+            raise IndexFailed(self.failure()) from None
+        if self.failures:
+            raise IndexFailed(self.failure())
+        return self.result()
+
+    def _under_locks(self, ids: list[int]) -> list[int]:
+        """Index the items under their locks; those asked for again after their re-run."""
+        locks = self.locks = LockSet(self.rt.redis, ids, self.task_id, self.settings.tasks.lock_ttl)
+        held, busy = locks.acquire()
+        try:
+            for item_id in busy:
+                log.info(
+                    f"{KI_EMBED} coalesced: the item is being indexed by another run",
+                    item_id=item_id,
+                )
+                self.end(item_id, JobState.COALESCED, "ok")
+                self.results[item_id] = {"item_id": item_id, "status": "coalesced"}
+            with self.rt.scope.running(self.token), running():
+                self._index(held)
+                again = [i for i in locks.take_reruns() if self._indexed(i)]
+                again = [i for i in again if changed(self.rt, i)]
+                if again:  # edited while it ran, and asked for: once more, under the lock
+                    log.info(
+                        f"{KI_EMBED} changed while it was indexed: once more", items=len(again)
+                    )
+                    self._index(again)
+        finally:
+            asked = locks.release()
+        return asked
+
+    def _index(self, ids: list[int]) -> None:
+        deadline = self.started + self.settings.tasks.soft_time_limit / 2
+        index_items(
+            self.rt.db,
+            ids,
+            embedder=self.rt.embedder,
+            chat=self.rt.chat,
+            reader=self.rt.reader,
+            chunk_window=self.settings.chunk.window,
+            structure_only=self.structure_only,
+            cancel=self.token,
+            task_id=self.task_id,
+            on_done=self._done,
+            deadline=deadline if self.sends_on else None,
+            context_chars=self.settings.embedding.context_chars,
+        )
+
+    def _indexed(self, item_id: int) -> bool:
+        return self.ended.get(item_id) == JobState.SUCCESS
+
+    # -- an item's end ----------------------------------------------------------------------
+
+    def end(
+        self,
+        item_id: int,
+        state: JobState,
+        outcome: str | None,
+        error: str | None = None,
+        why: str | None = None,
+    ) -> None:
+        """An item's run ends: its job row and its count in the batch, in one transaction
+        (the write's own transaction, when the item was just written: if that does not commit,
+        the item ends again, failed). A database that refuses (a full disk) is logged: the
+        task's result still says what happened."""
+        try:
+            with self.rt.db.atomic():
+                record_end(self.rt.db, *self.job(item_id), state, self.took(), error)
+                if self.batch_id is not None and outcome is not None:
+                    batch_outcome(
+                        self.rt.db,
+                        self.batch_id,
+                        outcome,
+                        error,
+                        abort_after=self.settings.tasks.batch_abort_after,
+                        job=self.job(item_id),
+                    )
+        except (apsw.Error, KidxError) as e:
+            log.error(
+                "could not record an item's end", item_id=item_id, reason=f"{type(e).__name__}: {e}"
+            )
+        metrics.run(self.task.name, str(state), why)
+        self.ended[item_id] = str(state)
+
+    def _done(self, item_id: int, outcome: IndexResult | KidxError) -> None:
+        """An item's outcome, recorded at once (progress shows while the run goes on)."""
+        self.failures.pop(item_id, None)  # an item reported again (its write did not commit)
+        if isinstance(outcome, IndexResult):
+            result = outcome.as_dict()
+            if outcome.status == "skipped":  # no provider configured: nothing was written
+                self.end(item_id, JobState.SKIPPED, "skipped", outcome.error)
+            else:
+                self.end(item_id, JobState.SUCCESS, "ok")
+                metrics.record_chunks(result)
+            self.results[item_id] = result
+            return
+        if self._batch_aborted():  # by this run's failures or another's: no retry
+            self._skip(item_id)
+            return
+        message = self.line(item_id, str(outcome))
+        if isinstance(outcome, IndexAborted) and outcome.transient:
+            self.retry_later(item_id, outcome, message)
+            return
+        why = "provider_permanent" if isinstance(outcome, IndexAborted) else "bad_input"
+        self._failed(item_id, message, why)
+
+    def _failed(self, item_id: int, message: str, why: str) -> None:
+        outcome = "refused" if why == "bad_input" else "failed"  # bad input: no batch abort
+        self.end(item_id, JobState.FAILED, outcome, message, why=why)
+        self.failures[item_id] = message
+        self.results[item_id] = {"item_id": item_id, "status": "failed", "error": message}
+
+    def _skip(self, item_id: int) -> None:
+        """Not run for an aborted batch: `failed`, so that `kidx retry --failed` picks it up."""
+        self.end(item_id, JobState.SKIPPED, "skipped", self.abort_reason)
+        with contextlib.suppress(apsw.Error, KidxError):
+            set_state(
+                self.rt.db,
+                item_id,
+                status=Status.FAILED,
+                last_task_id=self.task_id,
+                last_error=f"not run: batch {self.batch_id} was aborted ({self.abort_reason})",
+            )
+        self.results[item_id] = {
+            "item_id": item_id,
+            "status": "skipped",
+            "error": self.abort_reason,
+        }
+
+    def _check_kinds(self) -> None:
+        if self.kinds is None:
+            return
+        for item_id in self.ids:
+            try:
+                kind = get_item(self.rt.db, item_id, content=False).kind
+            except KidxError:
+                continue  # no such item: the run says so
+            if kind not in self.kinds:
+                from tasks import KNOWLEDGE_ITEM, NOTE
+
+                other = NOTE if kind == "note" else KNOWLEDGE_ITEM
+                wrong = WrongTaskKind(
+                    f"item {item_id} is a {kind}: send {other}, not {self.task.name}"
+                )
+                self._failed(item_id, self.line(item_id, str(wrong)), "bad_input")
+
+    def _send_on(self, item_ids: list[int]) -> None:
+        """Items not started before the run's deadline (half the soft time limit) go on in a
+        group of their own, in the same batch: a big group never meets the time limit."""
+        if not item_ids:
+            return
+        follow = send_group(
+            self.rt.db,
+            self.task.app,
+            item_ids,
+            self.batch_id,
+            self.reason or "group",
+            structure_only=self.structure_only,
+        )
+        note = f"not started within half the time limit: sent on in group {follow}"
+        for item_id in item_ids:
+            self.end(item_id, JobState.RETRY, None, note)
+            self.results[item_id] = {"item_id": item_id, "status": "sent on", "next": follow}
+        log.info(
+            f"{KI_EMBED} group past its deadline: the rest sent on",
+            items=len(item_ids),
+            next=follow,
+        )
+
+    def _revoked(self) -> None:
+        """Cancelled: what was written stays, the rest keeps its previous index; REVOKED."""
+        for item_id in self._open():
+            self.end(item_id, JobState.REVOKED, "skipped", "cancelled")
+            with contextlib.suppress(apsw.Error, KidxError):
+                set_state(self.rt.db, item_id, status=Status.CANCELLED, last_task_id=self.task_id)
+        self.task.backend.mark_as_revoked(self.task_id, "cancelled", request=self.task.request)
+        self.task.send_event(
+            "task-revoked", terminated=TERMINATED.is_set(), signum=None, expired=False
+        )
+        log.info(
+            f"{KI_EMBED} task revoked; what was not written keeps its previous index",
+            duration_ms=self.took(),
+        )
+        raise Ignore()
+
+    def _open(self) -> list[int]:
+        return [i for i in self.ids if i not in self.ended]
+
+    def _batch_aborted(self) -> bool:
+        if self.batch_id is None:
+            return False
+        batch = get_batch(self.rt.db, self.batch_id)
+        self.abort_reason = batch["abort_reason"] if batch else None
+        return bool(batch and batch["state"] == BatchState.ABORTED)
+
+    def failure(self) -> str:
+        """The task's failure: one line for each item that failed."""
+        raise NotImplementedError
+
+
+def valid_id(item_id: object) -> bool:
+    """An id SQLite can hold: a JSON message may carry "abc", 1.5, true or 2**70 (a 64-bit
+    overflow that would otherwise fail before the run is recorded)."""
+    return type(item_id) is int and 0 < item_id < 2**63
+
+
+def bad_arguments(
+    rt: Runtime, item_id: object, reason: object, batch_id: object, structure_only: object
+) -> str | None:
+    """What is wrong with a task's arguments (a host may send anything a JSON message
+    holds), in one line; None when they are fine."""
+    if not valid_id(item_id):
+        return f"the item id must be a positive integer, not {item_id!r:.60}"
+    if reason is not None and not isinstance(reason, str):
+        return f"reason must be a string, not {reason!r:.60}"
+    if not isinstance(structure_only, bool):
+        return f"structure_only must be true or false, not {structure_only!r:.60}"
+    if batch_id is not None:
+        if not valid_id(batch_id):
+            return f"the batch id must be a positive integer, not {batch_id!r:.60}"
+        if get_batch(rt.db, batch_id) is None:  # type: ignore[arg-type]
+            return f"no batch with id {batch_id}"
+    return None
+
+
+def backoff(rt: Runtime, attempt: int, retry_after: float | None) -> float:
+    """Seconds before a retry: exponential with jitter, never before the server's Retry-After."""
+    t = rt.settings.tasks
+    delay = min(t.retry_backoff_max, t.retry_backoff * 2**attempt) * random.uniform(0.5, 1.5)
+    return max(delay, retry_after or 0.0)
+
+
+def changed(rt: Runtime, item_id: int) -> bool:
+    """Whether the item's text differs from what its index was built from."""
+    try:
+        item = get_item(rt.db, item_id, content=False)
+        if item.content_hash is None:  # the content was written without its hash
+            item = get_item(rt.db, item_id)
+        return get_state(rt.db, item_id).get("indexed_hash") != (
+            item.content_hash or text_hash(item.content)
+        )
+    except KidxError:  # gone
+        return False
