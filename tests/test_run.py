@@ -1,0 +1,251 @@
+"""The one run path (tasks/run.py) in-process: a real SQLite file, the real Redis (database 3)
+for the locks and revokes, a recording fake embedder, and a stand-in for the Celery task that
+records what the run asks of it. The same path, against real workers, is tests/test_queue.py,
+tests/test_groups.py and the fault suite."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+from celery.exceptions import Ignore
+
+from conftest import FakeEmbedder
+from stack import broker_url, flush
+from tasks import GROUP, NOTE
+from tasks.cancel import RunScope, mark_revoked
+from tasks.group import GroupRun
+from tasks.index import SingleRun
+from tasks.lock import LockSet, rerun_key
+from tasks.run import IndexFailed
+from tasks.runtime import Runtime
+from worker.app import create_app
+from worker.errors import TransientProviderError
+from worker.log import Redact
+from worker.settings import load_settings
+from worker.sources import Reader
+from worker.store.db import Database
+from worker.store.items import add_item, get_state, update_content
+from worker.store.jobs import create_batch, get_batch, record_starts
+
+RUN_DB = 3  # this module's Redis database
+
+
+class Retried(Exception):
+    """What the stand-in task's retry() returns, for the run to raise."""
+
+
+class FakeTask:
+    """What the run asks of a Celery task, recorded."""
+
+    def __init__(self, app: Any, name: str) -> None:
+        self.app, self.name = app, name
+        self.request = SimpleNamespace(id=str(uuid.uuid4()), retries=0)
+        self.revoked: list[str] = []
+        self.events: list[str] = []
+        self.retried: list[float] = []
+        self.backend = SimpleNamespace(
+            mark_as_revoked=lambda task_id, *a, **k: self.revoked.append(task_id)
+        )
+
+    def send_event(self, name: str, **_: Any) -> None:
+        self.events.append(name)
+
+    def retry(self, *, exc: Exception, countdown: float, max_retries: int) -> Retried:
+        self.retried.append(countdown)
+        return Retried(str(exc))
+
+
+class Flaky(FakeEmbedder):
+    """Fails every request while `down` (a provider that may recover)."""
+
+    down = False
+
+    def embed_batch(self, texts: list[str]) -> Any:
+        if self.down:
+            self.calls.append(list(texts))
+            raise TransientProviderError("the stand-in provider is down for now")
+        return super().embed_batch(texts)
+
+
+@pytest.fixture
+def rt(db, emb_settings) -> Iterator[Runtime]:
+    flush(RUN_DB)
+    settings = load_settings(
+        db=db.path,
+        broker_url=broker_url(RUN_DB),
+        embedding=emb_settings.model_dump(),
+        tasks={"max_retries": 1},
+    )
+    client = redis.Redis.from_url(broker_url(RUN_DB))
+    runtime = Runtime(
+        settings=settings,
+        db=db,
+        embedder=Flaky(),
+        chat=None,
+        reader=Reader(),
+        redis=client,
+        scope=RunScope(),
+        redact=Redact(["sk-test-key-not-for-logs"]),
+        pid=os.getpid(),
+    )
+    runtime.app = create_app(settings)  # type: ignore[attr-defined]
+    yield runtime
+    runtime.app.close()  # type: ignore[attr-defined]
+    client.close()
+    flush(RUN_DB)
+
+
+def notes(db: Any, n: int, word: str = "note") -> list[int]:
+    return [
+        add_item(db, kind="note", title=f"{word} {k}", content=f"# {word} {k}\n\n" + "Words. " * 60)
+        for k in range(n)
+    ]
+
+
+def group(rt: Runtime, ids: list[int], batch_id: int | None = None) -> tuple[GroupRun, FakeTask]:
+    task = FakeTask(rt.app, GROUP)  # type: ignore[attr-defined]
+    run = GroupRun(
+        task,
+        rt,
+        ids,
+        reason="test",
+        batch_id=batch_id,
+        structure_only=False,
+        started=time.monotonic(),
+    )
+    record_starts(rt.db, [(run.job(i)[0], i) for i in run.ids], GROUP, batch_id, "test")
+    return run, task
+
+
+def single(rt: Runtime, item_id: int) -> tuple[SingleRun, FakeTask]:
+    from worker.store.jobs import record_start
+
+    task = FakeTask(rt.app, NOTE)  # type: ignore[attr-defined]
+    run = SingleRun(
+        task,
+        rt,
+        [item_id],
+        reason="test",
+        batch_id=None,
+        structure_only=False,
+        started=time.monotonic(),
+        kinds=frozenset({"note"}),
+    )
+    record_start(rt.db, run.task_id, 0, NOTE, item_id, None, "test")
+    return run, task
+
+
+def job_states(rt: Runtime, run: Any) -> dict[int, str]:
+    return {
+        i: rt.db.scalar(
+            "SELECT state FROM index_jobs WHERE task_id = ? AND attempt = ?", run.job(i)
+        )
+        for i in run.ids
+    }
+
+
+def test_a_group_indexes_its_items_with_shared_requests_and_records_each(rt) -> None:
+    ids = notes(rt.db, 5)
+    batch = create_batch(rt.db, "reindex", len(ids))
+    run, _ = group(rt, ids, batch)
+    result = run.execute()
+    assert result["items"] == 5 and result["indexed"] == 5
+    assert set(job_states(rt, run).values()) == {"success"}
+    assert get_batch(rt.db, batch)["ok"] == 5 and get_batch(rt.db, batch)["state"] == "done"
+    embedder = rt.embedder
+    texts = sum(len(c) for c in embedder.calls)  # type: ignore[union-attr]
+    assert texts == 5 and len(embedder.calls) == 1  # one request for the five items' texts
+
+
+def test_a_single_run_is_a_group_of_one_with_the_items_result(rt) -> None:
+    (item,) = notes(rt.db, 1)
+    run, _ = single(rt, item)
+    result = run.execute()
+    assert result["item_id"] == item and result["status"] == "indexed" and result["chunks"] == 1
+    assert "duration_ms" in result and job_states(rt, run) == {item: "success"}
+
+
+def test_a_busy_item_is_coalesced_and_asks_its_holder_for_one_more_run(rt) -> None:
+    busy, free = notes(rt.db, 2)
+    other = LockSet(rt.redis, [busy], "someone-else", 30)
+    assert other.acquire() == ([busy], [])
+    run, _ = group(rt, [busy, free])
+    result = run.execute()
+    assert {r["item_id"]: r["status"] for r in result["results"]} == {
+        busy: "coalesced",
+        free: "indexed",
+    }
+    assert rt.redis.get(rerun_key(busy)) is not None  # the holder will run it once more
+    other.release()
+
+
+def test_an_item_changed_and_asked_for_while_it_ran_is_indexed_once_more(rt) -> None:
+    (item,) = notes(rt.db, 1)
+    run, _ = single(rt, item)
+    embedder = rt.embedder
+    original = embedder.embed_batch  # type: ignore[union-attr]
+
+    other = Database(rt.db.path)  # an editor's own connection (this one is the run's)
+
+    def edit_while_embedding(texts: list[str]) -> Any:
+        if len(embedder.calls) == 0:  # type: ignore[union-attr]
+            update_content(other, item, "# Edited\n\nThe text changed while it was indexed.")
+            rt.redis.set(rerun_key(item), "another-task")
+        return original(texts)
+
+    embedder.embed_batch = edit_while_embedding  # type: ignore[union-attr, method-assign]
+    result = run.execute()
+    other.close()
+    assert len(embedder.calls) == 2  # type: ignore[union-attr]
+    assert result["status"] == "indexed"
+    content = rt.db.scalar("SELECT content FROM note_chunks WHERE item_id = ?", (item,))
+    assert "changed while it was indexed" in content
+
+
+def test_a_provider_that_may_recover_retries_the_single_run_and_sends_a_group_item_on(rt) -> None:
+    rt.embedder.down = True  # type: ignore[union-attr]
+    (one,) = notes(rt.db, 1, "one")
+    run, task = single(rt, one)
+    with pytest.raises(Retried, match="is down for now"):
+        run.execute()
+    assert task.retried and job_states(rt, run) == {one: "retry"}
+    (two,) = notes(rt.db, 1, "two")
+    run, task = group(rt, [two])
+    result = run.execute()
+    (only,) = result["results"]
+    assert only["status"] == "retry" and only["next"]  # a task of its own, sent with a delay
+    assert job_states(rt, run) == {two: "retry"}
+
+
+def test_three_failures_in_a_row_abort_the_batch_and_its_other_items_are_skipped(rt) -> None:
+    rt.settings.tasks.max_retries = 0  # each failure final
+    rt.embedder.down = True  # type: ignore[union-attr]
+    ids = notes(rt.db, 5)
+    batch = create_batch(rt.db, "reindex", len(ids))
+    for item in ids[:3]:
+        run, _ = group(rt, [item], batch)
+        with pytest.raises(IndexFailed, match="is down for now"):
+            run.execute()
+    assert get_batch(rt.db, batch)["state"] == "aborted"
+    run, _ = group(rt, ids[3:], batch)
+    result = run.execute()
+    assert result["skipped"] == 2 and {get_state(rt.db, i)["status"] for i in ids[3:]} == {"failed"}
+
+
+def test_a_revoke_before_the_start_ends_revoked_and_writes_nothing(rt) -> None:
+    ids = notes(rt.db, 2)
+    run, task = group(rt, ids)
+    mark_revoked(rt.redis, [run.task_id])
+    with pytest.raises(Ignore):
+        run.execute()
+    assert task.revoked == [run.task_id] and task.events == ["task-revoked"]
+    assert set(job_states(rt, run).values()) == {"revoked"}
+    assert rt.db.scalar("SELECT count(*) FROM note_chunks") == 0
+    assert rt.embedder.calls == []  # type: ignore[union-attr]
