@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testkit.standin import StandIn  # noqa: E402
+from worker.indexers import IndexOptions  # noqa: E402
 from worker.pipeline import index_item  # noqa: E402
 from worker.providers import build_embedder  # noqa: E402
 from worker.providers.chat import ChatModel  # noqa: E402
@@ -51,7 +52,9 @@ def main() -> None:
         db = connect(Path(tmp) / "r.db", embedding=emb)
         chat = ChatModel(ChunkSettings(model="standin-chat", base_url=standin.base_url))
         item = add_item(db, kind="note", title=name, content=text)
-        result = index_item(db, item, embedder=build_embedder(emb, dimensions=64), chat=chat)
+        result = index_item(
+            db, item, embedder=build_embedder(emb, dimensions=64), options=IndexOptions(chat=chat)
+        )
         rows = db.all(
             "SELECT chunk_index, method, length(content), summary FROM note_chunks "
             "WHERE item_id = ? ORDER BY chunk_index",

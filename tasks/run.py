@@ -23,7 +23,7 @@ import apsw
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
 
-from tasks import metrics
+from tasks import TASK_FOR_KIND, metrics
 from tasks.cancel import TERMINATED, CancelToken, running
 from tasks.lock import LockSet
 from tasks.producer import enqueue, send_group
@@ -31,6 +31,7 @@ from tasks.runtime import Runtime
 from worker.bulk import index_items
 from worker.chunking import text_hash
 from worker.errors import Cancelled, IndexAborted, KidxError, WrongTaskKind
+from worker.indexers import IndexOptions
 from worker.log import KI_EMBED, get_logger
 from worker.pipeline import IndexResult
 from worker.store.items import Status, get_item, get_state, set_state
@@ -69,6 +70,15 @@ class Run:
         self.reason, self.batch_id, self.structure_only = reason, batch_id, structure_only
         self.started = started
         self.token = CancelToken(rt.redis, self.task_id)
+        self.options = IndexOptions(
+            chat=rt.chat,
+            reader=rt.reader,
+            chunk_window=self.settings.chunk.window,
+            structure_only=structure_only,
+            cancel=self.token,
+            task_id=self.task_id,
+            context_chars=self.settings.embedding.context_chars,
+        )
         self.locks: LockSet | None = None
         self.abort_reason: str | None = None
         self.ended: dict[int, str] = {}  # item -> its job state
@@ -171,15 +181,9 @@ class Run:
             self.rt.db,
             ids,
             embedder=self.rt.embedder,
-            chat=self.rt.chat,
-            reader=self.rt.reader,
-            chunk_window=self.settings.chunk.window,
-            structure_only=self.structure_only,
-            cancel=self.token,
-            task_id=self.task_id,
+            options=self.options,
             on_done=self._done,
             deadline=deadline if self.sends_on else None,
-            context_chars=self.settings.embedding.context_chars,
         )
 
     def _indexed(self, item_id: int) -> bool:
@@ -272,9 +276,7 @@ class Run:
             except KidxError:
                 continue  # no such item: the run says so
             if kind not in self.kinds:
-                from tasks import KNOWLEDGE_ITEM, NOTE
-
-                other = NOTE if kind == "note" else KNOWLEDGE_ITEM
+                other = TASK_FOR_KIND.get(kind, "?")
                 wrong = WrongTaskKind(
                     f"item {item_id} is a {kind}: send {other}, not {self.task.name}"
                 )

@@ -12,6 +12,7 @@ import structlog
 from conftest import CORPUS, corpus_text
 from testkit.standin_chat import ChatReply
 from worker.chunking.llm import SUMMARY_MAX, units_of, windows_of
+from worker.indexers import IndexOptions
 from worker.pipeline import index_item
 from worker.providers.chat import ChatModel
 from worker.settings import ChunkSettings
@@ -49,7 +50,7 @@ def assert_exact_and_covering(text: str, chunks: list[dict]) -> None:
 def test_a_good_answer_gives_llm_chunks_with_summaries(db, embedder, chat, standin):
     text = corpus_text(CHAPTER)
     item = add_item(db, kind="note", title="Ownership", content=text)
-    result = index_item(db, item, embedder=embedder, chat=chat)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
     assert result.status == "indexed" and result.chunk_method == "llm" and result.fallback is None
     chunks = rows(db, item)
     assert {c["method"] for c in chunks} == {"llm"} and all(c["has_vector"] for c in chunks)
@@ -114,7 +115,7 @@ def test_each_bad_answer_falls_back_to_structure_and_says_why(db, embedder, chat
     item = add_item(db, kind="note", title="Slices", content=text)
     standin.chat.script = [BAD_ANSWERS[case]] * 2  # asked once more, answers the same
     with structlog.testing.capture_logs() as logs:
-        result = index_item(db, item, embedder=embedder, chat=chat)
+        result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
     assert result.status == "indexed" and result.chunk_method == "structure"
     assert REASONS[case] in result.fallback
     chunks = rows(db, item)
@@ -133,7 +134,7 @@ def test_a_bad_answer_then_a_good_one_is_llm(db, embedder, chat, standin):
     text = "First paragraph of a short note.\n\nSecond paragraph, a little longer than that."
     item = add_item(db, kind="note", title="T", content=text)
     standin.chat.script = ["not json at all"]  # then the automatic model answers
-    result = index_item(db, item, embedder=embedder, chat=chat)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
     assert result.chunk_method == "llm" and standin.chat.requests == 2
     second = standin.chat.bodies[1]["messages"]
     assert "could not be used" in second[-1]["content"] and "not JSON" in second[-1]["content"]
@@ -142,14 +143,17 @@ def test_a_bad_answer_then_a_good_one_is_llm(db, embedder, chat, standin):
 def test_a_server_that_refuses_json_schema_is_asked_with_json_object(db, embedder, chat, standin):
     item = add_item(db, kind="note", title="T", content=corpus_text("ch04-03-slices.md"))
     standin.chat.reject_json_schema = True
-    assert index_item(db, item, embedder=embedder, chat=chat).chunk_method == "llm"
+    assert (
+        index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat)).chunk_method
+        == "llm"
+    )
     kinds = [b["response_format"]["type"] for b in standin.chat.bodies]
     assert kinds[0] == "json_schema" and set(kinds[1:]) == {"json_object"}
     before = standin.chat.requests
     other = add_item(
         db, kind="note", title="U", content=corpus_text("ch04-02-references-and-borrowing.md")
     )
-    index_item(db, other, embedder=embedder, chat=chat)
+    index_item(db, other, embedder=embedder, options=IndexOptions(chat=chat))
     assert all(
         b["response_format"]["type"] == "json_object" for b in standin.chat.bodies[before:]
     )  # remembered
@@ -165,7 +169,7 @@ def test_a_60000_character_document_is_covered_end_to_end(db, embedder, chat, st
     text = "\n\n".join(parts)[:61_000]
     text = text[: text.rindex("\n\n")] + "\n\nThe very last paragraph of the long document."
     item = add_item(db, kind="note", title="Long", content=text)
-    result = index_item(db, item, embedder=embedder, chat=chat)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
     assert result.chunk_method == "llm" and standin.chat.requests >= 10
     chunks = rows(db, item)
     assert_exact_and_covering(text, chunks)
@@ -178,7 +182,7 @@ def test_text_under_500_characters_may_be_one_chunk(db, embedder, chat, standin)
     standin.chat.script = [
         lambda units: {"chunks": [{"start": 1, "end": len(units), "summary": "A short note."}]}
     ]
-    index_item(db, item, embedder=embedder, chat=chat)
+    index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
     chunks = rows(db, item)
     assert len(chunks) == 1 and chunks[0]["content"] == text and chunks[0]["method"] == "llm"
     assert db.scalar("SELECT count(*) FROM vec_note_embeddings WHERE item_id = ?", (item,)) == 1
@@ -189,17 +193,17 @@ def test_unchanged_text_calls_nothing_and_an_edit_re_asks_only_its_window(
 ):
     text = corpus_text(CHAPTER)
     item = add_item(db, kind="note", title="Ownership", content=text)
-    index_item(db, item, embedder=embedder, chat=chat)
+    index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
     first = [(c["start_offset"], c["content"], c["summary"]) for c in rows(db, item)]
     chats, embeds = standin.chat.requests, standin.requests
-    again = index_item(db, item, embedder=embedder, chat=chat)
+    again = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
     assert standin.chat.requests == chats and standin.requests == embeds
     assert again.embedded == 0 and again.reused == len(first)
     assert [(c["start_offset"], c["content"], c["summary"]) for c in rows(db, item)] == first
     at = text.index(".\n\n", len(text) // 2) + 1
     update_content(db, item, text[:at] + " A sentence added by the test." + text[at:])
     standin.texts.clear()
-    edited = index_item(db, item, embedder=embedder, chat=chat)
+    edited = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
     assert 1 <= standin.chat.requests - chats <= 2  # the window that changed (and a neighbour)
     assert edited.embedded <= 4 and edited.reused >= len(first) - 4
     assert len(standin.texts) == edited.embedded
@@ -207,7 +211,7 @@ def test_unchanged_text_calls_nothing_and_an_edit_re_asks_only_its_window(
 
 def test_no_chunk_model_means_structure_and_no_chat_call(db, embedder, standin):
     item = add_item(db, kind="note", title="T", content=corpus_text("ch04-03-slices.md"))
-    result = index_item(db, item, embedder=embedder, chat=None)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=None))
     assert result.chunk_method == "structure" and result.fallback is None
     assert standin.chat.requests == 0
     assert get_state(db, item)["last_error"] is None
@@ -215,7 +219,9 @@ def test_no_chunk_model_means_structure_and_no_chat_call(db, embedder, standin):
 
 def test_structure_only_skips_the_model_for_one_run(db, embedder, chat, standin):
     item = add_item(db, kind="note", title="T", content=corpus_text("ch04-03-slices.md"))
-    result = index_item(db, item, embedder=embedder, chat=chat, structure_only=True)
+    result = index_item(
+        db, item, embedder=embedder, options=IndexOptions(chat=chat, structure_only=True)
+    )
     assert result.chunk_method == "structure" and standin.chat.requests == 0
 
 
@@ -233,7 +239,7 @@ def test_summaries_are_trimmed_or_dropped_and_sizes_repaired(db, embedder, chat,
         return {"chunks": chunks}
 
     standin.chat.script = [answer] * 10
-    index_item(db, item, embedder=embedder, chat=chat)
+    index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
     chunks = rows(db, item)
     assert_exact_and_covering(text, chunks)
     assert all(c["summary"] is None or len(c["summary"]) <= SUMMARY_MAX for c in chunks)

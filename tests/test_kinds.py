@@ -15,9 +15,10 @@ import pytest
 from markdown_it import MarkdownIt
 
 from conftest import DIMS, corpus_text, standin_settings
-from worker.code_index import search_code
 from worker.errors import IndexAborted, InvalidInput
-from worker.memories import add_memory, search_memories
+from worker.indexers import IndexOptions
+from worker.indexers.code import search_code
+from worker.indexers.memories import add_memory, search_memories
 from worker.pipeline import index_item
 from worker.providers import build_embedder
 from worker.retrieval import search
@@ -132,7 +133,7 @@ def test_a_chapter_as_html_and_as_pdf_gives_chunks_with_its_headings(
     assert len(wanted) >= 4
     for name in ("slices.html", "slices.pdf"):
         item = add_item(db, kind="file", title=name, content="", source=str(files_root / name))
-        result = index_item(db, item, embedder=embedder, reader=reader)
+        result = index_item(db, item, embedder=embedder, options=IndexOptions(reader=reader))
         assert result.status == "indexed" and result.chunks >= 3
         text = " ".join(chunk_texts(db, item))
         for heading in wanted:
@@ -161,7 +162,7 @@ def test_a_refused_file_gets_a_clear_stored_error(
     path.write_bytes(data if data is not None else b"# Outside the roots\n")
     item = add_item(db, kind="file", title=name, content="", source=str(path))
     with pytest.raises(InvalidInput, match=words):
-        index_item(db, item, embedder=embedder, reader=reader)
+        index_item(db, item, embedder=embedder, options=IndexOptions(reader=reader))
     state = get_state(db, item)
     assert state["status"] == "failed" and words in state["last_error"]
     assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
@@ -175,14 +176,14 @@ def test_a_page_gives_the_article_only_and_an_unchanged_page_costs_nothing(
 ):
     pages.routes["/slices"] = (200, "text/html; charset=utf-8", ARTICLE.encode())
     item = add_item(db, kind="url", title="Slices", content="", source=pages.url + "/slices")
-    result = index_item(db, item, embedder=embedder, reader=reader)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(reader=reader))
     assert result.status == "indexed"
     text = " ".join(chunk_texts(db, item))
     assert "contiguous sequence of elements" in text and "String Slices" in text
     for noise in ("NAV-TEXT", "SCRIPT-TEXT", "FOOTER-TEXT"):
         assert noise not in text
     embedded = len(standin.texts)
-    again = index_item(db, item, embedder=embedder, reader=reader)
+    again = index_item(db, item, embedder=embedder, options=IndexOptions(reader=reader))
     assert pages.hits["/slices"] == 2  # fetched again...
     assert len(standin.texts) == embedded and again.embedded == 0  # ...and nothing embedded
 
@@ -191,13 +192,13 @@ def test_a_refused_or_missing_page_gets_a_clear_stored_error(db, embedder, pages
     not_allowed = Reader(FilesSettings(), UrlSettings())  # loopback not allowed here
     item = add_item(db, kind="url", title="x", content="", source=pages.url + "/slices")
     with pytest.raises(InvalidInput, match="loopback"):
-        index_item(db, item, embedder=embedder, reader=not_allowed)
+        index_item(db, item, embedder=embedder, options=IndexOptions(reader=not_allowed))
     assert "loopback" in get_state(db, item)["last_error"]
     assert "/slices" not in pages.hits  # refused before any connection
     allowed = Reader(FilesSettings(), UrlSettings(allow_hosts=["127.0.0.1"]))
     missing = add_item(db, kind="url", title="y", content="", source=pages.url + "/nothing")
     with pytest.raises(InvalidInput, match="404"):
-        index_item(db, missing, embedder=embedder, reader=allowed)
+        index_item(db, missing, embedder=embedder, options=IndexOptions(reader=allowed))
     assert "404" in get_state(db, missing)["last_error"]
 
 
@@ -205,7 +206,7 @@ def test_a_server_error_is_transient_and_retried_by_the_task(db, embedder, reade
     pages.routes["/down"] = (503, "text/plain", b"busy")
     item = add_item(db, kind="url", title="down", content="", source=pages.url + "/down")
     with pytest.raises(IndexAborted) as caught:
-        index_item(db, item, embedder=embedder, reader=reader)
+        index_item(db, item, embedder=embedder, options=IndexOptions(reader=reader))
     assert caught.value.transient and "503" in str(caught.value)
 
 
@@ -225,7 +226,9 @@ def test_a_python_package_becomes_code_chunks_that_only_code_search_returns(
     for path in list_code_files(package):
         rel = str(path.relative_to(package))
         ids.append(add_item(db, kind="code", title=rel, content="", source=str(path)))
-        result = index_item(db, ids[-1], embedder=embedder, reader=code_reader)
+        result = index_item(
+            db, ids[-1], embedder=embedder, options=IndexOptions(reader=code_reader)
+        )
         assert result.status == "indexed" and result.chunks >= 1
     assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id != ?", (note,)) == 0
     code_rows = db.scalar("SELECT count(*) FROM code_chunks")
@@ -256,7 +259,12 @@ def test_a_dimension_change_rebuilds_and_refills_all_four_vec_tables(tmp_path, s
     code = add_item(
         db, kind="code", title="x.py", content="", source=str(ROOT / "worker" / "errors.py")
     )
-    index_item(db, code, embedder=model, reader=Reader(FilesSettings(roots=[ROOT / "worker"])))
+    index_item(
+        db,
+        code,
+        embedder=model,
+        options=IndexOptions(reader=Reader(FilesSettings(roots=[ROOT / "worker"]))),
+    )
     add_memory(db, "A memory to keep.", model)
     counts = {t: db.scalar(f"SELECT count(*) FROM {t}") for t in vec_table_dimensions(db)}
     assert all(counts.values())

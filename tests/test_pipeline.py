@@ -12,6 +12,7 @@ from conftest import DIMS, FakeEmbedder, corpus_text, standin_settings
 from worker.bulk import index_items
 from worker.chunking import chunk_structure, text_hash
 from worker.errors import Cancelled, IndexAborted
+from worker.indexers import IndexOptions
 from worker.pipeline import index_item
 from worker.sources import Reader
 from worker.store import connect
@@ -224,7 +225,9 @@ def test_cancellation_rolls_back_and_is_not_a_failure(db, embedder, standin):
     calls = iter([False, False, True])  # cancelled after the first batch
 
     with pytest.raises(Cancelled):
-        index_item(db, item, embedder=embedder, cancel=lambda: next(calls, True))
+        index_item(
+            db, item, embedder=embedder, options=IndexOptions(cancel=lambda: next(calls, True))
+        )
     assert snapshot(db, item) == before
     state = get_state(db, item)
     assert state["status"] == "cancelled" and state["last_error"] is None
@@ -339,7 +342,9 @@ def test_items_together_cancelled_leave_every_unwritten_item_cancelled(db, embed
         return len(read) >= 2 and standin.requests > 0
 
     with pytest.raises(Cancelled):
-        index_items(db, ids, embedder=embedder, cancel=cancel, reader=Counting())
+        index_items(
+            db, ids, embedder=embedder, options=IndexOptions(cancel=cancel, reader=Counting())
+        )
     states = [get_state(db, i)["status"] for i in ids]
     assert states[: len(read)] == ["cancelled"] * len(read)  # read, never written
     assert set(states[len(read) :]) <= {"pending"}  # never read: untouched
@@ -373,8 +378,8 @@ def test_items_together_are_read_and_written_while_a_request_is_in_flight(db):
         db,
         ids,
         embedder=model,
-        reader=Watching(),
         on_done=lambda i, r: i == ids[0] and first_written.set(),
+        options=IndexOptions(reader=Watching()),
     )
     assert [results[i].status for i in ids] == ["indexed"] * 4
     assert [len(c) for c in model.calls] == [2, 2]  # A and B, then C and D

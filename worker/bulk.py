@@ -11,13 +11,11 @@ from collections.abc import Callable
 
 import apsw
 
-from worker.chunking.base import CONTEXT_CHARS
-from worker.chunking.llm import ChatModelLike
-from worker.embedding import CancelCheck, EmbedQueue, FailureCounter, check, none_embedded
+from worker.embedding import EmbedQueue, FailureCounter, check, none_embedded
 from worker.errors import Cancelled, IndexAborted, KidxError, PermanentProviderError, StoreError
+from worker.indexers import IndexOptions
 from worker.log import KI_EMBED, get_logger
 from worker.pipeline import (
-    MAX_CONSECUTIVE_FAILURES,
     IndexResult,
     Work,
     log_indexed,
@@ -28,7 +26,6 @@ from worker.pipeline import (
     write_item,
 )
 from worker.providers.base import EmbeddingModel
-from worker.sources import Reader
 from worker.store.db import Database
 from worker.store.items import Status, get_item, set_state, set_states
 from worker.store.repair import repair_orphans
@@ -41,16 +38,9 @@ def index_items(
     item_ids: list[int],
     *,
     embedder: EmbeddingModel | None,
-    chat: ChatModelLike | None = None,
-    reader: Reader | None = None,
-    chunk_window: int = 6000,
-    structure_only: bool = False,
-    cancel: CancelCheck | None = None,
-    task_id: str | None = None,
-    max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+    options: IndexOptions | None = None,
     on_done: Callable[[int, IndexResult | KidxError], None] | None = None,
     deadline: float | None = None,
-    context_chars: int = CONTEXT_CHARS,
 ) -> dict[int, IndexResult | KidxError]:
     """Index several items as index_item() does each, with their texts embedded in shared
     batches: a request carries up to the batch size whatever the items' sizes (bulk runs),
@@ -65,6 +55,8 @@ def index_items(
     `deadline` (time.monotonic()) no further item is started: those have no outcome, for the
     caller to send again. Anything else (Cancelled, a time limit, a bug)
     propagates, after each item read and not written is marked cancelled or failed."""
+    options = options or IndexOptions()
+    task_id, cancel = options.task_id, options.cancel
     out: dict[int, IndexResult | KidxError] = {}
     works: list[Work] = []  # read and chunked, not yet written
     written: list[int] = []
@@ -103,14 +95,7 @@ def index_items(
                                 raise nothing
                             check(cancel)
                             writing = True
-                            result = write_item(
-                                db,
-                                w,
-                                embedder.model_id,
-                                max_consecutive_failures,
-                                task_id,
-                                orphans=False,
-                            )
+                            result = write_item(db, w, embedder.model_id, options, orphans=False)
                     except KidxError as e:
                         if writing and isinstance(e, IndexAborted):
                             halt = e  # the database refused the write: so it will the next
@@ -147,7 +132,7 @@ def index_items(
 
     queue = None
     if embedder is not None:
-        counter = FailureCounter(max_consecutive_failures, log.bind(task_id=task_id))
+        counter = FailureCounter(options.max_consecutive_failures, log.bind(task_id=task_id))
         queue = EmbedQueue(embedder, cancel, counter)
     stop: KidxError | None = None
     halted = False  # stopped by the database refusing writes, not by the provider
@@ -162,21 +147,7 @@ def index_items(
                 with recorded_outcome(db, item_id, task_id, started, ilog):
                     if stop is not None:  # the provider or the database is down: stop reading
                         raise stop
-                    w = prepare_item(
-                        db,
-                        item,
-                        embedder,
-                        chat,
-                        reader,
-                        chunk_window,
-                        structure_only,
-                        cancel,
-                        task_id,
-                        started,
-                        ilog,
-                        mark=False,
-                        context_chars=context_chars,
-                    )
+                    w = prepare_item(db, item, embedder, options, started, ilog, mark=False)
             except KidxError as e:
                 done(item_id, e)
                 continue

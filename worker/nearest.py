@@ -4,6 +4,9 @@ each on their own (note search, with its one-hit-per-item merge, is `worker.retr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 
 from worker.store.db import Database
@@ -57,22 +60,38 @@ def nearest(
         if fetch == KNN_MAX:
             reason = f"the nearest {k} need more than {KNN_MAX} rows of {table.name}"
         fetch = min(fetch * 4, KNN_MAX)
+    scored = sorted(
+        (distance, int(row[0]))
+        for row, distance in exact_scan(
+            db,
+            f"SELECT r.{table.source_key}, r.vector FROM {table.source} r {live} "
+            "WHERE r.model = ? AND r.dimensions = ? AND r.rowid > ? ORDER BY r.rowid LIMIT ?",
+            model,
+            q,
+        )
+    )
+    return [(key, d) for d, key in scored[:k]], "fallback", reason
+
+
+def exact_scan(
+    db: Database, sql: str, model: str, vector: np.ndarray
+) -> Iterator[tuple[tuple[Any, ...], float]]:
+    """Each row of `sql` with its cosine distance to `vector`, exactly, reading the vectors a
+    block at a time (memory stays bounded). `sql` selects the columns wanted, the vector last,
+    from a table aliased `r` with `model`, `dimensions` and `rowid`, and takes (model,
+    dimensions, last rowid, block) as its parameters: see `nearest`."""
+    q = np.asarray(vector, dtype=np.float32)
     unit = q / (np.linalg.norm(q) or 1.0)
-    scored: list[tuple[float, int]] = []
+    paged = sql.replace("SELECT ", "SELECT r.rowid, ", 1)
     last = -1
     while True:
-        rows = db.all(
-            f"SELECT r.rowid, r.{table.source_key}, r.vector FROM {table.source} r {live} "
-            "WHERE r.model = ? AND r.dimensions = ? AND r.rowid > ? ORDER BY r.rowid LIMIT ?",
-            (model, len(q), last, BLOCK),
-        )
+        rows = db.all(paged, (model, len(q), last, BLOCK))
         if not rows:
-            break
+            return
         last = rows[-1][0]
-        matrix = np.frombuffer(b"".join(r[2] for r in rows), dtype="<f4").reshape(-1, len(q))
+        matrix = np.frombuffer(b"".join(r[-1] for r in rows), dtype="<f4").reshape(-1, len(q))
         norms = np.linalg.norm(matrix, axis=1)
         norms[norms == 0] = 1.0
         distances = 1.0 - (matrix @ unit) / norms
-        scored.extend((float(d), int(r[1])) for r, d in zip(rows, distances, strict=True))
-    scored.sort()
-    return [(key, d) for d, key in scored[:k]], "fallback", reason
+        for row, d in zip(rows, distances, strict=True):
+            yield row[1:-1], float(d)

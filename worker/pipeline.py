@@ -12,8 +12,11 @@ The rules:
   intact. An isolated failure leaves that chunk without a vector and the item `partial`.
 * Cancellation rolls back, leaves the previous index, marks the item `cancelled`, propagates.
 
-Its steps (prepare_item, write_item, recorded_outcome, log_indexed) serve worker/bulk.py too,
-which runs them for many items at once.
+Every kind of item goes the same way, through its kind's indexer (`worker.indexers`): plan
+(chunk, match vectors made before), embed what is missing, write. Its steps (prepare_item,
+write_item, recorded_outcome, log_indexed) serve worker/bulk.py too, which runs them for many
+items at once. How a run goes (the chunk model, the reader, cancellation...) is one
+`IndexOptions`.
 """
 
 from __future__ import annotations
@@ -26,16 +29,8 @@ from typing import Any
 
 import apsw
 
-from worker.chunking import ChunkMethod, LLMChunker, chunk, text_hash
-from worker.chunking.base import CONTEXT_CHARS
-from worker.chunking.llm import ChatModelLike
-from worker.embedding import (
-    CancelCheck,
-    FailureCounter,
-    Plan,
-    check,
-    embed_missing,
-)
+from worker.chunking import text_hash
+from worker.embedding import FailureCounter, Plan, check, embed_missing
 from worker.errors import (
     Cancelled,
     IndexAborted,
@@ -45,18 +40,14 @@ from worker.errors import (
     SourceUnavailable,
     StoreError,
 )
-from worker.log import CHUNK, KI_EMBED, get_logger
-from worker.note_index import note_plan, write_notes
+from worker.indexers import IndexOptions, Kind, Planned, kind_of
+from worker.log import KI_EMBED, get_logger
 from worker.providers.base import EmbeddingModel
-from worker.sources import Reader
-from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.db import Database
 from worker.store.items import NOW, Item, Status, get_item, set_state
-from worker.store.repair import repair_vectors
 
 log = get_logger("kidx.pipeline")
 
-MAX_CONSECUTIVE_FAILURES = 3
 NO_PROVIDER = "no embedding provider configured (KIDX_EMBEDDING__PROVIDER=none)"
 
 
@@ -87,16 +78,17 @@ class Work:
     """One item between its steps: read and chunked, its vectors planned, not yet written."""
 
     item: Item
+    kind: Kind
     text: str  # what was read (files, URLs, code: it is stored with the index); "" for notes
     content_hash: str
-    plan: Plan
-    code_chunks: list[Any] | None
-    method: ChunkMethod
-    fallback: str | None
-    chunk_count: int
+    planned: Planned
     started: float
     log: Any
     marked: bool = True  # its state says `indexing` (index_items marks in its next write)
+
+    @property
+    def plan(self) -> Plan:
+        return self.planned.plan
 
     def elapsed(self) -> int:
         return int((time.monotonic() - self.started) * 1000)
@@ -107,46 +99,22 @@ def index_item(
     item_id: int,
     *,
     embedder: EmbeddingModel | None,
-    chat: ChatModelLike | None = None,
-    reader: Reader | None = None,
-    chunk_window: int = 6000,
-    structure_only: bool = False,
-    cancel: CancelCheck | None = None,
-    task_id: str | None = None,
-    max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
-    context_chars: int = CONTEXT_CHARS,
+    options: IndexOptions | None = None,
 ) -> IndexResult:
-    """Index one item (see the module docstring). Raises IndexAborted, Cancelled, KidxError.
-
-    `chat`: the chunk model, for LLM chunking (falls back to structural chunking when it fails);
-    `structure_only` skips it for this run. `reader`: where files, URLs and code are read from
-    (their roots and limits); notes need none. `context_chars`: how much of the title and the
-    heading path goes before each chunk's text for the embedder.
-    """
+    """Index one item (see the module docstring). Raises IndexAborted, Cancelled, KidxError."""
+    options = options or IndexOptions()
     started = time.monotonic()
-    ilog = log.bind(item_id=item_id, task_id=task_id)
+    ilog = log.bind(item_id=item_id, task_id=options.task_id)
     item = get_item(db, item_id, content=False)  # ItemNotFound: no state to record
-    with recorded_outcome(db, item_id, task_id, started, ilog):
-        work = prepare_item(
-            db,
-            item,
-            embedder,
-            chat,
-            reader,
-            chunk_window,
-            structure_only,
-            cancel,
-            task_id,
-            started,
-            ilog,
-            context_chars=context_chars,
-        )
+    with recorded_outcome(db, item_id, options.task_id, started, ilog):
+        work = prepare_item(db, item, embedder, options, started, ilog)
         if isinstance(work, IndexResult):
             return work
         assert embedder is not None
-        embed_missing(work.plan, embedder, cancel, FailureCounter(max_consecutive_failures, ilog))
-        check(cancel)
-        result = write_item(db, work, embedder.model_id, max_consecutive_failures, task_id)
+        counter = FailureCounter(options.max_consecutive_failures, ilog)
+        embed_missing(work.plan, embedder, options.cancel, counter)
+        check(options.cancel)
+        result = write_item(db, work, embedder.model_id, options)
         log_indexed(work, result)
         return result
 
@@ -232,26 +200,22 @@ def prepare_item(
     db: Database,
     item: Item,
     embedder: EmbeddingModel | None,
-    chat: ChatModelLike | None,
-    reader: Reader | None,
-    chunk_window: int,
-    structure_only: bool,
-    cancel: CancelCheck | None,
-    task_id: str | None,
+    options: IndexOptions,
     started: float,
     ilog: Any,
     *,
     mark: bool = True,
-    context_chars: int = CONTEXT_CHARS,
 ) -> Work | IndexResult:
-    """Read and chunk the item, and plan its vectors (what is reused); no provider call but the
-    chunk model's. With no embedding provider the item is skipped: the result says so.
-    `mark=False`: the caller marks the item `indexing` (in its next write transaction)."""
-    item_id = item.id
+    """Read the item, chunk it and plan its vectors (what is reused), through its kind's
+    indexer; no provider call but the chunk model's. With no embedding provider the item is
+    skipped: the result says so. `mark=False`: the caller marks the item `indexing` (in its
+    next write transaction)."""
+    item_id, task_id = item.id, options.task_id
+    kind = kind_of(item)
     # A note's text is loaded here, so that this frame holds the only reference and can let a
     # big note's text go once it is chunked (callers have the item without its content; other
     # kinds are read from their source).
-    if item.kind == "note":
+    if kind.text_in_row:
         item = get_item(db, item_id)
     if embedder is None:
         duration = int((time.monotonic() - started) * 1000)
@@ -265,61 +229,22 @@ def prepare_item(
         )
         ilog.info(f"{KI_EMBED} skipped", reason=NO_PROVIDER)
         return IndexResult(item_id, str(Status.SKIPPED), error=NO_PROVIDER, duration_ms=duration)
-    dims, model = db.dimensions, embedder.model_id
-    check(cancel)
+    check(options.cancel)
     try:
-        text = (reader or Reader()).text(item, cancel=cancel)
+        text = options.reader.text(item, cancel=options.cancel)
     except SourceUnavailable as e:  # a URL that may answer later: the task retries
         raise IndexAborted(str(e), transient=True) from e
     content_hash = text_hash(text)
     if mark:
         set_state(db, item_id, status=Status.INDEXING, last_task_id=task_id)
-    method, fallback, code_chunks = ChunkMethod.STRUCTURE, None, None
-    if item.kind == "code":
-        from worker.code_index import plan_code
-
-        plan, code_chunks = plan_code(db, item, text, model, context_chars)
-        chunk_count = len(code_chunks)
-    else:
-        llm = None
-        if chat is not None and not structure_only:
-            llm = LLMChunker(chat, SqliteBoundaryCache(db), chunk_window, cancel)
-        previous = db.all(
-            "SELECT start_offset, content FROM note_chunks WHERE item_id = ? ORDER BY chunk_index",
-            (item_id,),
-        )
-        outcome = chunk(text, previous, llm=llm)
-        method, fallback = outcome.method, outcome.fallback
-        if fallback:
-            ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=fallback)
-        chunk_count = len(outcome.chunks)
-        if item.kind == "note":  # the chunks hold what is needed: let a big text go
-            item, text = replace(item, content=""), ""
-        ilog.info(
-            f"{CHUNK} chunked",
-            chunk_method=str(method),
-            chunk_count=chunk_count,
-            dimensions=dims,
-            chat_calls=llm.calls if llm else 0,
-        )
-        plan = note_plan(db, item.id, item.title, outcome.chunks, model, dims, context_chars)
-    return Work(
-        item,
-        text,
-        content_hash,
-        plan,
-        code_chunks,
-        method,
-        fallback,
-        chunk_count,
-        started,
-        ilog,
-        marked=mark,
-    )
+    planned = kind.indexer.plan(db, item, text, embedder.model_id, options, ilog)
+    if kind.text_in_row:  # the chunks hold what is needed: let a big text go
+        item, text = replace(item, content=""), ""
+    return Work(item, kind, text, content_hash, planned, started, ilog, marked=mark)
 
 
 def write_item(
-    db: Database, w: Work, model: str, limit: int, task_id: str | None, *, orphans: bool = True
+    db: Database, w: Work, model: str, options: IndexOptions, *, orphans: bool = True
 ) -> IndexResult:
     """Write the item's chunks, vectors and state in one transaction (the only one).
     `orphans=False`: the caller looks for orphan vec rows (once for many items)."""
@@ -328,39 +253,16 @@ def write_item(
     with db.atomic():
         if db.one("SELECT 1 FROM knowledge_items WHERE id = ?", (item.id,)) is None:
             raise ItemNotFound(item.id)  # deleted while it was read and embedded
-        if w.code_chunks is not None:
-            from worker.code_index import write_code
-
-            write_code(db, item, plan, w.code_chunks, model)
-            repaired = repair_vectors(db, dims, item_id=item.id, orphans=orphans).total
-            vec_failed = 0
-        else:
-            repaired, vec_failed = write_notes(
-                db, item.id, plan, model, dims, limit, w.log, orphans=orphans
-            )
-            if repaired:
-                w.log.info(f"{KI_EMBED} repaired the mirror", repaired=repaired)
-        failed = len(plan.failed) + vec_failed
-        _record(
-            db,
-            item,
-            w.text,
-            w.content_hash,
-            w.chunk_count,
-            failed,
-            plan,
-            w.method,
-            w.fallback,
-            model,
-            dims,
-            task_id,
-            w.elapsed(),
+        repaired, vec_failed = w.kind.indexer.write(
+            db, item, w.planned, model, options, w.log, orphans=orphans
         )
-    result = IndexResult(
+        failed = len(plan.failed) + vec_failed
+        _record(db, w, failed, model, dims, options.task_id)
+    return IndexResult(
         item_id=item.id,
         status=str(Status.PARTIAL if failed else Status.INDEXED),
-        chunk_method=str(w.method),
-        chunks=w.chunk_count,
+        chunk_method=str(w.planned.method),
+        chunks=w.planned.chunk_count,
         reused=len(plan.reuse),
         embedded=len(plan.vectors) - len(plan.reuse),
         failed=failed,
@@ -369,9 +271,8 @@ def write_item(
         duration_ms=w.elapsed(),
         repaired=repaired,
         error=next(iter(plan.failed.values()), None),
-        fallback=w.fallback,
+        fallback=w.planned.fallback,
     )
-    return result
 
 
 def log_indexed(w: Work, result: IndexResult) -> None:
@@ -382,54 +283,41 @@ def log_indexed(w: Work, result: IndexResult) -> None:
     )
 
 
-def _record(
-    db: Database,
-    item: Item,
-    text: str,
-    content_hash: str,
-    chunk_count: int,
-    failed: int,
-    plan: Plan,
-    method: ChunkMethod,
-    fallback: str | None,
-    model: str,
-    dims: int,
-    task_id: str | None,
-    duration_ms: int,
-) -> None:
-    """The index state (and, for files, URLs and code, the text just read), in the write's
-    transaction."""
+def _record(db: Database, w: Work, failed: int, model: str, dims: int, task_id: str | None) -> None:
+    """The index state (and, for what is read from a source, the text just read), in the
+    write's transaction."""
+    item, plan, planned = w.item, w.plan, w.planned
     notes = []
     if failed:
         first = next(iter(plan.failed.values()), "vec write failed")
-        notes.append(f"{failed} of {chunk_count} chunks have no vector: {first}")
-    if fallback:
-        notes.append(f"LLM chunking fell back to structure: {fallback}")
-    if item.kind == "note":
+        notes.append(f"{failed} of {planned.chunk_count} chunks have no vector: {first}")
+    if planned.fallback:
+        notes.append(f"LLM chunking fell back to structure: {planned.fallback}")
+    if w.kind.text_in_row:
         db.execute(
             "UPDATE knowledge_items SET content_hash = ? WHERE id = ? AND "
             "(content_hash IS NULL OR content_hash != ?)",
-            (content_hash, item.id, content_hash),
+            (w.content_hash, item.id, w.content_hash),
         )
     else:  # the text last extracted, so a host can read it
         db.execute(
             f"UPDATE knowledge_items SET content = ?, content_hash = ?, updated_at = {NOW} "
             "WHERE id = ? AND (content_hash IS NULL OR content_hash != ?)",
-            (text, content_hash, item.id, content_hash),
+            (w.text, w.content_hash, item.id, w.content_hash),
         )
     set_state(
         db,
         item.id,
         status=Status.PARTIAL if failed else Status.INDEXED,
-        indexed_hash=content_hash,
-        chunk_method=str(method),
-        chunk_count=chunk_count,
+        indexed_hash=w.content_hash,
+        chunk_method=str(planned.method),
+        chunk_count=planned.chunk_count,
         model=model,
         dimensions=dims,
         last_error="; ".join(notes) or None,
         last_task_id=task_id,
         attempts=0,
-        duration_ms=duration_ms,
+        duration_ms=w.elapsed(),
     )
     db.execute(f"UPDATE item_index_state SET indexed_at = {NOW} WHERE item_id = ?", (item.id,))
 

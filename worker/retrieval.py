@@ -13,13 +13,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from worker.errors import InvalidInput
+from worker.nearest import exact_scan
 from worker.providers.base import EmbeddingModel
 from worker.store.db import Database
 from worker.store.text import shown
 from worker.store.vec import vec_table_dimensions
 
 SNIPPET = 160
-FALLBACK_BLOCK = 20_000  # vectors scored at a time, so memory stays bounded
 
 
 @dataclass
@@ -139,34 +139,18 @@ def _knn_vec(db: Database, vector: np.ndarray, k: int, model: str) -> Best | Non
 
 def _knn_fallback(db: Database, vector: np.ndarray, k: int, model: str) -> Best:
     """Exact cosine in memory over the relational vectors of the current model and dimension
-    (of live items only)."""
-    q = np.asarray(vector, dtype=np.float32)
-    q = q / (np.linalg.norm(q) or 1.0)
-    dims = len(q)
+    (of live items only), the chunks' and the whole items'."""
     best: Best = {}
-    queries = (
-        "SELECT c.item_id, c.chunk_index, e.vector FROM note_chunk_embeddings e "
-        "JOIN note_chunks c ON c.id = e.chunk_id JOIN knowledge_items i ON i.id = c.item_id "
-        "WHERE e.model = ? AND e.dimensions = ? AND e.rowid > ? ORDER BY e.rowid LIMIT ?",
-        "SELECT e.item_id, 0, e.vector FROM note_embeddings e "
-        "JOIN knowledge_items i ON i.id = e.item_id "
-        "WHERE e.model = ? AND e.dimensions = ? AND e.rowid > ? ORDER BY e.rowid LIMIT ?",
-    )
-    for sql in queries:
-        last = -1
-        while True:
-            rows = db.all(
-                sql.replace("SELECT ", "SELECT e.rowid, ", 1), (model, dims, last, FALLBACK_BLOCK)
-            )
-            if not rows:
-                break
-            last = rows[-1][0]
-            matrix = np.frombuffer(b"".join(r[3] for r in rows), dtype="<f4").reshape(-1, dims)
-            norms = np.linalg.norm(matrix, axis=1)
-            norms[norms == 0] = 1.0
-            distances = 1.0 - (matrix @ q) / norms
-            for (_, item_id, chunk_index, _), d in zip(rows, distances, strict=True):
-                _merge(best, item_id, float(d), chunk_index)
+    for sql in (
+        "SELECT c.item_id, c.chunk_index, r.vector FROM note_chunk_embeddings r "
+        "JOIN note_chunks c ON c.id = r.chunk_id JOIN knowledge_items i ON i.id = c.item_id "
+        "WHERE r.model = ? AND r.dimensions = ? AND r.rowid > ? ORDER BY r.rowid LIMIT ?",
+        "SELECT r.item_id, 0, r.vector FROM note_embeddings r "
+        "JOIN knowledge_items i ON i.id = r.item_id "
+        "WHERE r.model = ? AND r.dimensions = ? AND r.rowid > ? ORDER BY r.rowid LIMIT ?",
+    ):
+        for (item_id, chunk_index), distance in exact_scan(db, sql, model, vector):
+            _merge(best, item_id, distance, chunk_index)
     return best
 
 

@@ -160,19 +160,19 @@ def _locked_group(
 ) -> dict[int, dict[str, Any]]:
     from tasks.lock import LockSet
     from worker.bulk import index_items
+    from worker.indexers import IndexOptions
     from worker.pipeline import IndexResult
 
+    options = IndexOptions(
+        chat=chat,
+        reader=ctx.reader(),
+        chunk_window=ctx.settings.chunk.window,
+        structure_only=structure_only,
+        context_chars=ctx.settings.embedding.context_chars,
+    )
+
     def run(item_ids: list[int]) -> None:
-        outcomes = index_items(
-            db,
-            item_ids,
-            embedder=embedder,
-            chat=chat,
-            reader=ctx.reader(),
-            chunk_window=ctx.settings.chunk.window,
-            structure_only=structure_only,
-            context_chars=ctx.settings.embedding.context_chars,
-        )
+        outcomes = index_items(db, item_ids, embedder=embedder, options=options)
         for item_id, outcome in outcomes.items():
             results[item_id] = (
                 outcome.as_dict()
@@ -311,7 +311,7 @@ def search(ctx: Ctx, query: str, k: int, code: bool, memories: bool) -> None:
 
 def _search_other(ctx: Ctx, db: Any, query: str, embedder: Any, k: int, *, code: bool) -> None:
     if code:
-        from worker.code_index import search_code
+        from worker.indexers.code import search_code
 
         hits, _, reason = search_code(db, query, embedder, k=k)
         headers = ("score", "item", "path", "lines", "snippet")
@@ -320,7 +320,7 @@ def _search_other(ctx: Ctx, db: Any, query: str, embedder: Any, k: int, *, code:
             for h in hits
         ]
     else:
-        from worker.memories import search_memories
+        from worker.indexers.memories import search_memories
 
         hits, _, reason = search_memories(db, query, embedder, k=k)
         headers = ("score", "memory", "content")

@@ -100,7 +100,7 @@ def add_code(ctx: Ctx, path: Path, inline: bool) -> None:
 @click.argument("text")
 def add_memory(ctx: Ctx, text: str) -> None:
     """Add a memory: a short text embedded whole, found by `kidx search --memories`."""
-    from worker.memories import add_memory as store_memory
+    from worker.indexers.memories import add_memory as store_memory
 
     with ctx.store() as db:
         embedder = ctx.embedder(db)

@@ -23,20 +23,37 @@ class Reader:
         `cancel` interrupts a URL's fetch while it waits on the server."""
         if item.unreadable:  # bytes a host wrote that are not text (worker.store.text)
             raise InvalidInput(item.unreadable)
-        if item.kind == "note":
-            return item.content
+        read = _READ.get(item.kind)
+        if read is None:
+            raise InvalidInput(f"item {item.id} has an unknown kind {item.kind!r}")
+        return read(self, item, cancel)
+
+    def _file(self, item: Item, cancel: Callable[[], bool] | None) -> str:
+        from worker.sources.files import read_file
+
+        return read_file(self._source(item), self.files)
+
+    def _url(self, item: Item, cancel: Callable[[], bool] | None) -> str:
+        from worker.sources.urls import fetch_url
+
+        return fetch_url(self._source(item), self.urls, cancel=cancel).text
+
+    def _code(self, item: Item, cancel: Callable[[], bool] | None) -> str:
+        from worker.sources.code import read_code
+
+        return read_code(self._source(item), self.files)
+
+    @staticmethod
+    def _source(item: Item) -> str:
         if not item.source:
             raise InvalidInput(f"item {item.id} is a {item.kind} without a source")
-        if item.kind == "file":
-            from worker.sources.files import read_file
+        return item.source
 
-            return read_file(item.source, self.files)
-        if item.kind == "url":
-            from worker.sources.urls import fetch_url
 
-            return fetch_url(item.source, self.urls, cancel=cancel).text
-        if item.kind == "code":
-            from worker.sources.code import read_code
-
-            return read_code(item.source, self.files)
-        raise InvalidInput(f"item {item.id} has an unknown kind {item.kind!r}")
+# Where each kind's text is read from: a note's is its row; the others', their source.
+_READ: dict[str, Callable[[Reader, Item, Callable[[], bool] | None], str]] = {
+    "note": lambda reader, item, cancel: item.content,
+    "file": Reader._file,
+    "url": Reader._url,
+    "code": Reader._code,
+}

@@ -1,52 +1,92 @@
-"""Note, file and URL items: their chunks in `note_chunks`, vectors in `note_chunk_embeddings`
-and the vec tables, the whole-item vector of single-chunk content, and the repair of the mirror.
-Kept chunks keep their ids (and vec rows): only what changed is deleted and inserted."""
+"""Prose: notes, files and URLs. Cut along headings and paragraphs (or by the chunk model),
+written to `note_chunks`, `note_chunk_embeddings` and `vec_chunk_embeddings`, with a
+whole-item vector for single-chunk content; searched by `worker.retrieval`. Kept chunks keep
+their ids (and vec rows): only what changed is deleted and inserted."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import apsw
 
-from worker.chunking import Chunk, text_hash
-from worker.chunking.base import CONTEXT_CHARS
+from worker.chunking import LLMChunker, chunk
 from worker.embedding import FailureCounter, Plan
-from worker.log import KI_EMBED
+from worker.indexers.base import Indexer, IndexOptions, Planned, plan_vectors
+from worker.log import CHUNK, KI_EMBED
+from worker.providers.base import EmbeddingModel
+from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.db import Database
+from worker.store.items import Item
 from worker.store.repair import repair_vectors
 from worker.store.vec import vec_delete, vec_ready, vec_replace
 
 
-def note_plan(
-    db: Database,
-    item_id: int,
-    title: str,
-    chunks: list[Chunk],
-    model: str,
-    dims: int,
-    context: int = CONTEXT_CHARS,
-) -> Plan:
-    """Match new chunks to old vectors by the hash of the embedder input, wherever they moved."""
-    plan = Plan(
-        chunks,
-        lambda i: chunks[i].embedding_input(title, context),
-        [text_hash(c.embedding_input(title, context)) for c in chunks],
-        item_id=item_id,
-    )
-    pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
-    for chunk_id, embed_hash, vector in db.all(
-        "SELECT c.id, c.embed_hash, e.vector FROM note_chunks c "
-        "JOIN note_chunk_embeddings e ON e.chunk_id = c.id AND e.model = ? AND e.dimensions = ? "
-        "WHERE c.item_id = ? ORDER BY c.chunk_index",
-        (model, dims, item_id),
-    ):
-        pool[embed_hash].append((chunk_id, vector))
-    for i, h in enumerate(plan.hashes):
-        if pool.get(h):
-            plan.reuse[i] = pool[h].pop(0)
-            plan.vectors[i] = plan.reuse[i][1]
-    return plan
+class Prose(Indexer):
+    """Notes, files and URLs."""
+
+    def plan(
+        self, db: Database, item: Item, text: str, model: str, options: IndexOptions, ilog: Any
+    ) -> Planned:
+        llm = None
+        if options.chat is not None and not options.structure_only:
+            llm = LLMChunker(
+                options.chat, SqliteBoundaryCache(db), options.chunk_window, options.cancel
+            )
+        previous = db.all(
+            "SELECT start_offset, content FROM note_chunks WHERE item_id = ? ORDER BY chunk_index",
+            (item.id,),
+        )
+        outcome = chunk(text, previous, llm=llm)
+        if outcome.fallback:
+            ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=outcome.fallback)
+        dims = db.dimensions
+        ilog.info(
+            f"{CHUNK} chunked",
+            chunk_method=str(outcome.method),
+            chunk_count=len(outcome.chunks),
+            dimensions=dims,
+            chat_calls=llm.calls if llm else 0,
+        )
+        plan = plan_vectors(
+            db,
+            item,
+            outcome.chunks,
+            model,
+            options,
+            chunks_table="note_chunks",
+            vectors_table="note_chunk_embeddings",
+        )
+        return Planned(plan, outcome.method, outcome.fallback)
+
+    def write(
+        self,
+        db: Database,
+        item: Item,
+        planned: Planned,
+        model: str,
+        options: IndexOptions,
+        ilog: Any,
+        *,
+        orphans: bool,
+    ) -> tuple[int, int]:
+        repaired, failed = write_notes(
+            db,
+            item.id,
+            planned.plan,
+            model,
+            db.dimensions,
+            options.max_consecutive_failures,
+            ilog,
+            orphans=orphans,
+        )
+        if repaired:
+            ilog.info(f"{KI_EMBED} repaired the mirror", repaired=repaired)
+        return repaired, failed
+
+    def search(self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> Any:
+        from worker.retrieval import search
+
+        return search(db, query, embedder, k=k)
 
 
 def write_notes(
@@ -111,9 +151,11 @@ def write_notes(
         [(ids[i], *row(i), item_id) for i in new],
     )
     vectors = [(ids[i], plan.vectors[i]) for i in new if plan.vectors.get(i) is not None]
-    db.executemany(
+    db.executemany(  # a stray vector under a new chunk's id (deleted by hand) is replaced
         "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
-        "VALUES (?, ?, ?, ?)",
+        "VALUES (?, ?, ?, ?) ON CONFLICT(chunk_id) DO UPDATE SET model = excluded.model, "
+        "dimensions = excluded.dimensions, vector = excluded.vector, "
+        "created_at = excluded.created_at",
         [(chunk_id, model, dims, vector) for chunk_id, vector in vectors],
     )
     if mirror and vectors:

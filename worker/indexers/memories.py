@@ -1,5 +1,6 @@
 """Memories: short texts embedded whole (no chunking), in `memories` / `vec_memories`, found
-only by a memory search."""
+only by a memory search. Not items: no task or sweep runs them; `add_memory` plans (the text
+whole), embeds and writes at once."""
 
 from __future__ import annotations
 

@@ -1,0 +1,121 @@
+"""What indexing a kind of text takes, behind one small interface, and the options of a run.
+
+An `Indexer` plans what to embed (the chunks, and which of them keep a vector made before),
+writes what was embedded (chunks, vectors, mirror rows, in the caller's transaction), and
+searches it. The pipeline (`worker.pipeline`, `worker.bulk`) runs every kind of item the same
+way through its indexer; what differs between notes, files, URLs and code lives in the
+indexers and in `worker.indexers.KINDS`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.chunking import ChunkMethod, text_hash
+from worker.chunking.base import CONTEXT_CHARS
+from worker.chunking.llm import ChatModelLike
+from worker.embedding import CancelCheck, Plan
+from worker.providers.base import EmbeddingModel
+from worker.sources import Reader
+from worker.store.db import Database
+from worker.store.items import Item
+
+MAX_CONSECUTIVE_FAILURES = 3
+
+
+@dataclass(frozen=True)
+class IndexOptions:
+    """How a run indexes, the same for each of its items."""
+
+    chat: ChatModelLike | None = None  # the chunk model (LLM chunking; structure without)
+    reader: Reader = field(default_factory=Reader)  # files, URLs and code: roots and limits
+    chunk_window: int = 6000  # characters the chunk model is shown a request
+    structure_only: bool = False  # no chunk model for this run
+    cancel: CancelCheck | None = None  # true once the run is cancelled
+    task_id: str | None = None  # recorded with the item's state
+    max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES  # vector failures that abort
+    context_chars: int = CONTEXT_CHARS  # title and heading path before each chunk
+
+
+@dataclass
+class Planned:
+    """An item's chunks with their vectors planned (reused or to embed), and how it was cut."""
+
+    plan: Plan
+    method: ChunkMethod = ChunkMethod.STRUCTURE
+    fallback: str | None = None  # why LLM chunking was not used, when it was wanted
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self.plan.chunks)
+
+
+class Indexer(ABC):
+    """One kind of indexed text: how it is planned, written and searched."""
+
+    @abstractmethod
+    def plan(
+        self, db: Database, item: Item, text: str, model: str, options: IndexOptions, ilog: Any
+    ) -> Planned:
+        """Chunk the text and match the chunks to vectors made before; no embedding call
+        (the chunk model's only)."""
+
+    @abstractmethod
+    def write(
+        self,
+        db: Database,
+        item: Item,
+        planned: Planned,
+        model: str,
+        options: IndexOptions,
+        ilog: Any,
+        *,
+        orphans: bool,
+    ) -> tuple[int, int]:
+        """Write the chunks and vectors in the caller's transaction, repairing the item's
+        mirror (`orphans`: and looking for orphan vec rows); (rows repaired, vec writes that
+        failed)."""
+
+    @abstractmethod
+    def search(self, db: Database, query: str, embedder: EmbeddingModel, *, k: int) -> Any:
+        """The k best matches of `query` among the texts of this kind."""
+
+
+def plan_vectors(
+    db: Database,
+    item: Item,
+    chunks: Sequence[Any],
+    model: str,
+    options: IndexOptions,
+    *,
+    chunks_table: str,
+    vectors_table: str,
+) -> Plan:
+    """The chunks' embedder inputs (each chunk's `embedding_input(title, context)`) and, for
+    each, a vector made before for the same input and model, wherever that chunk was (the
+    item's rows of `chunks_table` / `vectors_table`). An inserted paragraph moves every later
+    chunk: keyed on the position, all of them would be embedded again."""
+    title, context = item.title, options.context_chars
+    plan = Plan(
+        chunks,
+        lambda i: chunks[i].embedding_input(title, context),
+        [text_hash(c.embedding_input(title, context)) for c in chunks],
+        item_id=item.id,
+    )
+    pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
+    for chunk_id, embed_hash, vector in db.all(
+        f"SELECT c.id, c.embed_hash, e.vector FROM {chunks_table} c JOIN {vectors_table} e "
+        "ON e.chunk_id = c.id AND e.model = ? AND e.dimensions = ? WHERE c.item_id = ? "
+        "ORDER BY c.chunk_index",
+        (model, db.dimensions, item.id),
+    ):
+        pool[embed_hash].append((chunk_id, vector))
+    for i, h in enumerate(plan.hashes):
+        if pool.get(h):
+            plan.reuse[i] = pool[h].pop(0)
+            plan.vectors[i] = plan.reuse[i][1]
+    return plan

@@ -1,0 +1,121 @@
+"""Code: chunked along top-level definitions (with path and line range), written to
+`code_chunks`, `code_chunk_embeddings` and `vec_work_code_chunks` only, so that code never
+crowds out the notes' nearest neighbours; searched on its own (`search_code`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from worker.chunking.code import chunk_code
+from worker.errors import InvalidInput
+from worker.indexers.base import Indexer, IndexOptions, Planned, plan_vectors
+from worker.nearest import nearest
+from worker.providers.base import EmbeddingModel
+from worker.store.db import Database
+from worker.store.items import Item
+from worker.store.repair import repair_vectors
+from worker.store.vec import VEC, vec_delete, vec_ready, vec_replace
+
+SNIPPET = 160
+
+# A stray vector under a new chunk's id (rows a host deleted by hand) is replaced, not a
+# constraint error.
+_UPSERT_VECTOR = (
+    "INSERT INTO code_chunk_embeddings(chunk_id, model, dimensions, vector) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT(chunk_id) DO UPDATE SET model = excluded.model, "
+    "dimensions = excluded.dimensions, vector = excluded.vector, created_at = excluded.created_at"
+)
+
+
+class Code(Indexer):
+    """Code items."""
+
+    def plan(
+        self, db: Database, item: Item, text: str, model: str, options: IndexOptions, ilog: Any
+    ) -> Planned:
+        """Reuse a vector wherever the same input (path, lines, symbol, content) was embedded."""
+        chunks = chunk_code(text, item.source or item.title)
+        if not chunks:
+            raise InvalidInput(f"{item.title}: no code to index")
+        plan = plan_vectors(
+            db,
+            item,
+            chunks,
+            model,
+            options,
+            chunks_table="code_chunks",
+            vectors_table="code_chunk_embeddings",
+        )
+        return Planned(plan)
+
+    def write(
+        self,
+        db: Database,
+        item: Item,
+        planned: Planned,
+        model: str,
+        options: IndexOptions,
+        ilog: Any,
+        *,
+        orphans: bool,
+    ) -> tuple[int, int]:
+        """Replace the item's code chunks, in the caller's transaction."""
+        plan, dims = planned.plan, db.dimensions
+        mirror = vec_ready(db, dims)
+        old = [r[0] for r in db.all("SELECT id FROM code_chunks WHERE item_id = ?", (item.id,))]
+        if mirror:
+            vec_delete(db, "vec_work_code_chunks", old)
+        db.execute("DELETE FROM code_chunks WHERE item_id = ?", (item.id,))
+        for i, c in enumerate(plan.chunks):
+            chunk_id = db.scalar(
+                "INSERT INTO code_chunks(item_id, chunk_index, path, start_line, end_line, "
+                "content, embed_hash) VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                (item.id, c.index, item.title, c.start_line, c.end_line, c.content, plan.hashes[i]),
+            )
+            vector = plan.vectors.get(i)
+            if vector is None:
+                continue
+            db.execute(_UPSERT_VECTOR, (chunk_id, model, dims, vector))
+            if mirror:
+                vec_replace(db, "vec_work_code_chunks", chunk_id, vector)
+        return repair_vectors(db, dims, item_id=item.id, orphans=orphans).total, 0
+
+    def search(self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> Any:
+        return search_code(db, query, embedder, k=k)
+
+
+@dataclass
+class CodeHit:
+    item_id: int
+    path: str
+    start_line: int
+    end_line: int
+    score: float
+    snippet: str
+    via: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def search_code(
+    db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10
+) -> tuple[list[CodeHit], str, str | None]:
+    """The k code chunks nearest to `query` (code only: notes are never returned here)."""
+    if not query.strip():
+        raise InvalidInput("the query is empty")
+    found, via, reason = nearest(
+        db, VEC["vec_work_code_chunks"], embedder.embed([query])[0], k, embedder.model_id
+    )
+    hits = []
+    for chunk_id, distance in found:
+        row = db.one(
+            "SELECT item_id, path, start_line, end_line, content FROM code_chunks WHERE id = ?",
+            (chunk_id,),
+        )
+        if row is not None:
+            item_id, path, start, end, content = row
+            snippet = " ".join(content.split())[:SNIPPET]
+            hits.append(CodeHit(item_id, path, start, end, round(1 - distance, 6), snippet, via))
+    return hits, via, reason
