@@ -18,6 +18,7 @@ SCRIPT = textwrap.dedent(
     from worker.settings import load_settings
     settings = load_settings()
     configure_logging(fmt="json", secrets=settings.secrets())
+    from worker.indexers import IndexOptions
     from worker.pipeline import index_item
     from worker.providers import build_embedder
     from worker.store import open_store
@@ -25,7 +26,7 @@ SCRIPT = textwrap.dedent(
     db = open_store(settings)
     model = build_embedder(settings.embedding, dimensions=db.dimensions)
     item = add_item(db, kind="note", title="Slices", content=open(sys.argv[1]).read())
-    index_item(db, item, embedder=model, task_id="task-123")
+    index_item(db, item, embedder=model, options=IndexOptions(task_id="task-123"))
     try:
         index_item(db, item + 1000, embedder=model)
     except Exception as e:
