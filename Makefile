@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup run demo stack-stop test lint bench clean
+.PHONY: setup run demo stack-stop test test-quick lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,10 +42,16 @@ demo: setup
 stack-stop:
 	$(PY) -m ops.stack stop
 
+# Everything (the fault suite included), in two processes: a module that starts workers runs
+# whole in one of them (its stack starts once), each process on Redis databases of its own.
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+# The engine, the CLI and the stores: no worker process, fewer hypothesis examples (~1 min).
+test-quick: setup
+	HYPOTHESIS_PROFILE=quick $(PY) -m pytest -q -m "not stack and not model" -n 3 --dist load
 
 lint: setup
 	$(PY) -m ruff check .

@@ -6,6 +6,7 @@ import os
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from worker.store import Database, connect
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 hypothesis_settings.register_profile("default", max_examples=300)
 hypothesis_settings.register_profile("deep", max_examples=5000)
+hypothesis_settings.register_profile("quick", max_examples=50)  # make test-quick
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "rustbook"
@@ -103,3 +105,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     from faults_report import summary
 
     summary(terminalreporter)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a pytest-xdist worker: hand the figures to the controlling process, which prints."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        from faults_report import FIGURES
+
+        output["fault_figures"] = FIGURES
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    from faults_report import merge
+
+    merge(getattr(node, "workeroutput", {}).get("fault_figures", {}))

@@ -21,6 +21,14 @@ def record(fault: str, *, kills: int = 0, faults: int = 0, checked: int = 0, los
     row["items lost"] += lost
 
 
+def merge(figures: dict[str, dict[str, int]]) -> None:
+    """Add the figures another test process recorded (pytest-xdist: each worker has its own)."""
+    for fault, row in figures.items():
+        mine = FIGURES.setdefault(fault, dict.fromkeys(COLUMNS, 0))
+        for col in COLUMNS:
+            mine[col] += row.get(col, 0)
+
+
 def lines() -> list[str]:
     known = [c for c in CLASSES if c in FIGURES] + sorted(set(FIGURES) - set(CLASSES))
     width = max((len(c) for c in known), default=0)

@@ -20,7 +20,22 @@ import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 CELERY = [sys.executable, "-m", "celery", "-A", "worker.app"]
-REDIS_DB = 4  # the queue tests' own database (tests use 1-9; 10-15 belong to other tools)
+
+
+def _slot() -> int:
+    """Which test process this is: pytest-xdist's worker number (gw0, gw1, ...), else 0."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    slot = int(worker.removeprefix("gw") or 0)
+    if slot > 3:
+        raise RuntimeError("at most 4 test processes: each has two of Redis databases 1-8")
+    return slot
+
+
+# Each test process has two Redis databases of its own (tests use 1-9; 10-15 belong to other
+# tools): modules run one after another within a process and flush theirs at both ends, so
+# they share REDIS_DB; SPARE_DB is for a second stack started beside a module's own.
+REDIS_DB = 1 + 2 * _slot()
+SPARE_DB = REDIS_DB + 1
 API_KEY = "sk-queue-secret-7777"
 
 

@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from stack import REDIS_DB, broker_url
 from worker.store import connect
 from worker.store.items import add_item
 
@@ -37,7 +38,7 @@ def test_a_backup_taken_while_another_process_writes_is_whole(tmp_path: Path):
         **os.environ,
         "KIDX_DB": str(source),
         "HF_HUB_OFFLINE": "1",
-        "KIDX_BROKER_URL": "redis://127.0.0.1:6379/6",
+        "KIDX_BROKER_URL": broker_url(REDIS_DB),
     }
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(source)], env=env, stdout=subprocess.PIPE, text=True

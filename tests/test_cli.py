@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from conftest import CORPUS, DIMS
+from stack import REDIS_DB, broker_url
 
 KIDX = Path(sys.executable).parent / "kidx"
 API_KEY = "sk-cli-secret-123"
@@ -45,7 +46,7 @@ STATE_KEYS = {
 NOWHERE = "http://127.0.0.1:9/v1"  # for runs that must never reach a provider
 
 
-CLI_BROKER = "redis://127.0.0.1:6379/6"  # the CLI tests' Redis database (tests use 1-9)
+CLI_BROKER = broker_url(REDIS_DB)  # in-process runs take their locks there
 
 
 def base_env(db: Path, base_url: str) -> dict[str, str]:

@@ -26,6 +26,7 @@ from ops.doctor import CHECKS, Check, run_checks
 from scheduler.beat import HEARTBEAT_KEY
 from stack import (
     CELERY,
+    REDIS_DB,
     Proc,
     Stack,
     broker_url,
@@ -39,7 +40,11 @@ from stack import (
 from testkit.standin import StandIn
 from worker.store import repair_vectors
 
-DOCTOR_DB = 7  # not the queue tests' database (4): both can run at once
+# Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
+# its module-scoped stack starts once.
+pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_doctor")]
+
+DOCTOR_DB = REDIS_DB  # this process's Redis database (tests/stack.py)
 CHAPTER = "ch10-02-traits.md"  # 20 chunks
 WORKER = "doctor1"
 BROKER_PASSWORD = "s3cret-broker-pw"

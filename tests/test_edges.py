@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from stack import API_KEY, Stack, flush, free_port, start_flower, wait_for
+from stack import API_KEY, REDIS_DB, SPARE_DB, Stack, flush, free_port, start_flower, wait_for
 from tasks import GROUP, KNOWLEDGE_ITEM, NOTE
 from tasks.lock import lock_key
 from tasks.producer import add_note, delete_item, enqueue, send_batch, send_group
@@ -30,7 +30,11 @@ from testkit.standin import StandIn
 from worker.errors import BrokerUnavailable
 from worker.store.items import add_item
 
-EDGE_DB = 8  # this module's Redis database (tests use 1-9)
+# Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
+# its module-scoped stack starts once.
+pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_edges")]
+
+EDGE_DB = REDIS_DB  # this process's Redis database (tests/stack.py)
 HOST = Path(__file__).with_name("host_sql.py")
 FLOWER = ("ops", "flower-pass-123")  # queue_env's credentials
 SECTION = "A paragraph about {w} that is long enough to stand as a chunk of its own. " * 12
@@ -693,9 +697,11 @@ def fill(disk: Path, leave: int = 0) -> Path:
 def test_a_full_disk_under_a_worker_fails_items_with_the_reason_and_it_recovers(
     tmp_path: Path, small_disk: Path
 ) -> None:
-    flush(9)
+    flush(SPARE_DB)
     with StandIn(dimensions=64) as standin:
-        s = Stack(tmp_path, standin, worker="full", redis_db=9, db_path=small_disk / "kidx.db")
+        s = Stack(
+            tmp_path, standin, worker="full", redis_db=SPARE_DB, db_path=small_disk / "kidx.db"
+        )
         try:
             control = s.note("Control", sections("control", 3))
             assert s.app.send_task(NOTE, args=[control]).get(timeout=60)["status"] == "indexed"
@@ -727,4 +733,4 @@ def test_a_full_disk_under_a_worker_fails_items_with_the_reason_and_it_recovers(
             assert after == pools  # no restart
         finally:
             s.close()
-            flush(9)
+            flush(SPARE_DB)

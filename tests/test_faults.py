@@ -37,6 +37,7 @@ from faults_report import record
 
 from stack import (
     API_KEY,
+    REDIS_DB,
     Proc,
     Stack,
     broker_url,
@@ -54,9 +55,9 @@ from worker.chunking import MAX_CHUNK_SIZE, chunk_structure, text_hash
 from worker.providers.base import to_blob
 from worker.store.items import add_item, update_content
 
-pytestmark = pytest.mark.fault
+pytestmark = [pytest.mark.fault, pytest.mark.stack, pytest.mark.xdist_group("test_faults")]
 
-FAULT_DB = 5  # this suite's Redis database (the other queue tests use 4 and 7)
+FAULT_DB = REDIS_DB  # this process's Redis database (tests/stack.py)
 DIMS = 64
 FLOWER_USER, FLOWER_PASSWORD = "ops", "flower-pass-123"  # what queue_env gives Flower
 SOAK = os.environ.get("KIDX_SOAK", "") not in ("", "0")

@@ -34,6 +34,10 @@ from tasks.producer import enqueue, send_group
 from testkit.standin import StandIn
 from worker.store.items import get_state, update_content
 
+# Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
+# its module-scoped stack starts once.
+pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_flower")]
+
 USER, PASSWORD = "ops", "flower-pass-123"  # what queue_env gives Flower
 WORKER = "flower1"
 CHAPTER = "ch10-02-traits.md"  # 20 chunks: 5 provider calls of 4 texts

@@ -18,6 +18,10 @@ from tasks.producer import plan_groups, send_batch, send_group
 from worker.chunking import chunk_structure
 from worker.store.items import update_content
 
+# Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
+# its module-scoped stack starts once.
+pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_groups")]
+
 BATCH = 4  # the stack's KIDX_EMBEDDING__BATCH_SIZE
 
 

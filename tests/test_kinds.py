@@ -15,6 +15,7 @@ import pytest
 from markdown_it import MarkdownIt
 
 from conftest import DIMS, corpus_text, standin_settings
+from stack import REDIS_DB, broker_url
 from worker.errors import IndexAborted, InvalidInput
 from worker.indexers import IndexOptions
 from worker.indexers.code import search_code
@@ -306,7 +307,7 @@ def test_kidx_add_file_url_code_memory_and_search(tmp_path, standin, pages, file
         "PATH": "/usr/bin:/bin",
         "HF_HUB_OFFLINE": "1",
         "KIDX_DB": str(tmp_path / "cli.db"),
-        "KIDX_BROKER_URL": "redis://127.0.0.1:6379/6",
+        "KIDX_BROKER_URL": broker_url(REDIS_DB),
         "KIDX_EMBEDDING__PROVIDER": "openai",
         "KIDX_EMBEDDING__MODEL": "standin-embed",
         "KIDX_EMBEDDING__BASE_URL": standin.base_url,

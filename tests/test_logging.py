@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 from conftest import corpus_text
+from stack import REDIS_DB, broker_url
 
 SECRET = "sk-log-secret-0123456789"
 
@@ -45,7 +46,7 @@ def test_log_lines_are_json_with_prefixes_fields_and_no_secret(tmp_path, standin
         "PATH": "/usr/bin:/bin",
         "HF_HUB_OFFLINE": "1",
         "KIDX_DB": str(tmp_path / "log.db"),
-        "KIDX_BROKER_URL": "redis://127.0.0.1:6379/6",
+        "KIDX_BROKER_URL": broker_url(REDIS_DB),
         "KIDX_EMBEDDING__PROVIDER": "openai",
         "KIDX_EMBEDDING__MODEL": "standin-embed",
         "KIDX_EMBEDDING__BASE_URL": standin.base_url,

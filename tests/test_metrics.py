@@ -13,6 +13,10 @@ from conftest import corpus_text
 from stack import Stack, free_port, running_stack, wait_for
 from tasks.producer import enqueue
 
+# Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
+# its module-scoped stack starts once.
+pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_metrics")]
+
 PORT = free_port()
 
 

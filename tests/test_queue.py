@@ -25,6 +25,10 @@ from tasks.producer import enqueue, send_batch
 from worker.chunking import chunk_structure
 from worker.store.items import update_content
 
+# Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
+# its module-scoped stack starts once.
+pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_queue")]
+
 RESULT_FIELDS = {
     "status",
     "chunk_method",

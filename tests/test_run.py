@@ -17,7 +17,7 @@ import redis
 from celery.exceptions import Ignore
 
 from conftest import FakeEmbedder
-from stack import broker_url, flush
+from stack import REDIS_DB, broker_url, flush
 from tasks import GROUP, NOTE
 from tasks.cancel import RunScope, mark_revoked
 from tasks.group import GroupRun
@@ -34,7 +34,7 @@ from worker.store.db import Database
 from worker.store.items import add_item, get_state, update_content
 from worker.store.jobs import create_batch, get_batch, record_starts
 
-RUN_DB = 3  # this module's Redis database
+RUN_DB = REDIS_DB  # this process's Redis database (tests/stack.py)
 
 
 class Retried(Exception):

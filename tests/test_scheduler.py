@@ -16,6 +16,10 @@ from stack import CELERY, Proc, Stack, running_stack, wait_for
 from tasks.producer import enqueue
 from worker.store.items import get_state
 
+# Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
+# its module-scoped stack starts once.
+pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_scheduler")]
+
 CHAPTER = "ch04-03-slices.md"
 
 

@@ -12,7 +12,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ops.cli.base import ID, Ctx, cli, command, err
 from worker.errors import InvalidInput
-from worker.store.jobs import BatchState
 
 JOB_SHOWN = (
     "task_id",
@@ -77,7 +76,7 @@ def reindex(ctx: Ctx, all_items: bool, wait: bool, timeout: float | None) -> Non
     """Re-index every item as one batch (it aborts after consecutive failures)."""
     from tasks.producer import send_batch
     from worker.store.items import all_item_ids
-    from worker.store.jobs import get_batch
+    from worker.store.jobs import BatchState, get_batch
 
     app = ctx.app()
     with ctx.store() as db:
@@ -124,6 +123,7 @@ def reindex(ctx: Ctx, all_items: bool, wait: bool, timeout: float | None) -> Non
 
 
 def _summary(ctx: Ctx, batch: dict[str, Any]) -> None:
+    from worker.store.jobs import BatchState
     def human() -> None:
         click.echo(
             f"batch {batch['id']} {batch['state']}: {batch['ok']} ok, {batch['failed']} failed, "
