@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testkit.standin import StandIn  # noqa: E402
+from worker.bulk import index_item  # noqa: E402
 from worker.indexers import IndexOptions  # noqa: E402
-from worker.pipeline import index_item  # noqa: E402
 from worker.providers import build_embedder  # noqa: E402
 from worker.providers.chat import ChatModel  # noqa: E402
 from worker.settings import ChunkSettings, EmbeddingSettings  # noqa: E402

@@ -11,9 +11,9 @@ import structlog
 
 from conftest import CORPUS, corpus_text
 from testkit.standin_chat import ChatReply
+from worker.bulk import index_item
 from worker.chunking.llm import SUMMARY_MAX, units_of, windows_of
 from worker.indexers import IndexOptions
-from worker.pipeline import index_item
 from worker.providers.chat import ChatModel
 from worker.settings import ChunkSettings
 from worker.store.items import add_item, get_state, update_content

@@ -16,11 +16,11 @@ from markdown_it import MarkdownIt
 
 from conftest import DIMS, corpus_text, standin_settings
 from stack import REDIS_DB, broker_url
+from worker.bulk import index_item
 from worker.errors import IndexAborted, InvalidInput
 from worker.indexers import IndexOptions
 from worker.indexers.code import search_code
 from worker.indexers.memories import add_memory, search_memories
-from worker.pipeline import index_item
 from worker.providers import build_embedder
 from worker.retrieval import search
 from worker.settings import FilesSettings, UrlSettings

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     settings = load_settings()
     configure_logging(fmt="json", secrets=settings.secrets())
     from worker.indexers import IndexOptions
-    from worker.pipeline import index_item
+    from worker.bulk import index_item
     from worker.providers import build_embedder
     from worker.store import open_store
     from worker.store.items import add_item

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import DIMS, FakeEmbedder, corpus_text, standin_settings
-from worker.bulk import index_items
+from worker.bulk import index_item, index_items
 from worker.chunking import chunk_structure, text_hash
 from worker.errors import Cancelled, IndexAborted
 from worker.indexers import IndexOptions
-from worker.pipeline import index_item
 from worker.sources import Reader
 from worker.store import connect
 from worker.store.items import add_item, get_state, list_chunks, update_content

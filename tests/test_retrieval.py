@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from conftest import CORPUS, corpus_text, standin_settings
+from worker.bulk import index_item
 from worker.errors import InvalidInput
-from worker.pipeline import index_item
 from worker.providers import build_embedder
 from worker.retrieval import search
 from worker.settings import EmbeddingSettings

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import DIMS, FakeEmbedder, corpus_text, standin_settings
-from worker.pipeline import index_item
+from worker.bulk import index_item
 from worker.providers import build_embedder
 from worker.retrieval import search
 from worker.settings import EmbeddingSettings

@@ -1,7 +1,8 @@
-"""index_items(): a bulk run's items indexed together, each as index_item() would (the steps
-are pipeline.py's), with their texts in shared embedding requests, one request in flight while
-the next items are read and chunked and the finished ones written, and the written items
-sharing a write transaction (a savepoint each)."""
+"""A run of items (one or many): each read, chunked, embedded and written as the steps of
+worker/pipeline.py say, with the texts of several items in shared embedding requests, one
+request in flight while the next items are read and chunked and the finished ones written, and
+the written items sharing a write transaction (a savepoint each). `index_item` is a run of one.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +34,21 @@ from worker.store.repair import repair_orphans
 log = get_logger("kidx.pipeline")
 
 
+def index_item(
+    db: Database,
+    item_id: int,
+    *,
+    embedder: EmbeddingModel | None,
+    options: IndexOptions | None = None,
+) -> IndexResult:
+    """Index one item: a run of one. Raises what the run met (IndexAborted, KidxError),
+    Cancelled included."""
+    outcome = index_items(db, [item_id], embedder=embedder, options=options)[item_id]
+    if isinstance(outcome, KidxError):
+        raise outcome
+    return outcome
+
+
 def index_items(
     db: Database,
     item_ids: list[int],
@@ -57,6 +73,9 @@ def index_items(
     propagates, after each item read and not written is marked cancelled or failed."""
     options = options or IndexOptions()
     task_id, cancel = options.task_id, options.cancel
+    # A run of one looks for orphan vec rows in its item's write (its result counts them);
+    # a run of many, once at the end rather than once an item.
+    alone = len(item_ids) == 1
     out: dict[int, IndexResult | KidxError] = {}
     works: list[Work] = []  # read and chunked, not yet written
     written: list[int] = []
@@ -73,11 +92,11 @@ def index_items(
         rolling it back), every item of it fails with the cause, reported again after the
         rollback; the cause is returned, for the run to stop: the next writes would fail too.
         An item the database refused alone also stops the run (IndexAborted)."""
-        assert embedder is not None
         ready = [w for w in works if w.plan.waiting == 0]
         fresh = [w for w in works if not w.marked]
-        if not ready and not fresh:
+        if not ready and not fresh:  # (always so without a provider: every item skipped)
             return None
+        assert embedder is not None
         indexed: list[tuple[Work, IndexResult]] = []
         halt: KidxError | None = None
         try:
@@ -95,7 +114,7 @@ def index_items(
                                 raise nothing
                             check(cancel)
                             writing = True
-                            result = write_item(db, w, embedder.model_id, options, orphans=False)
+                            result = write_item(db, w, embedder.model_id, options, orphans=alone)
                     except KidxError as e:
                         if writing and isinstance(e, IndexAborted):
                             halt = e  # the database refused the write: so it will the next
@@ -208,7 +227,7 @@ def index_items(
     finally:
         if queue is not None:
             queue.close()
-    if written:  # the orphan check of each item's write, once for all
+    if written and not alone:  # the orphan check of each item's write, once for all
         repaired = repair_orphans(db, db.dimensions)
         if repaired.total:
             log.info(

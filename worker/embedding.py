@@ -80,39 +80,6 @@ def check(cancel: CancelCheck | None) -> None:
         raise Cancelled("cancelled")
 
 
-def embed_missing(
-    plan: Plan, embedder: EmbeddingModel, cancel: CancelCheck | None, counter: FailureCounter
-) -> None:
-    """Embed what one item does not reuse. Raises IndexAborted when not one vector came back."""
-    if aborted := embed_plans([plan], embedder, cancel, counter):
-        raise aborted[0]
-
-
-def embed_plans(
-    plans: Sequence[Plan],
-    embedder: EmbeddingModel,
-    cancel: CancelCheck | None,
-    counter: FailureCounter,
-) -> dict[int, IndexAborted]:
-    """Embed what the plans do not reuse, in batches filled across them (a batch of items costs
-    the requests of their texts, not one request an item). Returns the plans (by position) that
-    must not be written: of which not one new vector came back (writing those would replace a
-    working index with a useless one), or, when the counter aborts (N failures in a row), every
-    plan with a failure or not complete; only those with every vector may then be written."""
-    queue = EmbedQueue(embedder, cancel, counter)
-    try:
-        for p in plans:
-            queue.add(p)
-        while queue.todo:
-            queue.send()
-        queue.wait()
-    except IndexAborted as stop:
-        return {k: stop for k, p in enumerate(plans) if p.failed or not p.done()}
-    finally:
-        queue.close()
-    return {k: e for k, p in enumerate(plans) if (e := none_embedded(p)) is not None}
-
-
 class EmbedQueue:
     """The texts of several plans, embedded in full batches with one request in flight on a
     background thread, so that the caller chunks and writes other items meanwhile (a process

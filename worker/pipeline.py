@@ -1,4 +1,4 @@
-"""index_item(): one item's chunk -> embed -> write, with reuse, repair and failure counting.
+"""The steps of indexing an item: chunk -> embed -> write, with reuse, repair and failure counting.
 
 The rules:
 
@@ -13,10 +13,9 @@ The rules:
 * Cancellation rolls back, leaves the previous index, marks the item `cancelled`, propagates.
 
 Every kind of item goes the same way, through its kind's indexer (`worker.indexers`): plan
-(chunk, match vectors made before), embed what is missing, write. Its steps (prepare_item,
-write_item, recorded_outcome, log_indexed) serve worker/bulk.py too, which runs them for many
-items at once. How a run goes (the chunk model, the reader, cancellation...) is one
-`IndexOptions`.
+(chunk, match vectors made before), embed what is missing, write. These are the steps;
+`worker.bulk` runs them, for one item (`index_item`) as for many (`index_items`). How a run goes
+(the chunk model, the reader, cancellation...) is one `IndexOptions`.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from typing import Any
 import apsw
 
 from worker.chunking import text_hash
-from worker.embedding import FailureCounter, Plan, check, embed_missing
+from worker.embedding import Plan, check
 from worker.errors import (
     Cancelled,
     IndexAborted,
@@ -92,31 +91,6 @@ class Work:
 
     def elapsed(self) -> int:
         return int((time.monotonic() - self.started) * 1000)
-
-
-def index_item(
-    db: Database,
-    item_id: int,
-    *,
-    embedder: EmbeddingModel | None,
-    options: IndexOptions | None = None,
-) -> IndexResult:
-    """Index one item (see the module docstring). Raises IndexAborted, Cancelled, KidxError."""
-    options = options or IndexOptions()
-    started = time.monotonic()
-    ilog = log.bind(item_id=item_id, task_id=options.task_id)
-    item = get_item(db, item_id, content=False)  # ItemNotFound: no state to record
-    with recorded_outcome(db, item_id, options.task_id, started, ilog):
-        work = prepare_item(db, item, embedder, options, started, ilog)
-        if isinstance(work, IndexResult):
-            return work
-        assert embedder is not None
-        counter = FailureCounter(options.max_consecutive_failures, ilog)
-        embed_missing(work.plan, embedder, options.cancel, counter)
-        check(options.cancel)
-        result = write_item(db, work, embedder.model_id, options)
-        log_indexed(work, result)
-        return result
 
 
 @contextmanager

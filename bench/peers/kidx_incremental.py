@@ -40,9 +40,8 @@ def main() -> None:
     ap.add_argument("--batch", action="store_true", help="the edited notes as one bulk run")
     args = ap.parse_args()
 
-    from worker.bulk import index_items
+    from worker.bulk import index_item, index_items
     from worker.log import configure_logging
-    from worker.pipeline import index_item
     from worker.providers import build_embedder
     from worker.settings import load_settings
     from worker.store import connect

@@ -124,6 +124,7 @@ def reindex(ctx: Ctx, all_items: bool, wait: bool, timeout: float | None) -> Non
 
 def _summary(ctx: Ctx, batch: dict[str, Any]) -> None:
     from worker.store.jobs import BatchState
+
     def human() -> None:
         click.echo(
             f"batch {batch['id']} {batch['state']}: {batch['ok']} ok, {batch['failed']} failed, "
