@@ -34,7 +34,7 @@ from worker.errors import Cancelled, IndexAborted, KidxError, WrongTaskKind
 from worker.indexers import IndexOptions
 from worker.log import KI_EMBED, get_logger
 from worker.pipeline import IndexResult
-from worker.store.items import Status, get_item, get_state, set_state
+from worker.store.items import Status, get_item, get_state, mark_not_run, set_state
 from worker.store.jobs import BatchState, JobState, batch_outcome, get_batch, record_end
 
 log = get_logger("kidx.tasks")
@@ -251,15 +251,15 @@ class Run:
         self.results[item_id] = {"item_id": item_id, "status": "failed", "error": message}
 
     def _skip(self, item_id: int) -> None:
-        """Not run for an aborted batch: `failed`, so that `kidx retry --failed` picks it up."""
+        """Not run for an aborted batch (`mark_not_run`)."""
         self.end(item_id, JobState.SKIPPED, "skipped", self.abort_reason)
         with contextlib.suppress(apsw.Error, KidxError):
-            set_state(
+            mark_not_run(
                 self.rt.db,
                 item_id,
-                status=Status.FAILED,
-                last_task_id=self.task_id,
-                last_error=f"not run: batch {self.batch_id} was aborted ({self.abort_reason})",
+                self.task_id,
+                self.job(item_id)[0],
+                f"not run: batch {self.batch_id} was aborted ({self.abort_reason})",
             )
         self.results[item_id] = {
             "item_id": item_id,

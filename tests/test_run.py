@@ -31,7 +31,7 @@ from worker.log import Redact
 from worker.settings import load_settings
 from worker.sources import Reader
 from worker.store.db import Database
-from worker.store.items import add_item, get_state, update_content
+from worker.store.items import add_item, get_state, set_state, update_content
 from worker.store.jobs import create_batch, get_batch, record_starts
 
 RUN_DB = REDIS_DB  # this process's Redis database (tests/stack.py)
@@ -237,6 +237,34 @@ def test_three_failures_in_a_row_abort_the_batch_and_its_other_items_are_skipped
     run, _ = group(rt, ids[3:], batch)
     result = run.execute()
     assert result["skipped"] == 2 and {get_state(rt.db, i)["status"] for i in ids[3:]} == {"failed"}
+
+
+def test_an_aborted_batchs_late_run_leaves_an_item_a_later_run_indexed(rt) -> None:
+    """A run of an aborted batch queued before `kidx retry --failed` may start after the
+    retry's run indexed its item: the skip must not turn that item back to failed."""
+    rt.settings.tasks.max_retries = 0
+    rt.embedder.down = True  # type: ignore[union-attr]
+    ids = notes(rt.db, 6)
+    batch = create_batch(rt.db, "reindex", len(ids))
+    late, _ = group(rt, ids[3:], batch)  # queued now (as the producer records), runs last
+    rt.db.executemany(
+        "UPDATE index_jobs SET queued_at = started_at WHERE task_id = ?",
+        [(late.job(i)[0],) for i in ids[3:]],
+    )
+    for item in ids[:3]:
+        run, _ = group(rt, [item], batch)
+        with pytest.raises(IndexFailed):
+            run.execute()
+    rt.embedder.down = False  # type: ignore[union-attr]
+    retried, _ = single(rt, ids[3])
+    assert retried.execute()["status"] == "indexed"
+    set_state(rt.db, ids[5], status="indexing", last_task_id="another-run")  # in flight
+    result = late.execute()
+    assert result["skipped"] == 3
+    assert get_state(rt.db, ids[3])["status"] == "indexed"  # the later run's outcome stands
+    assert get_state(rt.db, ids[4])["status"] == "failed"  # not run: retry --failed finds it
+    assert "batch" in get_state(rt.db, ids[4])["last_error"]
+    assert get_state(rt.db, ids[5])["status"] == "indexing"  # that run will say how it ended
 
 
 def test_a_revoke_before_the_start_ends_revoked_and_writes_nothing(rt) -> None:
