@@ -47,11 +47,11 @@ stack-stop:
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The engine, the CLI and the stores: no worker process, fewer hypothesis examples (~1 min).
 test-quick: setup
-	HYPOTHESIS_PROFILE=quick $(PY) -m pytest -q -m "not stack and not model" -n 3 --dist load
+	HYPOTHESIS_PROFILE=quick $(PY) -m pytest -q -m "not stack and not model" -n 3 --dist loadfile
 
 lint: setup
 	$(PY) -m ruff check .

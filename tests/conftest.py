@@ -35,6 +35,15 @@ def corpus_text(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, a module that starts a stack must run whole in one process (its
+    stack starts once; its tests run in order): `--dist loadfile` does that. (`loadgroup` no
+    longer groups anything under pytest 9.2, which ignores the node ids xdist rewrites.)"""
+    dist = getattr(config.option, "dist", "no")
+    if getattr(config.option, "numprocesses", None) and dist not in ("no", "loadfile"):
+        raise pytest.UsageError(f"run the suite with --dist loadfile, not --dist {dist}")
+
+
 @pytest.fixture
 def standin() -> Iterator[StandIn]:
     with StandIn(dimensions=DIMS) as server:

@@ -42,7 +42,7 @@ from worker.store import repair_vectors
 
 # Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
 # its module-scoped stack starts once.
-pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_doctor")]
+pytestmark = [pytest.mark.stack]
 
 DOCTOR_DB = REDIS_DB  # this process's Redis database (tests/stack.py)
 CHAPTER = "ch10-02-traits.md"  # 20 chunks

@@ -32,7 +32,7 @@ from worker.store.items import add_item
 
 # Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
 # its module-scoped stack starts once.
-pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_edges")]
+pytestmark = [pytest.mark.stack]
 
 EDGE_DB = REDIS_DB  # this process's Redis database (tests/stack.py)
 HOST = Path(__file__).with_name("host_sql.py")

@@ -55,7 +55,7 @@ from worker.chunking import MAX_CHUNK_SIZE, chunk_structure, text_hash
 from worker.providers.base import to_blob
 from worker.store.items import add_item, update_content
 
-pytestmark = [pytest.mark.fault, pytest.mark.stack, pytest.mark.xdist_group("test_faults")]
+pytestmark = [pytest.mark.fault, pytest.mark.stack]
 
 FAULT_DB = REDIS_DB  # this process's Redis database (tests/stack.py)
 DIMS = 64

@@ -36,7 +36,7 @@ from worker.store.items import get_state, update_content
 
 # Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
 # its module-scoped stack starts once.
-pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_flower")]
+pytestmark = [pytest.mark.stack]
 
 USER, PASSWORD = "ops", "flower-pass-123"  # what queue_env gives Flower
 WORKER = "flower1"

@@ -20,7 +20,7 @@ from worker.store.items import update_content
 
 # Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
 # its module-scoped stack starts once.
-pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_groups")]
+pytestmark = [pytest.mark.stack]
 
 BATCH = 4  # the stack's KIDX_EMBEDDING__BATCH_SIZE
 

@@ -15,7 +15,7 @@ from tasks.producer import enqueue
 
 # Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
 # its module-scoped stack starts once.
-pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_metrics")]
+pytestmark = [pytest.mark.stack]
 
 PORT = free_port()
 

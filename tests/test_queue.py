@@ -27,7 +27,7 @@ from worker.store.items import update_content
 
 # Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
 # its module-scoped stack starts once.
-pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_queue")]
+pytestmark = [pytest.mark.stack]
 
 RESULT_FIELDS = {
     "status",

@@ -18,7 +18,7 @@ from worker.store.items import get_state
 
 # Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
 # its module-scoped stack starts once.
-pytestmark = [pytest.mark.stack, pytest.mark.xdist_group("test_scheduler")]
+pytestmark = [pytest.mark.stack]
 
 CHAPTER = "ch04-03-slices.md"
 
@@ -196,9 +196,22 @@ def test_a_model_switch_reindexes_everything_while_search_keeps_answering(stack)
         stack.env.update(
             {"KIDX_EMBEDDING__MODEL": "standin-embed", "KIDX_EMBEDDING__DIMENSIONS": "384"}
         )
+        stack.restart_worker()  # the module's later tests run on model A again
 
 
 def test_kidx_status_shows_counts_sweeps_and_batches(stack):
-    out = stack.kidx("status")
-    assert out.returncode == 0
-    assert "status" in out.stdout and "model" in out.stdout and "last reconcile" in out.stdout
+    """Self-contained: the module's other tests may run before it or not."""
+    item = indexed_note(stack, "Status", "A note that kidx status counts.")
+    stack.sweep()  # sends whatever an earlier test left pending, and records itself
+    stack.wait_idle()
+    out = stack.kidx("status", "--summary")
+    assert out.returncode == 0, out.stderr
+    lines = {line.split(None, 1)[0]: line for line in out.stdout.splitlines() if line.strip()}
+    indexed = stack.db.scalar("SELECT count(*) FROM item_index_state WHERE status = 'indexed'")
+    assert f"indexed: {indexed}" in lines["status"]
+    assert "standin-embed" in lines["model"]
+    assert "last reconcile" in out.stdout
+    summary = json.loads(stack.kidx("status", "--summary", "--json").stdout)
+    assert summary["by_status"]["indexed"] == indexed >= 1
+    assert "reconcile" in summary["last_sweeps"]
+    assert json.loads(stack.kidx("status", str(item), "--json").stdout)["status"] == "indexed"
