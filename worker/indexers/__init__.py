@@ -1,5 +1,5 @@
 """The indexers, one per kind of text (`base.Indexer`: plan, write, search), and which serves
-each kind of item.
+each kind of item (memories, not items, use theirs directly: `worker.indexers.memories`).
 
     prose      notes, files, URLs   note_chunks / vec_chunk_embeddings   worker.retrieval
     code       code                 code_chunks / vec_work_code_chunks   search_code

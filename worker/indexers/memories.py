@@ -1,19 +1,28 @@
 """Memories: short texts embedded whole (no chunking), in `memories` / `vec_memories`, found
-only by a memory search. Not items: no task or sweep runs them; `add_memory` plans (the text
-whole), embeds and writes at once."""
+only by a memory search. Not knowledge items (no task or sweep runs them), but planned, written
+and searched through the same interface: `add_memory` plans the text as one chunk, embeds it
+and writes it at once."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
+from worker.chunking import Chunk, text_hash
+from worker.embedding import Plan
 from worker.errors import InvalidInput
+from worker.indexers.base import Indexer, IndexOptions, Planned
+from worker.log import get_logger
 from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel, to_blob
 from worker.store.db import Database
+from worker.store.items import Item
 from worker.store.text import shown
 from worker.store.vec import VEC, vec_ready, vec_replace
 
 MAX_MEMORY = 2000  # characters: longer texts are notes, which are chunked
+
+log = get_logger("kidx.memories")
 
 
 @dataclass
@@ -27,6 +36,68 @@ class MemoryHit:
         return asdict(self)
 
 
+class Memories(Indexer):
+    """Memories: an `Item` of kind `memory` whose id is the memory's."""
+
+    def plan(
+        self, db: Database, item: Item, text: str, model: str, options: IndexOptions, ilog: Any
+    ) -> Planned:
+        """The text whole, one chunk; its vector kept if this model already made it."""
+        chunks = [Chunk(0, 0, len(text), text)]
+        plan = Plan(chunks, lambda i: text, [text_hash(text)], item_id=item.id)
+        row = db.one(
+            "SELECT vector FROM memory_embeddings WHERE memory_id = ? AND model = ? "
+            "AND dimensions = ?",
+            (item.id, model, db.dimensions),
+        )
+        if row is not None:
+            plan.reuse[0] = (item.id, row[0])
+            plan.vectors[0] = row[0]
+        return Planned(plan)
+
+    def write(
+        self,
+        db: Database,
+        item: Item,
+        planned: Planned,
+        model: str,
+        options: IndexOptions,
+        ilog: Any,
+        *,
+        orphans: bool,
+    ) -> tuple[int, int]:
+        vector, dims = planned.plan.vectors[0], db.dimensions
+        db.execute(
+            "INSERT INTO memory_embeddings(memory_id, model, dimensions, vector) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT(memory_id) DO UPDATE SET model = excluded.model, "
+            "dimensions = excluded.dimensions, vector = excluded.vector",
+            (item.id, model, dims, vector),
+        )
+        if vec_ready(db, dims):
+            vec_replace(db, "vec_memories", item.id, vector)
+        return 0, 0
+
+    def search(
+        self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10
+    ) -> tuple[list[MemoryHit], str, str | None]:
+        if not query.strip():
+            raise InvalidInput("the query is empty")
+        found, via, reason = nearest(
+            db, VEC["vec_memories"], embedder.embed([query])[0], k, embedder.model_id
+        )
+        hits = []
+        for memory_id, distance in found:
+            content = db.scalar(
+                "SELECT CAST(content AS BLOB) FROM memories WHERE id = ?", (memory_id,)
+            )
+            if content is not None:  # bytes a host wrote are shown, not raised (store.text)
+                hits.append(MemoryHit(memory_id, round(1.0 - distance, 6), shown(content), via))
+        return hits, via, reason
+
+
+MEMORIES = Memories()
+
+
 def add_memory(db: Database, text: str, embedder: EmbeddingModel) -> int:
     """Embed `text` whole and store it; its id. The vector is made before the transaction."""
     text = text.strip()
@@ -37,31 +108,17 @@ def add_memory(db: Database, text: str, embedder: EmbeddingModel) -> int:
             f"a memory is a short text (at most {MAX_MEMORY} characters, this one has "
             f"{len(text)}); add it as a note instead"
         )
-    vector = to_blob(embedder.embed([text])[0])
-    dims = db.dimensions
+    options = IndexOptions()
+    planned = MEMORIES.plan(db, Item(0, "memory", "", None, text, None), text, "", options, log)
+    planned.plan.vectors[0] = to_blob(embedder.embed_checked([planned.plan.input_of(0)])[0])
     with db.atomic():
         memory_id = int(db.scalar("INSERT INTO memories(content) VALUES (?) RETURNING id", (text,)))
-        db.execute(
-            "INSERT INTO memory_embeddings(memory_id, model, dimensions, vector) "
-            "VALUES (?, ?, ?, ?)",
-            (memory_id, embedder.model_id, dims, vector),
-        )
-        if vec_ready(db, dims):
-            vec_replace(db, "vec_memories", memory_id, vector)
+        memory = Item(memory_id, "memory", "", None, text, None)
+        MEMORIES.write(db, memory, planned, embedder.model_id, options, log, orphans=False)
     return memory_id
 
 
 def search_memories(
     db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10
 ) -> tuple[list[MemoryHit], str, str | None]:
-    if not query.strip():
-        raise InvalidInput("the query is empty")
-    found, via, reason = nearest(
-        db, VEC["vec_memories"], embedder.embed([query])[0], k, embedder.model_id
-    )
-    hits = []
-    for memory_id, distance in found:
-        content = db.scalar("SELECT CAST(content AS BLOB) FROM memories WHERE id = ?", (memory_id,))
-        if content is not None:  # bytes a host wrote are shown, not raised (store.text)
-            hits.append(MemoryHit(memory_id, round(1.0 - distance, 6), shown(content), via))
-    return hits, via, reason
+    return MEMORIES.search(db, query, embedder, k=k)
