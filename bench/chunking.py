@@ -1,6 +1,6 @@
 """Structural chunker versus LangChain's and semantic-text-splitter's, on the Rust Book.
 
-    python bench/chunking.py [--corpus DIR] [--edits N] [--seed S] [--json PATH]
+    python bench/chunking.py [--corpus DIR] [--edits N] [--seed S] [--target T] [--json PATH]
 
 Prints one table (and writes it as JSON): throughput (MB/s, best of seven, and the ratio of
 kidx to each peer), chunk count, median size, chunks over 1500 and under 200 characters, chunks
@@ -9,6 +9,8 @@ edit locality: the mean number of chunks whose embedding input is new after a on
 (a sentence appended, a paragraph inserted, a paragraph deleted, at seeded random places).
 Chunks under 200 characters are counted in all, and apart from documents that are themselves
 shorter than that.
+kidx's chunker runs at its default target size (`TARGET_CHUNK_SIZE`) unless `--target` names
+another, so that candidate targets can be compared for edit locality (the peers keep 1500).
 Timings are measured here, never asserted in tests.
 """
 
@@ -23,11 +25,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from worker.chunking.base import TARGET_CHUNK_SIZE  # noqa: E402
 from worker.chunking.markdown import scan  # noqa: E402
 from worker.chunking.structure import chunk_structure  # noqa: E402
 
@@ -38,8 +42,12 @@ WORDS = re.compile(r"[A-Za-z]{3,}")
 Chunker = Callable[[str, str], list[tuple[int, int, str]]]
 
 
-def kidx_chunker(text: str, title: str) -> list[tuple[int, int, str]]:
-    return [(c.start, c.end, c.embedding_input(title)) for c in chunk_structure(text)]
+def kidx_chunker(
+    text: str, title: str, target: int = TARGET_CHUNK_SIZE
+) -> list[tuple[int, int, str]]:
+    return [
+        (c.start, c.end, c.embedding_input(title)) for c in chunk_structure(text, target=target)
+    ]
 
 
 def langchain_chunker() -> Chunker:
@@ -72,7 +80,7 @@ def sts_chunker() -> Chunker:
     return run
 
 
-def plain_chunkers() -> dict[str, Callable[[str], object]]:
+def plain_chunkers(target: int = TARGET_CHUNK_SIZE) -> dict[str, Callable[[str], object]]:
     """The bare calls timed for throughput (no offsets or embedding inputs built)."""
     from langchain_text_splitters import RecursiveCharacterTextSplitter
     from semantic_text_splitter import MarkdownSplitter
@@ -80,7 +88,7 @@ def plain_chunkers() -> dict[str, Callable[[str], object]]:
     lc = RecursiveCharacterTextSplitter(chunk_size=1500, chunk_overlap=100)
     sts = MarkdownSplitter((200, 1500), overlap=100)
     return {
-        "kidx structure": chunk_structure,
+        "kidx structure": partial(chunk_structure, target=target),
         "langchain recursive": lc.split_text,
         "semantic-text-splitter": sts.chunks,
     }
@@ -141,25 +149,29 @@ def reembedded(chunker: Chunker, before: str, after: str, title: str) -> int:
     return sum((new - old).values())
 
 
-def reembedded_with_previous(before: str, after: str, title: str) -> int:
+def reembedded_with_previous(
+    before: str, after: str, title: str, target: int = TARGET_CHUNK_SIZE
+) -> int:
     """What the pipeline does: the new version is cut knowing the previous version's chunks."""
-    first = chunk_structure(before)
-    second = chunk_structure(after, previous=[(c.start, c.content) for c in first])
+    first = chunk_structure(before, target=target)
+    second = chunk_structure(after, previous=[(c.start, c.content) for c in first], target=target)
     old = Counter(c.embedding_input(title) for c in first)
     new = Counter(c.embedding_input(title) for c in second)
     return sum((new - old).values())
 
 
-def run(corpus: Path, edits: int, seed: int, rounds: int = 7) -> dict:
+def run(
+    corpus: Path, edits: int, seed: int, rounds: int = 7, target: int = TARGET_CHUNK_SIZE
+) -> dict:
     files = sorted(corpus.glob("*.md"))
     docs = [(f.stem, f.read_text(encoding="utf-8")) for f in files]
     megabytes = sum(len(t.encode()) for _, t in docs) / 1e6
     chunkers: dict[str, Chunker] = {
-        "kidx structure": kidx_chunker,
+        "kidx structure": partial(kidx_chunker, target=target),
         "langchain recursive": langchain_chunker(),
         "semantic-text-splitter": sts_chunker(),
     }
-    plain = plain_chunkers()
+    plain = plain_chunkers(target)
     rng = random.Random(seed)
     edit_plan = []
     kinds = ("append", "insert", "delete")
@@ -202,7 +214,7 @@ def run(corpus: Path, edits: int, seed: int, rounds: int = 7) -> dict:
     # The pipeline's own use: same chunks for a first version, the previous cuts kept after.
     rows["kidx + previous chunks"] = dict(rows["kidx structure"])
     rows["kidx + previous chunks"]["reembedded_per_edit"] = statistics.mean(
-        reembedded_with_previous(b, a, title) for title, b, a in edit_plan
+        reembedded_with_previous(b, a, title, target) for title, b, a in edit_plan
     )
     base = rows["kidx structure"]["mb_per_s"]
     for r in rows.values():
@@ -212,6 +224,7 @@ def run(corpus: Path, edits: int, seed: int, rounds: int = 7) -> dict:
         "megabytes": megabytes,
         "edits": edits,
         "seed": seed,
+        "target": target,
         "rows": rows,
     }
 
@@ -230,7 +243,7 @@ def print_table(result: dict) -> None:
     ]
     print(
         f"corpus {result['corpus']} ({result['megabytes']:.2f} MB), "
-        f"{result['edits']} edits, seed {result['seed']}"
+        f"{result['edits']} edits, seed {result['seed']}, kidx target {result['target']}"
     )
     header = f"{'chunker':<24}" + "".join(f"{c[0]:>14}" for c in cols)
     print(header)
@@ -244,11 +257,12 @@ def main() -> None:
     ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     ap.add_argument("--edits", type=int, default=300)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--target", type=int, default=TARGET_CHUNK_SIZE, help="kidx's target size")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "chunking.json")
     args = ap.parse_args()
     if not args.corpus.is_dir():
         sys.exit(f"corpus not found: {args.corpus}")
-    result = run(args.corpus, args.edits, args.seed)
+    result = run(args.corpus, args.edits, args.seed, target=args.target)
     print_table(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

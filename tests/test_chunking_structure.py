@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from worker.chunking import MAX_CHUNK_SIZE, chunk_structure
-from worker.chunking.markdown import scan
+from worker.chunking.base import MIN_CHUNK_SIZE, OVERLAP_SIZE, TARGET_CHUNK_SIZE
+from worker.chunking.markdown import scan, section_ends
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "rustbook"
 
@@ -55,6 +56,9 @@ small_bounds = st.sampled_from(
         {},
         {"max_size": 300, "min_size": 40, "overlap": 30, "window": 80},
         {"max_size": 120, "min_size": 10, "overlap": 20, "window": 30},
+        # A target below the maximum: sections over it are cut, regions split near it.
+        {"max_size": 300, "min_size": 20, "overlap": 30, "target": 90},
+        {"target": 300},
     ]
 )
 
@@ -126,6 +130,79 @@ def test_indices_are_consecutive_and_starts_ascend(text):
     chunks = chunk_structure(text)
     assert [c.index for c in chunks] == list(range(len(chunks)))
     assert all(a.start < b.start and a.end <= b.end for a, b in itertools.pairwise(chunks))
+
+
+def _sections(text: str) -> list[tuple[int, int]]:
+    """Every heading's section, and the text before the first heading, as trimmed spans."""
+    lay = scan(text)
+    spans = list(zip(lay.heading_pos, section_ends(lay.heading_pos, lay.heading_level, len(text))))
+    if lay.heading_pos:
+        spans.append((0, lay.heading_pos[0]))
+    out = []
+    for s, e in spans:
+        body = text[s:e]
+        if body.strip():
+            s, e = s + len(body) - len(body.lstrip()), e - len(body) + len(body.rstrip())
+            out.append((s, e))
+    return out
+
+
+targets = st.sampled_from([200, 300, 500, 800, 1500])
+
+
+@PROPS
+@given(st.one_of(markdown, raw_text), targets)
+def test_no_chunk_exceeds_the_maximum_at_any_target(text, target):
+    assert all(len(c.content) <= MAX_CHUNK_SIZE for c in chunk_structure(text, target=target))
+
+
+@PROPS
+@given(markdown, targets | st.integers(200, 1500))
+def test_a_section_within_the_target_stays_whole(text, target):
+    """A section (with its subsections) no longer than the target is inside one chunk. Up to
+    the room a part leaves for its overlap: a section longer than that may meet a bound."""
+    chunks = chunk_structure(text, target=target)
+    fits = min(target, MAX_CHUNK_SIZE - OVERLAP_SIZE)
+    for s, e in _sections(text):
+        if e - s <= fits:
+            assert any(c.start <= s and e <= c.end for c in chunks), (s, e, text[s:e])
+
+
+prose = st.lists(sentence, min_size=1, max_size=12).map(" ".join)
+
+
+@FEWER
+@given(st.lists(prose, min_size=20, max_size=50), st.sampled_from([300, 400, 500, 800]))
+def test_long_prose_is_cut_near_the_target(paras, target):
+    """Long prose without headings (sentences; a word of thousands of characters is cut
+    wherever bounds allow): chunks of about the target. None is longer than a part cut near
+    the target, a part under the minimum merged into it, and the overlap; the middle one is
+    near the target."""
+    text = "\n\n".join(paras)
+    if len(text) < 4 * target:
+        return
+    sizes = [len(c.content) for c in chunk_structure(text, target=target)]
+    limit = min(MAX_CHUNK_SIZE, int(target * 4 / 3) + MIN_CHUNK_SIZE + OVERLAP_SIZE)
+    assert all(x <= limit for x in sizes), (limit, sizes)
+    middle = sorted(sizes)[len(sizes) // 2]
+    assert target / 2 <= middle <= target + OVERLAP_SIZE, sizes
+
+
+def test_a_smaller_target_makes_smaller_chunks_on_the_book():
+    text = _corpus_chapter()
+    medians = []
+    for target in (300, 500, 800, MAX_CHUNK_SIZE):
+        sizes = sorted(len(c.content) for c in chunk_structure(text, target=target))
+        medians.append(sizes[len(sizes) // 2])
+        assert max(sizes) <= MAX_CHUNK_SIZE
+    assert medians == sorted(medians) and medians[0] < medians[-1] / 2
+
+
+def test_a_target_below_the_minimum_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError):
+        chunk_structure("text " * 100, target=100)
 
 
 # -- examples --------------------------------------------------------------------------------
@@ -238,8 +315,12 @@ def test_corpus_chapter_bounds_and_sizes():
     assert len(chunks) >= 15
     sizes = sorted(len(c.content) for c in chunks)
     assert max(sizes) <= MAX_CHUNK_SIZE
-    assert sizes[len(sizes) // 2] >= 700
+    median = sizes[len(sizes) // 2]
+    assert 0.7 * TARGET_CHUNK_SIZE <= median <= TARGET_CHUNK_SIZE + OVERLAP_SIZE
     assert sum(1 for s in sizes if s < 200) <= 1
+    # With the target at the maximum, as before there was a target: chunks near the maximum.
+    sizes = sorted(len(c.content) for c in chunk_structure(text, target=MAX_CHUNK_SIZE))
+    assert sizes[len(sizes) // 2] >= 700
 
 
 def test_edit_locality_on_a_corpus_chapter():
@@ -317,9 +398,10 @@ def test_previous_cuts_keep_an_inserted_paragraph_to_one_chunk():
 
 def test_a_chunk_near_the_maximum_that_grows_stays_one_new_chunk():
     """An edit that lengthens a kept chunk into the room its overlap had: the overlap shrinks,
-    the chunk is not cut in two (two new embeddings for one edit)."""
+    the chunk is not cut in two (two new embeddings for one edit). At the target of the
+    maximum: only there does a fresh cut make chunks near the maximum."""
     text = _corpus_chapter("ch13-01-closures.md")
-    first = chunk_structure(text)
+    first = chunk_structure(text, target=MAX_CHUNK_SIZE)
     k, big = next((k, c) for k, c in enumerate(first) if 1400 <= len(c.content) <= 1450)
     region = first[k + 1].start - big.start  # its own text, without the overlap it carries
     assert region < MAX_CHUNK_SIZE - 100
@@ -327,7 +409,9 @@ def test_a_chunk_near_the_maximum_that_grows_stays_one_new_chunk():
     words = " ".join(["Closures capture their environment."] * 10)
     grow = words[: MAX_CHUNK_SIZE - 40 - region].rsplit(" ", 1)[0]
     edited = text[:at] + " " + grow + text[at:]
-    again = chunk_structure(edited, previous=[(c.start, c.content) for c in first])
+    again = chunk_structure(
+        edited, previous=[(c.start, c.content) for c in first], target=MAX_CHUNK_SIZE
+    )
     new = {c.content for c in again} - {c.content for c in first}
     assert len(new) == 1 and all(len(c.content) <= MAX_CHUNK_SIZE for c in again)
     assert len(again) == len(first)

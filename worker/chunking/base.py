@@ -9,6 +9,13 @@ from typing import NamedTuple
 MAX_CHUNK_SIZE = 1500
 MIN_CHUNK_SIZE = 200
 OVERLAP_SIZE = 100
+# The size the structural chunker aims for, within the bounds above (a section that fits stays
+# whole, a longer one is cut into parts of about this size). Chosen by measurement
+# (bench/retrieval.py, bench/chunking.py): a 1500-character chunk carries two or three
+# passages, so a question's hit brings mostly text that does not answer it (precision), and the
+# embedding of a mixed chunk matches none of its passages well (recall); MiniLM also reads only
+# its first 256 tokens (about 1000 characters).
+TARGET_CHUNK_SIZE = 500
 # Characters of a title, a heading path or a summary that go in front of every chunk sent to
 # the embedder (KIDX_EMBEDDING__CONTEXT_CHARS): a 1 MB title would otherwise be sent once a
 # chunk, and refused by a real provider chunk by chunk. What is stored is never cut.

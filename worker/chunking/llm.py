@@ -137,7 +137,9 @@ def units_of(text: str, a: int, b: int) -> list[Unit]:
 
 def windows_of(text: str, size: int) -> list[Window]:
     """Windows of at most `size` characters, cut where the structure says (content-defined)."""
-    regions = chunk_structure(text, max_size=size, min_size=size // 10, overlap=0, window=size // 3)
+    regions = chunk_structure(
+        text, max_size=size, min_size=size // 10, overlap=0, target=size, window=size // 3
+    )
     result = []
     for r in regions:
         units = units_of(text, r.start, r.end)
@@ -305,7 +307,9 @@ def _finish(text: str, spans: Sequence[tuple[int, int, str | None]]) -> list[Chu
             if e - s <= MAX_CHUNK_SIZE
             else [
                 (s + c.start, s + c.end, c.fence_open, c.fence_close)
-                for c in chunk_structure(text[s:e])
+                # The model drew this boundary: cut its over-long span into as few parts as
+                # the maximum allows, not into parts of the structural target.
+                for c in chunk_structure(text[s:e], target=MAX_CHUNK_SIZE)
             ]
         )
         for ps, pe, fence_open, fence_close in pieces:

@@ -9,9 +9,14 @@ Why it looks the way it does:
   paragraph break or the edge of a fenced block; each has a strength derived from the text at that
   point (headings beat paragraphs, shallower headings beat deeper ones, ties by a hash of the text).
   A candidate becomes a cut when it is the strongest within `window` characters on either side: a
-  property of the text near it only. A section that fits into one chunk is never cut inside.
-* A region between two cuts that is still too long is split at its strongest candidate that keeps
-  both sides within bounds, else at a sentence end, a line end, a space, or (last resort) hard.
+  property of the text near it only. A section that fits into the target size is never cut
+  inside.
+* The chunker aims at a target size (`TARGET_CHUNK_SIZE`), below the maximum: small chunks
+  retrieve better (bench/retrieval.py: a large chunk carries passages that do not answer the
+  question, and its one vector matches none of them well). The window scales with the target.
+* A region between two cuts that is longer than the target is split into parts of about the
+  target, each at the strongest candidate near where an even split would put it, else at the
+  nearest sentence end, line end or space, else anywhere within bounds, or (last resort) hard.
   Nothing is ever longer than `max_size`.
 * Parts of an oversized section overlap: each part ends with up to `overlap` characters (whole
   words) of the next one. The overlap is taken from the *start* of the next part, so appending to a
@@ -43,13 +48,18 @@ from worker.chunking.base import (
     MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,
     OVERLAP_SIZE,
+    TARGET_CHUNK_SIZE,
     Chunk,
     ChunkMethod,
 )
 from worker.chunking.markdown import heading_paths, scan, section_ends
 
-WINDOW = 500
-"""A paragraph break becomes a cut only if no stronger candidate lies within this distance."""
+WINDOW_SHARE = 1 / 3
+"""A paragraph break becomes a cut only if no stronger candidate lies within this share of the
+target on either side (the window was 500 for chunks of up to 1500 before there was a target)."""
+SLACK_SHARE = 1 / 3
+"""A region over the target is cut at the strongest candidate within this share of the target
+of where an even split would cut: paragraph breaks first, sizes near the target second."""
 
 _FENCE_START = re.compile(r"[ \t]*(?:`{3}|~{3})")
 _SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+")
@@ -89,9 +99,12 @@ def _break_strengths(text: str, breaks: list[int]) -> dict[int, float]:
 class _Plan:
     """Candidates, cuts and parts for one text."""
 
-    def __init__(self, text: str, max_size: int, min_size: int, overlap: int, window: int):
+    def __init__(
+        self, text: str, max_size: int, min_size: int, overlap: int, window: int, target: int
+    ):
         self.text = text
         self.max_size = max_size
+        self.target = target
         self.min_size = min_size
         self.overlap = overlap
         self.window = window
@@ -109,12 +122,14 @@ class _Plan:
         big = max_size - overlap
         self.big_fences = [f for f in lay.fences if f.end - f.start > big]
         self.small_fences = [(f.start, f.end) for f in lay.fences if f.end - f.start <= big]
+        self.fitting = self._fitting_sections()
 
     # -- cuts -------------------------------------------------------------------------------
 
     def _fitting_sections(self) -> list[tuple[int, int]]:
-        """Outermost spans (sections, and the text before the first heading) that fit whole."""
-        lay, limit = self.layout, self.max_size
+        """Outermost spans (sections, and the text before the first heading) that fit whole
+        into the target."""
+        lay, limit = self.layout, self.target
         spans: list[tuple[int, int]] = []
         if lay.heading_pos and lay.heading_pos[0] - self.first <= limit:
             spans.append((self.first, lay.heading_pos[0]))
@@ -131,7 +146,7 @@ class _Plan:
         sections; the text's own start and end count as infinitely strong."""
         pos, strength = self.cand_pos, self.cand_strength
         allowed = [True] * len(pos)
-        for s, e in self._fitting_sections():
+        for s, e in self.fitting:
             for i in range(bisect_right(pos, s), bisect_left(pos, e)):
                 allowed[i] = False
         live = [i for i in range(len(pos)) if allowed[i]]
@@ -239,32 +254,52 @@ class _Plan:
         k = bisect_right(fences, (p, math.inf)) - 1
         return k >= 0 and fences[k][0] < p < fences[k][1]
 
+    def _inside_fitting(self, p: int) -> bool:
+        """Inside a section that fits into the target: a region split around it leaves it
+        whole (its own start or end is always a cut within bounds)."""
+        spans = self.fitting
+        k = bisect_right(spans, (p, math.inf)) - 1
+        return k >= 0 and spans[k][0] < p < spans[k][1]
+
     def _pick_in(self, lo: int, hi: int, ideal: int) -> int:
         """The strongest candidate in [lo, hi]; else the sentence end, line end or space nearest
-        to `ideal` that is not inside a fenced block small enough to stay whole; else -1."""
+        to `ideal` that is not inside a fenced block small enough to stay whole; never inside
+        a section that fits into the target; else -1."""
         pos, strength = self.cand_pos, self.cand_strength
         i, j = bisect_left(pos, lo), bisect_right(pos, hi)
-        if i < j:
-            return pos[max(range(i, j), key=strength.__getitem__)]
+        inside = self._inside_fitting
+        live = [k for k in range(i, j) if not inside(pos[k])] if self.fitting else range(i, j)
+        if live:
+            return pos[max(live, key=strength.__getitem__)]
         for pattern in (_SENTENCE_END, _LINE_END, _SPACE):
             best = -1
             for m in pattern.finditer(self.text, lo, hi):
                 p = m.end()
                 closer = best < 0 or abs(p - ideal) < abs(best - ideal)
-                if p <= hi and closer and self._cuttable(p):
+                if p <= hi and closer and self._cuttable(p) and not inside(p):
                     best = p
             if best >= 0:
                 return best
         return -1
 
     def _pick(self, a: int, c: int) -> int:
-        """Where the first part of the oversized region [a, c) ends."""
+        """Where the first part of the region [a, c), longer than the target, ends: near where
+        an even split into parts of at most the target would cut, else anywhere within
+        bounds."""
         limit = self.max_size - self.overlap
-        count = math.ceil((c - a) / limit)
+        size = min(self.target, limit)
+        # Parts of at most the target, but no more parts than the minimum size allows, and
+        # never fewer than the maximum needs.
+        n = c - a
+        count = max(math.ceil(n / limit), min(math.ceil(n / size), n // max(1, self.min_size)))
         ideal = a + (c - a) // count
         lo = max(a + self.min_size, c - (count - 1) * limit)
         hi = min(a + limit, c - self.min_size)
-        for lo_, hi_ in ((lo, hi), (a + 1, min(a + limit, c - 1))):
+        ranges = [(lo, hi), (a + 1, min(a + limit, c - 1))]
+        if size < limit:  # at the maximum itself, any cut within bounds (as before targets)
+            slack = max(1, int(size * SLACK_SHARE))
+            ranges.insert(0, (max(lo, ideal - slack), min(hi, ideal + slack)))
+        for lo_, hi_ in ranges:
             if lo_ <= hi_:
                 p = self._pick_in(lo_, hi_, ideal)
                 if p > a:
@@ -286,7 +321,8 @@ class _Plan:
         if kept and c - a <= self.max_size:
             return [(a, c)] if a < c else []
         while a < c:
-            if c - a <= self._limit(c):
+            n = c - a  # whole when within the target, or too short for two parts of the minimum
+            if n <= self._limit(c) and (n <= self.target or n < 2 * self.min_size):
                 parts.append((a, c))
                 break
             p = self._pick(a, c)
@@ -361,20 +397,28 @@ def chunk_structure(
     max_size: int = MAX_CHUNK_SIZE,
     min_size: int = MIN_CHUNK_SIZE,
     overlap: int = OVERLAP_SIZE,
-    window: int = WINDOW,
+    target: int = TARGET_CHUNK_SIZE,
+    window: int | None = None,
     previous: Sequence[tuple[int, str]] | None = None,
 ) -> list[Chunk]:
     """Split `text` into structural chunks (see the module docstring).
 
+    `target`: the size aimed at (at most `max_size`, which stays the hard cap; a larger target
+    means the maximum). `window`: by default `WINDOW_SHARE` of the target.
     `previous`: the chunks of the text's previous version, as (start offset, content) in
     order; their cuts are kept where the text around them did not change.
     """
     if not 0 <= overlap < max_size // 2 or not 0 <= min_size <= max_size // 2:
         raise ValueError("need 0 <= overlap < max_size/2 and 0 <= min_size <= max_size/2")
+    target = min(target, max_size)
+    if target < max(1, min_size):
+        raise ValueError("need min_size <= target")
+    if window is None:
+        window = max(1, round(target * WINDOW_SHARE))
     if not text.strip():
         return []
-    plan = _Plan(text, max_size, min_size, overlap, window)
-    if plan.last - plan.first <= max_size:
+    plan = _Plan(text, max_size, min_size, overlap, window, target)
+    if plan.last - plan.first <= target:
         regions = [(plan.first, plan.last)]
         parts = regions
     else:
