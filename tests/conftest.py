@@ -92,6 +92,17 @@ def embedder(db: Database, emb_settings: EmbeddingSettings) -> Iterator[Embeddin
     model.close()
 
 
+def keyword_rows_problems(db: Any) -> list[str]:
+    """Keyword rows against chunk rows, both tables: what differs (nothing, when in order)."""
+    problems = []
+    for fts, table in (("note_chunks_fts", "note_chunks"), ("code_chunks_fts", "code_chunks")):
+        rows = {r[0] for r in db.all(f"SELECT rowid FROM {fts}")}
+        ids = {r[0] for r in db.all(f"SELECT id FROM {table}")}
+        if rows != ids:
+            problems.append(f"{fts}: missing {sorted(ids - rows)}, stale {sorted(rows - ids)}")
+    return problems
+
+
 class FakeEmbedder(EmbeddingModel):
     """Records its calls; deterministic vectors. For unit tests of our own logic only."""
 

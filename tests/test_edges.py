@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from host import host
 from stack import API_KEY, REDIS_DB, SPARE_DB, Stack, flush, free_port, start_flower, wait_for
 from tasks import GROUP, KNOWLEDGE_ITEM, NOTE
 from tasks.lock import lock_key
@@ -35,26 +36,12 @@ from worker.store.items import add_item
 pytestmark = [pytest.mark.stack]
 
 EDGE_DB = REDIS_DB  # this process's Redis database (tests/stack.py)
-HOST = Path(__file__).with_name("host_sql.py")
 FLOWER = ("ops", "flower-pass-123")  # queue_env's credentials
 SECTION = "A paragraph about {w} that is long enough to stand as a chunk of its own. " * 12
 
 
 def sections(word: str, n: int) -> str:
     return "\n\n".join(f"## {word} {k}\n\n" + SECTION.format(w=f"{word}{k}") for k in range(n))
-
-
-def host(db: Path, *statements: tuple[str, list[Any]]) -> list[list[list[Any]]]:
-    """Run statements as a host application would: plain SQL, foreign keys off."""
-    out = subprocess.run(
-        [sys.executable, str(HOST), str(db)],
-        input=json.dumps(statements),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return json.loads(out.stdout)
 
 
 class Edge(Stack):

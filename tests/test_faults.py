@@ -33,8 +33,9 @@ import httpx
 import pytest
 import redis
 from celery import Celery
-from faults_report import record
 
+from conftest import keyword_rows_problems
+from faults_report import record
 from stack import (
     API_KEY,
     REDIS_DB,
@@ -278,7 +279,7 @@ def store_problems(db: Any) -> list[str]:
     )
     if duplicates:
         problems.append(f"{duplicates} duplicate chunk rows")
-    return problems
+    return problems + keyword_rows_problems(db)
 
 
 def indexed_without_vectors(db: Any) -> list[int]:

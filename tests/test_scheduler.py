@@ -189,7 +189,15 @@ def test_a_model_switch_reindexes_everything_while_search_keeps_answering(stack)
         status = json.loads(stack.kidx("status", "--summary", "--json").stdout)
         assert "standin-big (1536)" in status["by_model"]
         hits = json.loads(
-            stack.kidx("search", "Note 1 about moving values in Rust.", "--json", "-k", "3").stdout
+            stack.kidx(
+                "search",
+                "Note 1 about moving values in Rust.",
+                "--json",
+                "-k",
+                "3",
+                "--mode",
+                "vector",
+            ).stdout
         )
         assert hits and hits[0]["via"] == "vec"
     finally:
@@ -215,3 +223,5 @@ def test_kidx_status_shows_counts_sweeps_and_batches(stack):
     assert summary["by_status"]["indexed"] == indexed >= 1
     assert "reconcile" in summary["last_sweeps"]
     assert json.loads(stack.kidx("status", str(item), "--json").stdout)["status"] == "indexed"
+    full = stack.kidx("status")  # the counts, then every item's row
+    assert full.returncode == 0 and "last reconcile" in full.stdout and "indexed" in full.stdout

@@ -4,7 +4,7 @@ each on their own (note search, with its one-hit-per-item merge, is `worker.retr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -74,18 +74,18 @@ def nearest(
 
 
 def exact_scan(
-    db: Database, sql: str, model: str, vector: np.ndarray
+    db: Database, sql: str, model: str, vector: np.ndarray, *, before: Sequence[Any] = ()
 ) -> Iterator[tuple[tuple[Any, ...], float]]:
     """Each row of `sql` with its cosine distance to `vector`, exactly, reading the vectors a
     block at a time (memory stays bounded). `sql` selects the columns wanted, the vector last,
     from a table aliased `r` with `model`, `dimensions` and `rowid`, and takes (model,
-    dimensions, last rowid, block) as its parameters: see `nearest`."""
+    dimensions, last rowid, block) as its last parameters, after `before`: see `nearest`."""
     q = np.asarray(vector, dtype=np.float32)
     unit = q / (np.linalg.norm(q) or 1.0)
     paged = sql.replace("SELECT ", "SELECT r.rowid, ", 1)
     last = -1
     while True:
-        rows = db.all(paged, (model, len(q), last, BLOCK))
+        rows = db.all(paged, (*before, model, len(q), last, BLOCK))
         if not rows:
             return
         last = rows[-1][0]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from worker.store.db import Database
+from worker.store.fts import sync_fts
 from worker.store.items import NOW
 from worker.store.removal import remove_leftovers
 from worker.store.repair import repair_vectors
@@ -87,6 +88,7 @@ def reconcile(
     report = repair_vectors(db, dims)
     drift.repaired = {
         "leftovers_removed": removed,
+        "keyword_rows": sync_fts(db),
         "restored": report.restored,
         "orphans_deleted": report.orphans_deleted,
     }

@@ -1,14 +1,30 @@
-"""search(): KNN over the vec0 tables, or in-memory cosine over the relational vectors when
-sqlite-vec, a vec table or the right dimension is missing. Same result shape either way, and
-the result says which path served it.
+"""Search over prose (notes, files, URLs): `search_chunks()`, the one function every caller uses
+(the CLI, host applications, the benchmarks). Code and memories keep their own tables and their
+own search (`worker.indexers.code`, `worker.indexers.memories`).
 
-One hit per item (its best chunk, or its whole-item vector), ordered by distance: listing note
-hits before chunk hits shows one note twice and ignores the distance.
+Three modes:
+
+* `vector`: the nearest chunk vectors (sqlite-vec KNN; exact cosine in memory over the
+  relational vectors when sqlite-vec, a vec table or the dimension is missing: `fallback`).
+* `keyword`: FTS5 BM25 over each chunk's text, title and heading path (`worker.store.fts`);
+  needs no embedder and no sqlite-vec.
+* `hybrid` (the default): both candidate lists fused by reciprocal rank; a query with no
+  indexable word is served by vectors alone.
+
+Filters (kind, item ids, source prefix) are applied inside the candidate search, never by
+fetching k and dropping: a filter that matches at least k chunks returns k hits.
+
+Each hit is a chunk with its full text, offsets and heading path, and says which paths found
+it (`via`: `vec`, `fts`, `fallback`, joined by `+`). `per_item=True` keeps the best chunk of each
+item (a UI's note list); `search()` is that, vector-only, in the older result shape.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import enum
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -16,10 +32,376 @@ from worker.errors import InvalidInput
 from worker.nearest import exact_scan
 from worker.providers.base import EmbeddingModel
 from worker.store.db import Database
+from worker.store.fts import NOTES, keyword_query
 from worker.store.text import shown
 from worker.store.vec import vec_table_dimensions
 
 SNIPPET = 160
+KNN_MAX = 4096  # sqlite-vec 0.1's limit on k
+MAX_K = 1000
+# Hybrid: each side's candidate list is at least this deep, whatever k, so that a chunk's fused
+# score (and so one item's best chunk) does not depend on k.
+HYBRID_DEPTH = 200
+RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al.): rank r scores 1 / (60 + r)
+# A filter matching at most this many chunks is searched exactly over its own chunks; a wider
+# one through KNN, asking for more rows until k pass the filter.
+FILTER_EXACT = 20_000
+PROSE_KINDS = ("note", "file", "url")
+
+
+class Mode(enum.StrEnum):
+    HYBRID = "hybrid"
+    VECTOR = "vector"
+    KEYWORD = "keyword"
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Which chunks a search may return: of these kinds, of these items, whose item's source
+    starts with this prefix (a folder, a site). Empty means no restriction."""
+
+    kinds: tuple[str, ...] = ()
+    item_ids: tuple[int, ...] = ()
+    source_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        for kind in self.kinds:
+            if kind not in PROSE_KINDS:
+                raise InvalidInput(
+                    f"kind {kind!r} is not searched here: give one of {', '.join(PROSE_KINDS)}"
+                    + (" (code has its own search: --code)" if kind == "code" else "")
+                )
+        for item_id in self.item_ids:
+            if isinstance(item_id, bool) or not isinstance(item_id, int) or item_id < 1:
+                raise InvalidInput(f"an item id is a positive integer, not {item_id!r}")
+        if self.source_prefix is not None and not self.source_prefix:
+            raise InvalidInput("the source prefix is empty")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.kinds or self.item_ids or self.source_prefix)
+
+    def where(self) -> tuple[str, list[Any]]:
+        """SQL conditions over `c` (note_chunks) and `i` (knowledge_items), and their values."""
+        sql, params = "", []
+        if self.kinds:
+            sql += f" AND i.kind IN ({','.join('?' * len(self.kinds))})"
+            params += list(self.kinds)
+        if self.item_ids:
+            sql += f" AND c.item_id IN ({','.join('?' * len(self.item_ids))})"
+            params += list(self.item_ids)
+        if self.source_prefix:
+            sql += " AND substr(i.source, 1, ?) = ?"
+            params += [len(self.source_prefix), self.source_prefix]
+        return sql, params
+
+
+@dataclass
+class ChunkHit:
+    item_id: int
+    title: str
+    kind: str
+    source: str | None
+    chunk_index: int
+    headings: list[str]
+    start_offset: int
+    end_offset: int
+    content: str
+    score: float  # vector: cosine similarity; keyword: -BM25; hybrid: the fused score
+    via: str  # the paths that found it: vec, fts, fallback, joined by "+"
+    chunk_id: int
+
+    @property
+    def snippet(self) -> str:
+        return " ".join(self.content.split())[:SNIPPET]
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self) | {"snippet": self.snippet}
+
+
+@dataclass
+class ChunkSearch:
+    hits: list[ChunkHit]
+    mode: Mode
+    via: str  # the paths that served: vec, fts, fallback, joined by "+"
+    reason: str | None = None  # why the fallback served, or what the answer cannot include
+    notes: list[str] = field(default_factory=list)
+
+
+def search_chunks(
+    db: Database,
+    query: str,
+    embedder: EmbeddingModel | None,
+    *,
+    k: int = 10,
+    mode: Mode | str = Mode.HYBRID,
+    filters: Filters | None = None,
+    per_item: bool = False,
+) -> ChunkSearch:
+    """The k chunks best matching `query` (with `per_item`: the best chunk of each of k items)."""
+    if not isinstance(query, str) or not query.strip():
+        raise InvalidInput("the query is empty")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise InvalidInput(f"k must be an integer from 1 to {MAX_K}, not {k!r}")
+    try:
+        mode = Mode(mode)
+    except ValueError:
+        raise InvalidInput(f"mode must be one of {', '.join(Mode)}, not {mode!r}") from None
+    filters = filters or Filters()
+    notes: list[str] = []
+    match = keyword_query(query) if mode != Mode.VECTOR else None
+    if mode == Mode.KEYWORD and match is None:
+        notes.append("the query has no word to search for: no keyword hit")
+    if match is not None and not db.table_exists(NOTES.name):
+        notes.append(f"{NOTES.name} is missing (the sweep rebuilds it): no keyword search")
+        match = None
+    vector = None
+    if mode != Mode.KEYWORD:
+        if embedder is None:
+            raise InvalidInput(
+                "vector search needs an embedding provider (KIDX_EMBEDDING__PROVIDER); "
+                "--mode keyword needs none"
+            )
+        vector = embedder.embed([query])[0]
+        behind = _not_on(db, embedder.model_id, len(vector))
+        if behind:  # during a model switch: say what the answer cannot include yet
+            notes.append(
+                f"{behind} items are not indexed with {embedder.model_id} yet and are "
+                "not searched by vector"
+            )
+
+    # Candidates: the n best chunks of each side (hybrid: more than k, for the fusion). One hit
+    # per item: the same lists, longer until they hold k items or all there is.
+    n = k if mode != Mode.HYBRID else max(4 * k, HYBRID_DEPTH)
+    while True:
+        ranked: list[tuple[list[int], str]] = []  # chunk ids best first, and their path
+        scores: dict[int, float] = {}
+        more = False
+        if match is not None:
+            found = _keyword(db, match, n, filters)
+            ranked.append(([c for c, _ in found], "fts"))
+            scores.update((c, -s) for c, s in found)
+            more |= len(found) == n
+        if vector is not None and embedder is not None:
+            found, via, reason = _vector(db, vector, n, embedder.model_id, filters)
+            ranked.append(([c for c, _ in found], via))
+            if mode == Mode.VECTOR:
+                scores = {c: 1.0 - d for c, d in found}
+            more |= len(found) == n
+        if len(ranked) > 1:
+            order, scores, paths = _fuse(ranked)
+        else:
+            order = ranked[0][0] if ranked else []
+            paths = {c: ranked[0][1] for c in order}
+        if not per_item or not more or _items_in(db, order) >= k:
+            break
+        n *= 4
+    if vector is not None and reason:
+        notes.append(f"served by the in-memory fallback: {reason}")
+    hits = _load(db, order, scores, paths, k, per_item)
+    served = "+".join(dict.fromkeys(p for _, p in ranked))
+    return ChunkSearch(hits, mode, served, "; ".join(notes) or None, notes)
+
+
+def _items_in(db: Database, chunk_ids: list[int]) -> int:
+    """How many items these chunks come from."""
+    items: set[int] = set()
+    for start in range(0, len(chunk_ids), 500):
+        part = chunk_ids[start : start + 500]
+        items.update(
+            r[0]
+            for r in db.all(
+                f"SELECT item_id FROM note_chunks WHERE id IN ({','.join('?' * len(part))})", part
+            )
+        )
+    return len(items)
+
+
+def _fuse(
+    ranked: Sequence[tuple[list[int], str]],
+) -> tuple[list[int], dict[int, float], dict[int, str]]:
+    """Reciprocal rank fusion: each list gives 1 / (RRF_K + rank) to each of its chunks."""
+    scores: dict[int, float] = {}
+    paths: dict[int, list[str]] = {}
+    for ids, path in ranked:
+        for rank, chunk_id in enumerate(ids, 1):
+            scores[chunk_id] = scores.get(chunk_id, 0.0) + 1.0 / (RRF_K + rank)
+            paths.setdefault(chunk_id, []).append(path)
+    order = sorted(scores, key=lambda c: (-scores[c], c))
+    return order, scores, {c: "+".join(p) for c, p in paths.items()}
+
+
+# -- keyword ---------------------------------------------------------------------------------
+
+
+def _keyword(db: Database, match: str, n: int, filters: Filters) -> list[tuple[int, float]]:
+    """The n best chunks by BM25 (lower is better) that pass the filter, in one query."""
+    where, params = filters.where()
+    sql = (
+        f"SELECT f.rowid, bm25({NOTES.name}) AS s FROM {NOTES.name} f "
+        "JOIN note_chunks c ON c.id = f.rowid JOIN knowledge_items i ON i.id = c.item_id "
+        f"WHERE {NOTES.name} MATCH ?{where} ORDER BY s, f.rowid LIMIT ?"
+    )
+    return [(int(c), float(s)) for c, s in db.all(sql, (match, *params, n))]
+
+
+# -- vector ----------------------------------------------------------------------------------
+
+
+def _vec_unavailable(db: Database, dims: int) -> str | None:
+    if not db.vec_loaded:
+        return f"sqlite-vec is not loaded ({db.vec_error or 'unknown reason'})"
+    have = vec_table_dimensions(db)["vec_chunk_embeddings"]
+    if have is None:
+        return "vec_chunk_embeddings is missing"
+    if have != dims:
+        return f"vec_chunk_embeddings has {have} dimensions, the query has {dims}"
+    return None
+
+
+def _vector(
+    db: Database, vector: np.ndarray, n: int, model: str, filters: Filters
+) -> tuple[list[tuple[int, float]], str, str | None]:
+    """The n nearest live chunks of `model` that pass the filter (cosine distance); which path
+    served; why the fallback did."""
+    reason = _vec_unavailable(db, len(vector))
+    if reason is None:
+        if filters.active and _count(db, model, filters) <= FILTER_EXACT:
+            return _exact(db, vector, n, model, filters), "vec", None
+        found = _knn(db, vector, n, model, filters)
+        if found is not None:
+            return found, "vec", None
+        reason = f"the best {n} need more than {KNN_MAX} nearest chunks"
+    return _exact(db, vector, n, model, filters), "fallback", reason
+
+
+_LIVE = (
+    "JOIN note_chunks c ON c.id = r.chunk_id JOIN knowledge_items i ON i.id = c.item_id "
+    "WHERE r.model = ?"
+)
+
+
+def _count(db: Database, model: str, filters: Filters) -> int:
+    where, params = filters.where()
+    return int(
+        db.scalar(f"SELECT count(*) FROM note_chunk_embeddings r {_LIVE}{where}", (model, *params))
+    )
+
+
+def _best(rows: Sequence[tuple[int, float]], n: int) -> list[tuple[int, float]]:
+    """(chunk id, distance) rows to the n nearest (ties by id: the same order on every path)."""
+    return sorted(rows, key=lambda r: (r[1], r[0]))[:n]
+
+
+def _knn(
+    db: Database, vector: np.ndarray, n: int, model: str, filters: Filters
+) -> list[tuple[int, float]] | None:
+    """Through sqlite-vec, asking for more rows until n pass (live, this model, the filter)
+    or the table has no more; None past sqlite-vec's k limit (the caller scans exactly)."""
+    blob = np.asarray(vector, dtype="<f4").tobytes()
+    where, params = filters.where()
+    fetch = min(max(2 * n, 32), KNN_MAX)
+    while True:
+        rows = db.all(
+            f"SELECT v.chunk_id, v.distance, (i.id IS NOT NULL AND r.model = ?{where}) "
+            "FROM (SELECT chunk_id, distance FROM vec_chunk_embeddings WHERE embedding MATCH ? "
+            "AND k = ?) v LEFT JOIN note_chunks c ON c.id = v.chunk_id "
+            "LEFT JOIN note_chunk_embeddings r ON r.chunk_id = v.chunk_id "
+            "LEFT JOIN knowledge_items i ON i.id = c.item_id",
+            (model, *params, blob, fetch),
+        )
+        found = _best([(c, d) for c, d, ok in rows if ok], n)
+        if len(found) >= n or len(rows) < fetch:
+            return found
+        if fetch == KNN_MAX:
+            return None
+        fetch = min(fetch * 4, KNN_MAX)
+
+
+def _exact(
+    db: Database, vector: np.ndarray, n: int, model: str, filters: Filters
+) -> list[tuple[int, float]]:
+    """Exact cosine in memory over the relational vectors of live chunks passing the filter."""
+    where, params = filters.where()
+    sql = (
+        f"SELECT c.id, r.vector FROM note_chunk_embeddings r "
+        f"JOIN note_chunks c ON c.id = r.chunk_id JOIN knowledge_items i ON i.id = c.item_id "
+        f"WHERE 1{where} AND r.model = ? AND r.dimensions = ? AND r.rowid > ? "
+        "ORDER BY r.rowid LIMIT ?"
+    )
+    rows = [(c, d) for (c,), d in exact_scan(db, sql, model, vector, before=params)]
+    return _best(rows, n)
+
+
+def _not_on(db: Database, model: str, dims: int) -> int:
+    """Items whose index was built with another model or dimension (one row per item: cheap)."""
+    return int(
+        db.scalar(
+            "SELECT count(*) FROM item_index_state WHERE chunk_count > 0 "
+            "AND (model IS NOT ? OR dimensions IS NOT ?)",
+            (model, dims),
+        )
+        or 0
+    )
+
+
+# -- hits ------------------------------------------------------------------------------------
+
+
+def _load(
+    db: Database,
+    order: list[int],
+    scores: dict[int, float],
+    paths: dict[int, str],
+    k: int,
+    per_item: bool,
+) -> list[ChunkHit]:
+    """The hits, best first, k of them (one per item with `per_item`)."""
+    rows: dict[int, tuple[Any, ...]] = {}
+    for start in range(0, len(order), 500):
+        part = order[start : start + 500]
+        for row in db.all(
+            "SELECT c.id, c.item_id, CAST(i.title AS BLOB), i.kind, CAST(i.source AS BLOB), "
+            "c.chunk_index, CAST(c.headings AS BLOB), c.start_offset, c.end_offset, "
+            "CAST(c.content AS BLOB) FROM note_chunks c JOIN knowledge_items i "
+            f"ON i.id = c.item_id WHERE c.id IN ({','.join('?' * len(part))})",
+            part,
+        ):
+            rows[int(row[0])] = row
+    hits: list[ChunkHit] = []
+    items: set[int] = set()
+    for chunk_id in order:
+        row = rows.get(chunk_id)
+        if row is None:
+            continue
+        _, item_id, title, kind, source, index, headings, start, end, content = row
+        if per_item:
+            if item_id in items:
+                continue
+            items.add(item_id)
+        path = shown(headings)  # a host's bytes are shown, never raised (store.text)
+        hits.append(
+            ChunkHit(
+                item_id=int(item_id),
+                title=shown(title),
+                kind=str(kind),
+                source=shown(source) if source is not None else None,
+                chunk_index=int(index),
+                headings=path.split(" > ") if path else [],
+                start_offset=int(start),
+                end_offset=int(end),
+                content=shown(content),
+                score=round(float(scores.get(chunk_id, 0.0)), 6),
+                via=paths.get(chunk_id, ""),
+                chunk_id=chunk_id,
+            )
+        )
+        if len(hits) == k:
+            break
+    return hits
+
+
+# -- one hit per item, vector only (the older API) -------------------------------------------
 
 
 @dataclass
@@ -43,129 +425,11 @@ class SearchResult:
     reason: str | None = None  # why the fallback served, when it did
 
 
-def _vec_unavailable(db: Database, dims: int) -> str | None:
-    if not db.vec_loaded:
-        return f"sqlite-vec is not loaded ({db.vec_error or 'unknown reason'})"
-    tables = vec_table_dimensions(db)
-    for name in ("vec_chunk_embeddings", "vec_note_embeddings"):
-        if tables[name] is None:
-            return f"{name} is missing"
-        if tables[name] != dims:
-            return f"{name} has {tables[name]} dimensions, the query has {dims}"
-    return None
-
-
 def search(db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> SearchResult:
-    """The k items nearest to `query`, each by its best chunk."""
-    if not query.strip():
-        raise InvalidInput("the query is empty")
-    if k < 1:
-        raise InvalidInput("k must be at least 1")
-    vector = embedder.embed([query])[0]
-    reason = _vec_unavailable(db, len(vector))
-    best = _knn_vec(db, vector, k, embedder.model_id) if reason is None else None
-    via = "vec"
-    if best is None:
-        reason = reason or f"the best {k} items need more than {KNN_MAX} nearest chunks"
-        best = _knn_fallback(db, vector, k, embedder.model_id)
-        via = "fallback"
-    behind = _not_on(db, embedder.model_id, len(vector))
-    if behind:  # during a model switch: say what the answer cannot include yet
-        note = f"{behind} items are not indexed with {embedder.model_id} yet and are not searched"
-        reason = f"{reason}; {note}" if reason else note
-    return SearchResult(_hits(db, best, via, k), via, reason)
-
-
-def _not_on(db: Database, model: str, dims: int) -> int:
-    """Items whose index was built with another model or dimension (one row per item: cheap)."""
-    return int(
-        db.scalar(
-            "SELECT count(*) FROM item_index_state WHERE chunk_count > 0 "
-            "AND (model IS NOT ? OR dimensions IS NOT ?)",
-            (model, dims),
-        )
-        or 0
-    )
-
-
-# (item_id -> (distance, chunk_index)) for the best chunk of each item
-Best = dict[int, tuple[float, int]]
-
-
-def _merge(best: Best, item_id: int, distance: float, chunk_index: int) -> None:
-    if item_id not in best or distance < best[item_id][0]:
-        best[item_id] = (distance, chunk_index)
-
-
-KNN_MAX = 4096  # sqlite-vec 0.1's limit on k
-
-
-def _knn_vec(db: Database, vector: np.ndarray, k: int, model: str) -> Best | None:
-    """The best chunk of each item among the nearest vec rows, asking for more rows until k
-    items are found or the table has no more; None when more than sqlite-vec's k limit would
-    be needed (the caller scans exactly). Rows that no live item reaches (what a host's
-    plain-SQL delete leaves until the sweep) are passed over, never returned."""
-    blob = np.asarray(vector, dtype="<f4").tobytes()
-    fetch = min(max(4 * k, 32), KNN_MAX)
-    while True:
-        best: Best = {}
-        rows = db.all(
-            "SELECT c.item_id, c.chunk_index, v.distance, i.id IS NOT NULL AND e.chunk_id "
-            "IS NOT NULL FROM (SELECT chunk_id, distance FROM vec_chunk_embeddings "
-            "WHERE embedding MATCH ? AND k = ?) v "
-            "LEFT JOIN note_chunks c ON c.id = v.chunk_id "
-            "LEFT JOIN note_chunk_embeddings e ON e.chunk_id = v.chunk_id AND e.model = ? "
-            "LEFT JOIN knowledge_items i ON i.id = c.item_id",
-            (blob, fetch, model),
-        )
-        for item_id, chunk_index, distance, live in rows:
-            if live:
-                _merge(best, item_id, distance, chunk_index)
-        if len(best) >= k or len(rows) < fetch:
-            break
-        if fetch == KNN_MAX:
-            return None
-        fetch = min(fetch * 4, KNN_MAX)
-    for item_id, distance in db.all(
-        "SELECT v.item_id, v.distance FROM "
-        "(SELECT item_id, distance FROM vec_note_embeddings WHERE embedding MATCH ? AND k = ?) v "
-        "JOIN note_embeddings e ON e.item_id = v.item_id AND e.model = ? "
-        "JOIN knowledge_items i ON i.id = v.item_id",
-        (blob, min(fetch, KNN_MAX), model),
-    ):
-        _merge(best, item_id, distance, 0)
-    return best
-
-
-def _knn_fallback(db: Database, vector: np.ndarray, k: int, model: str) -> Best:
-    """Exact cosine in memory over the relational vectors of the current model and dimension
-    (of live items only), the chunks' and the whole items'."""
-    best: Best = {}
-    for sql in (
-        "SELECT c.item_id, c.chunk_index, r.vector FROM note_chunk_embeddings r "
-        "JOIN note_chunks c ON c.id = r.chunk_id JOIN knowledge_items i ON i.id = c.item_id "
-        "WHERE r.model = ? AND r.dimensions = ? AND r.rowid > ? ORDER BY r.rowid LIMIT ?",
-        "SELECT r.item_id, 0, r.vector FROM note_embeddings r "
-        "JOIN knowledge_items i ON i.id = r.item_id "
-        "WHERE r.model = ? AND r.dimensions = ? AND r.rowid > ? ORDER BY r.rowid LIMIT ?",
-    ):
-        for (item_id, chunk_index), distance in exact_scan(db, sql, model, vector):
-            _merge(best, item_id, distance, chunk_index)
-    return best
-
-
-def _hits(db: Database, best: Best, via: str, k: int) -> list[Hit]:
-    ranked = sorted(best.items(), key=lambda kv: (kv[1][0], kv[0]))[:k]
-    hits = []
-    for item_id, (distance, chunk_index) in ranked:
-        row = db.one(
-            "SELECT CAST(i.title AS BLOB), i.kind, c.content FROM knowledge_items i "
-            "LEFT JOIN note_chunks c ON c.item_id = i.id AND c.chunk_index = ? WHERE i.id = ?",
-            (chunk_index, item_id),
-        )
-        if row is None:
-            continue
-        title, kind, content = shown(row[0]), row[1], row[2]  # a host's bytes never raise
-        snippet = " ".join((content or "").split())[:SNIPPET]
-        hits.append(Hit(item_id, title, kind, chunk_index, round(1.0 - distance, 6), snippet, via))
-    return hits
+    """The k items nearest to `query`, each by its best chunk (vector search)."""
+    found = search_chunks(db, query, embedder, k=k, mode=Mode.VECTOR, per_item=True)
+    hits = [
+        Hit(h.item_id, h.title, h.kind, h.chunk_index, h.score, h.snippet, h.via)
+        for h in found.hits
+    ]
+    return SearchResult(hits, found.via, found.reason)

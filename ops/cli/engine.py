@@ -275,28 +275,62 @@ def chunks(ctx: Ctx, item: int) -> None:
 @command(cli)
 @click.argument("query")
 @click.option("-k", "k", type=click.IntRange(1, 1000), default=10, show_default=True)
+@click.option("--chunks", is_flag=True, help="The best chunks (several may share an item).")
+@click.option(
+    "--mode",
+    type=click.Choice(["hybrid", "vector", "keyword"]),
+    default="hybrid",
+    show_default=True,
+    help="hybrid: vectors and keywords fused; keyword needs no embedding provider.",
+)
+@click.option("--kind", "kinds", multiple=True, type=click.Choice(["note", "file", "url"]))
+@click.option("--item", "items", multiple=True, type=ID, help="Only these items (repeatable).")
+@click.option("--source", help="Only items whose source starts with this (a folder, a site).")
 @click.option("--code", "code", is_flag=True, help="Search code items only.")
 @click.option("--memories", is_flag=True, help="Search memories only.")
-def search(ctx: Ctx, query: str, k: int, code: bool, memories: bool) -> None:
-    """The items nearest to QUERY, one hit per item, best first (notes, files and URLs;
-    --code: code chunks; --memories: memories)."""
-    from worker.retrieval import search as run_search
+def search(
+    ctx: Ctx,
+    query: str,
+    k: int,
+    chunks: bool,
+    mode: str,
+    kinds: tuple[str, ...],
+    items: tuple[int, ...],
+    source: str | None,
+    code: bool,
+    memories: bool,
+) -> None:
+    """The best matches for QUERY in notes, files and URLs: one hit per item, or with --chunks
+    the best chunks, each with its text; --code: code chunks; --memories: memories."""
+    from worker.retrieval import Filters, search_chunks
 
     if code and memories:
         raise InvalidInput("give --code or --memories, not both")
+    filters = Filters(kinds=kinds, item_ids=items, source_prefix=source)
+    if (code or memories) and (filters.active or chunks or mode != "hybrid"):
+        raise InvalidInput("--code and --memories take only -k and --json")
     with ctx.store() as db:
         db.map_for_reading()
-        embedder = ctx.embedder(db)
-        if embedder is None:
-            raise InvalidInput("search needs an embedding provider (KIDX_EMBEDDING__PROVIDER)")
+        embedder = ctx.embedder(db) if mode != "keyword" else None
+        if embedder is None and (mode != "keyword" or code or memories):
+            raise InvalidInput(
+                "search needs an embedding provider (KIDX_EMBEDDING__PROVIDER); "
+                "--mode keyword needs none"
+            )
         try:
             if code or memories:
                 return _search_other(ctx, db, query, embedder, k, code=code)
-            result = run_search(db, query, embedder, k=k)
+            result = search_chunks(
+                db, query, embedder, k=k, mode=mode, filters=filters, per_item=not chunks
+            )
         finally:
-            embedder.close()
-    if result.reason:
-        err.print(f"note: served by the in-memory fallback: {escape(result.reason)}")
+            if embedder is not None:
+                embedder.close()
+    for note in result.notes:
+        err.print(f"note: {escape(note)}")
+    if chunks:
+        ctx.emit([h.as_dict() for h in result.hits], lambda: _print_hits(ctx, result.hits))
+        return
     ctx.emit(
         [h.as_dict() for h in result.hits],
         lambda: ctx.table(
@@ -307,6 +341,26 @@ def search(ctx: Ctx, query: str, k: int, code: bool, memories: bool) -> None:
             ),
         ),
     )
+
+
+def _print_hits(ctx: Ctx, hits: list[Any]) -> None:
+    """Each hit: a line of score, item, chunk, title and heading path, then its text, wrapped
+    to the terminal (80 columns when not a terminal). Control characters a document holds
+    (an escape sequence would drive the terminal) are shown as U+FFFD; secrets are masked."""
+    import re
+    import textwrap
+
+    def plain(text: str) -> str:
+        return ctx.redact.scrub(re.sub(r"[\x00-\x1f\x7f-\x9f]", "\ufffd", text))
+
+    width = max(40, min(out.width, 100))
+    for n, h in enumerate(hits, 1):
+        where = " > ".join([h.title, *h.headings])
+        head = plain(f"{n:>2}. {h.score:.3f}  item {h.item_id} #{h.chunk_index} [{h.via}] {where}")
+        click.echo(head if len(head) <= width else head[: width - 1] + "…")
+        text = plain(" ".join(h.content.split()))
+        for line in textwrap.wrap(text, width - 4, max_lines=3, placeholder=" …"):
+            click.echo("    " + line)
 
 
 def _search_other(ctx: Ctx, db: Any, query: str, embedder: Any, k: int, *, code: bool) -> None:

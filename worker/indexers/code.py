@@ -13,6 +13,7 @@ from worker.indexers.base import Indexer, IndexOptions, Planned, plan_vectors
 from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel
 from worker.store.db import Database
+from worker.store.fts import CODE, fts_write_item
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
 from worker.store.vec import VEC, vec_delete, vec_ready, vec_replace
@@ -79,6 +80,7 @@ class Code(Indexer):
             db.execute(_UPSERT_VECTOR, (chunk_id, model, dims, vector))
             if mirror:
                 vec_replace(db, "vec_work_code_chunks", chunk_id, vector)
+        fts_write_item(db, CODE, item.id, old)
         return repair_vectors(db, dims, item_id=item.id, orphans=orphans).total, 0
 
     def search(self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> Any:

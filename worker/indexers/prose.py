@@ -16,6 +16,7 @@ from worker.log import CHUNK, KI_EMBED
 from worker.providers.base import EmbeddingModel
 from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.db import Database
+from worker.store.fts import NOTES, fts_write_item
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
 from worker.store.vec import vec_delete, vec_ready, vec_replace
@@ -161,6 +162,7 @@ def write_notes(
     if mirror and vectors:
         vec_failed = _mirror_chunks(db, vectors, plan, ids, counter)
     _write_whole_item(db, item_id, plan, model, dims, mirror)
+    fts_write_item(db, NOTES, item_id, current)
     report = repair_vectors(db, dims, item_id=item_id, orphans=orphans, kept=set(keep.values()))
     if report.total:
         ilog.info(

@@ -6,8 +6,9 @@ from pathlib import Path
 
 from worker.settings import EmbeddingSettings, Settings
 from worker.store.db import Database, Resolution
+from worker.store.fts import sync_fts
 from worker.store.repair import RepairReport, repair_vectors
-from worker.store.schema import migrate
+from worker.store.schema import FTS_MIGRATION, migrate, schema_version
 from worker.store.vec import (
     VEC_TABLES,
     resolve_dimensions,
@@ -42,7 +43,10 @@ def connect(
     and the vec tables at the resolved dimension (rebuilt only when it changed)."""
     db = Database(path, busy_timeout_ms=busy_timeout_ms)
     try:
+        before = schema_version(db)
         migrate(db)
+        if before < FTS_MIGRATION:
+            sync_fts(db)  # the chunks a database already had get their keyword rows
         if vec:
             db.load_vec(vec_path)
         else:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from worker.errors import ItemNotFound
 from worker.store.db import Database
+from worker.store.fts import FTS_TABLES, fts_delete
 from worker.store.vec import vec_delete, vec_ready
 
 _LIVE_NOTE_CHUNKS = "SELECT c.id FROM note_chunks c JOIN knowledge_items i ON i.id = c.item_id"
@@ -82,6 +83,10 @@ def _delete(db: Database, ids: list[int]) -> None:
             chunks = db.all(f"SELECT id FROM {source} WHERE item_id IN ({marks})", ids)
             vec_delete(db, table, [r[0] for r in chunks])
         vec_delete(db, "vec_note_embeddings", ids)
+    for fts in FTS_TABLES:
+        if db.table_exists(fts.name):
+            chunks = db.all(f"SELECT id FROM {fts.chunks} WHERE item_id IN ({marks})", ids)
+            fts_delete(db, fts, [r[0] for r in chunks])
     # The relational rows go with the item: the trigger of migration 5 (and, on this
     # connection, the foreign keys' cascade).
     db.execute(f"DELETE FROM knowledge_items WHERE id IN ({marks})", ids)

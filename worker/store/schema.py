@@ -5,6 +5,7 @@ the resolved dimension and on the extension, so `worker.store.vec` creates them.
 from __future__ import annotations
 
 from worker.store.db import Database
+from worker.store.fts import FTS_TABLES, create_sql
 
 ITEM_KINDS = ("note", "file", "url", "code")
 STATUSES = ("pending", "indexing", "indexed", "partial", "failed", "skipped", "cancelled")
@@ -270,6 +271,11 @@ END;
 """,
     )
 )
+
+# The keyword index (worker.store.fts): one FTS5 table for prose chunks, one for code chunks,
+# filled by connect() for a database that already has chunks.
+FTS_MIGRATION = 6
+MIGRATIONS.append((FTS_MIGRATION, ";\n".join(create_sql(t.name) for t in FTS_TABLES) + ";\n"))
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from worker.log import KI_EMBED, get_logger
 from worker.settings import DEFAULT_DIMENSIONS, EmbeddingSettings
 from worker.store.db import Database, Resolution
+from worker.store.fts import sync_fts
 
 log = get_logger("kidx.store")
 
@@ -120,6 +121,7 @@ def sync_vec_tables(db: Database, dimensions: int) -> bool:
             {"d": dimensions},
         ).fetchall()
         set_meta(db, "vec_dimensions", str(dimensions))
+        sync_fts(db)  # rebuilt with the vec tables: a switch mends the keyword index too
     old = sorted({d for d in before.values() if d})
     (log.warning if old else log.info)(
         f"{KI_EMBED} vec tables rebuilt" if old else f"{KI_EMBED} vec tables created",

@@ -1,0 +1,194 @@
+"""The keyword index: SQLite FTS5 over each chunk's text, with its item's title and heading path,
+one table for prose (notes, files, URLs) and one for code; the row id is the chunk's id.
+
+Written in the chunk writer's transaction and deleted with the chunks, like the vec rows; what a
+host's plain-SQL delete leaves (or a dropped table) is mended by `sync_fts`, which the reconcile
+sweep runs: it needs no provider, the text is all in the chunk rows.
+
+The tables keep their own copy of the text (plain FTS5): a contentless table that can delete
+rows needs SQLite 3.43, and a host whose SQLite is older (Python 3.11's own is 3.40) could then
+not even delete an item (it fails on the unknown option).
+
+Identifiers. FTS5's unicode61 tokenizer splits at anything that is not a letter or a digit, so
+`response_model_exclude_unset`, `os.path.join` and `--no-deps` are indexed as their parts, and a
+query for the whole is a phrase of those parts (`keyword_query`). CamelCase is one token to it
+(`BackgroundTasks` -> `backgroundtasks`): the `parts` column adds the words of every such
+identifier, so `tasks` finds it too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from worker.store.db import Database
+from worker.store.text import shown
+
+# The porter stemmer over unicode61 (diacritics folded): `moves` meets `move`; measured against
+# plain unicode61 in bench/retrieval.py.
+TOKENIZE = "porter unicode61 remove_diacritics 2"
+
+
+@dataclass(frozen=True)
+class FtsTable:
+    name: str
+    chunks: str  # the chunk table it indexes
+    rows: str  # SELECT id, title, headings, content of its chunks (of live items)
+
+
+NOTES = FtsTable(
+    "note_chunks_fts",
+    "note_chunks",
+    "SELECT c.id, CAST(i.title AS BLOB), c.headings, c.content FROM note_chunks c "
+    "JOIN knowledge_items i ON i.id = c.item_id",
+)
+CODE = FtsTable(
+    "code_chunks_fts",
+    "code_chunks",
+    "SELECT c.id, CAST(c.path AS BLOB), '', c.content FROM code_chunks c "
+    "JOIN knowledge_items i ON i.id = c.item_id",
+)
+FTS_TABLES = (NOTES, CODE)
+
+
+def create_sql(name: str) -> str:
+    return (
+        f"CREATE VIRTUAL TABLE IF NOT EXISTS {name} USING fts5(title, headings, content, parts, "
+        f"tokenize='{TOKENIZE}')"
+    )
+
+
+# A token as unicode61 sees it (letters and digits; `_` separates), and the words of a
+# CamelCase or letters-and-digits token.
+_TOKEN = re.compile(r"[^\W_]+")
+_WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
+
+
+def identifier_parts(text: str) -> str:
+    """The words inside CamelCase tokens (`BackgroundTasks` -> `Background Tasks`), once each."""
+    seen: dict[str, None] = {}
+    for token in _TOKEN.findall(text):
+        if token.islower() or token.isupper() or token.isdigit():
+            continue
+        words = _WORDS.findall(token)
+        if len(words) > 1:
+            seen.update((w.lower(), None) for w in words)
+    return " ".join(seen)
+
+
+def _row(chunk_id: int, title: object, headings: object, content: object) -> tuple:
+    """Text columns a host may have written as any bytes are read as text to show."""
+    fields = [shown(title), shown(headings), shown(content)]
+    return (chunk_id, *fields, identifier_parts(" ".join(fields)))
+
+
+def fts_delete(db: Database, table: FtsTable, chunk_ids: Iterable[int]) -> None:
+    db.executemany(f"DELETE FROM {table.name} WHERE rowid = ?", [(i,) for i in chunk_ids])
+
+
+def fts_write(
+    db: Database, table: FtsTable, rows: Iterable[tuple[int, object, object, object]]
+) -> None:
+    """(chunk id, title, headings, content) rows, replacing what those ids had."""
+    rows = [_row(*r) for r in rows]
+    fts_delete(db, table, [r[0] for r in rows])
+    db.executemany(
+        f"INSERT INTO {table.name}(rowid, title, headings, content, parts) VALUES (?, ?, ?, ?, ?)",
+        rows,
+    )
+
+
+def fts_write_item(db: Database, table: FtsTable, item_id: int, old_ids: Iterable[int]) -> None:
+    """An item's chunks as they are now, in the caller's transaction; `old_ids`: the chunk ids
+    it had before (their rows go). A dropped table is left to the sweep (`sync_fts`): the
+    keyword index must not stop the chunks from being written."""
+    if not db.table_exists(table.name):
+        return
+    fts_delete(db, table, old_ids)
+    fts_write(db, table, db.all(f"{table.rows} WHERE c.item_id = ?", (item_id,)))
+
+
+def fts_ready(db: Database) -> bool:
+    return all(db.table_exists(t.name) for t in FTS_TABLES)
+
+
+def fts_counts(db: Database) -> dict[str, dict[str, int]]:
+    """Per table: rows with no live chunk (`stale`), live chunks with no row (`missing`)."""
+    out = {}
+    for t in FTS_TABLES:
+        if not db.table_exists(t.name):
+            out[t.name] = {
+                "stale": 0,
+                "missing": int(db.scalar(f"SELECT count(*) FROM ({t.rows})")),
+            }
+            continue
+        live = f"SELECT id FROM ({t.rows})"
+        out[t.name] = {
+            "stale": int(db.scalar(f"SELECT count(*) FROM {t.name} WHERE rowid NOT IN ({live})")),
+            "missing": int(
+                db.scalar(
+                    f"SELECT count(*) FROM ({t.rows}) WHERE id NOT IN (SELECT rowid FROM {t.name})"
+                )
+            ),
+        }
+    return out
+
+
+def sync_fts(db: Database) -> dict[str, int]:
+    """Make each keyword table hold exactly the live chunks: create a missing table, delete
+    rows no live chunk has, add the chunks that have none. In one transaction; what changed."""
+    changed: dict[str, int] = {}
+    with db.atomic():
+        for t in FTS_TABLES:
+            if not db.table_exists(t.name):
+                db.execute(create_sql(t.name))
+                changed[f"{t.name} created"] = 1
+            live = f"SELECT id FROM ({t.rows})"
+            stale = [
+                r[0] for r in db.all(f"SELECT rowid FROM {t.name} WHERE rowid NOT IN ({live})")
+            ]
+            fts_delete(db, t, stale)
+            missing = db.all(
+                f"SELECT * FROM ({t.rows}) WHERE id NOT IN (SELECT rowid FROM {t.name})"
+            )
+            fts_write(db, t, missing)
+            if stale:
+                changed[f"{t.name} stale"] = len(stale)
+            if missing:
+                changed[f"{t.name} missing"] = len(missing)
+    return changed
+
+
+# -- queries ---------------------------------------------------------------------------------
+
+# Words that carry no keyword signal in a question; dropped from a query that has others.
+_STOP_WORDS = (
+    "a an and are as at be by can do does did for from has have how i if in into is it its of "
+    "on or so than that the their then there these they this to was what when where which who "
+    "why will with would you your"
+)
+_STOP = frozenset(_STOP_WORDS.split())
+MAX_TERMS = 64
+
+
+def keyword_query(text: str) -> str | None:
+    """An FTS5 MATCH expression for any user text, or None when it has no indexable word.
+
+    Every term is a quoted string, so nothing the user typed is an operator (`AND`, `NEAR`,
+    `-`, `*`, `^`, `:`, parentheses, quotes); terms are OR-ed and BM25 ranks. A token of several
+    parts (`response_model_exclude_unset`, `os.path`) is also searched as a phrase, the whole
+    identifier; a CamelCase token also by its words."""
+    terms: dict[str, None] = {}
+    words: dict[str, None] = {}
+    for raw in text.split():
+        tokens = [t.lower() for t in _TOKEN.findall(raw)]
+        if len(tokens) > 1:
+            terms['"' + " ".join(tokens) + '"'] = None
+        for t in tokens:
+            words[t] = None
+        words.update((w, None) for w in identifier_parts(raw).split())
+    kept = [w for w in words if w not in _STOP] or list(words)
+    terms.update((f'"{w}"', None) for w in kept)
+    chosen = list(terms)[:MAX_TERMS]
+    return " OR ".join(chosen) if chosen else None
