@@ -35,6 +35,7 @@ from worker.reconcile import last_sweeps
 from worker.settings import Settings
 from worker.sources.urls import safe_url
 from worker.store import VEC_TABLES, Database, resolve_dimensions, vec_table_dimensions
+from worker.store.fts import FTS_TABLES, fts_counts, fts_intact
 from worker.store.removal import leftovers
 from worker.store.schema import SCHEMA_VERSION, schema_version
 
@@ -191,6 +192,28 @@ def check_leftovers(settings: Settings, timeout: float) -> str:
         shown = ", ".join(f"{kind} {n}" for kind, n in found.items())
         raise Fail(f"rows of deleted items left behind: {shown}", RECONCILE)
     return "no rows of deleted items"
+
+
+def check_keywords(settings: Settings, timeout: float) -> str:
+    """The keyword index against the chunks (worker.store.fts): one row per live chunk."""
+    with _store(settings, timeout) as db:
+        counts = fts_counts(db)
+        missing_tables = [t.name for t in FTS_TABLES if not db.table_exists(t.name)]
+        broken = [
+            t.name for t in FTS_TABLES if t.name not in missing_tables and not fts_intact(db, t)
+        ]
+    problems = [f"{name} is missing" for name in missing_tables]
+    problems += [f"{name}: its index does not match its text" for name in broken]
+    for name, c in counts.items():
+        if name in missing_tables:
+            continue
+        if c["missing"]:
+            problems.append(f"{_n(c['missing'], 'chunk')} without a row in {name}")
+        if c["stale"]:
+            problems.append(f"{_n(c['stale'], 'stale row')} in {name}")
+    if problems:
+        raise Fail("; ".join(problems), RECONCILE)
+    return "one keyword row per chunk in " + ", ".join(counts)
 
 
 def check_failed(settings: Settings, timeout: float) -> str:
@@ -390,6 +413,7 @@ CHECKS: dict[str, CheckFn] = {
     "dimensions": check_dimensions,
     "rows": check_rows,
     "leftovers": check_leftovers,
+    "keywords": check_keywords,
     "redis": check_redis,
     "workers": check_workers,
     "beat": check_beat,

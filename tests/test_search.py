@@ -18,13 +18,14 @@ from click.testing import CliRunner
 
 from conftest import DIMS, FakeEmbedder, corpus_text, keyword_rows_problems, standin_settings
 from host import host
+from ops.doctor import Fail, check_keywords
 from worker import retrieval
 from worker.bulk import index_item
 from worker.errors import InvalidInput
 from worker.indexers import IndexOptions
 from worker.reconcile import reconcile
 from worker.retrieval import Filters, search_chunks
-from worker.settings import FilesSettings
+from worker.settings import FilesSettings, load_settings
 from worker.sources import Reader
 from worker.store import connect
 from worker.store.fts import identifier_parts, keyword_query
@@ -68,7 +69,7 @@ def notes_db(db, fake):
 
 
 def test_keyword_rows_equal_chunk_rows_through_edits_deletes_a_host_and_a_dropped_table(
-    notes_db, fake
+    notes_db, fake, emb_settings
 ):
     db, ids = notes_db
     code = add_item(
@@ -96,10 +97,14 @@ def test_keyword_rows_equal_chunk_rows_through_edits_deletes_a_host_and_a_droppe
     assert keyword_rows_problems(db) != []
     hits = search_chunks(db, "Box heap pointer", None, mode="keyword", k=50).hits
     assert ids[CHAPTERS[2]] not in {h.item_id for h in hits}  # stale rows are never returned
+    settings = load_settings(db=db.path, embedding=emb_settings.model_dump())
+    with pytest.raises(Fail, match=r"stale rows? in note_chunks_fts"):
+        check_keywords(settings, 5)  # kidx doctor names them
     calls = len(fake.calls)
     drift = reconcile(db, model=fake.model_id, max_items=100)
     assert drift.repaired["keyword_rows"]["note_chunks_fts stale"] > 0
     assert keyword_rows_problems(db) == [] and len(fake.calls) == calls
+    assert "one keyword row per chunk" in check_keywords(settings, 5)
 
     # A dropped table: writes go on (the chunks are the truth), the sweep rebuilds it.
     host(db.path, ("DROP TABLE note_chunks_fts", []))
@@ -107,10 +112,30 @@ def test_keyword_rows_equal_chunk_rows_through_edits_deletes_a_host_and_a_droppe
     assert index_item(db, edited, embedder=fake).status == "indexed"
     result = search_chunks(db, "ownership", None, mode="keyword")
     assert result.hits == [] and "missing" in (result.reason or "")
+    with pytest.raises(Fail, match="note_chunks_fts is missing"):
+        check_keywords(settings, 5)
     calls = len(fake.calls)
     reconcile(db, model=fake.model_id, max_items=100)
     assert keyword_rows_problems(db) == [] and len(fake.calls) == calls
     assert search_chunks(db, "HashMap insert", None, mode="keyword").hits
+
+    # Its index no longer matching its text (a host wrote into its shadow table; a full disk
+    # under a worker did the same once): doctor says so, the sweep builds it again.
+    host(
+        db.path,
+        (
+            "UPDATE note_chunks_fts_content SET c2 = 'altered' "
+            "WHERE id IN (SELECT id FROM note_chunks_fts_content LIMIT 3)",
+            [],
+        ),
+    )
+    assert db.scalar("PRAGMA integrity_check") != "ok"
+    with pytest.raises(Fail, match="does not match its text"):
+        check_keywords(settings, 5)
+    drift = reconcile(db, model=fake.model_id, max_items=100)
+    assert drift.repaired["keyword_rows"]["note_chunks_fts rebuilt"] == 1
+    assert db.scalar("PRAGMA integrity_check") == "ok" and keyword_rows_problems(db) == []
+    assert not search_chunks(db, "altered", None, mode="keyword").hits
 
 
 def test_a_model_switch_rebuilds_the_keyword_index_with_the_vec_tables(tmp_path, standin):

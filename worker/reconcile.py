@@ -88,7 +88,7 @@ def reconcile(
     report = repair_vectors(db, dims)
     drift.repaired = {
         "leftovers_removed": removed,
-        "keyword_rows": sync_fts(db),
+        "keyword_rows": sync_fts(db, verify=True),
         "restored": report.restored,
         "orphans_deleted": report.orphans_deleted,
     }

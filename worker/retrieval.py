@@ -22,6 +22,7 @@ item (a UI's note list); `search()` is that, vector-only, in the older result sh
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -41,7 +42,7 @@ KNN_MAX = 4096  # sqlite-vec 0.1's limit on k
 MAX_K = 1000
 # Hybrid: each side's candidate list is at least this deep, whatever k, so that a chunk's fused
 # score (and so one item's best chunk) does not depend on k.
-HYBRID_DEPTH = 200
+HYBRID_DEPTH = 40
 RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al.): rank r scores 1 / (60 + r)
 # A filter matching at most this many chunks is searched exactly over its own chunks; a wider
 # one through KNN, asking for more rows until k pass the filter.
@@ -177,17 +178,19 @@ def search_chunks(
         ranked: list[tuple[list[int], str]] = []  # chunk ids best first, and their path
         scores: dict[int, float] = {}
         more = False
-        if match is not None:
-            found = _keyword(db, match, n, filters)
-            ranked.append(([c for c, _ in found], "fts"))
-            scores.update((c, -s) for c, s in found)
-            more |= len(found) == n
+        keyword = _Beside(db, match, n, filters, vector is not None) if match else None
         if vector is not None and embedder is not None:
             found, via, reason = _vector(db, vector, n, embedder.model_id, filters)
             ranked.append(([c for c, _ in found], via))
             if mode == Mode.VECTOR:
                 scores = {c: 1.0 - d for c, d in found}
             more |= len(found) == n
+        if keyword is not None:
+            found_kw = keyword.result()
+            ranked.insert(0, ([c for c, _ in found_kw], "fts"))
+            if mode == Mode.KEYWORD:
+                scores = {c: -s for c, s in found_kw}
+            more |= len(found_kw) == n
         if len(ranked) > 1:
             order, scores, paths = _fuse(ranked)
         else:
@@ -205,16 +208,7 @@ def search_chunks(
 
 def _items_in(db: Database, chunk_ids: list[int]) -> int:
     """How many items these chunks come from."""
-    items: set[int] = set()
-    for start in range(0, len(chunk_ids), 500):
-        part = chunk_ids[start : start + 500]
-        items.update(
-            r[0]
-            for r in db.all(
-                f"SELECT item_id FROM note_chunks WHERE id IN ({','.join('?' * len(part))})", part
-            )
-        )
-    return len(items)
+    return len({r[0] for r in _rows(db, "c.item_id", chunk_ids)})
 
 
 def _fuse(
@@ -232,6 +226,39 @@ def _fuse(
 
 
 # -- keyword ---------------------------------------------------------------------------------
+
+
+class _Beside:
+    """The keyword side of a search, on the database's second connection in a thread of its
+    own while this thread runs the vector side (SQLite and numpy release the GIL): a hybrid
+    search then costs about the slower side, not the sum. In line, on the same connection,
+    when there is no vector side or no second connection (an in-memory database)."""
+
+    def __init__(self, db: Database, match: str, n: int, filters: Filters, parallel: bool) -> None:
+        self.found: list[tuple[int, float]] = []
+        self.error: BaseException | None = None
+        reader = db.reader() if parallel else None
+        self.thread: threading.Thread | None = None
+        if reader is None:
+            self.found = _keyword(db, match, n, filters)
+            return
+        self.thread = threading.Thread(
+            target=self._run, args=(reader, match, n, filters), name="kidx-keyword", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, reader: Database, match: str, n: int, filters: Filters) -> None:
+        try:
+            self.found = _keyword(reader, match, n, filters)
+        except BaseException as e:  # raised again in the caller's thread
+            self.error = e
+
+    def result(self) -> list[tuple[int, float]]:
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.found
 
 
 def _keyword(db: Database, match: str, n: int, filters: Filters) -> list[tuple[int, float]]:
@@ -300,7 +327,7 @@ def _knn(
     or the table has no more; None past sqlite-vec's k limit (the caller scans exactly)."""
     blob = np.asarray(vector, dtype="<f4").tobytes()
     where, params = filters.where()
-    fetch = min(max(2 * n, 32), KNN_MAX)
+    fetch = min(max(n + n // 8, 32), KNN_MAX)  # a few more: some rows may not pass
     while True:
         rows = db.all(
             f"SELECT v.chunk_id, v.distance, (i.id IS NOT NULL AND r.model = ?{where}) "
@@ -356,29 +383,36 @@ def _load(
     k: int,
     per_item: bool,
 ) -> list[ChunkHit]:
-    """The hits, best first, k of them (one per item with `per_item`)."""
-    rows: dict[int, tuple[Any, ...]] = {}
-    for start in range(0, len(order), 500):
-        part = order[start : start + 500]
-        for row in db.all(
-            "SELECT c.id, c.item_id, CAST(i.title AS BLOB), i.kind, CAST(i.source AS BLOB), "
+    """The hits, best first, k of them (one per item with `per_item`): only their rows are
+    read whole (a hybrid search ranks hundreds of candidates)."""
+    chosen = order[:k]
+    if per_item:
+        item_of = dict(_rows(db, "c.id, c.item_id", order))
+        seen: set[int] = set()
+        chosen = []
+        for chunk_id in order:
+            item = item_of.get(chunk_id)
+            if item is not None and item not in seen:
+                seen.add(item)
+                chosen.append(chunk_id)
+                if len(chosen) == k:
+                    break
+    rows = {
+        int(r[0]): r
+        for r in _rows(
+            db,
+            "c.id, c.item_id, CAST(i.title AS BLOB), i.kind, CAST(i.source AS BLOB), "
             "c.chunk_index, CAST(c.headings AS BLOB), c.start_offset, c.end_offset, "
-            "CAST(c.content AS BLOB) FROM note_chunks c JOIN knowledge_items i "
-            f"ON i.id = c.item_id WHERE c.id IN ({','.join('?' * len(part))})",
-            part,
-        ):
-            rows[int(row[0])] = row
+            "CAST(c.content AS BLOB)",
+            chosen,
+        )
+    }
     hits: list[ChunkHit] = []
-    items: set[int] = set()
-    for chunk_id in order:
+    for chunk_id in chosen:
         row = rows.get(chunk_id)
-        if row is None:
+        if row is None:  # gone since it was ranked
             continue
         _, item_id, title, kind, source, index, headings, start, end, content = row
-        if per_item:
-            if item_id in items:
-                continue
-            items.add(item_id)
         path = shown(headings)  # a host's bytes are shown, never raised (store.text)
         hits.append(
             ChunkHit(
@@ -396,9 +430,20 @@ def _load(
                 chunk_id=chunk_id,
             )
         )
-        if len(hits) == k:
-            break
     return hits
+
+
+def _rows(db: Database, columns: str, chunk_ids: list[int]) -> list[tuple[Any, ...]]:
+    """`columns` of these live chunks (c: note_chunks, i: knowledge_items), 500 ids a query."""
+    out: list[tuple[Any, ...]] = []
+    for start in range(0, len(chunk_ids), 500):
+        part = chunk_ids[start : start + 500]
+        out += db.all(
+            f"SELECT {columns} FROM note_chunks c JOIN knowledge_items i ON i.id = c.item_id "
+            f"WHERE c.id IN ({','.join('?' * len(part))})",
+            part,
+        )
+    return out
 
 
 # -- one hit per item, vector only (the older API) -------------------------------------------
