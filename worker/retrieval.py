@@ -173,7 +173,7 @@ def search_chunks(
 
     # Candidates: the n best chunks of each side (hybrid: more than k, for the fusion). One hit
     # per item: the same lists, longer until they hold k items or all there is.
-    n = k if mode != Mode.HYBRID else max(4 * k, HYBRID_DEPTH)
+    depth = n = k if mode != Mode.HYBRID else max(4 * k, HYBRID_DEPTH)
     while True:
         ranked: list[tuple[list[int], str]] = []  # chunk ids best first, and their path
         scores: dict[int, float] = {}
@@ -192,7 +192,7 @@ def search_chunks(
                 scores = {c: -s for c, s in found_kw}
             more |= len(found_kw) == n
         if len(ranked) > 1:
-            order, scores, paths = _fuse(ranked)
+            order, scores, paths = _fuse(ranked, depth)
         else:
             order = ranked[0][0] if ranked else []
             paths = {c: ranked[0][1] for c in order}
@@ -212,20 +212,25 @@ def _items_in(db: Database, chunk_ids: list[int]) -> int:
 
 
 def _fuse(
-    ranked: Sequence[tuple[list[int], str]],
+    ranked: Sequence[tuple[list[int], str]], depth: int
 ) -> tuple[list[int], dict[int, float], dict[int, str]]:
-    """Reciprocal rank fusion: each list gives 1 / (RRF_K + rank) to each of its chunks."""
+    """Reciprocal rank fusion: each list gives 1 / (RRF_K + rank) to each of its first `depth`
+    chunks. Deeper ranks (the lists grow when one hit per item needs more items) only order
+    what no list scored, by their best rank: the fused order of the first `depth` does not
+    depend on how deep the lists went."""
     scores: dict[int, float] = {}
+    best_rank: dict[int, int] = {}
     paths: dict[int, list[str]] = {}
     for ids, path in ranked:
         for rank, chunk_id in enumerate(ids, 1):
-            scores[chunk_id] = scores.get(chunk_id, 0.0) + 1.0 / (RRF_K + rank)
+            if rank <= depth:
+                scores[chunk_id] = scores.get(chunk_id, 0.0) + 1.0 / (RRF_K + rank)
+            else:
+                scores.setdefault(chunk_id, 0.0)
+            best_rank[chunk_id] = min(rank, best_rank.get(chunk_id, rank))
             paths.setdefault(chunk_id, []).append(path)
-    order = sorted(scores, key=lambda c: (-scores[c], c))
+    order = sorted(scores, key=lambda c: (-scores[c], best_rank[c], c))
     return order, scores, {c: "+".join(p) for c, p in paths.items()}
-
-
-# -- keyword ---------------------------------------------------------------------------------
 
 
 class _Beside:
