@@ -22,7 +22,6 @@ item (a UI's note list); `search()` is that, vector-only, in the older result sh
 from __future__ import annotations
 
 import enum
-import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -178,15 +177,14 @@ def search_chunks(
         ranked: list[tuple[list[int], str]] = []  # chunk ids best first, and their path
         scores: dict[int, float] = {}
         more = False
-        keyword = _Beside(db, match, n, filters, vector is not None) if match else None
         if vector is not None and embedder is not None:
             found, via, reason = _vector(db, vector, n, embedder.model_id, filters)
             ranked.append(([c for c, _ in found], via))
             if mode == Mode.VECTOR:
                 scores = {c: 1.0 - d for c, d in found}
             more |= len(found) == n
-        if keyword is not None:
-            found_kw = keyword.result()
+        if match is not None:
+            found_kw = _keyword(db, match, n, filters)
             ranked.insert(0, ([c for c, _ in found_kw], "fts"))
             if mode == Mode.KEYWORD:
                 scores = {c: -s for c, s in found_kw}
@@ -231,39 +229,6 @@ def _fuse(
             paths.setdefault(chunk_id, []).append(path)
     order = sorted(scores, key=lambda c: (-scores[c], best_rank[c], c))
     return order, scores, {c: "+".join(p) for c, p in paths.items()}
-
-
-class _Beside:
-    """The keyword side of a search, on the database's second connection in a thread of its
-    own while this thread runs the vector side (SQLite and numpy release the GIL): a hybrid
-    search then costs about the slower side, not the sum. In line, on the same connection,
-    when there is no vector side or no second connection (an in-memory database)."""
-
-    def __init__(self, db: Database, match: str, n: int, filters: Filters, parallel: bool) -> None:
-        self.found: list[tuple[int, float]] = []
-        self.error: BaseException | None = None
-        reader = db.reader() if parallel else None
-        self.thread: threading.Thread | None = None
-        if reader is None:
-            self.found = _keyword(db, match, n, filters)
-            return
-        self.thread = threading.Thread(
-            target=self._run, args=(reader, match, n, filters), name="kidx-keyword", daemon=True
-        )
-        self.thread.start()
-
-    def _run(self, reader: Database, match: str, n: int, filters: Filters) -> None:
-        try:
-            self.found = _keyword(reader, match, n, filters)
-        except BaseException as e:  # raised again in the caller's thread
-            self.error = e
-
-    def result(self) -> list[tuple[int, float]]:
-        if self.thread is not None:
-            self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.found
 
 
 def _keyword(db: Database, match: str, n: int, filters: Filters) -> list[tuple[int, float]]:

@@ -49,34 +49,24 @@ def vec_library_path() -> str:
 class Database:
     """One SQLite connection with the project's settings and small query helpers."""
 
-    def __init__(
-        self, path: str | Path, *, busy_timeout_ms: int = 30_000, readonly: bool = False
-    ) -> None:
+    def __init__(self, path: str | Path, *, busy_timeout_ms: int = 30_000) -> None:
         self.path = Path(path)
-        if str(path) != ":memory:" and not readonly:
+        if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        flags = (
-            apsw.SQLITE_OPEN_READONLY
-            if readonly
-            else (apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE)
-        )
-        mode = "wal"
         try:
-            self.conn = apsw.Connection(str(path), flags=flags)
+            self.conn = apsw.Connection(str(path))
             self.busy_timeout_ms = busy_timeout_ms
             self.conn.set_busy_handler(self._busy)
-            if not readonly:
-                self.execute("PRAGMA foreign_keys = ON")
-                mode = self.scalar("PRAGMA journal_mode = WAL")
-                self.execute("PRAGMA synchronous = NORMAL")
+            self.execute("PRAGMA foreign_keys = ON")
+            mode = self.scalar("PRAGMA journal_mode = WAL")
+            self.execute("PRAGMA synchronous = NORMAL")
         except apsw.Error as e:
             raise StoreError(f"cannot open database {path}: {e}") from None
         if str(path) != ":memory:" and str(mode).lower() != "wal":
             raise StoreError(f"cannot switch {path} to WAL (journal_mode is {mode})")
-        self._reader: Database | None = None
         # Checkpoints off the committing thread (worker/store/checkpoint.py says why).
         self._checkpointer: Checkpointer | None = None
-        if str(path) != ":memory:" and not readonly:
+        if str(path) != ":memory:":
             self._checkpointer = Checkpointer(str(path))
             self.conn.set_wal_hook(self._checkpointer.hook)
         self.vec_loaded = False
@@ -248,17 +238,7 @@ class Database:
             raise StoreError("dimensions are resolved by connect(); this Database was opened bare")
         return self.resolution.dimensions
 
-    def reader(self) -> Database | None:
-        """A second, read-only connection to the same file, opened once: a read that runs in
-        a thread beside this connection's (a hybrid search's keyword side). None in memory."""
-        if self._reader is None and str(self.path) != ":memory:":
-            self._reader = Database(self.path, busy_timeout_ms=self.busy_timeout_ms, readonly=True)
-            self._reader.resolution = self.resolution
-        return self._reader
-
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
         self.conn.close()
         if self._checkpointer is not None:  # its connection last: it leaves no -wal behind
             self._checkpointer.close()

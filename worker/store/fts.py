@@ -180,11 +180,18 @@ def sync_fts(db: Database, *, verify: bool = False) -> dict[str, int]:
 
 # -- queries ---------------------------------------------------------------------------------
 
-# Words that carry no keyword signal in a question; dropped from a query that has others.
+# Words that carry no keyword signal in a question, dropped from a query that has others: each
+# matches a large share of all chunks, and BM25 must score every chunk a term matches (at 100k
+# chunks a question's common words cost most of a keyword search; bench/search_modes.py).
 _STOP_WORDS = (
-    "a an and are as at be by can do does did for from has have how i if in into is it its of "
-    "on or so than that the their then there these they this to was what when where which who "
-    "why will with would you your"
+    "a about above after again against all also am an and any are as at be because been before "
+    "being below between both but by can could did do does doing down during each few for from "
+    "further had has have having he her here hers him his how i if in into is it its itself just "
+    "me more most my no nor not now of off on once only or other our out over own same she "
+    "should so some such than that the their theirs them then there these they this those "
+    "through to too under until up very was we were what when where which while who whom why "
+    "will with would you your yours many much according regarding given give gives used use "
+    "using make made get got way well"
 )
 _STOP = frozenset(_STOP_WORDS.split())
 MAX_TERMS = 64
@@ -206,7 +213,9 @@ def keyword_query(text: str) -> str | None:
         for t in tokens:
             words[t] = None
         words.update((w, None) for w in identifier_parts(raw).split())
-    kept = [w for w in words if w not in _STOP] or list(words)
+    # One letter or digit alone (the `s` of "Biden's", split off by the tokenizer) matches
+    # everything and means nothing; the phrase keeps it where it belongs.
+    kept = [w for w in words if w not in _STOP and len(w) > 1] or list(words)
     terms.update((f'"{w}"', None) for w in kept)
     chosen = list(terms)[:MAX_TERMS]
     return " OR ".join(chosen) if chosen else None
