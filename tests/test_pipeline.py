@@ -17,7 +17,7 @@ from worker.sources import Reader
 from worker.store import connect
 from worker.store.items import add_item, get_state, list_chunks, update_content
 
-CHAPTER = "ch10-02-traits.md"  # 20 chunks
+CHAPTER = "ch10-02-traits.md"  # 20 chunks or more
 
 
 def embedding_inputs(title: str, text: str, previous=None) -> list[str]:
@@ -64,9 +64,9 @@ def test_first_run_embeds_every_chunk_and_mirrors_it(db, embedder, standin):
     item = add_item(db, kind="note", title="Traits", content=text)
     result = index_item(db, item, embedder=embedder)
     expected = embedding_inputs("Traits", text)
-    assert result.status == "indexed" and result.chunks == len(expected) == 20
+    assert result.status == "indexed" and result.chunks == len(expected) >= 20
     assert sorted(standin.texts) == sorted(expected)
-    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == 20
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == len(expected)
     rows = db.all(
         "SELECT content, start_offset, end_offset FROM note_chunks WHERE item_id = ?", (item,)
     )
@@ -125,7 +125,8 @@ def test_missing_vec_rows_are_restored_and_orphans_deleted_without_a_provider_ca
     db, embedder, standin
 ):
     item = add_item(db, kind="note", title="Traits", content=corpus_text(CHAPTER))
-    index_item(db, item, embedder=embedder)
+    n = index_item(db, item, embedder=embedder).chunks
+    assert n >= 20
     ids = [r[0] for r in db.all("SELECT id FROM note_chunks WHERE item_id = ? LIMIT 4", (item,))]
     for cid in ids:
         db.execute("DELETE FROM vec_chunk_embeddings WHERE chunk_id = ?", (cid,))
@@ -133,12 +134,12 @@ def test_missing_vec_rows_are_restored_and_orphans_deleted_without_a_provider_ca
     db.execute(
         "INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (987654, ?)", (orphan,)
     )
-    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == 20 - 4 + 1
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == n - 4 + 1
     requests = standin.requests
     result = index_item(db, item, embedder=embedder)
     assert standin.requests == requests  # no provider call at all
     assert result.repaired == 5
-    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == 20
+    assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == n
     assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings WHERE chunk_id = 987654") == 0
 
 
@@ -403,19 +404,30 @@ def fail_vec_writes_of(db, marker: str) -> None:
 def test_a_failed_vec_write_leaves_that_chunk_unmirrored_and_the_item_partial(db, embedder):
     text = corpus_text(CHAPTER)
     chunks = chunk_structure(text)
-    word = next(w for w in chunks[7].content.split() if w.isalpha() and len(w) > 6)
-    text = text.replace(chunks[7].content, chunks[7].content.replace(word, "VECFAULT", 1))
+
+    def word_of(k: int) -> str | None:
+        """A word only chunk k holds (its neighbours' overlaps hold some of its text)."""
+        near = chunks[k - 1].content + chunks[k + 1].content
+        return next(
+            (w for w in chunks[k].content.split() if w.isalpha() and len(w) > 6 and w not in near),
+            None,
+        )
+
+    at = next(k for k in range(7, len(chunks) - 1) if word_of(k))
+    word = word_of(at)
+    assert word is not None
+    text = text.replace(chunks[at].content, chunks[at].content.replace(word, "VECFAULT", 1))
     fail_vec_writes_of(db, "VECFAULT")
     item = add_item(db, kind="note", title="Traits", content=text)
     result = index_item(db, item, embedder=embedder)
     assert result.status == "partial" and result.failed == 1
     assert "vec write" in get_state(db, item)["last_error"]
-    assert db.scalar("SELECT count(*) FROM note_chunk_embeddings") == 20  # the truth is whole
+    assert db.scalar("SELECT count(*) FROM note_chunk_embeddings") == result.chunks  # whole
     unmirrored = db.all(
         "SELECT c.chunk_index FROM note_chunks c WHERE c.id NOT IN "
         "(SELECT chunk_id FROM vec_chunk_embeddings)"
     )
-    assert [r[0] for r in unmirrored] == [7]
+    assert [r[0] for r in unmirrored] == [at]
 
 
 def test_three_failed_vec_writes_in_a_row_roll_the_item_back(db, embedder):
