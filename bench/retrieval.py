@@ -1,6 +1,6 @@
 """Retrieval quality of chunkers on the chunking benchmark of Smith & Troynikov (Chroma, 2024).
 
-    python bench/retrieval.py [--corpus DIR] [--targets 300,400,500,600,800,1500]
+    python bench/retrieval.py [--corpus DIR] [--targets 300,500,600,650,700,800,1500]
                               [--inputs chunk,kidx] [--no-peers] [--k 5] [--json PATH]
 
 The five corpora and 472 questions of ../shared/corpus/chroma-chunking (read from there, never
@@ -58,7 +58,7 @@ from worker.settings import LOCAL_DEFAULT_MODEL  # noqa: E402
 
 DEFAULT_CORPUS = ROOT.parent / "shared" / "corpus" / "chroma-chunking"
 RUSTBOOK = ROOT.parent / "shared" / "corpus" / "rustbook"
-DEFAULT_TARGETS = (300, 400, 500, 600, 800, MAX_CHUNK_SIZE)
+DEFAULT_TARGETS = (300, 500, 600, 650, 700, 800, MAX_CHUNK_SIZE)
 
 # -- data --------------------------------------------------------------------------------------
 
