@@ -23,9 +23,11 @@ Rows:
 - the seed application's structural chunker, ported here from its rules (LESSONS.md, the seed
   document), not from the product: see `seed_chunker`.
 
-A later step adds rows that go end to end through kidx (`kidx_rows`). Also printed: what each
-target does to the Rust book (chunk count, median size), without embedding. Embeddings are
-cached per (chunker, input) within the run only.
+Then kidx end to end (`kidx_rows`): the corpora added as notes to a fresh database, indexed by
+the pipeline, queried through `search_chunks` in each mode (vector, keyword, hybrid). Also
+printed: what each target does to the Rust book (chunk count, median size), without embedding;
+and search latency per mode at 10k and 100k chunks as ratios to vector-only
+(bench/search_modes.py). Embeddings are cached per (chunker, input) within the run only.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import json
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +57,8 @@ from worker.chunking.base import (  # noqa: E402
     TARGET_CHUNK_SIZE,
 )
 from worker.chunking.structure import chunk_structure  # noqa: E402
+from worker.log import configure_logging  # noqa: E402
+from worker.providers.base import EmbeddingModel  # noqa: E402
 from worker.settings import LOCAL_DEFAULT_MODEL  # noqa: E402
 
 DEFAULT_CORPUS = ROOT.parent / "shared" / "corpus" / "chroma-chunking"
@@ -366,13 +371,82 @@ class Bench:
         return row
 
 
+class _Vectors(EmbeddingModel):
+    """The pipeline's embedder for the end-to-end rows: kidx's local model through the bench's
+    Embedder, each text's vector kept for the run (the same chunks as the `kidx` input row at
+    the default target, and the questions, are not embedded twice)."""
+
+    model_id = LOCAL_DEFAULT_MODEL
+    batch_size = 64
+
+    def __init__(self, embedder: Embedder, known: dict[str, np.ndarray]) -> None:
+        self.embedder, self.known, self.dimensions = embedder, known, 384
+
+    def embed_batch(self, texts: list[str]) -> np.ndarray:
+        missing = [t for t in dict.fromkeys(texts) if t not in self.known]
+        if missing:
+            self.known.update(zip(missing, self.embedder.embed(missing), strict=True))
+        return np.stack([self.known[t] for t in texts])
+
+
 def kidx_rows(bench: Bench) -> dict[str, dict]:
     """kidx end to end: the five corpora added as notes to a fresh database, indexed by the
-    pipeline with the local model (its own embedder input), queried through kidx's chunk
-    search in each mode (vector, keyword, hybrid), top k chunks, scored by `evaluate` on the
-    hits' (corpus, start_offset, end_offset). The chunk-level search is being built in
-    worker/retrieval.py; until it is, there are no such rows."""
-    return {}
+    pipeline with the local model (its own embedder input, its default target), queried
+    through `search_chunks` in each mode, top k chunks, scored by `evaluate` on the hits'
+    (corpus, start_offset, end_offset)."""
+    from worker.bulk import index_item
+    from worker.retrieval import Mode, search_chunks
+    from worker.settings import EmbeddingSettings
+    from worker.store import connect
+    from worker.store.items import add_item
+
+    name = f"kidx structure target {TARGET_CHUNK_SIZE}"
+    pieces = [
+        p
+        for cid, text in bench.texts.items()
+        for p in kidx_chunker(TARGET_CHUNK_SIZE, "kidx")(cid, text, f"{cid}.md")
+    ]
+    known = dict(
+        zip(
+            [p.embed for p in pieces],
+            bench.embedder.cached((name, "kidx"), [p.embed for p in pieces]),
+            strict=True,
+        )
+    )
+    known.update(zip([q.text for q in bench.questions], bench.queries(), strict=True))
+    model = _Vectors(bench.embedder, known)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        db = connect(Path(tmp) / "bench.db", embedding=EmbeddingSettings(provider="local"))
+        corpus_of = {}
+        for cid, text in bench.texts.items():
+            item = add_item(db, kind="note", title=f"{cid}.md", content=text)
+            corpus_of[item] = cid
+            if index_item(db, item, embedder=model).status != "indexed":
+                sys.exit(f"kidx did not index {cid}")
+        sizes = [r[0] for r in db.all("SELECT end_offset - start_offset FROM note_chunks")]
+        for mode in Mode:
+            t0 = time.perf_counter()
+            retrieved = [
+                [
+                    (corpus_of[h.item_id], h.start_offset, h.end_offset)
+                    for h in search_chunks(db, q.text, model, k=bench.k, mode=mode).hits
+                ]
+                for q in bench.questions
+            ]
+            row = {
+                "chunker": f"kidx search_chunks, {mode}" + (" (default)" * (mode == Mode.HYBRID)),
+                "input": "kidx",
+                "chunks": len(sizes),
+                "median": statistics.median(sizes),
+                **evaluate(bench.questions, retrieved),
+                "embed_s": 0.0,
+                "query_ms": (time.perf_counter() - t0) * 1000 / len(bench.questions),
+            }
+            rows[row["chunker"]] = row
+            print_row(row, flush=True)
+        db.close()
+    return rows
 
 
 # -- the Rust book: what a target does to its chunks ------------------------------------------
@@ -444,6 +518,12 @@ def main() -> None:
     ap.add_argument("--inputs", default="chunk,kidx", help="embedder inputs for kidx rows")
     ap.add_argument("--no-peers", action="store_true", help="kidx rows only")
     ap.add_argument("--k", type=int, default=5)
+    ap.add_argument(
+        "--latency-sizes",
+        default="10000,100000",
+        help="chunk counts for the latency table ('' for none)",
+    )
+    ap.add_argument("--no-e2e", action="store_true", help="no rows through kidx's own search")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "retrieval.json")
     args = ap.parse_args()
     if not (args.corpus / "questions_df.csv").is_file():
@@ -453,6 +533,7 @@ def main() -> None:
     if any(i not in ("chunk", "kidx") for i in inputs):
         sys.exit("--inputs: chunk, kidx")
 
+    configure_logging(level="warning")  # the pipeline's info lines would break the table
     texts, questions = load(args.corpus)
     bench = Bench(texts, questions, Embedder(), args.k)
     print(
@@ -467,10 +548,19 @@ def main() -> None:
     for t in targets:
         for i in inputs:
             bench.chunker_row(f"kidx structure target {t}", i, kidx_chunker(t, i))
-    bench.rows.update(kidx_rows(bench))
+    if not args.no_e2e:
+        bench.rows.update(kidx_rows(bench))
     sizes = rustbook_sizes(args.rustbook, targets) if args.rustbook.is_dir() else {}
     if sizes:
         print_rustbook(sizes)
+    latency = []
+    if args.latency_sizes:
+        from search_modes import measure, print_table  # bench/search_modes.py
+
+        print("\nsearch latency per mode (bench/search_modes.py), k = 5")
+        for size in (int(x) for x in args.latency_sizes.split(",")):
+            latency += measure(size, 384, 40, 5, 7)
+        print_table(latency)
     result = {
         "corpus": str(args.corpus),
         "model": LOCAL_DEFAULT_MODEL,
@@ -479,6 +569,7 @@ def main() -> None:
         "default_target": TARGET_CHUNK_SIZE,
         "rows": bench.rows,
         "rustbook": sizes,
+        "latency": latency,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
