@@ -92,6 +92,15 @@ def embedder(db: Database, emb_settings: EmbeddingSettings) -> Iterator[Embeddin
     model.close()
 
 
+def integrity(db: Any) -> str:
+    """PRAGMA integrity_check on a long-lived connection: its FTS5 tables first read what other
+    connections wrote (worker.store.fts.refresh_fts says why)."""
+    from worker.store.fts import refresh_fts
+
+    refresh_fts(db)
+    return str(db.scalar("PRAGMA integrity_check"))
+
+
 def keyword_rows_problems(db: Any) -> list[str]:
     """Keyword rows against chunk rows, both tables: what differs (nothing, when in order)."""
     problems = []

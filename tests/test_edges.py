@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from conftest import integrity
 from host import host
 from stack import API_KEY, REDIS_DB, SPARE_DB, Stack, flush, free_port, start_flower, wait_for
 from tasks import GROUP, KNOWLEDGE_ITEM, NOTE
@@ -29,7 +30,6 @@ from tasks.lock import lock_key
 from tasks.producer import add_note, delete_item, enqueue, send_batch, send_group
 from testkit.standin import StandIn
 from worker.errors import BrokerUnavailable
-from worker.store.fts import sync_fts
 from worker.store.items import add_item
 
 # Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
@@ -646,7 +646,7 @@ def test_space_exhausted_mid_batch_fails_items_cleanly_and_writing_resumes(
     failed = {i: o for i, o in out.items() if not isinstance(o, IndexResult)}
     assert failed and all("database or disk is full" in str(o) for o in failed.values())
     assert db.conn.get_autocommit()  # no transaction left open
-    assert db.scalar("PRAGMA integrity_check") == "ok"
+    assert integrity(db) == "ok"
     for item in failed:  # nothing half-written: a failed item keeps what it had
         chunks = db.all("SELECT id, content FROM note_chunks WHERE item_id = ?", (item,))
         assert chunks == (before if item == first else [])
@@ -715,11 +715,7 @@ def test_a_full_disk_under_a_worker_fails_items_with_the_reason_and_it_recovers(
             jobs = s.db.all("SELECT state FROM index_jobs WHERE task_id LIKE ?", (f"{group}:%",))
             assert "success" not in {j[0] for j in jobs}  # no run claims what was rolled back
             filler.unlink()  # the space returns: the same worker processes index again
-            # The keyword index (derived from the chunks) may not match its text after writes
-            # that met a full disk: the sweep's check builds it again (FTS5's own check is
-            # part of integrity_check); everything else is intact as it is.
-            sync_fts(s.db, verify=True)
-            wait_for(lambda: s.db.scalar("PRAGMA integrity_check") == "ok", 10, "integrity")
+            wait_for(lambda: integrity(s.db) == "ok", 10, "integrity")
             for n in notes:
                 assert s.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (n,)) == 0
             values = [s.app.send_task(NOTE, args=[n]).get(timeout=60) for n in notes]

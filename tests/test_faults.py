@@ -34,7 +34,7 @@ import pytest
 import redis
 from celery import Celery
 
-from conftest import keyword_rows_problems
+from conftest import integrity, keyword_rows_problems
 from faults_report import record
 from stack import (
     API_KEY,
@@ -256,8 +256,8 @@ def store_problems(db: Any) -> list[str]:
     """Integrity, and the mirror against the truth: no orphan, none missing, every chunk with
     its vector, no duplicate chunk rows."""
     problems = []
-    if (integrity := db.scalar("PRAGMA integrity_check")) != "ok":
-        problems.append(f"integrity_check: {integrity}")
+    if (checked := integrity(db)) != "ok":
+        problems.append(f"integrity_check: {checked}")
     pairs = (
         ("note_chunk_embeddings", "chunk_id", "vec_chunk_embeddings", "chunk_id"),
         ("note_embeddings", "item_id", "vec_note_embeddings", "item_id"),

@@ -26,9 +26,9 @@ BATCH = 4  # the stack's KIDX_EMBEDDING__BATCH_SIZE
 
 
 def sections(tag: str, n: int = 4) -> str:
-    """n sections of about 1000 characters: n chunks (two would exceed the maximum)."""
+    """n sections of about 600 characters: n chunks (two would exceed the chunker's target)."""
     words = " ".join(f"{tag}word{k}" for k in range(120))
-    return "\n\n".join(f"## {tag} part {j}\n\n{words[: 990 - j]}." for j in range(n))
+    return "\n\n".join(f"## {tag} part {j}\n\n{words[: 590 - j]}." for j in range(n))
 
 
 @pytest.fixture(scope="module")
