@@ -51,7 +51,7 @@ test: setup
 
 # The engine, the CLI and the stores: no worker process, fewer hypothesis examples (~1 min).
 test-quick: setup
-	HYPOTHESIS_PROFILE=quick $(PY) -m pytest -q -m "not stack and not model" -n 3 --dist loadfile
+	HYPOTHESIS_PROFILE=quick $(PY) -m pytest -q -m "not stack and not model" -n 3 --dist load
 
 lint: setup
 	$(PY) -m ruff check .

@@ -37,11 +37,15 @@ def corpus_text(name: str) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, a module that starts a stack must run whole in one process (its
-    stack starts once; its tests run in order): `--dist loadfile` does that. (`loadgroup` no
+    stack starts once; its tests run in order): `--dist loadfile` does that; a run without them
+    (`-m "not stack"`, make test-quick) may balance test by test. (`loadgroup` no
     longer groups anything under pytest 9.2, which ignores the node ids xdist rewrites.)"""
     dist = getattr(config.option, "dist", "no")
-    if getattr(config.option, "numprocesses", None) and dist not in ("no", "loadfile"):
+    no_stack = "not stack" in (getattr(config.option, "markexpr", "") or "")  # test-quick
+    if getattr(config.option, "numprocesses", None) and dist not in ("no", "loadfile", "load"):
         raise pytest.UsageError(f"run the suite with --dist loadfile, not --dist {dist}")
+    if dist == "load" and not no_stack:
+        raise pytest.UsageError("--dist load splits the stack modules: use --dist loadfile")
 
 
 @pytest.fixture
