@@ -39,6 +39,14 @@ class FtsTable:
     chunks: str  # the chunk table it indexes
     rows: str  # SELECT id, title, headings, content of its chunks (of live items)
 
+    def stale(self, what: str) -> str:
+        """SELECT `what` of the rows no live chunk has."""
+        return f"SELECT {what} FROM {self.name} WHERE rowid NOT IN (SELECT id FROM ({self.rows}))"
+
+    def missing(self, what: str) -> str:
+        """SELECT `what` of the live chunks that have no row."""
+        return f"SELECT {what} FROM ({self.rows}) WHERE id NOT IN (SELECT rowid FROM {self.name})"
+
 
 NOTES = FtsTable(
     "note_chunks_fts",
@@ -126,31 +134,26 @@ def fts_counts(db: Database) -> dict[str, dict[str, int]]:
                 "missing": int(db.scalar(f"SELECT count(*) FROM ({t.rows})")),
             }
             continue
-        live = f"SELECT id FROM ({t.rows})"
         out[t.name] = {
-            "stale": int(db.scalar(f"SELECT count(*) FROM {t.name} WHERE rowid NOT IN ({live})")),
-            "missing": int(
-                db.scalar(
-                    f"SELECT count(*) FROM ({t.rows}) WHERE id NOT IN (SELECT rowid FROM {t.name})"
-                )
-            ),
+            "stale": int(db.scalar(t.stale("count(*)"))),
+            "missing": int(db.scalar(t.missing("count(*)"))),
         }
     return out
 
 
-def refresh_fts(db: Database) -> None:
+def refresh_fts(db: Database, tables: tuple[FtsTable, ...] = FTS_TABLES) -> None:
     """Make this connection's FTS5 tables read their index state again. FTS5's integrity check
     (`PRAGMA integrity_check` too) uses the state a connection cached at its last query, not
     what other connections have written since: on a long-lived connection it then reports a
     `checksum mismatch` that is not there (SQLite 3.54). Any query on the table refreshes it."""
-    for t in FTS_TABLES:
+    for t in tables:
         if db.table_exists(t.name):
             db.all(f"SELECT rowid FROM {t.name} WHERE {t.name} MATCH '\"kidx\"' LIMIT 1")
 
 
 def fts_intact(db: Database, table: FtsTable) -> bool:
     """FTS5's own check of its index against its text (about 1 s at 100k chunks)."""
-    refresh_fts(db)
+    refresh_fts(db, (table,))
     try:
         db.execute(f"INSERT INTO {table.name}({table.name}) VALUES ('integrity-check')")
     except apsw.CorruptError:
@@ -174,14 +177,9 @@ def sync_fts(db: Database, *, verify: bool = False) -> dict[str, int]:
             if not db.table_exists(t.name):
                 db.execute(create_sql(t.name))
                 changed.setdefault(f"{t.name} created", 1)
-            live = f"SELECT id FROM ({t.rows})"
-            stale = [
-                r[0] for r in db.all(f"SELECT rowid FROM {t.name} WHERE rowid NOT IN ({live})")
-            ]
+            stale = [r[0] for r in db.all(t.stale("rowid"))]
             fts_delete(db, t, stale)
-            missing = db.all(
-                f"SELECT * FROM ({t.rows}) WHERE id NOT IN (SELECT rowid FROM {t.name})"
-            )
+            missing = db.all(t.missing("*"))
             fts_write(db, t, missing)
             if stale:
                 changed[f"{t.name} stale"] = len(stale)
