@@ -1,5 +1,8 @@
-"""The `kidx` command as a new user runs it: a real subprocess, a real SQLite file, and the HTTP
-stand-in as the embedding provider (never the local model).
+"""The `kidx` command as a new user runs it: a real SQLite file, and the HTTP stand-in as the
+embedding provider (never the local model). Most runs go through click's runner in this process
+(`incli.run_kidx`, the same command without a Python start each); the tests about the process
+itself (its first start, its streams, its exit status on bad input, secrets) run the console
+script as a subprocess.
 
 Every run goes through `Kidx.__call__`, which checks what must hold for any command: the API key
 never appears on stdout or stderr, and stderr never carries a traceback.
@@ -18,6 +21,7 @@ from typing import Any
 import pytest
 
 from conftest import CORPUS, DIMS
+from incli import run_kidx
 from stack import REDIS_DB, broker_url
 
 KIDX = Path(sys.executable).parent / "kidx"
@@ -73,21 +77,26 @@ def base_env(db: Path, base_url: str) -> dict[str, str]:
 class Kidx:
     """Runs the real console script with an environment; checks the invariants of every run."""
 
-    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+    def __init__(self, cwd: Path, env: dict[str, str], *, process: bool = False) -> None:
         self.cwd = cwd  # not the checkout: Settings also reads ./.env
         self.env = env
+        self.process = process  # the console script in a subprocess, else in this process
 
     def __call__(
         self, *args: str, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess:
-        result = subprocess.run(
-            [str(KIDX), *args],
-            env={**self.env, **(env or {})},
-            cwd=self.cwd,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        merged = {**self.env, **(env or {})}
+        if not self.process:
+            result = run_kidx(args, merged, self.cwd)
+        else:
+            result = subprocess.run(
+                [str(KIDX), *args],
+                env=merged,
+                cwd=self.cwd,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
         shown = f"kidx {' '.join(args)}\nstdout: {result.stdout}\nstderr: {result.stderr}"
         assert API_KEY not in result.stdout, f"the API key is on stdout\n{shown}"
         assert API_KEY not in result.stderr, f"the API key is on stderr\n{shown}"
@@ -143,21 +152,29 @@ def kidx(tmp_path: Path, standin) -> Kidx:
     return Kidx(work, base_env(tmp_path / "kidx.db", standin.base_url))
 
 
+@pytest.fixture
+def kidx_process(tmp_path: Path, standin) -> Kidx:
+    """The console script itself, for what only a process shows: its start, streams, exit."""
+    work = tmp_path / "work"
+    work.mkdir()
+    return Kidx(work, base_env(tmp_path / "kidx.db", standin.base_url), process=True)
+
+
 # -- init ------------------------------------------------------------------------------------
 
 
-def test_init_creates_the_database_and_reports_sqlite_vec_and_dimensions(kidx, tmp_path):
+def test_init_creates_the_database_and_reports_sqlite_vec_and_dimensions(kidx_process, tmp_path):
     db = tmp_path / "kidx.db"
     assert not db.exists()
-    human = kidx.ok("init").stdout
+    human = kidx_process.ok("init").stdout
     assert db.is_file()
     assert "sqlite-vec v" in human and f"{DIMS} dimensions" in human
-    info = kidx.json("init")  # a second init is fine: it brings the database up to date
+    info = kidx_process.json("init")  # a second init is fine: it brings the database up to date
     assert info["sqlite_vec"].startswith("v") and info["vec_error"] is None
     assert info["dimensions"] == DIMS
     assert info["model"] == "standin-embed" and info["provider"] == "openai"
     assert Path(info["db"]) == db
-    off = kidx.json("init", env={"KIDX_VEC": "off"})
+    off = kidx_process.json("init", env={"KIDX_VEC": "off"})
     assert off["sqlite_vec"] is None and "KIDX_VEC" in off["vec_error"]
     assert off["dimensions"] == DIMS
 
@@ -343,9 +360,9 @@ def test_every_command_takes_db_over_kidx_db(kidx, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["json", "console"])
-def test_json_stdout_stays_clean_while_logs_go_to_stderr(kidx, fmt):
+def test_json_stdout_stays_clean_while_logs_go_to_stderr(kidx_process, fmt):
     env = {"KIDX_LOG_FORMAT": fmt, "KIDX_LOG_LEVEL": "debug"}
-    result = kidx.ok(
+    result = kidx_process.ok(
         "add", "note", "--title", "T", "--file", str(CHAPTER), "--inline", "--json", env=env
     )
     data = json.loads(result.stdout)
@@ -391,13 +408,13 @@ def test_provider_down_fails_a_short_note_too(kidx, standin):
     assert state["status"] == "failed" and "HTTP 500" in state["last_error"]
 
 
-def test_api_key_echoed_by_the_provider_never_reaches_the_output(kidx, standin):
-    item = kidx.add("Traits", "--file", str(CHAPTER))
+def test_api_key_echoed_by_the_provider_never_reaches_the_output(kidx_process, standin):
+    item = kidx_process.add("Traits", "--file", str(CHAPTER))
     standin.fail_status = 401
     standin.error_code = f"invalid_api_key {API_KEY}"  # as some servers quote the key back
-    assert kidx("index", str(item), "--inline", "--json").returncode != 0
-    assert kidx.json("status", str(item))["status"] == "failed"
-    assert kidx("search", "traits").returncode != 0
+    assert kidx_process("index", str(item), "--inline", "--json").returncode != 0
+    assert kidx_process.json("status", str(item))["status"] == "failed"
+    assert kidx_process("search", "traits").returncode != 0
 
 
 # -- bad input -------------------------------------------------------------------------------
@@ -493,8 +510,8 @@ def test_rejected_input_writes_nothing(kidx, tmp_path):
         ("KIDX_LOG_LEVEL", "loud"),
     ],
 )
-def test_an_invalid_setting_names_the_variable(kidx, tmp_path, name, value):
-    result = kidx("init", env={name: value})
+def test_an_invalid_setting_names_the_variable(kidx_process, tmp_path, name, value):
+    result = kidx_process("init", env={name: value})
     assert name in one_line_error(result)
     assert result.stdout == ""
     assert not (tmp_path / "kidx.db").exists(), "settings are checked before anything is written"
@@ -516,8 +533,8 @@ def test_search_table_shows_a_title_with_brackets_verbatim(kidx, standin):
     assert "[/wip] [draft]" in table
 
 
-def test_db_that_is_not_a_database_is_one_line(kidx, tmp_path):
+def test_db_that_is_not_a_database_is_one_line(kidx_process, tmp_path):
     not_a_db = tmp_path / "notes.db"
     shutil.copyfile(CORPUS / "SUMMARY.md", not_a_db)
-    line = one_line_error(kidx("status", "--db", str(not_a_db), "--json"))
+    line = one_line_error(kidx_process("status", "--db", str(not_a_db), "--json"))
     assert "not a database" in line

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +14,7 @@ import pytest
 from markdown_it import MarkdownIt
 
 from conftest import DIMS, corpus_text, standin_settings
+from incli import run_kidx
 from stack import REDIS_DB, broker_url
 from worker.bulk import index_item
 from worker.errors import IndexAborted, InvalidInput
@@ -315,12 +315,9 @@ def test_kidx_add_file_url_code_memory_and_search(tmp_path, standin, pages, file
         "KIDX_FILES__ROOTS": f"{files_root},{ROOT / 'worker'}",
         "KIDX_URLS__ALLOW_HOSTS": "127.0.0.1",
     }
-    exe = str(Path(sys.executable).parent / "kidx")
 
     def kidx(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [exe, *args], env=env, capture_output=True, text=True, timeout=60, cwd=str(tmp_path)
-        )
+        return run_kidx(args, env, tmp_path)
 
     out = kidx("add", "file", str(files_root / "notes.md"), "--inline")
     assert out.returncode == 0, out.stderr

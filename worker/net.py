@@ -16,6 +16,8 @@ Outside a `deadline()` the transport behaves as httpx's own.
 
 from __future__ import annotations
 
+import functools
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -186,6 +188,12 @@ class _Backend(httpcore.NetworkBackend):
         self._inner.sleep(seconds)
 
 
+@functools.cache
+def _default_ssl_context(trust_env: bool) -> ssl.SSLContext:
+    """One per process: loading the CA bundle costs ~50 ms, and every `kidx search` built two."""
+    return httpx.create_ssl_context(verify=True, trust_env=trust_env)
+
+
 class DeadlineTransport(httpx.HTTPTransport):
     """httpx's transport (HTTP/1.1, no proxy) whose connections honour `deadline()`."""
 
@@ -193,9 +201,12 @@ class DeadlineTransport(httpx.HTTPTransport):
         self, *, verify: Any = True, trust_env: bool = False, limits: httpx.Limits | None = None
     ) -> None:
         limits = limits or httpx.Limits(max_connections=100, max_keepalive_connections=20)
-        super().__init__(verify=verify, trust_env=trust_env, limits=limits)
+        context = _default_ssl_context(trust_env) if verify is True else None
+        if context is None:
+            context = httpx.create_ssl_context(verify=verify, trust_env=trust_env)
+        super().__init__(verify=context, trust_env=trust_env, limits=limits)
         self._pool = httpcore.ConnectionPool(
-            ssl_context=httpx.create_ssl_context(verify=verify, trust_env=trust_env),
+            ssl_context=context,
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,
