@@ -116,6 +116,31 @@ def keyword_rows_problems(db: Any) -> list[str]:
     return problems
 
 
+def mirror_problems(db: Any) -> list[str]:
+    """Each vec table against the relational vectors of the index's dimension: the same keys,
+    and in a quantized table the quantized float vector (nothing, when in order)."""
+    from worker.store.vec import VEC_TABLES
+
+    problems = []
+    for t in VEC_TABLES:
+        have = dict(db.all(f"SELECT {t.key}, embedding FROM {t.name}"))
+        want = dict(
+            db.all(
+                f"SELECT {t.source_key}, {t.value('vector')} FROM {t.source} WHERE dimensions = ?",
+                (db.dimensions,),
+            )
+        )
+        if have.keys() != want.keys():
+            problems.append(
+                f"{t.name}: missing {sorted(want.keys() - have.keys())}, "
+                f"orphans {sorted(have.keys() - want.keys())}"
+            )
+        wrong = sorted(k for k in have.keys() & want.keys() if bytes(have[k]) != bytes(want[k]))
+        if wrong:
+            problems.append(f"{t.name}: rows unlike their vectors {wrong}")
+    return problems
+
+
 class FakeEmbedder(EmbeddingModel):
     """Records its calls; deterministic vectors. For unit tests of our own logic only."""
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from worker.chunking import MAX_CHUNK_SIZE, chunk_structure
 from worker.chunking.base import MIN_CHUNK_SIZE, OVERLAP_SIZE, TARGET_CHUNK_SIZE
 from worker.chunking.markdown import scan, section_ends
+from worker.chunking.structure import WINDOW_SHARE
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "rustbook"
 
@@ -176,9 +177,13 @@ prose = st.lists(sentence, min_size=1, max_size=12).map(" ".join)
 @given(st.lists(prose, min_size=20, max_size=50), st.sampled_from([300, 400, 500, 800]))
 def test_long_prose_is_cut_near_the_target(paras, target):
     """Long prose without headings (sentences; a word of thousands of characters is cut
-    wherever bounds allow): chunks of about the target. None is longer than a part cut near
-    the target, a part under the minimum merged into it, and the overlap; the middle one is
-    near the target."""
+    wherever bounds allow): chunks of at most about the target. None is longer than a part cut
+    near the target, a part under the minimum merged into it, and the overlap; the middle one
+    is no longer than a part's room, and no shorter than the window: two paragraph cuts are
+    never within a window of each other. (Not half the target: prose of many short paragraphs
+    has a local maximum about every two windows, and hypothesis found a median of 0.496 x the
+    target; merging such regions up to the target cost recall on bench/retrieval.py, 75.2 /
+    6.22 against 75.6 / 6.55.)"""
     text = "\n\n".join(paras)
     if len(text) < 4 * target:
         return
@@ -186,7 +191,7 @@ def test_long_prose_is_cut_near_the_target(paras, target):
     limit = min(MAX_CHUNK_SIZE, int(target * 4 / 3) + MIN_CHUNK_SIZE + OVERLAP_SIZE)
     assert all(x <= limit for x in sizes), (limit, sizes)
     middle = sorted(sizes)[len(sizes) // 2]
-    assert target / 2 <= middle <= target * 4 / 3 + OVERLAP_SIZE, sizes  # a part's room
+    assert target * WINDOW_SHARE <= middle <= target * 4 / 3 + OVERLAP_SIZE, sizes
 
 
 def test_a_smaller_target_makes_smaller_chunks_on_the_book():

@@ -19,7 +19,7 @@ from worker.store.db import Database
 from worker.store.fts import NOTES, fts_write_item
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
-from worker.store.vec import vec_delete, vec_ready, vec_replace
+from worker.store.vec import vec_delete, vec_insert, vec_ready, vec_replace
 
 
 class Prose(Indexer):
@@ -186,9 +186,7 @@ def _mirror_chunks(
     try:
         with db.atomic():
             vec_delete(db, "vec_chunk_embeddings", [chunk_id for chunk_id, _ in vectors])
-            db.executemany(
-                "INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (?, ?)", vectors
-            )
+            vec_insert(db, "vec_chunk_embeddings", vectors)
         counter.ok()
         return 0
     except apsw.Error:

@@ -21,8 +21,16 @@ _ITEM_VECTORS = {
     "JOIN code_chunk_embeddings e ON e.chunk_id = c.id "
     "WHERE c.item_id = :item AND e.dimensions = :d",
 }
+_ITEM_VECTORS["vec_note_bits"] = _ITEM_VECTORS["vec_note_embeddings"]
+_ITEM_VECTORS["vec_chunk_bits"] = _ITEM_VECTORS["vec_chunk_embeddings"]
 # The tables an item run checks for orphans (cheaply, by counting first).
-_ITEM_RUN_ORPHAN_TABLES = ("vec_note_embeddings", "vec_chunk_embeddings")
+_ITEM_RUN_ORPHAN_TABLES = (
+    "vec_note_embeddings",
+    "vec_chunk_embeddings",
+    "vec_note_bits",
+    "vec_chunk_bits",
+)
+_CHUNK_TABLES = ("vec_chunk_embeddings", "vec_chunk_bits")
 
 
 @dataclass
@@ -46,7 +54,9 @@ def _restore(
             present.add(key)
     missing = [(k, v) for k, v in rows if k not in present]
     for key, vector in missing:
-        db.execute(f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, ?)", (key, vector))
+        db.execute(
+            f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, {t.value()})", (key, vector)
+        )
     if missing:
         report.restored[t.name] = report.restored.get(t.name, 0) + len(missing)
 
@@ -70,7 +80,10 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
     if restore:
         missing = truth.keys() - mirrored
         for key in missing:
-            db.execute(f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, ?)", (key, truth[key]))
+            db.execute(
+                f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, {t.value()})",
+                (key, truth[key]),
+            )
         if missing:
             report.restored[t.name] = len(missing)
 
@@ -102,7 +115,7 @@ def repair_vectors(
                 _sweep(db, t, dimensions, report, restore=True)
                 continue
             if t.name in _ITEM_VECTORS:
-                if kept is not None and t.name != "vec_chunk_embeddings":
+                if kept is not None and t.name not in _CHUNK_TABLES:
                     continue  # written whole by the caller
                 if kept is not None and not kept:
                     continue

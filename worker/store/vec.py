@@ -1,4 +1,4 @@
-"""The four vec0 tables: a mirror of the relational vectors that can always be rebuilt.
+"""The vec0 tables: a mirror of the relational vectors that can always be rebuilt.
 
 Dimension resolution, in this order, with one refinement: the most recent embedding row counts
 only if the configured model made it (with the configured `dimensions`, when that is set).
@@ -31,6 +31,17 @@ class VecTable:
     key: str  # the vec table's primary key column
     source: str  # the relational table of vectors it mirrors
     source_key: str
+    element: str = "float"  # float: the vectors themselves; bit: their signs (a first pass)
+    mirrors: str | None = None  # a quantized table: the float table it shadows
+
+    def column(self, dimensions: int) -> str:
+        if self.element == "bit":
+            return f"embedding bit[{dimensions}]"  # hamming distance
+        return f"embedding float[{dimensions}] distance_metric=cosine"
+
+    def value(self, expr: str = "?") -> str:
+        """The SQL that turns a float32 blob into this table's element."""
+        return f"vec_quantize_binary({expr})" if self.element == "bit" else expr
 
 
 VEC_TABLES = (
@@ -38,10 +49,24 @@ VEC_TABLES = (
     VecTable("vec_chunk_embeddings", "chunk_id", "note_chunk_embeddings", "chunk_id"),
     VecTable("vec_memories", "memory_id", "memory_embeddings", "memory_id"),
     VecTable("vec_work_code_chunks", "chunk_id", "code_chunk_embeddings", "chunk_id"),
+    # The quantized mirrors: one bit a dimension, 32 times smaller than the floats, for the
+    # first pass of a large search (worker.retrieval); written with their float table.
+    VecTable(
+        "vec_chunk_bits",
+        "chunk_id",
+        "note_chunk_embeddings",
+        "chunk_id",
+        "bit",
+        "vec_chunk_embeddings",
+    ),
+    VecTable(
+        "vec_note_bits", "item_id", "note_embeddings", "item_id", "bit", "vec_note_embeddings"
+    ),
 )
 VEC = {t.name: t for t in VEC_TABLES}
-EMBEDDING_TABLES = tuple(t.source for t in VEC_TABLES)
-_FLOAT_DIM = re.compile(r"float\[(\d+)\]")
+MIRRORS = {t.name: tuple(m for m in VEC_TABLES if m.mirrors == t.name) for t in VEC_TABLES}
+EMBEDDING_TABLES = tuple(dict.fromkeys(t.source for t in VEC_TABLES))
+_DIM = re.compile(r"(?:float|bit)\[(\d+)\]")
 
 # Items whose vectors (chunk, whole-item or code) are of another dimension than `?`.
 ITEMS_WITH_OTHER_DIMENSIONS = """
@@ -75,19 +100,21 @@ def vec_table_dimensions(db: Database) -> dict[str, int | None]:
     """Each vec table's declared dimension, read from its definition (None: missing)."""
     result: dict[str, int | None] = {t.name: None for t in VEC_TABLES}
     for name, sql in db.all(
-        "SELECT name, sql FROM sqlite_master WHERE type = 'table' AND name IN (?, ?, ?, ?)",
+        "SELECT name, sql FROM sqlite_master WHERE type = 'table' "
+        f"AND name IN ({','.join('?' * len(VEC_TABLES))})",
         [t.name for t in VEC_TABLES],
     ):
-        m = _FLOAT_DIM.search(sql or "")
+        m = _DIM.search(sql or "")
         result[name] = int(m.group(1)) if m else None
     return result
 
 
 def sync_vec_tables(db: Database, dimensions: int) -> bool:
-    """Make the four vec tables exist with `dimensions`; rebuild them when they differ.
+    """Make the vec tables exist with `dimensions`; rebuild those that differ.
 
-    Returns True when a rebuild happened. A rebuild drops and re-creates all four, re-fills them
-    from the relational vectors of that dimension and marks items whose vectors have another
+    Returns True when a rebuild happened. A rebuild drops and re-creates each table of another
+    dimension (or missing: a database from before the quantized mirrors gets only those), re-fills
+    it from the relational vectors of that dimension and marks items whose vectors have another
     dimension `pending`, all in one transaction. Nothing is written when all is in order, so
     opening a connection does not re-mirror anything.
     """
@@ -97,18 +124,20 @@ def sync_vec_tables(db: Database, dimensions: int) -> bool:
         return False
     with db.atomic():
         before = vec_table_dimensions(db)  # again, under the write lock
-        if all(d == dimensions for d in before.values()):
+        wrong = [t for t in VEC_TABLES if before[t.name] != dimensions]
+        if not wrong:
             return False
         refilled = {}
-        for t in VEC_TABLES:
+        for t in wrong:
             db.execute(f"DROP TABLE IF EXISTS {t.name}")
             db.execute(
                 f"CREATE VIRTUAL TABLE {t.name} USING vec0({t.key} INTEGER PRIMARY KEY, "
-                f"embedding float[{dimensions}] distance_metric=cosine)"
+                f"{t.column(dimensions)})"
             )
             db.execute(
                 f"INSERT INTO {t.name}({t.key}, embedding) "
-                f"SELECT {t.source_key}, vector FROM {t.source} WHERE dimensions = ?",
+                f"SELECT {t.source_key}, {t.value('vector')} FROM {t.source} "
+                "WHERE dimensions = ?",
                 (dimensions,),
             )
             refilled[t.name] = db.scalar(
@@ -139,15 +168,22 @@ def vec_ready(db: Database, dimensions: int) -> bool:
 
 
 def vec_replace(db: Database, table: str, key: int, vector: bytes) -> None:
-    """Write one vector: DELETE then INSERT (vec0 rejects REPLACE)."""
-    t = VEC[table]
-    db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
-    db.execute(f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, ?)", (key, vector))
+    """Write one vector to a float table and its mirrors: DELETE then INSERT (vec0 rejects
+    REPLACE)."""
+    vec_delete(db, table, [key])
+    vec_insert(db, table, [(key, vector)])
+
+
+def vec_insert(db: Database, table: str, rows: list[tuple[int, bytes]]) -> None:
+    """Insert (key, float32 blob) rows into a float table and its mirrors (keys not there)."""
+    for t in (VEC[table], *MIRRORS[table]):
+        db.executemany(f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, {t.value()})", rows)
 
 
 def vec_delete(db: Database, table: str, keys: list[int]) -> None:
-    t = VEC[table]
-    db.executemany(f"DELETE FROM {t.name} WHERE {t.key} = ?", [(key,) for key in keys])
+    """Delete rows of a float table and of its mirrors."""
+    for t in (VEC[table], *MIRRORS[table]):
+        db.executemany(f"DELETE FROM {t.name} WHERE {t.key} = ?", [(key,) for key in keys])
 
 
 def set_meta(db: Database, key: str, value: str) -> None:
