@@ -21,7 +21,7 @@ from worker.store import Database, connect
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 hypothesis_settings.register_profile("default", max_examples=300)
 hypothesis_settings.register_profile("deep", max_examples=5000)
-hypothesis_settings.register_profile("quick", max_examples=50)  # make test-quick
+hypothesis_settings.register_profile("quick", max_examples=25)  # make test-quick
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "rustbook"

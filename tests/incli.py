@@ -20,6 +20,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from ops.cli import cli
+from ops.cli.base import err, out
 
 CLEARED = ("FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE")
 
@@ -32,6 +33,8 @@ def run_kidx(
         k: None for k in os.environ if k.startswith("KIDX_") or k in CLEARED
     }
     overlay.update(env)
+    for console in (out, err):  # sized when first imported (an xdist worker: COLUMNS=80)
+        console.width = int(overlay.get("COLUMNS") or 80)
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:

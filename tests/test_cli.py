@@ -1,7 +1,7 @@
 """The `kidx` command as a new user runs it: a real SQLite file, and the HTTP stand-in as the
 embedding provider (never the local model). Most runs go through click's runner in this process
 (`incli.run_kidx`, the same command without a Python start each); the tests about the process
-itself (its first start, its streams, its exit status on bad input, secrets) run the console
+itself (its first start, its streams, a file that is not a database) run the console
 script as a subprocess.
 
 Every run goes through `Kidx.__call__`, which checks what must hold for any command: the API key
@@ -408,13 +408,13 @@ def test_provider_down_fails_a_short_note_too(kidx, standin):
     assert state["status"] == "failed" and "HTTP 500" in state["last_error"]
 
 
-def test_api_key_echoed_by_the_provider_never_reaches_the_output(kidx_process, standin):
-    item = kidx_process.add("Traits", "--file", str(CHAPTER))
+def test_api_key_echoed_by_the_provider_never_reaches_the_output(kidx, standin):
+    item = kidx.add("Traits", "--file", str(CHAPTER))
     standin.fail_status = 401
     standin.error_code = f"invalid_api_key {API_KEY}"  # as some servers quote the key back
-    assert kidx_process("index", str(item), "--inline", "--json").returncode != 0
-    assert kidx_process.json("status", str(item))["status"] == "failed"
-    assert kidx_process("search", "traits").returncode != 0
+    assert kidx("index", str(item), "--inline", "--json").returncode != 0
+    assert kidx.json("status", str(item))["status"] == "failed"
+    assert kidx("search", "traits").returncode != 0
 
 
 # -- bad input -------------------------------------------------------------------------------
@@ -510,8 +510,8 @@ def test_rejected_input_writes_nothing(kidx, tmp_path):
         ("KIDX_LOG_LEVEL", "loud"),
     ],
 )
-def test_an_invalid_setting_names_the_variable(kidx_process, tmp_path, name, value):
-    result = kidx_process("init", env={name: value})
+def test_an_invalid_setting_names_the_variable(kidx, tmp_path, name, value):
+    result = kidx("init", env={name: value})
     assert name in one_line_error(result)
     assert result.stdout == ""
     assert not (tmp_path / "kidx.db").exists(), "settings are checked before anything is written"
