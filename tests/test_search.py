@@ -5,6 +5,7 @@ the keyword side answers."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import subprocess
@@ -19,13 +20,13 @@ from click.testing import CliRunner
 from conftest import DIMS, FakeEmbedder, corpus_text, keyword_rows_problems, standin_settings
 from host import host
 from ops.doctor import Fail, check_keywords
-from worker import retrieval
+from worker import nearest, retrieval
 from worker.bulk import index_item
 from worker.errors import InvalidInput
 from worker.indexers import IndexOptions
 from worker.reconcile import reconcile
 from worker.retrieval import Filters, search_chunks
-from worker.settings import FilesSettings, load_settings
+from worker.settings import FilesSettings, SearchSettings, load_settings
 from worker.sources import Reader
 from worker.store import connect
 from worker.store.fts import identifier_parts, keyword_query
@@ -336,10 +337,20 @@ class TwoPoles(FakeEmbedder):
         return out
 
 
-@pytest.mark.parametrize("path", ["exact", "knn"])
+@pytest.mark.parametrize("path", ["exact", "knn", "two-pass"])
 def test_a_filter_matching_k_far_chunks_returns_k_hits(db, monkeypatch, tmp_path, path):
-    if path == "knn":  # the KNN path asks sqlite-vec for more rows until k pass the filter
+    if path != "exact":  # the KNN paths ask sqlite-vec for more rows until k pass the filter
         monkeypatch.setattr(retrieval, "FILTER_EXACT", 0)
+    passes = []
+    tuning = SearchSettings(exact_below=0, oversample=2) if path == "two-pass" else None
+    if path == "two-pass":  # the bit mirror first, whatever the size; few candidates
+        real = retrieval._two_pass
+
+        def two_pass(*args: Any) -> Any:
+            passes.append(args[2])
+            return real(*args)
+
+        monkeypatch.setattr(retrieval, "_two_pass", two_pass)
     emb = TwoPoles()
     para = "alpha words here. " * 75  # a section over the target size: a chunk of its own
     for n in range(40):  # notes near the query: many chunks each
@@ -363,27 +374,23 @@ def test_a_filter_matching_k_far_chunks_returns_k_hits(db, monkeypatch, tmp_path
         >= 8
     )
     k = 8
+    find = functools.partial(search_chunks, tuning=tuning)
     for mode in ("vector", "hybrid"):
-        kind = search_chunks(db, "alpha", emb, k=k, mode=mode, filters=Filters(kinds=("file",)))
+        kind = find(db, "alpha", emb, k=k, mode=mode, filters=Filters(kinds=("file",)))
         assert len(kind.hits) == k and {h.kind for h in kind.hits} == {"file"}, mode
-        prefix = search_chunks(
-            db, "alpha", emb, k=k, mode=mode, filters=Filters(source_prefix=f"{docs}/")
-        )
+        prefix = find(db, "alpha", emb, k=k, mode=mode, filters=Filters(source_prefix=f"{docs}/"))
         assert len(prefix.hits) == k and {h.item_id for h in prefix.hits} <= set(files)
-        two = search_chunks(
-            db, "alpha", emb, k=k, mode=mode, filters=Filters(item_ids=tuple(files[:2]))
-        )
+        two = find(db, "alpha", emb, k=k, mode=mode, filters=Filters(item_ids=tuple(files[:2])))
         assert len(two.hits) == k and {h.item_id for h in two.hits} == set(files[:2])
-        one = search_chunks(
+        one = find(
             db, "alpha", emb, k=3, mode=mode, per_item=True, filters=Filters(kinds=("file",))
         )
         assert sorted(h.item_id for h in one.hits) == sorted({h.item_id for h in one.hits})
         assert len(one.hits) == 3
-    kw = search_chunks(
-        db, "beta words", None, k=k, mode="keyword", filters=Filters(item_ids=(files[3],))
-    )
+    kw = find(db, "beta words", None, k=k, mode="keyword", filters=Filters(item_ids=(files[3],)))
     own = db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (files[3],))
     assert len(kw.hits) == min(k, own) and {h.item_id for h in kw.hits} == {files[3]}
+    assert bool(passes) == (path == "two-pass")
     with pytest.raises(InvalidInput, match="own search"):
         Filters(kinds=("code",))
     with pytest.raises(InvalidInput, match="positive integer"):
@@ -391,6 +398,42 @@ def test_a_filter_matching_k_far_chunks_returns_k_hits(db, monkeypatch, tmp_path
 
 
 # -- the fallback and the shape --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", [3, 7, nearest.BLOCK])
+def test_every_vector_path_gives_the_exact_order_ties_by_chunk_id(
+    notes_db, fake, emb_settings, monkeypatch, block
+):
+    """The fallback read a few rows a block (the best kept across blocks), sqlite-vec's KNN and
+    the two passes (bits, then floats) against a brute force in the test: the same chunks in
+    the same order, twins (the same text twice: the same vector) by chunk id."""
+    db, _ids = notes_db
+    twin = "Twins: this paragraph is indexed twice, word for word."
+    for _ in range(2):
+        index_item(db, add_item(db, kind="note", title="Twin", content=twin), embedder=fake)
+    monkeypatch.setattr(nearest, "BLOCK", block)
+    [query] = fake.calls[-1]  # the twin's own input: distance 0 to both
+    q = fake.embed([query])[0]
+    rows = db.all(
+        "SELECT r.chunk_id, r.vector FROM note_chunk_embeddings r "
+        "JOIN note_chunks c ON c.id = r.chunk_id"
+    )
+    matrix = np.stack([np.frombuffer(v, dtype="<f4") for _, v in rows])
+    cos = matrix @ q / np.linalg.norm(matrix, axis=1) / np.linalg.norm(q)
+    expected = [c for _, c in sorted(zip((1 - cos).round(5).tolist(), [r[0] for r in rows]))][:12]
+    no_vec = connect(db.path, embedding=emb_settings, vec=False)
+    try:
+        for conn, tuning, via in (
+            (no_vec, None, "fallback"),
+            (db, None, "vec"),
+            (db, SearchSettings(exact_below=0, oversample=40), "vec"),
+        ):
+            got = search_chunks(conn, query, fake, k=12, mode="vector", tuning=tuning)
+            assert got.via == via
+            assert [h.chunk_id for h in got.hits] == expected, (via, tuning)
+            assert got.hits[0].score == pytest.approx(1.0, abs=1e-5)
+    finally:
+        no_vec.close()
 
 
 def test_every_mode_answers_in_the_same_shape_with_and_without_sqlite_vec(

@@ -29,15 +29,15 @@ from typing import Any
 import numpy as np
 
 from worker.errors import InvalidInput
-from worker.nearest import exact_scan
+from worker.nearest import KNN_MAX, distances, exact_nearest, unavailable
 from worker.providers.base import EmbeddingModel
+from worker.settings import SearchSettings
 from worker.store.db import Database
 from worker.store.fts import NOTES, keyword_query
 from worker.store.text import shown
-from worker.store.vec import vec_table_dimensions
+from worker.store.vec import VEC, vec_table_dimensions
 
 SNIPPET = 160
-KNN_MAX = 4096  # sqlite-vec 0.1's limit on k
 MAX_K = 1000
 # Hybrid: each side's candidate list is at least this deep, whatever k, so that a chunk's fused
 # score (and so one item's best chunk) does not depend on k.
@@ -143,8 +143,10 @@ def search_chunks(
     mode: Mode | str = Mode.HYBRID,
     filters: Filters | None = None,
     per_item: bool = False,
+    tuning: SearchSettings | None = None,
 ) -> ChunkSearch:
-    """The k chunks best matching `query` (with `per_item`: the best chunk of each of k items)."""
+    """The k chunks best matching `query` (with `per_item`: the best chunk of each of k items).
+    `tuning`: the two-pass vector search's settings (`KIDX_SEARCH__*`; default: the defaults)."""
     if not isinstance(query, str) or not query.strip():
         raise InvalidInput("the query is empty")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
@@ -154,6 +156,7 @@ def search_chunks(
     except ValueError:
         raise InvalidInput(f"mode must be one of {', '.join(Mode)}, not {mode!r}") from None
     filters = filters or Filters()
+    tuning = tuning or SearchSettings()
     notes: list[str] = []
     match = keyword_query(query) if mode != Mode.VECTOR else None
     if mode == Mode.KEYWORD and match is None:
@@ -184,7 +187,7 @@ def search_chunks(
         scores: dict[int, float] = {}
         more = False
         if vector is not None and embedder is not None:
-            found, via, reason = _vector(db, vector, n, embedder.model_id, filters)
+            found, via, reason = _vector(db, vector, n, embedder.model_id, filters, tuning)
             ranked.append(([c for c, _ in found], via))
             if mode == Mode.VECTOR:
                 scores = {c: 1.0 - d for c, d in found}
@@ -251,31 +254,83 @@ def _keyword(db: Database, match: str, n: int, filters: Filters) -> list[tuple[i
 # -- vector ----------------------------------------------------------------------------------
 
 
-def _vec_unavailable(db: Database, dims: int) -> str | None:
-    if not db.vec_loaded:
-        return f"sqlite-vec is not loaded ({db.vec_error or 'unknown reason'})"
-    have = vec_table_dimensions(db)["vec_chunk_embeddings"]
-    if have is None:
-        return "vec_chunk_embeddings is missing"
-    if have != dims:
-        return f"vec_chunk_embeddings has {have} dimensions, the query has {dims}"
-    return None
-
-
 def _vector(
-    db: Database, vector: np.ndarray, n: int, model: str, filters: Filters
+    db: Database,
+    vector: np.ndarray,
+    n: int,
+    model: str,
+    filters: Filters,
+    tuning: SearchSettings,
 ) -> tuple[list[tuple[int, float]], str, str | None]:
     """The n nearest live chunks of `model` that pass the filter (cosine distance); which path
     served; why the fallback did."""
-    reason = _vec_unavailable(db, len(vector))
+    reason = unavailable(db, VEC["vec_chunk_embeddings"], len(vector))
     if reason is None:
         if filters.active and _count(db, model, filters) <= FILTER_EXACT:
             return _exact(db, vector, n, model, filters), "vec", None
-        found = _knn(db, vector, n, model, filters)
+        found = None
+        if _quantized(db, len(vector), tuning):
+            found = _two_pass(db, vector, n, model, filters, tuning.oversample)
+        if found is None:
+            found = _knn(db, vector, n, model, filters)
         if found is not None:
             return found, "vec", None
         reason = f"the best {n} need more than {KNN_MAX} nearest chunks"
     return _exact(db, vector, n, model, filters), "fallback", reason
+
+
+def _quantized(db: Database, dims: int, tuning: SearchSettings) -> bool:
+    """The bit mirror is there, and the chunk vectors are many enough for two passes to pay.
+    Their number is read as the highest chunk id (one B-tree step; a count is a scan): an
+    upper bound, so a table that shrank a lot may take two passes a little early."""
+    if vec_table_dimensions(db).get("vec_chunk_bits") != dims:
+        return False
+    top = db.scalar("SELECT max(chunk_id) FROM note_chunk_embeddings")
+    return top is not None and int(top) >= tuning.exact_below
+
+
+def _two_pass(
+    db: Database, vector: np.ndarray, n: int, model: str, filters: Filters, oversample: int
+) -> list[tuple[int, float]] | None:
+    """The n * oversample nearest by hamming distance over the bit mirror, rescored exactly by
+    cosine over their float vectors; more candidates until n pass (live, this model, the
+    filter) or the table has no more. None past sqlite-vec's k limit."""
+    blob = np.asarray(vector, dtype="<f4").tobytes()
+    fetch = min(max(n * oversample, 32), KNN_MAX)
+    while True:
+        candidates = [
+            int(r[0])
+            for r in db.all(
+                "SELECT chunk_id FROM vec_chunk_bits "
+                "WHERE embedding MATCH vec_quantize_binary(?) AND k = ?",
+                (blob, fetch),
+            )
+        ]
+        found = _best(_rescore(db, vector, candidates, model, filters), n)
+        if len(found) >= n or len(candidates) < fetch:
+            return found
+        if fetch == KNN_MAX:
+            return None
+        fetch = min(fetch * 4, KNN_MAX)
+
+
+def _rescore(
+    db: Database, vector: np.ndarray, chunk_ids: list[int], model: str, filters: Filters
+) -> list[tuple[int, float]]:
+    """Exact cosine distances of these chunks that are live, of `model` and pass the filter."""
+    where, params = filters.where()
+    rows: list[tuple[Any, ...]] = []
+    for start in range(0, len(chunk_ids), 500):
+        part = chunk_ids[start : start + 500]
+        rows += db.all(
+            f"SELECT r.chunk_id, r.vector FROM note_chunk_embeddings r {_LIVE}{where} "
+            f"AND r.dimensions = ? AND r.chunk_id IN ({','.join('?' * len(part))})",
+            (model, *params, len(vector), *part),
+        )
+    if not rows:
+        return []
+    matrix = np.frombuffer(b"".join(r[1] for r in rows), dtype="<f4").reshape(len(rows), -1)
+    return list(zip((int(r[0]) for r in rows), distances(matrix, vector).tolist(), strict=True))
 
 
 _LIVE = (
@@ -332,8 +387,7 @@ def _exact(
         f"WHERE 1{where} AND r.model = ? AND r.dimensions = ? AND r.rowid > ? "
         "ORDER BY r.rowid LIMIT ?"
     )
-    rows = [(c, d) for (c,), d in exact_scan(db, sql, model, vector, before=params)]
-    return _best(rows, n)
+    return exact_nearest(db, sql, model, vector, n, before=params)
 
 
 def _not_on(db: Database, model: str, dims: int) -> int:

@@ -159,6 +159,16 @@ class SchedulerSettings(BaseModel):
     retry_backoff_max: float = Field(default=6 * 3600.0, ge=0)
 
 
+class SearchSettings(BaseModel):
+    """Vector search over many chunks (`KIDX_SEARCH__*`): a first pass over one bit a dimension
+    (`vec_chunk_bits`) for `k x oversample` candidates, rescored exactly with their float
+    vectors. Below `exact_below` chunk vectors the float table is searched directly (as fast
+    there, and exact). bench/search.py measured both."""
+
+    oversample: int = Field(default=10, ge=1, le=400)
+    exact_below: int = Field(default=50_000, ge=0)
+
+
 class MetricsSettings(BaseModel):
     """The worker's Prometheus endpoint (`KIDX_METRICS__*`); port 0 turns it off."""
 
@@ -232,6 +242,7 @@ class Settings(BaseSettings):
     flower: FlowerSettings = Field(default_factory=FlowerSettings)
     files: FilesSettings = Field(default_factory=FilesSettings)
     urls: UrlSettings = Field(default_factory=UrlSettings)
+    search: SearchSettings = Field(default_factory=SearchSettings)
 
     @field_validator("vec", mode="before")
     @classmethod
