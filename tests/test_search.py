@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from conftest import DIMS, FakeEmbedder, corpus_text, keyword_rows_problems, standin_settings
 from host import host
 from ops.doctor import Fail, check_keywords
-from worker import nearest, retrieval
+from worker import hamming, nearest, retrieval
 from worker.bulk import index_item
 from worker.errors import InvalidInput
 from worker.indexers import IndexOptions
@@ -559,3 +559,28 @@ def test_a_question_naming_an_identifier_is_answered_by_hybrid_search(tmp_path):
     assert rank("vector") > 5
     assert rank("hybrid") <= 3
     db.close()
+
+
+# -- two passes: the bits a search process keeps -----------------------------------------------
+
+
+def test_two_passes_see_what_another_connection_wrote_and_survive_an_unknown_layout(
+    notes_db, fake, emb_settings, monkeypatch
+):
+    db, _ids = notes_db
+    tuning = SearchSettings(exact_below=0, oversample=2)
+    query = "A paragraph written by another process after the first search."
+    before = search_chunks(db, query, fake, k=3, mode="vector", tuning=tuning)
+    assert before.hits and before.hits[0].score < 0.99  # the bits are now held in memory
+    other = connect(db.path, embedding=emb_settings)
+    new = add_item(other, kind="note", title="Later", content=query)
+    index_item(other, new, embedder=fake)
+    other.close()
+    after = search_chunks(db, fake.calls[-1][0], fake, k=3, mode="vector", tuning=tuning)
+    assert after.hits[0].item_id == new and after.hits[0].score == pytest.approx(1.0, abs=1e-5)
+    monkeypatch.setitem(hamming._SHADOW, "chunks", "CREATE TABLE other layout")
+    other = connect(db.path, embedding=emb_settings)  # nothing held yet: reads the layout
+    assert hamming.nearest_bits(other, "vec_chunk_bits", bytes(DIMS // 8), 3) is None
+    other.close()
+    knn = search_chunks(db, fake.calls[-1][0], fake, k=3, mode="vector", tuning=tuning)
+    assert [h.chunk_id for h in knn.hits] == [h.chunk_id for h in after.hits]  # vec0's KNN

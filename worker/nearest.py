@@ -75,7 +75,7 @@ def distances(matrix: np.ndarray, vector: np.ndarray) -> np.ndarray:
     """Cosine distance of each row to `vector`, as sqlite-vec computes it (a zero row: 1)."""
     q = np.asarray(vector, dtype=np.float32)
     unit = q / (np.linalg.norm(q) or 1.0)
-    norms = np.linalg.norm(matrix, axis=1)
+    norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix))
     norms[norms == 0] = 1.0
     return 1.0 - (matrix @ unit) / norms
 
@@ -98,9 +98,8 @@ def exact_nearest(
         if not rows:
             break
         last = rows[-1][0]
-        _, block_keys, blobs = zip(*rows, strict=True)
-        matrix = np.frombuffer(b"".join(blobs), dtype="<f4").reshape(len(rows), dims)
-        keys = np.concatenate([keys, np.asarray(block_keys, dtype=np.int64)])
+        matrix = np.frombuffer(b"".join([r[2] for r in rows]), dtype="<f4").reshape(-1, dims)
+        keys = np.concatenate([keys, np.fromiter((r[1] for r in rows), np.int64, len(rows))])
         dist = np.concatenate([dist, distances(matrix, vector).astype(np.float32)])
         if len(keys) > k + BLOCK:  # keep the k best and their ties: no other can win
             keep = dist <= np.partition(dist, k - 1)[k - 1]

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from worker.errors import InvalidInput
+from worker.hamming import nearest_bits
 from worker.nearest import KNN_MAX, distances, exact_nearest, unavailable
 from worker.providers.base import EmbeddingModel
 from worker.settings import SearchSettings
@@ -52,6 +53,9 @@ WEIGHTS = {"fts": 1.0, "vec": 0.5, "fallback": 0.5}
 # A filter matching at most this many chunks is searched exactly over its own chunks; a wider
 # one through KNN, asking for more rows until k pass the filter.
 FILTER_EXACT = 20_000
+# Two passes rescore at most this many candidates; a filter that needs more is served by the
+# float table's KNN (or exactly).
+TWO_PASS_MAX = 65_536
 PROSE_KINDS = ("note", "file", "url")
 
 
@@ -292,26 +296,30 @@ def _quantized(db: Database, dims: int, tuning: SearchSettings) -> bool:
 def _two_pass(
     db: Database, vector: np.ndarray, n: int, model: str, filters: Filters, oversample: int
 ) -> list[tuple[int, float]] | None:
-    """The n * oversample nearest by hamming distance over the bit mirror, rescored exactly by
-    cosine over their float vectors; more candidates until n pass (live, this model, the
-    filter) or the table has no more. None past sqlite-vec's k limit."""
+    """The n * oversample nearest by hamming distance over the bit mirror (worker.hamming),
+    rescored exactly by cosine over their float vectors; more candidates until n pass (live,
+    this model, the filter) or the table has no more. None past TWO_PASS_MAX candidates."""
     blob = np.asarray(vector, dtype="<f4").tobytes()
-    fetch = min(max(n * oversample, 32), KNN_MAX)
+    query_bits = bytes(db.scalar("SELECT vec_quantize_binary(?)", (blob,)))
+    fetch = max(n * oversample, 32)
     while True:
-        candidates = [
-            int(r[0])
-            for r in db.all(
-                "SELECT chunk_id FROM vec_chunk_bits "
-                "WHERE embedding MATCH vec_quantize_binary(?) AND k = ?",
-                (blob, fetch),
-            )
-        ]
+        candidates = nearest_bits(db, "vec_chunk_bits", query_bits, fetch)
+        if candidates is None:  # not the storage layout worker.hamming knows: vec0's KNN
+            if fetch > KNN_MAX:
+                return None
+            candidates = [
+                int(r[0])
+                for r in db.all(
+                    "SELECT chunk_id FROM vec_chunk_bits WHERE embedding MATCH ? AND k = ?",
+                    (query_bits, fetch),
+                )
+            ]
         found = _best(_rescore(db, vector, candidates, model, filters), n)
         if len(found) >= n or len(candidates) < fetch:
             return found
-        if fetch == KNN_MAX:
+        if fetch >= TWO_PASS_MAX:
             return None
-        fetch = min(fetch * 4, KNN_MAX)
+        fetch = min(fetch * 4, TWO_PASS_MAX)
 
 
 def _rescore(
@@ -500,9 +508,16 @@ class SearchResult:
     reason: str | None = None  # why the fallback served, when it did
 
 
-def search(db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> SearchResult:
+def search(
+    db: Database,
+    query: str,
+    embedder: EmbeddingModel,
+    *,
+    k: int = 10,
+    tuning: SearchSettings | None = None,
+) -> SearchResult:
     """The k items nearest to `query`, each by its best chunk (vector search)."""
-    found = search_chunks(db, query, embedder, k=k, mode=Mode.VECTOR, per_item=True)
+    found = search_chunks(db, query, embedder, k=k, mode=Mode.VECTOR, per_item=True, tuning=tuning)
     hits = [
         Hit(h.item_id, h.title, h.kind, h.chunk_index, h.score, h.snippet, h.via)
         for h in found.hits

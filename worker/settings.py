@@ -163,9 +163,11 @@ class SearchSettings(BaseModel):
     """Vector search over many chunks (`KIDX_SEARCH__*`): a first pass over one bit a dimension
     (`vec_chunk_bits`) for `k x oversample` candidates, rescored exactly with their float
     vectors. Below `exact_below` chunk vectors the float table is searched directly (as fast
-    there, and exact). bench/search.py measured both."""
+    there, and exact). bench/search.py, realistic vectors, 1M x 384: oversample 300 gives
+    recall@10 0.987 at 0.60x exact numpy's time; at 100k two passes take 26 ms, vec0's exact
+    KNN 68."""
 
-    oversample: int = Field(default=10, ge=1, le=400)
+    oversample: int = Field(default=300, ge=1, le=10_000)
     exact_below: int = Field(default=50_000, ge=0)
 
 

@@ -321,7 +321,14 @@ def search(
             if code or memories:
                 return _search_other(ctx, db, query, embedder, k, code=code)
             result = search_chunks(
-                db, query, embedder, k=k, mode=mode, filters=filters, per_item=not chunks
+                db,
+                query,
+                embedder,
+                k=k,
+                mode=mode,
+                filters=filters,
+                per_item=not chunks,
+                tuning=ctx.settings.search,
             )
         finally:
             if embedder is not None:
