@@ -13,7 +13,8 @@ mirror `vec_chunk_bits`). The same queries go, interleaved, through:
 - **kidx two-pass**: `search_chunks(mode="vector")` with the bit mirror's first pass
   (`KIDX_SEARCH__EXACT_BELOW=0`, `--oversample`) and exact rescoring;
 - **kidx vec0 exact**: the same call with two passes off: sqlite-vec's float KNN;
-- **kidx fallback**: the same call on a connection without sqlite-vec (up to `--fallback-max`).
+- **kidx fallback**: the same call on a connection without sqlite-vec (up to `--fallback-max`);
+  it holds the vectors it read between queries (`KIDX_SEARCH__FALLBACK_HOLD_MB`).
 
 Reported: median and p95 ms a query, x numpy's median (same run), recall@k and the share of
 identical rankings against numpy's chunks, the database's size on disk, what each method keeps in
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from vectors import realistic  # noqa: E402  (bench/vectors.py, beside this file)
 
-from worker import hamming  # noqa: E402
+from worker import hamming, nearest  # noqa: E402
 from worker.log import configure_logging  # noqa: E402
 from worker.providers.base import EmbeddingModel  # noqa: E402
 from worker.retrieval import search_chunks  # noqa: E402
@@ -215,7 +216,14 @@ def run_case(
                     continue
                 times[name].append(elapsed * 1000)
                 answers[name].append(got)
-        held = {"numpy": matrix.nbytes / 1e6, "kidx two-pass": held_mb(with_vec)}
+        held = {
+            "numpy": matrix.nbytes / 1e6,
+            "kidx two-pass": held_mb(with_vec),
+            "kidx fallback": sum(
+                h.keys.nbytes + h.units.nbytes for h in nearest._HELD.get(without, {}).values()
+            )
+            / 1e6,
+        }
     finally:
         with_vec.close()
         without.close()

@@ -584,3 +584,25 @@ def test_two_passes_see_what_another_connection_wrote_and_survive_an_unknown_lay
     other.close()
     knn = search_chunks(db, fake.calls[-1][0], fake, k=3, mode="vector", tuning=tuning)
     assert [h.chunk_id for h in knn.hits] == [h.chunk_id for h in after.hits]  # vec0's KNN
+
+
+def test_the_fallback_holds_its_vectors_until_the_database_changes(notes_db, fake, emb_settings):
+    db, _ids = notes_db
+    no_vec = connect(db.path, embedding=emb_settings, vec=False)
+    held, fresh = SearchSettings(fallback_hold_mb=64), SearchSettings(fallback_hold_mb=0)
+    try:
+        query = "ownership and the heap"
+        first = search_chunks(no_vec, query, fake, k=8, mode="vector", tuning=held)
+        assert nearest._HELD[no_vec]  # kept for the next search
+        again = search_chunks(no_vec, query, fake, k=8, mode="vector", tuning=held)
+        plain = search_chunks(no_vec, query, fake, k=8, mode="vector", tuning=fresh)
+        assert [h.chunk_id for h in again.hits] == [h.chunk_id for h in first.hits]
+        assert [h.chunk_id for h in plain.hits] == [h.chunk_id for h in first.hits]
+        assert [h.score for h in again.hits] == pytest.approx([h.score for h in plain.hits])
+        text = "Written by another connection after the vectors were held."
+        index_item(db, add_item(db, kind="note", title="New", content=text), embedder=fake)
+        [written] = fake.calls[-1]
+        seen = search_chunks(no_vec, written, fake, k=1, mode="vector", tuning=held)
+        assert seen.hits[0].title == "New" and seen.hits[0].score == pytest.approx(1.0, abs=1e-5)
+    finally:
+        no_vec.close()

@@ -271,7 +271,7 @@ def _vector(
     reason = unavailable(db, VEC["vec_chunk_embeddings"], len(vector))
     if reason is None:
         if filters.active and _count(db, model, filters) <= FILTER_EXACT:
-            return _exact(db, vector, n, model, filters), "vec", None
+            return _exact(db, vector, n, model, filters, tuning), "vec", None
         found = None
         if _quantized(db, len(vector), tuning):
             found = _two_pass(db, vector, n, model, filters, tuning.oversample)
@@ -280,7 +280,7 @@ def _vector(
         if found is not None:
             return found, "vec", None
         reason = f"the best {n} need more than {KNN_MAX} nearest chunks"
-    return _exact(db, vector, n, model, filters), "fallback", reason
+    return _exact(db, vector, n, model, filters, tuning), "fallback", reason
 
 
 def _quantized(db: Database, dims: int, tuning: SearchSettings) -> bool:
@@ -385,7 +385,12 @@ def _knn(
 
 
 def _exact(
-    db: Database, vector: np.ndarray, n: int, model: str, filters: Filters
+    db: Database,
+    vector: np.ndarray,
+    n: int,
+    model: str,
+    filters: Filters,
+    tuning: SearchSettings,
 ) -> list[tuple[int, float]]:
     """Exact cosine in memory over the relational vectors of live chunks passing the filter."""
     where, params = filters.where()
@@ -395,7 +400,7 @@ def _exact(
         f"WHERE 1{where} AND r.model = ? AND r.dimensions = ? AND r.rowid > ? "
         "ORDER BY r.rowid LIMIT ?"
     )
-    return exact_nearest(db, sql, model, vector, n, before=params)
+    return exact_nearest(db, sql, model, vector, n, before=params, hold_mb=tuning.fallback_hold_mb)
 
 
 def _not_on(db: Database, model: str, dims: int) -> int:
