@@ -42,12 +42,13 @@ demo: setup
 stack-stop:
 	$(PY) -m ops.stack stop
 
-# Everything (the fault suite included), in two processes: a module that starts workers runs
-# whole in one of them (its stack starts once), each process on Redis databases of its own.
+# Everything (the fault suite included), in three processes (two cores: the stack modules mostly
+# wait on their workers); a module that starts workers runs whole in one of them (its stack
+# starts once), each process on Redis databases of its own.
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 3 --dist loadfile
 
 # The engine, the CLI and the stores: no worker process, fewer hypothesis examples (~1 min).
 test-quick: setup

@@ -110,7 +110,11 @@ def test_local_model_finds_the_chapter_a_plain_question_is_about(tmp_path):
     db = connect(tmp_path / "m.db", embedding=settings)
     assert db.dimensions == 384
     model = build_embedder(settings, dimensions=db.dimensions)
-    names = sorted(p.name for p in CORPUS.glob("ch0[3-9]-0[1-3]*.md"))
+    # Every section of the three chapters asked about (their siblings are the near misses),
+    # and the first section of the other chapters from 3 to 7: the embedding is most of this
+    # test's time (each section is 30-60 chunks).
+    names = sorted(p.name for p in CORPUS.glob("ch0[489]-0[1-3]*.md"))
+    names += sorted(p.name for p in CORPUS.glob("ch0[3567]-01*.md"))
     ids = {}
     for name in names:
         text = corpus_text(name)
