@@ -26,7 +26,7 @@ import numpy as np
 import sqlite_vec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vectors import realistic  # noqa: E402
+from vectors import realistic
 
 INDEXES = {
     "flat (brute force)": "",
