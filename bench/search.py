@@ -81,12 +81,6 @@ class QueryVectors(EmbeddingModel):
         return self.vector
 
 
-def unit_vectors(rng: np.random.Generator, n: int, dims: int) -> np.ndarray:
-    m = rng.standard_normal((n, dims), dtype=np.float32)
-    m /= np.linalg.norm(m, axis=1, keepdims=True)
-    return m
-
-
 def build(path: Path, matrix: np.ndarray) -> dict[str, float]:
     """Write the vectors as real kidx rows, chunk i of item i // 10 + 1, in one transaction."""
     n, dims = matrix.shape

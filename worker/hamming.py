@@ -1,14 +1,14 @@
 """The first pass of a large vector search: hamming distances over a bit mirror, in numpy.
 
-sqlite-vec's KNN over a `bit[N]` vec0 table costs more the more candidates it is asked for
-(100k realistic vectors: 15 ms for 40, 74 ms for 400), and exact rescoring needs thousands of
+sqlite-vec's KNN over a `bit[N]` vec0 table costs more the more candidates it is asked for (100k
+realistic vectors: 15 ms for 40, 74 ms for 400), and exact rescoring needs thousands of
 candidates for a recall@10 of 0.98 at a million chunks (bench/search.py). So the table's own
 storage is read instead: vec0 keeps the vectors of each 1024 rows in one blob
 (`{table}_vector_chunks00`), their ids and a validity bitmap in `{table}_chunks`. A search
 process keeps what it read (one bit a dimension: 48 MB a million chunks at 384 dimensions) and
-reads it again when the database has changed since (`PRAGMA data_version`, and this
-connection's own changes). The layout is sqlite-vec 0.1's; anything else (another version,
-lengths that do not add up) returns None, and the caller asks vec0's KNN instead.
+reads it again when the database has changed since (`Database.change_version`). The layout is
+sqlite-vec 0.1's; anything else (another version, lengths that do not add up) returns None, and
+the caller asks vec0's KNN instead.
 """
 
 from __future__ import annotations
@@ -62,14 +62,10 @@ def nearest_bits(db: Database, table: str, query_bits: bytes, fetch: int) -> lis
     return ids[distance[top] < _FAR].tolist()
 
 
-def _version(db: Database) -> tuple[int, int]:
-    return int(db.scalar("PRAGMA data_version")), int(db.conn.total_changes())
-
-
 def _load(db: Database, table: str, nbytes: int) -> _Bits | None:
     if nbytes % 8:
         return None  # dimensions not a multiple of 64: vec0's KNN serves
-    version = _version(db)
+    version = db.change_version()
     cached = _CACHE.get(db, {}).get(table)
     if cached is not None and cached.version == version:
         return cached

@@ -73,13 +73,21 @@ def nearest(
     return found, "fallback", reason
 
 
-def distances(matrix: np.ndarray, vector: np.ndarray) -> np.ndarray:
-    """Cosine distance of each row to `vector`, as sqlite-vec computes it (a zero row: 1)."""
-    q = np.asarray(vector, dtype=np.float32)
-    unit = q / (np.linalg.norm(q) or 1.0)
+def unit_rows(matrix: np.ndarray) -> np.ndarray:
+    """Each row at unit length (a zero row stays zero)."""
     norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix))
     norms[norms == 0] = 1.0
-    return 1.0 - (matrix @ unit) / norms
+    return matrix / norms[:, None]
+
+
+def distances(matrix: np.ndarray, vector: np.ndarray) -> np.ndarray:
+    """Cosine distance of each row to `vector`, as sqlite-vec computes it (a zero row: 1)."""
+    return 1.0 - _dot(unit_rows(matrix), _unit(vector))
+
+
+def _unit(vector: np.ndarray) -> np.ndarray:
+    q = np.asarray(vector, dtype=np.float32)
+    return q / (np.linalg.norm(q) or 1.0)
 
 
 @dataclass
@@ -110,15 +118,13 @@ def exact_nearest(
     `nearest`. Vectors are read a block at a time into one matrix and scored with one product
     (memory stays bounded; a Python loop per row made this 46x numpy at 100k rows).
 
-    `hold_mb`: a search process may keep what it read, up to this many MB, for its next
-    searches until the database changes (`PRAGMA data_version` and this connection's own
-    changes): reading is most of the cost (SQLite hands over 100k 1.5 KB blobs in ~200 ms, 30x
-    the product itself), so a process that searches repeatedly without sqlite-vec pays it once
-    a change."""
+    `hold_mb`: a search process may keep what it read, up to this many MB, for its next searches
+    until the database changes (`Database.change_version`): reading is most of the cost (SQLite
+    hands over 100k 1.5 KB blobs in ~200 ms, 30x the product itself), so a process that searches
+    repeatedly without sqlite-vec pays it once a change."""
     dims = len(vector)
-    q = np.asarray(vector, dtype=np.float32)
-    unit = q / (np.linalg.norm(q) or 1.0)
-    version = (int(db.scalar("PRAGMA data_version")), int(db.conn.total_changes()))
+    unit = _unit(vector)
+    version = db.change_version() if hold_mb else (0, 0)
     key = (sql, tuple(before), model, dims)
     held = _HELD.get(db, {}).get(key) if hold_mb else None
     if held is not None and held.version == version:
@@ -137,9 +143,7 @@ def exact_nearest(
         last = rows[-1][0]
         matrix = np.frombuffer(b"".join([r[2] for r in rows]), dtype="<f4").reshape(-1, dims)
         block_keys = np.fromiter((r[1] for r in rows), np.int64, len(rows))
-        norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix))
-        norms[norms == 0] = 1.0
-        units = matrix / norms[:, None]
+        units = unit_rows(matrix)
         if kept_keys is not None:
             budget -= units.nbytes + block_keys.nbytes
             if budget < 0:

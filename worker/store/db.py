@@ -128,6 +128,12 @@ class Database:
         row = self.one(sql, params)
         return row[0] if row else None
 
+    def change_version(self) -> tuple[int, int]:
+        """Moves whenever the database changes: another connection's commit (`PRAGMA
+        data_version`) or this connection's own writes. What a reader keeps is valid while it
+        stays the same."""
+        return int(self.scalar("PRAGMA data_version")), int(self.conn.total_changes())
+
     def dicts(self, sql: str, params: Params = ()) -> list[dict[str, Any]]:
         cur = self.conn.cursor()
         names: list[str] = []
