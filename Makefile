@@ -70,9 +70,9 @@ bench: setup
 clean:
 	rm -rf $(VENV) data .pytest_cache .ruff_cache .hypothesis
 
-# The fault suite (tests/test_faults.py) at soak scale, not run by CI: 3000 items and 50 kills,
+# The fault suite (tests/test_faults_*.py) at soak scale, not run by CI: 3000 items and 50 kills,
 # 1000 items under provider chaos, an outage of 1000, 2000 edits of 100 notes in a minute. Any
 # figure can be set alone, e.g. `make soak KIDX_FAULT_CRASH_KILLS=200` (see `scale` there).
 .PHONY: soak
 soak: setup
-	KIDX_SOAK=1 $(PY) -m pytest -q -m fault tests/test_faults.py -p no:cacheprovider --timeout=3600
+	KIDX_SOAK=1 $(PY) -m pytest -q -m fault tests/test_faults_*.py -p no:cacheprovider --timeout=3600

@@ -156,7 +156,7 @@ class FakeEmbedder(EmbeddingModel):
         return np.stack([r.standard_normal(self.dimensions) for r in rng]).astype(np.float32)
 
 
-# -- the fault suite (tests/test_faults.py): its figures at the end of the run --
+# -- the fault suite (tests/test_faults_*.py): its figures at the end of the run --
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

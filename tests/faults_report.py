@@ -1,4 +1,4 @@
-"""The fault suite's figures (tests/test_faults.py), printed at the end of the run by the
+"""The fault suite's figures (tests/test_faults_*.py), printed at the end of the run by the
 `pytest_terminal_summary` hook in conftest.py: one line per fault class."""
 
 from __future__ import annotations
