@@ -15,14 +15,14 @@ name, dimension and batch size for everyone:
   RecursiveCharacterTextSplitter(1500, 100), OpenAIEmbeddings (chunk_size = the batch size),
   SQLiteVec.add_documents; timed from splitting to the last write.
 
-First with the stand-in answering at once (chunks per second, and the ratio of kidx's to
-LangChain's), then with every answer after `--latency` seconds (provider-bound: texts embedded
-per second as a share of the ceiling `batch size x processes / latency`). Each configuration
-runs `--rounds` times, interleaved, and the fastest round counts. The machine is shared: each
-timed run waits (boundedly) for the machine to be quiet, and the load of other processes
-during it is recorded (`background cores`). `--profile DIR` runs py-spy on the worker's
-processes (it slows them: do not read the timings of such a run). Timings are measured here,
-never asserted in tests.
+First with the stand-in answering at once (chunks and corpus MB per second, and the ratios of
+kidx's to LangChain's), then with every answer after `--latency` seconds (provider-bound: texts
+embedded per second as a share of the ceiling `batch size x processes / latency`). Each
+configuration runs `--rounds` times, interleaved, and the fastest round counts. The machine is
+shared: each timed run waits (boundedly) for the machine to be quiet, and the load of other
+processes during it is recorded (`background cores`). `--profile DIR` runs py-spy on the
+worker's processes (it slows them: do not read the timings of such a run). Timings are measured
+here, never asserted in tests.
 """
 
 from __future__ import annotations
@@ -378,9 +378,10 @@ def run(
         r["mb_per_s"] = megabytes / r["seconds"]
         r["texts_per_request"] = r["texts"] / max(1, r["requests"])
         rows[name] = r
-    base = rows["langchain"]["chunks_per_s"]
+    # The goal is by corpus MB/s: chunks/s flatters the chunker that makes more chunks.
     for r in rows.values():
-        r["vs_langchain"] = r["chunks_per_s"] / base
+        r["vs_langchain"] = r["chunks_per_s"] / rows["langchain"]["chunks_per_s"]
+        r["mb_vs_langchain"] = r["mb_per_s"] / rows["langchain"]["mb_per_s"]
     bound_rows: dict[str, dict[str, Any]] = {}
     for name, runs in bound.items():
         r = best(runs)
@@ -408,8 +409,8 @@ def run(
         "provider_bound": bound_rows,
     }
     result["goals"] = {
-        "kidx_c2_vs_langchain": rows["kidx c2"]["vs_langchain"],
-        "kidx_c2_at_least_langchain": rows["kidx c2"]["vs_langchain"] >= 1.0,
+        "kidx_c2_vs_langchain_mb": rows["kidx c2"]["mb_vs_langchain"],
+        "kidx_c2_at_least_1_1x_langchain_mb": rows["kidx c2"]["mb_vs_langchain"] >= 1.1,
         "kidx_c1_share_of_ceiling": bound_rows["kidx c1"]["share_of_ceiling"],
         "kidx_c2_share_of_ceiling": bound_rows["kidx c2"]["share_of_ceiling"],
         "kidx_at_least_90pct_of_ceiling": all(
@@ -438,7 +439,8 @@ def print_tables(result: dict[str, Any]) -> None:
             ("MB/s", "mb_per_s", "{:.3f}"),
             ("requests", "requests", "{}"),
             ("texts/req", "texts_per_request", "{:.1f}"),
-            ("÷ LangChain", "vs_langchain", "{:.2f}"),
+            ("chunks/s ÷ LC", "vs_langchain", "{:.2f}"),
+            ("MB/s ÷ LC", "mb_vs_langchain", "{:.2f}"),
             ("cores used", "cores_used", "{:.2f}"),
             ("background", "background_cores", "{:.2f}"),
         ],
@@ -489,8 +491,9 @@ def print_tables(result: dict[str, Any]) -> None:
     )
     g = result["goals"]
     print(
-        f"\ngoal: kidx (2 processes) >= LangChain: {g['kidx_c2_vs_langchain']:.2f}x, "
-        f"{'met' if g['kidx_c2_at_least_langchain'] else 'not met'}"
+        f"\ngoal: kidx (2 processes) >= 1.1x LangChain by corpus MB/s: "
+        f"{g['kidx_c2_vs_langchain_mb']:.2f}x, "
+        f"{'met' if g['kidx_c2_at_least_1_1x_langchain_mb'] else 'not met'}"
     )
     print(
         f"goal: >= 90% of the provider-bound ceiling: 1 process "

@@ -28,6 +28,7 @@ from tasks.cancel import TERMINATED, CancelToken, running
 from tasks.lock import LockSet
 from tasks.producer import enqueue, send_group
 from tasks.runtime import Runtime
+from tasks.streak import BatchStreak, streak_key
 from worker.bulk import index_items
 from worker.chunking import text_hash
 from worker.errors import Cancelled, IndexAborted, KidxError, WrongTaskKind
@@ -35,7 +36,14 @@ from worker.indexers import IndexOptions
 from worker.log import KI_EMBED, get_logger
 from worker.pipeline import IndexResult
 from worker.store.items import Status, get_item, get_state, mark_not_run, set_state
-from worker.store.jobs import BatchState, JobState, batch_outcome, get_batch, record_end
+from worker.store.jobs import (
+    BatchState,
+    JobState,
+    abort_batch,
+    batch_outcome,
+    get_batch,
+    record_end,
+)
 
 log = get_logger("kidx.tasks")
 
@@ -78,6 +86,9 @@ class Run:
             cancel=self.token,
             task_id=self.task_id,
             context_chars=self.settings.embedding.context_chars,
+            streak=None
+            if batch_id is None
+            else BatchStreak(rt.redis, streak_key(str(rt.db.path), batch_id)),
         )
         self.locks: LockSet | None = None
         self.abort_reason: str | None = None
@@ -234,6 +245,13 @@ class Run:
                 metrics.record_chunks(result)
             self.results[item_id] = result
             return
+        if isinstance(outcome, IndexAborted) and outcome.provider_down and self.batch_id:
+            # The batch's requests failed N times in a row, in this run or others: it stops.
+            # The item whose outcome stopped it failed (with the cause); the rest are skipped.
+            with contextlib.suppress(apsw.Error, KidxError):
+                if abort_batch(self.rt.db, self.batch_id, f"aborted after {outcome}"):
+                    self._failed(item_id, self.line(item_id, str(outcome)), "provider_transient")
+                    return
         if self._batch_aborted():  # by this run's failures or another's: no retry
             self._skip(item_id)
             return

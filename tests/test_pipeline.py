@@ -320,13 +320,13 @@ def test_items_together_a_provider_failing_three_times_in_a_row_stops_them_all(
     results = index_items(db, [first, second], embedder=embedder)
     for item in (first, second):
         assert isinstance(results[item], IndexAborted), results[item]
-        assert "3 consecutive vector failures" in str(results[item])
-        assert results[item].transient
+        assert "3 consecutive failures of the provider's requests" in str(results[item])
+        assert results[item].transient and results[item].provider_down
         assert get_state(db, item)["status"] == "failed"
     assert snapshot(db, first) == before  # the previous index is intact
     assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (second,)) == 0
-    # One batch, then its texts alone until three fail in a row (two attempts each).
-    assert standin.requests - sent == 2 * (1 + 3)
+    # Three failed requests (two attempts each): the batch, then its first two texts alone.
+    assert standin.requests - sent == 2 * 3
 
 
 def test_items_together_cancelled_leave_every_unwritten_item_cancelled(db, embedder, standin):

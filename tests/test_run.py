@@ -25,6 +25,7 @@ from tasks.index import SingleRun
 from tasks.lock import LockSet, rerun_key
 from tasks.run import IndexFailed
 from tasks.runtime import Runtime
+from tasks.streak import BatchStreak, streak_key
 from worker.app import create_app
 from worker.errors import TransientProviderError
 from worker.log import Redact
@@ -237,6 +238,32 @@ def test_three_failures_in_a_row_abort_the_batch_and_its_other_items_are_skipped
     run, _ = group(rt, ids[3:], batch)
     result = run.execute()
     assert result["skipped"] == 2 and {get_state(rt.db, i)["status"] for i in ids[3:]} == {"failed"}
+
+
+def test_a_batchs_runs_share_their_count_of_failed_provider_requests(rt) -> None:
+    """Two failed requests of another process's run of the batch, in Redis: this run's first
+    failed request is the third, and stops the batch; a request that succeeds resets it."""
+    rt.settings.tasks.max_retries = 0
+    ids = notes(rt.db, 4)
+    batch = create_batch(rt.db, "reindex", len(ids))
+    streak = BatchStreak(rt.redis, streak_key(str(rt.db.path), batch))
+    streak.failed("HTTP 500 (another process)")
+    streak.ok()  # a success in between: the count starts again
+    assert streak.current() == (0, "HTTP 500 (another process)")
+    streak.failed("HTTP 500 (another process)")
+    streak.failed("HTTP 500 (another process)")
+    rt.embedder.down = True  # type: ignore[union-attr]
+    run, _ = group(rt, ids[:2], batch)
+    with pytest.raises(IndexFailed, match="3 consecutive failures of the provider's requests"):
+        run.execute()
+    assert len(rt.embedder.calls) == 1  # type: ignore[union-attr]
+    assert get_batch(rt.db, batch)["state"] == "aborted"
+    assert streak.current()[0] == 3
+    # Another database's batch of the same id has a count of its own.
+    assert BatchStreak(rt.redis, streak_key("/elsewhere/kidx.db", batch)).current() == (0, "")
+    late, _ = group(rt, ids[2:], batch)
+    assert late.execute()["skipped"] == 2
+    assert len(rt.embedder.calls) == 1  # type: ignore[union-attr]
 
 
 def test_an_aborted_batchs_late_run_leaves_an_item_a_later_run_indexed(rt) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import apsw
 
-from worker.embedding import EmbedQueue, FailureCounter, check, none_embedded
+from worker.embedding import EmbedQueue, FailureCounter, Requests, check, none_embedded
 from worker.errors import Cancelled, IndexAborted, KidxError, PermanentProviderError, StoreError
 from worker.indexers import IndexOptions
 from worker.log import KI_EMBED, get_logger
@@ -152,7 +152,8 @@ def index_items(
     queue = None
     if embedder is not None:
         counter = FailureCounter(options.max_consecutive_failures, log.bind(task_id=task_id))
-        queue = EmbedQueue(embedder, cancel, counter)
+        requests = Requests(options.max_consecutive_failures, options.streak)
+        queue = EmbedQueue(embedder, cancel, counter, requests)
     stop: KidxError | None = None
     halted = False  # stopped by the database refusing writes, not by the provider
     try:

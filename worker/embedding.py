@@ -1,6 +1,9 @@
 """Embedding what is not reused, shared by every kind of item: batches, a failing batch retried
-text by text (one bad input costs one vector, not the batch), and the failure count (three in a
-row abort the run, with the cause and whether a retry may help)."""
+text by text (one bad input costs one vector, not the batch), and two failure counts, each of
+which aborts the run at three in a row (with the cause and whether a retry may help): failed
+vectors (an input the provider refuses, a vec write), and failed provider requests, a
+`Streak` that the runs of a batch share (tasks/ keeps it in Redis), so that a dead provider
+stops the whole batch after three requests, not three a run."""
 
 from __future__ import annotations
 
@@ -43,6 +46,57 @@ class Plan:
     def done(self) -> bool:
         """Whether every chunk has its vector or its failure."""
         return len(self.vectors) + len(self.failed) >= len(self.chunks)
+
+
+class Streak:
+    """Consecutive failed provider requests and the last one's cause. This one is a run's own;
+    a batch's runs share one that keeps the same three methods elsewhere (tasks/streak.py)."""
+
+    def __init__(self) -> None:
+        self.n, self.cause = 0, ""
+
+    def current(self) -> tuple[int, str]:
+        return self.n, self.cause
+
+    def failed(self, cause: str) -> int:
+        """Count a failed request; the count now."""
+        self.n, self.cause = self.n + 1, cause
+        return self.n
+
+    def ok(self) -> None:
+        self.n = 0
+
+
+class Requests:
+    """The provider-request count of a run: a request that failed as a whole (not one input
+    refused) counts, a request that succeeded resets it; at the limit the run is aborted, and
+    no request goes once the shared count is there (another run of the batch reached it)."""
+
+    def __init__(self, limit: int, streak: Streak | None = None) -> None:
+        self.limit = limit
+        self.streak = streak or Streak()
+
+    def _abort(self, cause: str, error: Exception | None = None) -> IndexAborted:
+        return IndexAborted(
+            f"{self.limit} consecutive failures of the provider's requests, last: {cause}",
+            transient=error is None or isinstance(error, TransientProviderError),
+            retry_after=getattr(error, "retry_after", None),
+            provider_down=True,
+        )
+
+    def before(self) -> None:
+        n, cause = self.streak.current()
+        if n >= self.limit:
+            raise self._abort(cause)
+
+    def ok(self) -> None:
+        self.streak.ok()
+
+    def failed(self, error: ProviderError) -> None:
+        if isinstance(error, PermanentProviderError) and error.per_input:
+            return  # one input refused: the vector count has it
+        if self.streak.failed(str(error)) >= self.limit:
+            raise self._abort(str(error), error)
 
 
 class FailureCounter:
@@ -90,9 +144,14 @@ class EmbedQueue:
     `cancel` is called from that thread too: it must be thread-safe (CancelToken is)."""
 
     def __init__(
-        self, embedder: EmbeddingModel, cancel: CancelCheck | None, counter: FailureCounter
+        self,
+        embedder: EmbeddingModel,
+        cancel: CancelCheck | None,
+        counter: FailureCounter,
+        requests: Requests | None = None,
     ) -> None:
         self.embedder, self.cancel, self.counter = embedder, cancel, counter
+        self.requests = requests or Requests(counter.limit)
         self.todo: deque[tuple[Plan, int]] = deque()
         self._inflight: tuple[Future[None], list[tuple[Plan, int]]] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kidx-embed")
@@ -112,7 +171,10 @@ class EmbedQueue:
         check(self.cancel)
         batch = [self.todo.popleft() for _ in range(min(self.embedder.batch_size, len(self.todo)))]
         self.wait()
-        future = self._pool.submit(embed_batch, batch, self.embedder, self.cancel, self.counter)
+        self.requests.before()  # the batch's provider is down: nothing more is sent
+        future = self._pool.submit(
+            embed_batch, batch, self.embedder, self.cancel, self.counter, self.requests
+        )
         self._inflight = (future, batch)
 
     def wait(self) -> None:
@@ -136,20 +198,23 @@ def embed_batch(
     embedder: EmbeddingModel,
     cancel: CancelCheck | None,
     counter: FailureCounter,
+    requests: Requests,
 ) -> None:
     """One request of up to the batch size; a failing batch is retried text by text, so that
-    one bad input costs one vector, not the batch. Raises IndexAborted (N failures in a row)
-    and PermanentProviderError (refused as a whole)."""
+    one bad input costs one vector, not the batch. Raises IndexAborted (N failed vectors or
+    requests in a row) and PermanentProviderError (refused as a whole)."""
     check(cancel)
     try:
         vectors = embedder.embed_checked([p.input_of(i) for p, i in batch])
     except ProviderError as e:
+        requests.failed(e)
         if isinstance(e, PermanentProviderError) and not e.per_input:
             raise
-        _one_by_one(batch, embedder, cancel, counter, e)
+        _one_by_one(batch, embedder, cancel, counter, requests, e)
     else:
         for (p, i), vector in zip(batch, vectors, strict=True):
             p.vectors[i] = to_blob(vector)
+        requests.ok()
         counter.ok()
 
 
@@ -169,6 +234,7 @@ def _one_by_one(
     embedder: EmbeddingModel,
     cancel: CancelCheck | None,
     counter: FailureCounter,
+    requests: Requests,
     error: ProviderError,
 ) -> None:
     if len(batch) == 1:
@@ -176,14 +242,17 @@ def _one_by_one(
         return
     for p, i in batch:
         check(cancel)
+        requests.before()
         try:
             vectors = embedder.embed_checked([p.input_of(i)])
         except ProviderError as e:
+            requests.failed(e)
             if isinstance(e, PermanentProviderError) and not e.per_input:
                 raise
             _failed(p, i, counter, e)
         else:
             p.vectors[i] = to_blob(vectors[0])
+            requests.ok()
             counter.ok()
 
 

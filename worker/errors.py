@@ -90,14 +90,21 @@ class BadAnswer(PermanentProviderError):
 
 class IndexAborted(KidxError):
     """The item's run was abandoned and rolled back (three vectors failed in a row, or the
-    provider refused outright); `transient` when a later retry may succeed."""
+    provider refused outright); `transient` when a later retry may succeed; `provider_down`
+    when the provider's requests failed N times in a row (counted across a batch's runs)."""
 
     def __init__(
-        self, message: str, *, transient: bool = False, retry_after: float | None = None
+        self,
+        message: str,
+        *,
+        transient: bool = False,
+        retry_after: float | None = None,
+        provider_down: bool = False,
     ) -> None:
         super().__init__(message)
         self.transient = transient
         self.retry_after = retry_after
+        self.provider_down = provider_down
 
 
 class Cancelled(Exception):

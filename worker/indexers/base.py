@@ -18,7 +18,7 @@ from typing import Any
 from worker.chunking import ChunkMethod, text_hash
 from worker.chunking.base import CONTEXT_CHARS
 from worker.chunking.llm import ChatModelLike
-from worker.embedding import CancelCheck, Plan
+from worker.embedding import CancelCheck, Plan, Streak
 from worker.providers.base import EmbeddingModel
 from worker.sources import Reader
 from worker.store.db import Database
@@ -38,6 +38,7 @@ class IndexOptions:
     cancel: CancelCheck | None = None  # true once the run is cancelled
     task_id: str | None = None  # recorded with the item's state
     max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES  # vector failures that abort
+    streak: Streak | None = None  # failed provider requests, shared by a batch's runs
     context_chars: int = CONTEXT_CHARS  # title and heading path before each chunk
 
 

@@ -187,14 +187,16 @@ def create_batch(db: Database, kind: str, total: int) -> int:
         )
 
 
-def abort_batch(db: Database, batch_id: int, reason: str) -> None:
-    """End a running batch as aborted: its tasks still to run end skipped with the reason."""
+def abort_batch(db: Database, batch_id: int, reason: str) -> bool:
+    """End a running batch as aborted: its tasks still to run end skipped with the reason.
+    Whether this call ended it (False: it was not running)."""
     with db.atomic():
         db.execute(
             f"UPDATE index_batches SET state = 'aborted', abort_reason = ?, finished_at = {NOW} "
             "WHERE id = ? AND state = 'running'",
             (reason, batch_id),
         )
+        return db.conn.changes() > 0
 
 
 def get_batch(db: Database, batch_id: int) -> dict[str, Any] | None:
