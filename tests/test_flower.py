@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from conftest import corpus_text
+from host import host
 from stack import (
     Stack,
     free_port,
@@ -157,6 +159,75 @@ def test_the_tasks_api_answers_only_with_the_credentials(stack):
     assert httpx.post(f"{stack.url}/api/task/revoke/{fake}", timeout=5).status_code == 401
     time.sleep(0.3)
     assert not stack.redis.exists(revoked_key(fake))
+
+
+def curl(*args: str) -> str:
+    """curl as the README shows it: what a host in any language does over HTTP."""
+    out = subprocess.run(["curl", "-s", "-S", *args], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_host_in_any_language_writes_with_sql_enqueues_through_flower_and_reads_the_result(
+    stack,
+):
+    """The README's "From any language": a note written with plain SQL (Python's sqlite3 in a
+    process of its own, no kidx code), GenerateEmbedding sent with curl through Flower's API
+    (basic auth), the outcome read back over HTTP and with SQL; without credentials, refused."""
+    [[[item]], [[refused]]] = host(
+        stack.db.path,
+        (
+            "INSERT INTO knowledge_items(kind, title, content) VALUES ('note', ?, ?) RETURNING id",
+            ["Written in Go", corpus_text("ch04-03-slices.md")],
+        ),
+        (
+            "INSERT INTO knowledge_items(kind, title, content) VALUES ('note', ?, ?) RETURNING id",
+            ["Never sent", "A note whose task the API refuses to send."],
+        ),
+    )
+    send = f"{stack.url}/api/task/send-task/GenerateEmbedding"
+    for auth in ([], ["-u", f"{USER}:wrong"]):
+        status = curl(
+            *auth,
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            json.dumps({"args": [refused]}),
+            send,
+        )
+        assert status == "401"
+    answer = json.loads(
+        curl(
+            "-u",
+            f"{USER}:{PASSWORD}",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            json.dumps({"args": [item], "kwargs": {"reason": "go-host"}}),
+            send,
+        )
+    )
+    task_id = answer["task-id"]
+
+    def result() -> dict[str, Any] | None:
+        got = json.loads(curl("-u", f"{USER}:{PASSWORD}", f"{stack.url}/api/task/result/{task_id}"))
+        return got if got["state"] in ("SUCCESS", "FAILURE") else None
+
+    got = wait_for(result, 60, "the task's result through Flower", every=0.2)
+    assert got["state"] == "SUCCESS" and got["result"]["status"] == "indexed", got
+    assert got["result"]["item_id"] == item and got["result"]["chunks"] >= 1
+    [[[status, chunks]], [[runs]], [[others]]] = host(
+        stack.db.path,
+        ("SELECT status, chunk_count FROM item_index_state WHERE item_id = ?", [item]),
+        ("SELECT count(*) FROM index_jobs WHERE item_id = ? AND reason = 'go-host'", [item]),
+        ("SELECT count(*) FROM index_jobs WHERE item_id = ?", [refused]),
+    )
+    assert (status, chunks) == ({"hex": b"indexed".hex()}, got["result"]["chunks"])
+    assert runs == 1 and others == 0  # the refused request sent nothing
 
 
 def test_flower_lists_succeeded_failed_and_revoked_tasks_with_what_they_are_about(stack):
