@@ -7,17 +7,41 @@ Flower keeps its task history in memory unless told otherwise; here it is saved 
 `<KIDX_DATA_DIR>/flower.db` so that it survives a restart. The credentials reach Flower in
 FLOWER_BASIC_AUTH, not on its command line, where `ps` would show them; they guard every page,
 `/metrics` included (Flower's own default leaves that one open), all but `/healthcheck`.
+
+The task list shows what the seed's Tasks page shows, without a click: what each task is about
+(`args`: the item id; `kwargs`: the kind and title the producer sends in `kwargsrepr`, kept
+through retries), its state, its duration (a failed task's too: Flower has none for it, so it is
+read from the failure's one line, "... (after 1.2 s)") and the failure's reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
+import re
 import secrets
 import sys
 from pathlib import Path
+from typing import Any
 
 from worker.settings import Settings, load_settings
+
+# Flower's default list is name, uuid, state, received, runtime, worker: not what a task is
+# about, nor why it failed.
+TASKS_COLUMNS = "name,args,kwargs,state,runtime,exception,result,received,worker,uuid"
+_AFTER = re.compile(r"\(after (\d+(?:\.\d+)?) s\)")
+
+
+def format_task(task: Any) -> Any:
+    """Flower's `format_task` hook, for the task list: a failed task's runtime from its
+    failure's one line (Celery's task-failed event carries none)."""
+    if task.state == "FAILURE" and task.runtime is None and task.exception:
+        found = _AFTER.search(str(task.exception))
+        if found:
+            task = copy.copy(task)
+            task.runtime = float(found.group(1))
+    return task
 
 
 def flower_command(settings: Settings, *, address: str, port: int) -> list[str]:
@@ -35,6 +59,7 @@ def flower_command(settings: Settings, *, address: str, port: int) -> list[str]:
         f"--db={data / 'flower.db'}",
         "--state_save_interval=5000",
         "--purge_offline_workers=3600",
+        f"--tasks_columns={TASKS_COLUMNS}",
     ]
 
 
@@ -73,10 +98,12 @@ def serve(cmd: list[str]) -> None:
     the credentials: Flower leaves `/metrics` open for Prometheus, which can send them
     (`basic_auth` in its scrape config); only `/healthcheck` stays open."""
     from celery.bin.celery import main as celery
+    from flower.options import options
     from flower.views import monitor
     from tornado import web
 
     monitor.Metrics.get = web.authenticated(monitor.Metrics.get)  # type: ignore[method-assign]
+    options.format_task = format_task  # a callable: no command-line form
     sys.argv = ["celery", *cmd[3:]]  # after `python -m celery`
     celery()
 

@@ -265,6 +265,54 @@ def test_flower_lists_succeeded_failed_and_revoked_tasks_with_what_they_are_abou
     assert stack.flower_task(missing.id)["state"] == "FAILURE"
 
 
+def datatable_row(stack: FlowerStack, task_id: str) -> dict[str, Any] | None:
+    """The task as the task list (/tasks) shows it: the rows its page asks Flower for."""
+    params = {
+        "draw": 1,
+        "start": 0,
+        "length": 1000,
+        "order[0][column]": 0,
+        "columns[0][data]": "received",
+        "order[0][dir]": "desc",
+    }
+    rows = stack.http.get("/tasks/datatable", params=params).json()["data"]
+    return next((r for r in rows if r["uuid"] == task_id), None)
+
+
+def test_the_task_list_shows_what_a_task_is_about_after_retries_its_duration_and_failure(stack):
+    """Like the seed's Tasks page, without a click: the item (args), its kind and title
+    (kwargs, also once the task has been retried), the state, the runtime (a failed task's
+    too) and the failure's reason."""
+    page = stack.http.get("/tasks").text
+    for column in ("args", "kwargs", "State", "Runtime", "Exception", "Result"):
+        assert re.search(rf"<th[^>]*>\s*{column}\s*</th>", page), column
+    item = stack.note("Retried in Flower", corpus_text("ch04-03-slices.md"))
+    stack.standin.fail_status, stack.standin.fail_times = 503, 3  # the first run's requests
+    retried = enqueue(stack.db, item, app=stack.app, reason="flower-retry")
+    assert stack.app.AsyncResult(retried).get(timeout=60)["status"] == "indexed"
+    runs = stack.db.all("SELECT state FROM index_jobs WHERE task_id = ?", (retried,))
+    assert [r[0] for r in runs] == ["retry", "success"]
+    row = wait_for(
+        lambda: (r := datatable_row(stack, retried)) and r["state"] == "SUCCESS" and r,
+        15,
+        "the retried task in the task list",
+    )
+    assert row["args"] == f"[{item}]"
+    assert "'kind': 'note'" in row["kwargs"] and "'title': 'Retried in Flower'" in row["kwargs"]
+    assert isinstance(row["runtime"], float) and row["runtime"] > 0
+    missing = stack.app.send_task("GenerateEmbedding", args=[987653])
+    with pytest.raises(Exception, match="no item with id 987653"):
+        missing.get(timeout=30)
+    row = wait_for(
+        lambda: (r := datatable_row(stack, missing.id)) and r["state"] == "FAILURE" and r,
+        15,
+        "the failed task in the task list",
+    )
+    assert "no item with id 987653" in row["exception"]
+    after = re.search(r"\(after (\d+\.\d) s\)", row["exception"])
+    assert after and row["runtime"] == float(after.group(1))  # Flower itself has none
+
+
 def test_flower_shows_a_bulk_group_its_items_and_a_failure_with_its_duration(stack):
     ids = [
         stack.note(f"Grouped in Flower {n}", corpus_text("ch04-03-slices.md") + f"\n\n{n}")
