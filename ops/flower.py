@@ -34,13 +34,19 @@ _AFTER = re.compile(r"\(after (\d+(?:\.\d+)?) s\)")
 
 
 def format_task(task: Any) -> Any:
-    """Flower's `format_task` hook, for the task list: a failed task's runtime from its
-    failure's one line (Celery's task-failed event carries none)."""
-    if task.state == "FAILURE" and task.runtime is None and task.exception:
-        found = _AFTER.search(str(task.exception))
-        if found:
-            task = copy.copy(task)
-            task.runtime = float(found.group(1))
+    """Flower's `format_task` hook, for the task list: a failed task's runtime (Celery's
+    task-failed event carries none), from its start and failure events, else from its one-line
+    failure ("... (after 1.2 s)")."""
+    if task.state != "FAILURE" or task.runtime is not None:
+        return task
+    runtime = None
+    if task.started and task.failed and task.failed >= task.started:
+        runtime = task.failed - task.started
+    elif found := _AFTER.search(str(task.exception or "")):
+        runtime = float(found.group(1))
+    if runtime is not None:
+        task = copy.copy(task)
+        task.runtime = runtime
     return task
 
 
