@@ -22,7 +22,7 @@ run: setup
 	$(VENV)/bin/kidx init
 	$(PY) ops/scripts/load_corpus.py ../shared/corpus/rustbook
 	$(VENV)/bin/kidx index --all --inline
-	$(VENV)/bin/kidx status
+	$(VENV)/bin/kidx status --summary
 	$(VENV)/bin/kidx search "how does ownership move a String" -k 3
 
 # The worker system on this machine: Redis (started only if none answers), a worker, beat and

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +37,9 @@ def corpus_text(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
+DATA_DIR = pytest.StashKey[str]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, a module that starts a stack must run whole in one process (its
     stack starts once; its tests run in order): `--dist loadfile` does that; a run without them
@@ -46,6 +51,17 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"run the suite with --dist loadfile, not --dist {dist}")
     if dist == "load" and not no_stack:
         raise pytest.UsageError("--dist load splits the stack modules: use --dist loadfile")
+    # Where a `kidx` command run in-process writes its log file (and anything else under the
+    # data directory), unless a test says otherwise: not the checkout's ./data.
+    if "KIDX_DATA_DIR" not in os.environ:
+        made = tempfile.mkdtemp(prefix="kidx-tests-data-")
+        os.environ["KIDX_DATA_DIR"] = made
+        config.stash[DATA_DIR] = made
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if made := config.stash.get(DATA_DIR, None):
+        shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture

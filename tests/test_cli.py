@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -538,3 +540,104 @@ def test_db_that_is_not_a_database_is_one_line(kidx_process, tmp_path):
     shutil.copyfile(CORPUS / "SUMMARY.md", not_a_db)
     line = one_line_error(kidx_process("status", "--db", str(not_a_db), "--json"))
     assert "not a database" in line
+
+
+# -- a quiet first run: progress on a terminal, logs in a file, tables in 80 columns ---------
+
+
+def test_a_run_logs_to_its_file_and_says_on_stderr_only_what_is_asked(kidx, tmp_path):
+    """Below warning, a command's log records go to $KIDX_DATA_DIR/log/kidx.log, not the
+    terminal; `--verbose` (or KIDX_LOG_LEVEL) brings them back to stderr."""
+    data = tmp_path / "data"
+    env = {"KIDX_DATA_DIR": str(data)}
+    kidx.add("Traits", "--file", str(CHAPTER))
+    quiet = kidx.ok("index", "--all", "--inline", env=env)
+    assert "[KI Embed]" not in quiet.stderr and "[Chunk]" not in quiet.stderr, quiet.stderr
+    records = [json.loads(x) for x in (data / "log" / "kidx.log").read_text().splitlines()]
+    assert any(r["event"] == "[KI Embed] indexed" and r["level"] == "info" for r in records)
+    assert API_KEY not in (data / "log" / "kidx.log").read_text()
+    for asked in ({"KIDX_DATA_DIR": str(data)}, {**env, "KIDX_LOG_LEVEL": "info"}):
+        args = (
+            "index",
+            "--all",
+            "--inline",
+            *(["--verbose"] if "KIDX_LOG_LEVEL" not in asked else []),
+        )
+        loud = kidx.ok(*args, env=asked)
+        assert "[KI Embed] indexed" in loud.stderr, loud.stderr
+
+
+def test_every_table_fits_80_columns_and_never_cuts_a_cell(kidx, standin):
+    """Piped at 80 columns (a terminal's width is its own): the index results, the states, the
+    jobs, a search and the chunks; the least useful columns go, free text wraps, and a
+    status, a method or a number is never cut to `index…`."""
+    for n in range(3):
+        kidx.add(f"Chapter copy {n} with a title long enough to wrap", "--file", str(CHAPTER))
+    env = {"COLUMNS": "80"}
+    outputs = {
+        "index": kidx.ok("index", "--all", "--inline", env=env).stdout,
+        "status": kidx.ok("status", env=env).stdout,
+        "search": kidx.ok("search", "traits and generic types", "-k", "3", env=env).stdout,
+        "chunks": kidx.ok("chunks", "1", env=env).stdout,
+    }
+    for name, text in outputs.items():
+        lines = text.splitlines()
+        assert lines, name
+        assert max(len(x) for x in lines) <= 80, f"{name}:\n{text}"
+        assert "…" not in text, f"{name}:\n{text}"
+    assert outputs["index"].count(" indexed ") == 3 and "structure" in outputs["status"]
+
+
+def test_on_a_terminal_index_shows_a_progress_bar_and_a_summary(tmp_path, standin):
+    """`kidx index --all --inline` as a new user runs it first, in a terminal (a pty here):
+    a progress bar (items, chunks, rate, time left) while it runs, then one summary line, and
+    no log line."""
+    import pty
+    import select
+
+    env = base_env(tmp_path / "kidx.db", standin.base_url) | {
+        "KIDX_DATA_DIR": str(tmp_path / "data"),
+        "COLUMNS": "80",
+        "TERM": "xterm",
+    }
+    for n in range(4):
+        subprocess.run(
+            [str(KIDX), "add", "note", "--title", f"T{n}", "--file", str(CHAPTER)],
+            env=env,
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+        )
+    standin.delay = 0.05  # a few frames of the bar
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [str(KIDX), "index", "--all", "--inline"],
+        env=env,
+        cwd=tmp_path,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+    )
+    os.close(follower)
+    screen = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([leader], [], [], 1)
+        if ready:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the process ended and closed its side
+                break
+            if not chunk:
+                break
+            screen += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(leader)
+    assert proc.wait(timeout=30) == 0
+    text = screen.decode("utf-8", "replace")
+    assert "indexing" in text and "items," in text and "chunks" in text, text
+    assert re.search(
+        r"4 items in \d+\.\d s: 4 indexed; \d+ chunks \(\d+ embedded, 0 reused\)", text
+    )
+    assert "[KI Embed]" not in text and '{"' not in text, text

@@ -9,9 +9,11 @@ configured secret value is replaced wherever it appears.
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import re
 import sys
 from collections.abc import Iterable, MutableMapping
+from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
@@ -60,8 +62,13 @@ def configure_logging(
     level: str = "info",
     secrets: Iterable[str] = (),
     stream: TextIO | None = None,
+    stream_level: str | None = None,
+    file: Path | None = None,
 ) -> None:
-    """Configure structlog and the standard library's logging for this process."""
+    """Configure structlog and the standard library's logging for this process: records at
+    `level` and above, on `stream` from `stream_level` (default: `level`) and, with `file`, all
+    of them as JSON lines in that file (rotated at 10 MB, three kept; a file that cannot be
+    written is left out, not an error)."""
     stream = stream or sys.stderr
     as_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
     shared: list[Any] = [
@@ -94,8 +101,34 @@ def configure_logging(
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         )
     )
+    handler.setLevel((stream_level or level).upper())
+    handlers: list[logging.Handler] = [handler]
+    if file is not None:
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            to_file = logging.handlers.RotatingFileHandler(
+                file, maxBytes=10_000_000, backupCount=3, encoding="utf-8"
+            )
+        except OSError:
+            pass
+        else:
+            to_file.setFormatter(
+                structlog.stdlib.ProcessorFormatter(
+                    foreign_pre_chain=shared,
+                    processors=[
+                        structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                        structlog.processors.JSONRenderer(),
+                    ],
+                )
+            )
+            handlers.append(to_file)
     root = logging.getLogger()
-    root.handlers = [handler]
+    for old in root.handlers:
+        if getattr(old, "kidx", False):  # ours, from an earlier call (a file left open else)
+            old.close()
+    for new in handlers:
+        new.kidx = True  # type: ignore[attr-defined]
+    root.handlers = handlers
     root.setLevel(level.upper())
     for noisy in ("httpx", "httpcore", "transformers", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from worker.errors import Cancelled, ConfigError, InvalidInput, KidxError
@@ -28,6 +28,13 @@ ID = click.IntRange(1, 2**63 - 1)
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+# Columns of free text, which wrap (fold) rather than push a table past the terminal's width;
+# every other cell is shown whole.
+FOLD = frozenset(
+    {"error", "last_error", "summary", "snippet", "title", "content", "path", "task", "task_id"}
+)
+FOLD_MIN = 18  # a folded column's narrowest
 
 
 class Ctx:
@@ -98,12 +105,70 @@ class Ctx:
         else:
             human()
 
-    def table(self, headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
-        """A table on stdout; cells as plain text (a title like "Plan [draft]" is not markup)."""
-        table = Table(*headers)
-        for row in rows:
-            table.add_row(*(Text(self.redact.scrub("" if c is None else str(c))) for c in row))
+    def table(
+        self,
+        headers: Sequence[str],
+        rows: Iterable[Sequence[object]],
+        *,
+        drop: Sequence[str] = (),
+    ) -> None:
+        """A table on stdout that fits the terminal (80 columns when there is none): a status,
+        a number or an id is never cut to `index…`; free text (FOLD) wraps; when the rest is
+        still too wide, the `drop` columns go, least useful first (`--json` has them all).
+        Cells are plain text (a title like "Plan [draft]" is not markup)."""
+        names = list(headers)
+        cells = [
+            [Text(self.redact.scrub("" if c is None else str(c))) for c in row] for row in rows
+        ]
+
+        def natural(i: int) -> int:
+            lines = (line for row in cells for line in row[i].plain.splitlines() or [""])
+            return max(len(names[i]), *(len(x) for x in lines)) if cells else len(names[i])
+
+        def width(i: int) -> int:
+            return min(natural(i), FOLD_MIN) if names[i] in FOLD else natural(i)
+
+        keep = list(range(len(names)))
+        for name in drop:
+            if sum(width(i) + 3 for i in keep) + 1 <= out.width:
+                break
+            if name in names and names.index(name) in keep:
+                keep.remove(names.index(name))
+        # Too wide as it is: the table takes the terminal's width, and the free-text columns
+        # share what the others leave in proportion to their text (rich's own squeeze would
+        # give a title as much room as the snippet beside it).
+        squeeze = sum(natural(i) + 3 for i in keep) + 1 > out.width
+        table = Table(
+            *(
+                Column(
+                    names[i],
+                    overflow="fold",
+                    min_width=min(natural(i), FOLD_MIN),
+                    ratio=max(FOLD_MIN, min(natural(i), 60)) if squeeze else None,
+                )
+                if names[i] in FOLD
+                else Column(names[i], no_wrap=True, min_width=natural(i))
+                for i in keep
+            ),
+            expand=squeeze and any(names[i] in FOLD for i in keep),
+        )
+        for row in cells:
+            table.add_row(*(row[i] for i in keep))
         out.print(table)
+
+
+def configure_cli_logging(settings: Settings, verbose: bool) -> None:
+    """Every record at KIDX_LOG_LEVEL in `$KIDX_DATA_DIR/log/kidx.log`; on stderr only
+    warnings and errors, unless asked (`--verbose`, or KIDX_LOG_LEVEL set): a command's output
+    is its own, not two hundred lines of a run's progress."""
+    asked = verbose or "log_level" in settings.model_fields_set
+    configure_logging(
+        fmt=settings.log_format,
+        level=settings.log_level,
+        secrets=settings.secrets(),
+        stream_level=settings.log_level if asked else "warning",
+        file=Path(settings.data_dir) / "log" / "kidx.log",
+    )
 
 
 def fail(message: str, code: int = 1, redact: Redact | None = None) -> NoReturn:
@@ -125,15 +190,19 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
             help="SQLite file (default: KIDX_DB or ./data/kidx.db).",
         )
         @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+        @click.option(
+            "--verbose",
+            "-v",
+            is_flag=True,
+            help="Log lines on stderr too (else below warning only in $KIDX_DATA_DIR/log).",
+        )
         @functools.wraps(fn)
-        def run(db_path: Path | None, as_json: bool, **kwargs: Any) -> None:
+        def run(db_path: Path | None, as_json: bool, verbose: bool, **kwargs: Any) -> None:
             redact = None
             try:
                 settings = load_settings(**({"db": db_path} if db_path else {}))
                 redact = Redact(settings.secrets())
-                configure_logging(
-                    fmt=settings.log_format, level=settings.log_level, secrets=settings.secrets()
-                )
+                configure_cli_logging(settings, verbose)
                 fn(Ctx(settings, as_json), **kwargs)
             except ConfigError as e:
                 fail(str(e), 2, redact)

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
+import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
 
 from ops.cli.base import ID, Ctx, cli, command, err, fail, out, read_text
 from worker.errors import InvalidInput, KidxError
@@ -114,18 +126,82 @@ RESULT_COLUMNS = (
 )
 
 
-def show_results(ctx: Ctx, results: list[dict[str, Any]]) -> None:
-    """Print index results; exit status 1 when any item failed."""
-    ctx.emit(
-        results,
-        lambda: ctx.table(RESULT_COLUMNS, ([r.get(k) for k in RESULT_COLUMNS] for r in results)),
-    )
+def show_results(ctx: Ctx, results: list[dict[str, Any]], seconds: float | None = None) -> None:
+    """Print index results; exit status 1 when any item failed. On a terminal, a summary and
+    the items that did not end `indexed`; piped, a row per item (`--json`: every field)."""
+
+    def rows(shown: list[dict[str, Any]]) -> None:
+        ctx.table(
+            RESULT_COLUMNS,
+            ([r.get(k) for k in RESULT_COLUMNS] for r in shown),
+            drop=("reused", "embedded", "failed", "chunk_method", "duration_ms"),
+        )
+
+    def summary() -> None:
+        counts: dict[str, int] = {}
+        for r in results:
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+        total = {k: sum(int(r.get(k) or 0) for r in results) for k in ("chunks", "embedded")}
+        reused = sum(int(r.get("reused") or 0) for r in results)
+        took = f" in {seconds:.1f} s" if seconds is not None else ""
+        out.print(
+            f"{len(results)} items{took}: "
+            + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+            + f"; {total['chunks']} chunks ({total['embedded']} embedded, {reused} reused)",
+            highlight=False,
+        )
+        if others := [r for r in results if r["status"] != "indexed"]:
+            rows(others)
+
+    ctx.emit(results, summary if out.is_terminal else lambda: rows(results))
     if any(r["status"] == "failed" for r in results):
         sys.exit(1)
 
 
+class RateColumn(ProgressColumn):
+    """Items a second, once rich has measured it."""
+
+    def render(self, task: Any) -> Text:
+        return Text(f"{task.speed:.1f}/s" if task.speed else "", style="progress.data.speed")
+
+
+@contextlib.contextmanager
+def inline_progress(ctx: Ctx, total: int) -> Iterator[Callable[[int, Any], None] | None]:
+    """A progress bar on stderr when it is a terminal (items, chunks, rate, time left): the
+    `on_done` of each item's outcome; None when piped or with `--json`."""
+    if ctx.json or not err.is_terminal:
+        yield None
+        return
+    from worker.pipeline import IndexResult
+
+    with Progress(
+        TextColumn("indexing"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("items, {task.fields[chunks]} chunks"),
+        RateColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+    ) as progress:
+        bar = progress.add_task("index", total=total, chunks=0)
+        chunks = 0
+
+        def done(item_id: int, outcome: Any) -> None:
+            nonlocal chunks
+            chunks += outcome.chunks if isinstance(outcome, IndexResult) else 0
+            progress.update(bar, advance=1, chunks=chunks)
+
+        yield done
+
+
 def index_inline(
-    ctx: Ctx, db: Any, ids: list[int], *, structure_only: bool = False
+    ctx: Ctx,
+    db: Any,
+    ids: list[int],
+    *,
+    structure_only: bool = False,
+    on_done: Callable[[int, Any], None] | None = None,
 ) -> list[dict[str, Any]]:
     """The pipeline here, a group at a time as the workers run a batch (texts of several items
     share embedding requests): one result per item, a failure as its reason. Each group's
@@ -141,7 +217,7 @@ def index_inline(
     try:
         for start in range(0, len(ids), size):
             part = ids[start : start + size]
-            results |= _locked_group(ctx, db, client, part, embedder, chat, structure_only)
+            results |= _locked_group(ctx, db, client, part, embedder, chat, structure_only, on_done)
     finally:
         for closable in (embedder, chat, client):
             if closable is not None:
@@ -157,6 +233,7 @@ def _locked_group(
     embedder: Any,
     chat: Any,
     structure_only: bool,
+    on_done: Callable[[int, Any], None] | None = None,
 ) -> dict[int, dict[str, Any]]:
     from tasks.lock import LockSet
     from worker.bulk import index_items
@@ -172,7 +249,7 @@ def _locked_group(
     )
 
     def run(item_ids: list[int]) -> None:
-        outcomes = index_items(db, item_ids, embedder=embedder, options=options)
+        outcomes = index_items(db, item_ids, embedder=embedder, options=options, on_done=on_done)
         for item_id, outcome in outcomes.items():
             results[item_id] = (
                 outcome.as_dict()
@@ -235,9 +312,10 @@ def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool, struc
         ids = all_item_ids(db) if all_items else list(items)
         for item_id in ids:
             get_item(db, item_id)  # unknown ids fail before any work
-        results = index_inline(ctx, db, ids, structure_only=structure)
-
-    show_results(ctx, results)
+        started = time.monotonic()
+        with inline_progress(ctx, len(ids)) as on_done:
+            results = index_inline(ctx, db, ids, structure_only=structure, on_done=on_done)
+    show_results(ctx, results, time.monotonic() - started)
 
 
 # -- chunks / search / status ----------------------------------------------------------------
@@ -268,6 +346,7 @@ def chunks(ctx: Ctx, item: int) -> None:
                 )
                 for r in rows
             ),
+            drop=("start", "end"),
         ),
     )
 
@@ -346,6 +425,7 @@ def search(
                 (f"{h.score:.3f}", h.item_id, h.kind, h.title, h.chunk_index, h.snippet)
                 for h in result.hits
             ),
+            drop=("kind", "chunk"),
         ),
     )
 
@@ -410,7 +490,11 @@ def status(ctx: Ctx, item: int | None, summary: bool) -> None:
         if overview is not None:
             _print_overview(overview)
         if not summary:
-            ctx.table(STATE_COLUMNS, ([r[c] for c in STATE_COLUMNS] for r in rows))
+            ctx.table(
+                STATE_COLUMNS,
+                ([r[c] for c in STATE_COLUMNS] for r in rows),
+                drop=("dimensions", "model", "duration_ms", "chunk_method", "chunk_count"),
+            )
 
     ctx.emit(overview if summary else data, human)
 

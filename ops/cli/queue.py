@@ -161,7 +161,11 @@ def jobs(ctx: Ctx, failed: bool, batch_id: int | None, limit: int) -> None:
             )
             if batch["abort_reason"]:
                 click.echo(f"why: {batch['abort_reason']}")
-        ctx.table(JOB_SHOWN, ([r[c] for c in JOB_SHOWN] for r in rows))
+        ctx.table(
+            JOB_SHOWN,
+            ([r[c] for c in JOB_SHOWN] for r in rows),
+            drop=("batch_id", "attempt", "task_name", "duration_ms"),
+        )
 
     ctx.emit({"batch": batch, "jobs": rows} if batch is not None else rows, human)
 
