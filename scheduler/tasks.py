@@ -29,7 +29,8 @@ def reconcile_sweep(self: Task) -> dict[str, Any]:
         model=model,
         max_items=settings.scheduler.max_items,
         horizon=settings.tasks.visibility_timeout,
-        locked=lambda ids: held(rt.redis, ids),  # an `indexing` item without: its run died
+        # an `indexing` item without its lock: its run died
+        locked=lambda ids: held(rt.redis, rt.db.instance(), ids),
     )
     batch_id = None
     if drift.to_index:

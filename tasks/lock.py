@@ -31,48 +31,56 @@ return 0
 """
 
 
-def lock_key(item_id: int) -> str:
-    return f"kidx:lock:item:{item_id}"
+def lock_key(space: str, item_id: int) -> str:
+    """`space`: the database's instance name (`Database.instance()`): item ids are per
+    database, and two databases may share a Redis."""
+    return f"kidx:{space}:lock:item:{item_id}"
 
 
-def rerun_key(item_id: int) -> str:
-    return f"kidx:rerun:item:{item_id}"
+def rerun_key(space: str, item_id: int) -> str:
+    return f"kidx:{space}:rerun:item:{item_id}"
 
 
-def held(client: redis.Redis, item_ids: list[int]) -> set[int]:
+def held(client: redis.Redis, space: str, item_ids: list[int]) -> set[int]:
     """Which of these items a run holds the lock of now (one round trip)."""
     pipe = client.pipeline(transaction=False)
     for item_id in item_ids:
-        pipe.exists(lock_key(item_id))
+        pipe.exists(lock_key(space, item_id))
     return {i for i, n in zip(item_ids, pipe.execute(), strict=True) if n}
 
 
 class ItemLock:
     """Held by one task run at a time, for one item."""
 
-    def __init__(self, client: redis.Redis, item_id: int, task_id: str, ttl: int) -> None:
+    def __init__(
+        self, client: redis.Redis, space: str, item_id: int, task_id: str, ttl: int
+    ) -> None:
         self.client = client
+        self.space = space
         self.item_id = item_id
         self.task_id = task_id
         self.ttl = ttl
-        self.lock: Lock = client.lock(lock_key(item_id), timeout=ttl, thread_local=False)
+        self.key = lock_key(space, item_id)
+        self.lock: Lock = client.lock(self.key, timeout=ttl, thread_local=False)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self.lost = False
 
     def request_rerun(self, pipe: redis.client.Pipeline | None = None) -> None:
         """Ask the holder for one more run (on `pipe`, when given, for LockSet)."""
-        (pipe or self.client).set(rerun_key(self.item_id), self.task_id, ex=max(self.ttl * 10, 600))
+        (pipe or self.client).set(
+            rerun_key(self.space, self.item_id), self.task_id, ex=max(self.ttl * 10, 600)
+        )
 
     def take_rerun(self) -> bool:
         """Whether a re-run was requested (and clear the request)."""
-        return self.client.getdel(rerun_key(self.item_id)) is not None
+        return self.client.getdel(rerun_key(self.space, self.item_id)) is not None
 
     def acquire(self, *, renew: bool = True) -> bool:
         """Take the lock; `renew=False`: the caller extends it (LockSet: one thread for all)."""
         token = f"{self.task_id}:{uuid.uuid4().hex}"
         if not self.lock.acquire(blocking=False, token=token):
-            stale = self.client.eval(_TAKE_OVER, 1, lock_key(self.item_id), f"{self.task_id}:")
+            stale = self.client.eval(_TAKE_OVER, 1, self.key, f"{self.task_id}:")
             if not stale or not self.lock.acquire(blocking=False, token=token):
                 return False
             log.warning(
@@ -126,11 +134,14 @@ class LockSet:
     """The locks of a group run's items: taken and released in one round trip to Redis each
     way (pipelines of what ItemLock does alone), renewed by one thread (not one an item)."""
 
-    def __init__(self, client: redis.Redis, item_ids: list[int], task_id: str, ttl: int) -> None:
+    def __init__(
+        self, client: redis.Redis, space: str, item_ids: list[int], task_id: str, ttl: int
+    ) -> None:
         self.client = client
+        self.space = space
         self.ttl = ttl
         self.task_id = task_id
-        self.locks = [ItemLock(client, i, task_id, ttl) for i in item_ids]
+        self.locks = [ItemLock(client, space, i, task_id, ttl) for i in item_ids]
         self.held: list[ItemLock] = []
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -143,7 +154,7 @@ class LockSet:
         for lock in self.locks:
             lock.request_rerun(pipe)
         for lock, token in zip(self.locks, tokens, strict=True):
-            pipe.set(lock_key(lock.item_id), token, nx=True, px=self.ttl * 1000)
+            pipe.set(lock.key, token, nx=True, px=self.ttl * 1000)
         taken = pipe.execute()[len(self.locks) :]
         busy = []
         for lock, token, ok in zip(self.locks, tokens, taken, strict=True):
@@ -156,7 +167,7 @@ class LockSet:
                 busy.append(lock.item_id)
         pipe = self.client.pipeline(transaction=False)
         for lock in self.held:  # this run covers every request made until now
-            pipe.getdel(rerun_key(lock.item_id))
+            pipe.getdel(rerun_key(self.space, lock.item_id))
         pipe.execute()
         self._renewer = threading.Thread(target=self._renew, daemon=True, name="kidx-locks")
         self._renewer.start()
@@ -175,7 +186,7 @@ class LockSet:
             return []
         pipe = self.client.pipeline(transaction=False)
         for lock in self.held:
-            pipe.getdel(rerun_key(lock.item_id))
+            pipe.getdel(rerun_key(self.space, lock.item_id))
         asked = pipe.execute()
         return [lock.item_id for lock, a in zip(self.held, asked, strict=True) if a is not None]
 
@@ -209,6 +220,6 @@ class LockSet:
                 )
         pipe = self.client.pipeline(transaction=False)
         for lock in self.held:
-            pipe.getdel(rerun_key(lock.item_id))
+            pipe.getdel(rerun_key(self.space, lock.item_id))
         asked = pipe.execute()
         return [lock.item_id for lock, a in zip(self.held, asked, strict=True) if a is not None]

@@ -88,7 +88,7 @@ class Run:
             context_chars=self.settings.embedding.context_chars,
             streak=None
             if batch_id is None
-            else BatchStreak(rt.redis, streak_key(str(rt.db.path), batch_id)),
+            else BatchStreak(rt.redis, streak_key(rt.db.instance(), batch_id)),
         )
         self.locks: LockSet | None = None
         self.abort_reason: str | None = None
@@ -163,7 +163,9 @@ class Run:
 
     def _under_locks(self, ids: list[int]) -> list[int]:
         """Index the items under their locks; those asked for again after their re-run."""
-        locks = self.locks = LockSet(self.rt.redis, ids, self.task_id, self.settings.tasks.lock_ttl)
+        locks = self.locks = LockSet(
+            self.rt.redis, self.rt.db.instance(), ids, self.task_id, self.settings.tasks.lock_ttl
+        )
         held, busy = locks.acquire()
         try:
             for item_id in busy:

@@ -3,13 +3,11 @@ engine's `Streak`, kept in Redis): a dead provider stops the whole batch after t
 requests, plus at most the one each process already had in flight, rather than three a group.
 
 Redis not answering does not fail a run: the count is then the run's own, as with no batch.
-The key names the database as well as the batch (batch ids are per database, and two kidx
-databases may share a Redis), and expires a day after its last change.
+The key names the database (its `Database.instance()`) as well as the batch (batch ids are per
+database, and two kidx databases may share a Redis), and expires a day after its last change.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import redis
 
@@ -18,9 +16,8 @@ from worker.embedding import Streak
 TTL_SECONDS = 86_400
 
 
-def streak_key(db_path: str, batch_id: int) -> str:
-    where = hashlib.sha256(db_path.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    return f"kidx:streak:{where}:batch:{batch_id}"
+def streak_key(space: str, batch_id: int) -> str:
+    return f"kidx:{space}:streak:batch:{batch_id}"
 
 
 class BatchStreak(Streak):

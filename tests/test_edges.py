@@ -442,6 +442,7 @@ def test_a_producer_with_the_broker_away_fails_fast_and_the_sweep_sends_later(
 
 def test_an_inline_run_killed_mid_item_is_noticed_by_its_lock_and_swept(edge: Edge) -> None:
     item = edge.note("Killed inline", sections("killed", 3))
+    key = lock_key(edge.db.instance(), item)
     edge.standin.delay = 30.0  # the run waits on the provider when it is killed
     exe = str(Path(sys.executable).parent / "kidx")
     run = subprocess.Popen(
@@ -453,7 +454,7 @@ def test_an_inline_run_killed_mid_item_is_noticed_by_its_lock_and_swept(edge: Ed
     )
     try:
         wait_for(
-            lambda: edge.standin.requests >= 1 and edge.redis.exists(lock_key(item)),
+            lambda: edge.standin.requests >= 1 and edge.redis.exists(key),
             30,
             "the inline run to hold the item's lock",
         )
@@ -462,7 +463,11 @@ def test_an_inline_run_killed_mid_item_is_noticed_by_its_lock_and_swept(edge: Ed
         run.send_signal(signal.SIGKILL)
         run.wait(10)
     edge.standin.delay = 0.0
-    wait_for(lambda: not edge.redis.exists(lock_key(item)), 30, "the dead run's lock to expire")
+    wait_for(
+        lambda: not edge.redis.exists(key),
+        30,
+        "the dead run's lock to expire",
+    )
     state, summary = edge.run("kidx.reconcile")
     assert state == "SUCCESS" and summary["found"]["interrupted"] >= 1, summary
     wait_for(lambda: edge.state(item)["status"] == "indexed", 60, "the sweep to index it")
@@ -485,7 +490,11 @@ def test_two_inline_runs_of_the_same_items_embed_them_once(edge: Edge) -> None:
         )
 
     first = start()
-    wait_for(lambda: edge.redis.exists(lock_key(items[0])), 30, "the first run's locks")
+    wait_for(
+        lambda: edge.redis.exists(lock_key(edge.db.instance(), items[0])),
+        30,
+        "the first run's locks",
+    )
     second = start()
     outputs = [json.loads(p.communicate(timeout=120)[0]) for p in (first, second)]
     assert {r["status"] for r in outputs[0]} == {"indexed"}

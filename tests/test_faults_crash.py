@@ -89,7 +89,7 @@ def test_crash_pool_processes_killed_at_random_moments_lose_nothing(tmp_path):
             problems = [p for i in items for p in clean_problems(s.db, i, *texts[i])]
             assert problems == []
             checked = len(items)
-            assert not [i for i in items if s.redis.exists(lock_key(i))]
+            assert not [i for i in items if s.redis.exists(lock_key(s.db.instance(), i))]
             runs = dict(s.db.all("SELECT state, count(*) FROM index_jobs GROUP BY state"))
             assert set(runs) <= {"success", "coalesced"}, runs
             # Most kills caught a task running (the rest, a process between two tasks).
@@ -137,7 +137,7 @@ def test_crash_of_bulk_groups_loses_nothing_and_counts_each_item_once(tmp_path):
             problems = [p for i in items for p in clean_problems(s.db, i, *texts[i])]
             assert problems == []
             checked = len(items)
-            assert not [i for i in items if s.redis.exists(lock_key(i))]
+            assert not [i for i in items if s.redis.exists(lock_key(s.db.instance(), i))]
             assert len(task_ids) >= 2 and s.logs.count("WorkerLostError") >= 1
     finally:
         record("crash", kills=len(killed), faults=len(killed), checked=checked, lost=lost)

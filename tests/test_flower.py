@@ -390,7 +390,7 @@ def test_revoking_a_running_task_in_flower_cancels_it_and_keeps_the_index(stack,
     assert stack.flower_state(task_id, "REVOKED")["state"] == "REVOKED"
     assert get_state(stack.db, item)["status"] == "cancelled"
     assert chunk_rows(stack.db, item) == before
-    assert not stack.redis.exists(lock_key(item))
+    assert not stack.redis.exists(lock_key(stack.db.instance(), item))
 
     if terminate:
         # The pool process turned SIGTERM into the cancellation and lived, or was replaced.

@@ -80,7 +80,7 @@ def test_a_batch_goes_in_groups_whose_requests_are_filled_across_items(stack):
 
 def test_a_busy_item_in_a_group_is_coalesced_and_the_others_indexed(stack):
     busy, *others = [stack.note(f"Busy {n}", sections(f"b{n}", 2)) for n in range(3)]
-    holder = ItemLock(stack.redis, busy, "another-run", ttl=30)
+    holder = ItemLock(stack.redis, stack.db.instance(), busy, "another-run", ttl=30)
     assert holder.acquire()
     try:
         task_id = send_group(stack.db, stack.app, [busy, *others], None, "test")
@@ -92,7 +92,7 @@ def test_a_busy_item_in_a_group_is_coalesced_and_the_others_indexed(stack):
     assert stack.state(busy)["status"] == "pending"  # untouched: its holder covers it
     assert holder.take_rerun()  # the holder was asked to run once more
     assert jobs(stack, busy)[-1][1] == "coalesced"
-    assert not any(stack.redis.exists(lock_key(i)) for i in others)
+    assert not any(stack.redis.exists(lock_key(stack.db.instance(), i)) for i in others)
 
 
 def test_cancelling_a_group_by_an_item_job_id_keeps_every_previous_index(stack):
@@ -120,7 +120,7 @@ def test_cancelling_a_group_by_an_item_job_id_keeps_every_previous_index(stack):
             assert [c for (c,) in now] == [c.content for c in chunk_structure(sections(f"x{i}"))]
     revoked = [i for i in ids if jobs(stack, i)[-1][1] == "revoked"]
     assert revoked == [i for i in ids if states[i] == "cancelled"]
-    assert not any(stack.redis.exists(lock_key(i)) for i in ids)
+    assert not any(stack.redis.exists(lock_key(stack.db.instance(), i)) for i in ids)
 
 
 def test_a_group_past_its_deadline_sends_the_rest_on_and_all_get_indexed(stack):

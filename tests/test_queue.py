@@ -145,7 +145,7 @@ def test_a_worker_process_killed_mid_task_runs_it_again(stack):
     assert integrity(stack.db) == "ok"
     mirrored = stack.db.scalar("SELECT count(*) FROM vec_chunk_embeddings")
     assert mirrored == stack.db.scalar("SELECT count(*) FROM note_chunk_embeddings")
-    assert not stack.redis.exists(lock_key(item))
+    assert not stack.redis.exists(lock_key(stack.db.instance(), item))
     assert "WorkerLostError" in stack.worker.log or "exited" in stack.worker.log
 
 
@@ -179,7 +179,7 @@ def test_kidx_cancel_revokes_a_running_task_and_keeps_the_previous_index(stack):
     assert (
         stack.db.scalar("SELECT state FROM index_jobs WHERE task_id = ?", (task_id,)) == "revoked"
     )
-    assert not stack.redis.exists(lock_key(item))
+    assert not stack.redis.exists(lock_key(stack.db.instance(), item))
     # The next enqueue indexes normally.
     stack.standin.delay = 0
     again = stack.app.AsyncResult(enqueue(stack.db, item, app=stack.app)).get(timeout=60)

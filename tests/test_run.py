@@ -34,6 +34,7 @@ from worker.sources import Reader
 from worker.store.db import Database
 from worker.store.items import add_item, get_state, set_state, update_content
 from worker.store.jobs import create_batch, get_batch, record_starts
+from worker.store.schema import migrate
 
 RUN_DB = REDIS_DB  # this process's Redis database (tests/stack.py)
 
@@ -175,7 +176,7 @@ def test_a_single_run_is_a_group_of_one_with_the_items_result(rt) -> None:
 
 def test_a_busy_item_is_coalesced_and_asks_its_holder_for_one_more_run(rt) -> None:
     busy, free = notes(rt.db, 2)
-    other = LockSet(rt.redis, [busy], "someone-else", 30)
+    other = LockSet(rt.redis, rt.db.instance(), [busy], "someone-else", 30)
     assert other.acquire() == ([busy], [])
     run, _ = group(rt, [busy, free])
     result = run.execute()
@@ -183,8 +184,37 @@ def test_a_busy_item_is_coalesced_and_asks_its_holder_for_one_more_run(rt) -> No
         busy: "coalesced",
         free: "indexed",
     }
-    assert rt.redis.get(rerun_key(busy)) is not None  # the holder will run it once more
+    # The holder will run it once more.
+    assert rt.redis.get(rerun_key(rt.db.instance(), busy)) is not None
     other.release()
+
+
+def test_two_databases_sharing_a_redis_never_share_an_items_lock(rt, tmp_path) -> None:
+    """Item ids are per database: item 1 of another kidx database, being indexed there, does
+    not make this database's item 1 `coalesced`; the same file under another path (a worker
+    in a container, a CLI on the host) is the same database, and meets its own locks."""
+    (item,) = notes(rt.db, 1)
+    elsewhere = Database(tmp_path / "elsewhere.db")
+    migrate(elsewhere)
+    assert elsewhere.instance() != rt.db.instance()
+    there = LockSet(rt.redis, elsewhere.instance(), [item], "a-run-of-the-other-database", 30)
+    assert there.acquire() == ([item], [])
+    try:
+        run, _ = single(rt, item)
+        assert run.execute()["status"] == "indexed"
+        link = tmp_path / "same-file.db"
+        link.symlink_to(rt.db.path)
+        same = Database(link)
+        assert same.instance() == rt.db.instance()
+        here = LockSet(rt.redis, same.instance(), [item], "a-run-through-the-link", 30)
+        assert here.acquire() == ([item], [])
+        run, _ = single(rt, item)
+        assert run.execute()["status"] == "coalesced"
+        here.release()
+        same.close()
+    finally:
+        there.release()
+        elsewhere.close()
 
 
 def test_an_item_changed_and_asked_for_while_it_ran_is_indexed_once_more(rt) -> None:
@@ -198,7 +228,7 @@ def test_an_item_changed_and_asked_for_while_it_ran_is_indexed_once_more(rt) -> 
     def edit_while_embedding(texts: list[str]) -> Any:
         if len(embedder.calls) == 0:  # type: ignore[union-attr]
             update_content(other, item, "# Edited\n\nThe text changed while it was indexed.")
-            rt.redis.set(rerun_key(item), "another-task")
+            rt.redis.set(rerun_key(rt.db.instance(), item), "another-task")
         return original(texts)
 
     embedder.embed_batch = edit_while_embedding  # type: ignore[union-attr, method-assign]
@@ -246,7 +276,7 @@ def test_a_batchs_runs_share_their_count_of_failed_provider_requests(rt) -> None
     rt.settings.tasks.max_retries = 0
     ids = notes(rt.db, 4)
     batch = create_batch(rt.db, "reindex", len(ids))
-    streak = BatchStreak(rt.redis, streak_key(str(rt.db.path), batch))
+    streak = BatchStreak(rt.redis, streak_key(rt.db.instance(), batch))
     streak.failed("HTTP 500 (another process)")
     streak.ok()  # a success in between: the count starts again
     assert streak.current() == (0, "HTTP 500 (another process)")
@@ -260,7 +290,7 @@ def test_a_batchs_runs_share_their_count_of_failed_provider_requests(rt) -> None
     assert get_batch(rt.db, batch)["state"] == "aborted"
     assert streak.current()[0] == 3
     # Another database's batch of the same id has a count of its own.
-    assert BatchStreak(rt.redis, streak_key("/elsewhere/kidx.db", batch)).current() == (0, "")
+    assert BatchStreak(rt.redis, streak_key("another-database", batch)).current() == (0, "")
     late, _ = group(rt, ids[2:], batch)
     assert late.execute()["skipped"] == 2
     assert len(rt.embedder.calls) == 1  # type: ignore[union-attr]

@@ -262,7 +262,7 @@ def _locked_group(
         run(ids)
         return results
     owner = f"inline:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    locks = LockSet(client, ids, owner, ctx.settings.tasks.lock_ttl)
+    locks = LockSet(client, db.instance(), ids, owner, ctx.settings.tasks.lock_ttl)
     held, busy = locks.acquire()
     busy_note = "being indexed by another run, which runs it once more"
     for item_id in busy:

@@ -51,6 +51,7 @@ class Database:
 
     def __init__(self, path: str | Path, *, busy_timeout_ms: int = 30_000) -> None:
         self.path = Path(path)
+        self._instance: str | None = None
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -127,6 +128,21 @@ class Database:
     def scalar(self, sql: str, params: Params = ()) -> Any:
         row = self.one(sql, params)
         return row[0] if row else None
+
+    def instance(self) -> str:
+        """This database's own random name, made by the first process that asks and kept in
+        `index_meta`: what names its items in Redis (locks, re-run requests, a batch's failure
+        count), so that two kidx databases sharing a Redis never meet there, and a worker in a
+        container and a CLI on the host, which see the file under two paths, always do."""
+        if self._instance is None:
+            with self.atomic():
+                self.execute(
+                    "INSERT OR IGNORE INTO index_meta(key, value) "
+                    "VALUES ('instance', lower(hex(randomblob(8))))"
+                )
+                value = self.scalar("SELECT value FROM index_meta WHERE key = 'instance'")
+            self._instance = str(value)[:64]  # a host may have written anything there
+        return self._instance
 
     def change_version(self) -> tuple[int, int]:
         """Moves whenever the database changes: another connection's commit (`PRAGMA
