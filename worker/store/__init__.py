@@ -45,6 +45,7 @@ def connect(
     try:
         before = schema_version(db)
         migrate(db)
+        db.instance()  # named once, by whichever process opens it first
         if before < FTS_MIGRATION:
             sync_fts(db)  # the chunks a database already had get their keyword rows
         if vec:

@@ -9,6 +9,7 @@ process crashed here.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import time
@@ -135,12 +136,18 @@ class Database:
         count), so that two kidx databases sharing a Redis never meet there, and a worker in a
         container and a CLI on the host, which see the file under two paths, always do."""
         if self._instance is None:
-            with self.atomic():
-                self.execute(
-                    "INSERT OR IGNORE INTO index_meta(key, value) "
-                    "VALUES ('instance', lower(hex(randomblob(8))))"
-                )
-                value = self.scalar("SELECT value FROM index_meta WHERE key = 'instance'")
+            query = "SELECT value FROM index_meta WHERE key = 'instance'"
+            try:
+                with self.atomic():
+                    self.execute(
+                        "INSERT OR IGNORE INTO index_meta(key, value) "
+                        "VALUES ('instance', lower(hex(randomblob(8))))"
+                    )
+                    value = self.scalar(query)
+            except apsw.Error:  # a full disk, a read-only file: its name if it has one
+                value = self.scalar(query) if self.table_exists("index_meta") else None
+            if value is None:  # (only a database kidx could never write to)
+                value = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
             self._instance = str(value)[:64]  # a host may have written anything there
         return self._instance
 
