@@ -182,7 +182,7 @@ def inline_progress(ctx: Ctx, total: int) -> Iterator[Callable[[int, Any], None]
         RateColumn(),
         TimeRemainingColumn(),
         console=err,
-        transient=True,
+        transient=False,  # the last frame stays: how many, how fast
     ) as progress:
         bar = progress.add_task("index", total=total, chunks=0)
         chunks = 0
