@@ -14,15 +14,34 @@ import logging
 import os
 import subprocess
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import structlog
 from click.testing import CliRunner
 
 from ops.cli import cli
 from ops.cli.base import err, out
 
 CLEARED = ("FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE")
+
+
+@contextlib.contextmanager
+def _uncached_loggers() -> Iterator[None]:
+    """The command configures structlog as a process does, caching each logger on first use;
+    in this process that would freeze the module-level loggers on the command's streams, and
+    later tests' `structlog.testing.capture_logs()` would see nothing."""
+    real = structlog.configure
+
+    def configure(**kwargs: Any) -> None:
+        real(**{**kwargs, "cache_logger_on_first_use": False})
+
+    structlog.configure = configure  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        structlog.configure = real
 
 
 def run_kidx(
@@ -38,10 +57,11 @@ def run_kidx(
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:
-        with contextlib.chdir(cwd):
+        with contextlib.chdir(cwd), _uncached_loggers():
             result = CliRunner().invoke(cli, list(args), env=overlay, prog_name="kidx")
     finally:
         root.handlers, root.level = handlers, level  # the command configured logging on its streams
+        structlog.reset_defaults()
     stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         exc = result.exception
