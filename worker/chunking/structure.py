@@ -42,7 +42,7 @@ import math
 import re
 import zlib
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from worker.chunking.base import (
     MAX_CHUNK_SIZE,
@@ -335,9 +335,20 @@ class _Plan:
             a, c = self._trim(p, c)
         return parts
 
-    def merge_small(self, parts: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Merge parts under the minimum into a neighbour, when the union stays within bounds."""
+    def merge_small(
+        self,
+        parts: list[tuple[int, int]],
+        kept: Collection[int] = (),
+    ) -> list[tuple[int, int]]:
+        """Merge parts under the minimum into a neighbour, when the union stays within bounds
+        and does not cross a cut kept from the previous version: that version made its parts
+        with the same rule, so a part it left small stays so (merging across a kept cut here
+        would cut an unchanged text differently from the first time)."""
         out = list(parts)
+
+        def crosses(left: tuple[int, int], right: tuple[int, int]) -> bool:
+            return any(left[1] <= x <= right[0] for x in kept)
+
         i = 0
         while i < len(out) and len(out) > 1:
             s, e = out[i]
@@ -347,11 +358,11 @@ class _Plan:
             options = []
             if i > 0:
                 ps = out[i - 1][0]
-                if e - ps <= self._limit(e):
+                if e - ps <= self._limit(e) and not crosses(out[i - 1], out[i]):
                     options.append((e - ps, i - 1))
             if i + 1 < len(out):
                 ne = out[i + 1][1]
-                if ne - s <= self._limit(ne):
+                if ne - s <= self._limit(ne) and not crosses(out[i], out[i + 1]):
                     options.append((ne - s, i))
             if not options:
                 i += 1
@@ -433,7 +444,7 @@ def chunk_structure(
         parts = []
         for a, c in itertools.pairwise(bounds):
             parts.extend(plan.split(a, c, kept=a in kept and c in kept))
-        parts = plan.merge_small(parts)
+        parts = plan.merge_small(parts, kept - {plan.first, plan.last})
 
     heading_pos = plan.layout.heading_pos
     paths = [(), *heading_paths(plan.layout)]
