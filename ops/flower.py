@@ -11,7 +11,8 @@ FLOWER_BASIC_AUTH, not on its command line, where `ps` would show them; they gua
 The task list shows what the seed's Tasks page shows, without a click: what each task is about
 (`args`: the item id; `kwargs`: the kind and title the producer sends in `kwargsrepr`, kept
 through retries), its state, its duration (a failed task's too: Flower has none for it, so it is
-read from the failure's one line, "... (after 1.2 s)") and the failure's reason.
+the time from its start to its failure event, else the failure's one line, "... (after 1.2 s)")
+and the failure's reason.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ database, and two kidx databases may share a Redis), and expires a day after its
 
 from __future__ import annotations
 
+import contextlib
+
 import redis
 
 from worker.embedding import Streak
@@ -48,8 +50,5 @@ class BatchStreak(Streak):
 
     def ok(self) -> None:
         super().ok()
-        try:
-            self.client.hset(self.key, "n", 0)
-            self.client.expire(self.key, TTL_SECONDS)
-        except redis.RedisError:
-            pass
+        with contextlib.suppress(redis.RedisError):  # after every request that succeeded
+            self.client.pipeline().hset(self.key, "n", 0).expire(self.key, TTL_SECONDS).execute()
