@@ -444,3 +444,79 @@ def test_three_failed_vec_writes_in_a_row_roll_the_item_back(db, embedder):
         index_item(db, item, embedder=embedder)
     assert snapshot(db, item)["chunks"] == before["chunks"]
     assert get_state(db, item)["status"] == "failed"
+
+
+def index_dump(db) -> dict[str, list]:
+    """Every row a write of notes makes, timestamps left out."""
+    queries = {
+        "chunks": "SELECT id, item_id, chunk_index, content, summary, method, start_offset, "
+        "end_offset, headings, embed_hash FROM note_chunks ORDER BY id",
+        "vectors": "SELECT chunk_id, model, dimensions, vector FROM note_chunk_embeddings "
+        "ORDER BY chunk_id",
+        "whole": "SELECT item_id, model, dimensions, vector FROM note_embeddings ORDER BY item_id",
+        "vec": "SELECT chunk_id, embedding FROM vec_chunk_embeddings ORDER BY chunk_id",
+        "bits": "SELECT chunk_id, embedding FROM vec_chunk_bits ORDER BY chunk_id",
+        "vec whole": "SELECT item_id, embedding FROM vec_note_embeddings ORDER BY item_id",
+        "bits whole": "SELECT item_id, embedding FROM vec_note_bits ORDER BY item_id",
+        "fts": "SELECT rowid, title, headings, content, parts FROM note_chunks_fts ORDER BY rowid",
+        "states": "SELECT item_id, status, indexed_hash, chunk_method, chunk_count, model, "
+        "dimensions, last_error, attempts FROM item_index_state ORDER BY item_id",
+        "items": "SELECT id, content_hash FROM knowledge_items ORDER BY id",
+    }
+    return {name: db.all(sql) for name, sql in queries.items()}
+
+
+def test_new_items_written_together_equal_the_same_items_written_one_by_one(
+    db, emb_settings, tmp_path
+):
+    """A run of many writes new items a statement per table for all of them (write_new_items);
+    every row equals what a run of one writes for each, whole-item vectors of single-chunk
+    notes, bit mirrors and keyword rows included."""
+    texts = {name: corpus_text(name) for name in GROUP}
+    texts["Tiny"] = "One short paragraph about `HashMap<K, V>` and BackgroundTasks."
+    embedder = FakeEmbedder()
+    other = connect(tmp_path / "other.db", embedding=emb_settings)
+    try:
+        ids = [add_item(db, kind="note", title=n, content=t) for n, t in texts.items()]
+        alone = [add_item(other, kind="note", title=n, content=t) for n, t in texts.items()]
+        statements: list[str] = []
+        db.conn.exec_trace = lambda _cursor, sql, _bindings: statements.append(sql) or True
+        results = index_items(db, ids, embedder=embedder)
+        db.conn.exec_trace = None
+        assert [results[i].status for i in ids] == ["indexed"] * len(ids)
+        for i in alone:
+            index_item(other, i, embedder=embedder)
+        # Written together: one new-id lookup for the items ready together, not one an item.
+        assert statements.count("SELECT max(id) FROM note_chunks") < len(ids)
+        assert index_dump(db) == index_dump(other)
+        assert index_dump(db)["whole"]  # appendix-00 and Tiny are single chunks
+    finally:
+        other.close()
+
+
+def test_new_items_written_together_fall_back_to_one_by_one_when_a_write_fails(db):
+    """One item's vec write fails inside the shared write: it is rolled back and the items go
+    one by one, so that item alone is partial (its chunk unmirrored) and the others whole."""
+    names = ["ch04-01-what-is-ownership.md", CHAPTER, "ch08-03-hash-maps.md"]
+    texts = [corpus_text(n) for n in names]
+    texts[1] = texts[1].replace("trait", "VECFAULT", 1)
+    fail_vec_writes_of(db, "VECFAULT")
+    ids = [add_item(db, kind="note", title=n, content=t) for n, t in zip(names, texts)]
+    results = index_items(db, ids, embedder=FakeEmbedder())
+    assert [results[i].status for i in ids] == ["indexed", "partial", "indexed"]
+    assert results[ids[1]].failed == 1
+    unmirrored = db.all(
+        "SELECT c.item_id FROM note_chunks c WHERE c.id NOT IN "
+        "(SELECT chunk_id FROM vec_chunk_embeddings)"
+    )
+    assert [r[0] for r in unmirrored] == [ids[1]]
+    for i in ids:  # every chunk has its vector and its keyword row
+        assert (
+            db.scalar(
+                "SELECT count(*) FROM note_chunks c "
+                "JOIN note_chunk_embeddings e ON e.chunk_id = c.id "
+                "JOIN note_chunks_fts f ON f.rowid = c.id WHERE c.item_id = ?",
+                (i,),
+            )
+            == results[i].chunks
+        )

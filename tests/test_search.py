@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from conftest import DIMS, FakeEmbedder, corpus_text, keyword_rows_problems, standin_settings
 from host import host
@@ -214,6 +217,32 @@ def test_an_identifier_is_found_by_the_whole_and_by_its_parts(db, fake):
     assert (
         identifier_parts("BackgroundTasks HTTPServer snake_case") == "background tasks http server"
     )
+
+
+def _parts_by_regex(text: str) -> str:
+    """identifier_parts as it was written first, token by token with unicode61's regex."""
+    seen: dict[str, None] = {}
+    for token in re.findall(r"[^\W_]+", text):
+        if token.islower() or token.isupper() or token.isdigit():
+            continue
+        words = re.findall(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+", token)
+        if len(words) > 1:
+            seen.update((w.lower(), None) for w in words)
+    return " ".join(seen)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet=st.sampled_from("aAbBzZ09_ -.éÉßẞ٣İıK\u0301’\ud800中x")))
+@example("Größe K0ı HTTPServer x86_64 u32 ’tis")
+def test_identifier_parts_are_those_of_unicode61_tokens(text: str) -> None:
+    """The bytes fast path finds the same words, in the same order, as the token regex."""
+    assert identifier_parts(text) == _parts_by_regex(text)
+
+
+def test_identifier_parts_of_a_real_chapter() -> None:
+    text = corpus_text("ch08-03-hash-maps.md")
+    assert identifier_parts(text) == _parts_by_regex(text)
+    assert "hash map" in identifier_parts(text)
 
 
 def test_any_user_text_is_a_valid_query():

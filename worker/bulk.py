@@ -20,11 +20,13 @@ from worker.pipeline import (
     IndexResult,
     Work,
     log_indexed,
+    new_and_whole,
     prepare_item,
     record_failure,
     recorded_outcome,
     store_failure,
     write_item,
+    write_new_items,
 )
 from worker.providers.base import EmbeddingModel
 from worker.store.db import Database
@@ -105,7 +107,14 @@ def index_items(
                     set_states(
                         db, [w.item.id for w in fresh], status=Status.INDEXING, last_task_id=task_id
                     )
+                together = _new_items(ready)
+                for w, result in together:
+                    works.remove(w)
+                    indexed.append((w, result))
+                    done(w.item.id, result)
                 for w in ready:
+                    if any(w is x for x, _ in together):
+                        continue
                     works.remove(w)
                     writing = False
                     try:
@@ -148,6 +157,26 @@ def index_items(
             written.append(w.item.id)
             log_indexed(w, result)
         return halt
+
+    def _new_items(ready: list[Work]) -> list[tuple[Work, IndexResult]]:
+        """The ready items indexed for the first time, written together when they can be
+        (`write_new_items`); on any error the savepoint is rolled back and every item goes
+        through `write_item` on its own (which records its outcome). A run of one writes its
+        item alone: its write also looks for orphans."""
+        new = [w for w in ready if new_and_whole(w)]
+        if alone or not new or (cancel is not None and cancel()):
+            return []
+        assert embedder is not None
+        try:
+            return write_new_items(db, new, embedder.model_id, options)
+        except (apsw.Error, StoreError) as e:
+            db.still_open()  # SQLite rolled the whole transaction back: that is the caller's
+            log.info(
+                f"{KI_EMBED} writing new items together failed; one by one now",
+                task_id=task_id,
+                reason=f"{type(e).__name__}: {e}",
+            )
+            return []
 
     queue = None
     if embedder is not None:

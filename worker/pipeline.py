@@ -232,8 +232,43 @@ def write_item(
         )
         failed = len(plan.failed) + vec_failed
         _record(db, w, failed, model, dims, options.task_id)
+    return _result(w, model, dims, failed, repaired)
+
+
+def new_and_whole(w: Work) -> bool:
+    """Whether an item may go through `write_new_items`: every chunk has a new vector."""
+    plan = w.plan
+    return bool(plan.chunks) and not plan.reuse and len(plan.vectors) == len(plan.chunks)
+
+
+def write_new_items(
+    db: Database, works: list[Work], model: str, options: IndexOptions
+) -> list[tuple[Work, IndexResult]]:
+    """Items indexed for the first time (`new_and_whole`), each kind's together through its
+    indexer's `write_new`, with their states, in one savepoint: what `write_item` writes for
+    each, in a few statements for all. The items written, with their results; the others are
+    for `write_item`. Raises what the database raised (the savepoint rolled back)."""
+    dims = db.dimensions
+    kinds: dict[int, list[Work]] = {}
+    for w in works:
+        kinds.setdefault(id(w.kind.indexer), []).append(w)
+    written: list[tuple[Work, IndexResult]] = []
+    with db.atomic():
+        for group in kinds.values():
+            ids = set(
+                group[0].kind.indexer.write_new(db, [(w.item, w.planned) for w in group], model)
+            )
+            for w in group:
+                if w.item.id in ids:
+                    _record(db, w, 0, model, dims, options.task_id)
+                    written.append((w, _result(w, model, dims, 0, 0)))
+    return written
+
+
+def _result(w: Work, model: str, dims: int, failed: int, repaired: int) -> IndexResult:
+    plan = w.plan
     return IndexResult(
-        item_id=item.id,
+        item_id=w.item.id,
         status=str(Status.PARTIAL if failed else Status.INDEXED),
         chunk_method=str(w.planned.method),
         chunks=w.planned.chunk_count,

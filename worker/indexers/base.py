@@ -81,6 +81,15 @@ class Indexer(ABC):
         mirror (`orphans`: and looking for orphan vec rows); (rows repaired, vec writes that
         failed)."""
 
+    def write_new(
+        self, db: Database, items: Sequence[tuple[Item, Planned]], model: str
+    ) -> list[int]:
+        """Items indexed for the first time, every chunk with its vector, written together in
+        the caller's transaction (a statement per table for all, where `write` takes several
+        an item): the ids written. Those that are not new are left out, for `write`. An
+        error leaves the caller's savepoint to roll back. By default nothing is written so."""
+        return []
+
     @abstractmethod
     def search(self, db: Database, query: str, embedder: EmbeddingModel, *, k: int) -> Any:
         """The k best matches of `query` among the texts of this kind."""

@@ -5,6 +5,7 @@ their ids (and vec rows): only what changed is deleted and inserted."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import apsw
@@ -16,7 +17,7 @@ from worker.log import CHUNK, KI_EMBED
 from worker.providers.base import EmbeddingModel
 from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.db import Database
-from worker.store.fts import NOTES, fts_write_item
+from worker.store.fts import NOTES, fts_write, fts_write_item
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
 from worker.store.vec import vec_delete, vec_insert, vec_ready, vec_replace
@@ -84,10 +85,35 @@ class Prose(Indexer):
             ilog.info(f"{KI_EMBED} repaired the mirror", repaired=repaired)
         return repaired, failed
 
+    def write_new(
+        self, db: Database, items: Sequence[tuple[Item, Planned]], model: str
+    ) -> list[int]:
+        return write_new_notes(db, [(item.id, planned.plan) for item, planned in items], model)
+
     def search(self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> Any:
         from worker.retrieval import search
 
         return search(db, query, embedder, k=k)
+
+
+INSERT_CHUNK = (
+    "INSERT INTO note_chunks(id, chunk_index, content, summary, method, start_offset, "
+    "end_offset, headings, embed_hash, item_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# A stray vector under a new chunk's id (its chunk deleted by hand) is replaced.
+INSERT_VECTOR = (
+    "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
+    "VALUES (?, ?, ?, ?) ON CONFLICT(chunk_id) DO UPDATE SET model = excluded.model, "
+    "dimensions = excluded.dimensions, vector = excluded.vector, "
+    "created_at = excluded.created_at"
+)
+
+
+def _chunk_row(plan: Plan, i: int) -> tuple[Any, ...]:
+    """Chunk i's columns, from chunk_index to embed_hash."""
+    c = plan.chunks[i]
+    headings = " > ".join(c.headings)
+    return (c.index, c.content, c.summary, str(c.method), c.start, c.end, headings, plan.hashes[i])
 
 
 def write_notes(
@@ -122,43 +148,19 @@ def write_notes(
         "UPDATE note_chunks SET chunk_index = -1 - chunk_index WHERE item_id = ?", (item_id,)
     )
 
-    def row(i: int) -> tuple[Any, ...]:
-        c = plan.chunks[i]
-        headings = " > ".join(c.headings)
-        return (
-            c.index,
-            c.content,
-            c.summary,
-            str(c.method),
-            c.start,
-            c.end,
-            headings,
-            plan.hashes[i],
-        )
-
     db.executemany(
         "UPDATE note_chunks SET chunk_index = ?, content = ?, summary = ?, method = ?, "
         "start_offset = ?, end_offset = ?, headings = ?, embed_hash = ? WHERE id = ?",
-        [(*row(i), old) for i, old in keep.items()],
+        [(*_chunk_row(plan, i), old) for i, old in keep.items()],
     )
     # New chunks get their ids here (the write lock is held: nobody else can take them), so
     # that their rows go in one statement each way rather than three round trips a chunk.
     new = [i for i in range(len(plan.chunks)) if i not in keep]
     first = (db.scalar("SELECT max(id) FROM note_chunks") or 0) + 1
     ids = {i: first + n for n, i in enumerate(new)}
-    db.executemany(
-        "INSERT INTO note_chunks(id, chunk_index, content, summary, method, start_offset, "
-        "end_offset, headings, embed_hash, item_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        [(ids[i], *row(i), item_id) for i in new],
-    )
+    db.executemany(INSERT_CHUNK, [(ids[i], *_chunk_row(plan, i), item_id) for i in new])
     vectors = [(ids[i], plan.vectors[i]) for i in new if plan.vectors.get(i) is not None]
-    db.executemany(  # a stray vector under a new chunk's id (deleted by hand) is replaced
-        "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
-        "VALUES (?, ?, ?, ?) ON CONFLICT(chunk_id) DO UPDATE SET model = excluded.model, "
-        "dimensions = excluded.dimensions, vector = excluded.vector, "
-        "created_at = excluded.created_at",
-        [(chunk_id, model, dims, vector) for chunk_id, vector in vectors],
-    )
+    db.executemany(INSERT_VECTOR, [(chunk_id, model, dims, vector) for chunk_id, vector in vectors])
     if mirror and vectors:
         vec_failed = _mirror_chunks(db, vectors, plan, ids, counter)
     _write_whole_item(db, item_id, plan, model, dims, mirror)
@@ -171,6 +173,56 @@ def write_notes(
             orphans_deleted=report.orphans_deleted,
         )
     return report.total, vec_failed
+
+
+def write_new_notes(db: Database, items: Sequence[tuple[int, Plan]], model: str) -> list[int]:
+    """What `write_notes` writes for items that have no chunk and no whole-item vector yet,
+    for all of them at once: a statement per table, not a dozen an item (a bulk run of new
+    notes spent most of its write lock on those, and FTS5 flushes its pending rows at each
+    savepoint). Items deleted meanwhile, or that have rows, are left out (`write_notes`
+    handles them, the repair included); the ids written are returned. Raises what the
+    database raised: the caller rolls back and writes the items one by one."""
+    ids = [item_id for item_id, _ in items]
+    marks = ",".join("?" * len(ids))
+    titles = dict(
+        db.all(f"SELECT id, CAST(title AS BLOB) FROM knowledge_items WHERE id IN ({marks})", ids)
+    )
+    taken = {
+        r[0]
+        for r in db.all(
+            f"SELECT item_id FROM note_chunks WHERE item_id IN ({marks}) UNION "
+            f"SELECT item_id FROM note_embeddings WHERE item_id IN ({marks})",
+            ids + ids,
+        )
+    }
+    new = [(item_id, plan) for item_id, plan in items if item_id in titles and item_id not in taken]
+    if not new:
+        return []
+    dims = db.dimensions
+    next_id = (db.scalar("SELECT max(id) FROM note_chunks") or 0) + 1
+    chunks, vectors, wholes, keywords = [], [], [], []
+    for item_id, plan in new:
+        for i in range(len(plan.chunks)):
+            row = _chunk_row(plan, i)
+            chunks.append((next_id, *row, item_id))
+            vectors.append((next_id, plan.vectors[i]))
+            keywords.append((next_id, titles[item_id], row[6], row[1]))
+            next_id += 1
+        if len(plan.chunks) == 1:  # single-chunk content: its vector is the item's too
+            wholes.append((item_id, plan.vectors[0]))
+    db.executemany(INSERT_CHUNK, chunks)
+    db.executemany(INSERT_VECTOR, [(chunk_id, model, dims, v) for chunk_id, v in vectors])
+    db.executemany(
+        "INSERT INTO note_embeddings(item_id, model, dimensions, vector) VALUES (?, ?, ?, ?)",
+        [(item_id, model, dims, v) for item_id, v in wholes],
+    )
+    if vec_ready(db, dims):  # stray vec rows under the new ids (a host's leftovers) go first
+        for table, rows in (("vec_chunk_embeddings", vectors), ("vec_note_embeddings", wholes)):
+            vec_delete(db, table, [key for key, _ in rows])
+            vec_insert(db, table, rows)
+    if db.table_exists(NOTES.name):
+        fts_write(db, NOTES, keywords)
+    return [item_id for item_id, _ in new]
 
 
 def _mirror_chunks(
