@@ -63,9 +63,15 @@ def vector_for(text: str, dimensions: int) -> list[float]:
     Derived from sha256 of the text (never Python's salted ``hash``), so it is the same in every
     process and tests can compute the expected answer themselves. Returns a fresh list.
     """
+    return cast(list[float], _array_for(text, dimensions).tolist())
+
+
+def _array_for(text: str, dimensions: int) -> npt.NDArray[np.float32]:
+    """vector_for's vector as the cached read-only array (an answer encodes it as it is: a
+    round trip through a list of floats cost a third of the stand-in's time a text)."""
     if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
         raise ValueError(f"dimensions must be a positive integer, got {dimensions!r}")
-    return cast(list[float], _unit_vector(text, dimensions).tolist())
+    return _unit_vector(text, dimensions)
 
 
 def _token_count(text: str) -> int:
@@ -73,11 +79,11 @@ def _token_count(text: str) -> int:
     return (len(text.encode("utf-8", "surrogatepass")) + 3) // 4
 
 
-def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+def _encode(vector: npt.NDArray[np.float32], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         # What the OpenAI SDKs ask for by default: little-endian float32 bytes, base64-encoded.
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-    return vector
+        return base64.b64encode(vector.astype("<f4", copy=False).tobytes()).decode("ascii")
+    return cast(list[float], vector.tolist())
 
 
 # -- replies ---------------------------------------------------------------------------------
@@ -404,13 +410,14 @@ class StandIn:
         dimensions = self.dimensions
         if requested_dimensions is not None and dimensions == self._initial_dimensions:
             dimensions = requested_dimensions  # changed self.dimensions (wrong dimension) wins
-        vectors = [vector_for(text, dimensions) for text in texts]
+        vectors = [_array_for(text, dimensions) for text in texts]
         extra = self.wrong_count
         if extra > 0:
-            vectors += [vector_for(f"standin-extra-{k}", dimensions) for k in range(extra)]
+            vectors += [_array_for(f"standin-extra-{k}", dimensions) for k in range(extra)]
         elif extra < 0:
             vectors = vectors[: max(0, len(vectors) + extra)]
         if self.nan and vectors:
+            vectors[0] = vectors[0].copy()  # the cached one is read-only, and stays right
             vectors[0][0] = math.nan
         data = [
             {"object": "embedding", "index": i, "embedding": _encode(vector, encoding_format)}

@@ -43,7 +43,7 @@ from worker.indexers import IndexOptions, Kind, Planned, kind_of
 from worker.log import KI_EMBED, get_logger
 from worker.providers.base import EmbeddingModel
 from worker.store.db import Database
-from worker.store.items import NOW, Item, Status, get_item, set_state
+from worker.store.items import CREATE_STATE, NOW, Item, Status, get_item, set_state
 
 log = get_logger("kidx.pipeline")
 
@@ -258,10 +258,8 @@ def write_new_items(
             ids = set(
                 group[0].kind.indexer.write_new(db, [(w.item, w.planned) for w in group], model)
             )
-            for w in group:
-                if w.item.id in ids:
-                    _record(db, w, 0, model, dims, options.task_id)
-                    written.append((w, _result(w, model, dims, 0, 0)))
+            written += [(w, _result(w, model, dims, 0, 0)) for w in group if w.item.id in ids]
+        _record_all(db, [(w, 0) for w, _ in written], model, dims, options.task_id)
     return written
 
 
@@ -293,42 +291,62 @@ def log_indexed(w: Work, result: IndexResult) -> None:
 
 
 def _record(db: Database, w: Work, failed: int, model: str, dims: int, task_id: str | None) -> None:
-    """The index state (and, for what is read from a source, the text just read), in the
-    write's transaction."""
-    item, plan, planned = w.item, w.plan, w.planned
-    notes = []
-    if failed:
-        first = next(iter(plan.failed.values()), "vec write failed")
-        notes.append(f"{failed} of {planned.chunk_count} chunks have no vector: {first}")
-    if planned.fallback:
-        notes.append(f"LLM chunking fell back to structure: {planned.fallback}")
-    if w.kind.text_in_row:
-        db.execute(
+    _record_all(db, [(w, failed)], model, dims, task_id)
+
+
+def _record_all(
+    db: Database, works: list[tuple[Work, int]], model: str, dims: int, task_id: str | None
+) -> None:
+    """Each item's index state (and, for what is read from a source, the text just read), in
+    the write's transaction, a statement for all of them each way; `works`: (item, vectors
+    that failed)."""
+    states, hashes, texts = [], [], []
+    for w, failed in works:
+        plan, planned = w.plan, w.planned
+        notes = []
+        if failed:
+            first = next(iter(plan.failed.values()), "vec write failed")
+            notes.append(f"{failed} of {planned.chunk_count} chunks have no vector: {first}")
+        if planned.fallback:
+            notes.append(f"LLM chunking fell back to structure: {planned.fallback}")
+        if w.kind.text_in_row:
+            hashes.append((w.content_hash, w.item.id, w.content_hash))
+        else:  # the text last extracted, so a host can read it
+            texts.append((w.text, w.content_hash, w.item.id, w.content_hash))
+        status = Status.PARTIAL if failed else Status.INDEXED
+        states.append(
+            (
+                str(status),
+                w.content_hash,
+                str(planned.method),
+                planned.chunk_count,
+                model,
+                dims,
+                "; ".join(notes) or None,
+                task_id,
+                w.elapsed(),
+                w.item.id,
+            )
+        )
+    with db.atomic():
+        db.executemany(
             "UPDATE knowledge_items SET content_hash = ? WHERE id = ? AND "
             "(content_hash IS NULL OR content_hash != ?)",
-            (w.content_hash, item.id, w.content_hash),
+            hashes,
         )
-    else:  # the text last extracted, so a host can read it
-        db.execute(
+        db.executemany(
             f"UPDATE knowledge_items SET content = ?, content_hash = ?, updated_at = {NOW} "
             "WHERE id = ? AND (content_hash IS NULL OR content_hash != ?)",
-            (w.text, w.content_hash, item.id, w.content_hash),
+            texts,
         )
-    set_state(
-        db,
-        item.id,
-        status=Status.PARTIAL if failed else Status.INDEXED,
-        indexed_hash=w.content_hash,
-        chunk_method=str(planned.method),
-        chunk_count=planned.chunk_count,
-        model=model,
-        dimensions=dims,
-        last_error="; ".join(notes) or None,
-        last_task_id=task_id,
-        attempts=0,
-        duration_ms=w.elapsed(),
-    )
-    db.execute(f"UPDATE item_index_state SET indexed_at = {NOW} WHERE item_id = ?", (item.id,))
+        db.executemany(CREATE_STATE, [(state[-1],) for state in states])
+        db.executemany(
+            "UPDATE item_index_state SET status = ?, indexed_hash = ?, chunk_method = ?, "
+            "chunk_count = ?, model = ?, dimensions = ?, last_error = ?, last_task_id = ?, "
+            f"attempts = 0, duration_ms = ?, updated_at = {NOW}, indexed_at = {NOW} "
+            "WHERE item_id = ?",
+            states,
+        )
 
 
 def record_failure(
