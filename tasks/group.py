@@ -29,7 +29,7 @@ from worker.errors import IndexAborted, KidxError
 from worker.store.jobs import JobState, group_job_id, record_starts
 
 
-@shared_task(name=GROUP, bind=True)
+@shared_task(name=GROUP, bind=True, throws=(IndexFailed,))
 def index_group(
     self: Task,
     item_ids: list[int],

@@ -30,7 +30,7 @@ from worker.store.jobs import JobState, record_end, record_start
 log = get_logger("kidx.tasks")
 
 
-@shared_task(name=NOTE, bind=True)
+@shared_task(name=NOTE, bind=True, throws=(IndexFailed,))
 def generate_embedding(
     self: Task,
     item_id: int,
@@ -42,7 +42,7 @@ def generate_embedding(
     return start(self, item_id, reason, batch_id, structure_only, frozenset({"note"}))
 
 
-@shared_task(name=KNOWLEDGE_ITEM, bind=True)
+@shared_task(name=KNOWLEDGE_ITEM, bind=True, throws=(IndexFailed,))
 def generate_knowledge_item_embedding(
     self: Task,
     item_id: int,
