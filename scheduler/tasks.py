@@ -11,7 +11,8 @@ from celery import Task, shared_task
 from tasks.lock import held
 from tasks.producer import send_batch
 from tasks.runtime import runtime
-from worker.app import RECONCILE, RETRY_SWEEP
+from worker.app import EMBED_MEMORIES, RECONCILE, RETRY_SWEEP
+from worker.indexers.memories import memories_missing
 from worker.log import get_logger
 from worker.reconcile import due_retries, reconcile, record_sweep
 
@@ -20,7 +21,8 @@ log = get_logger("kidx.scheduler")
 
 @shared_task(name=RECONCILE, bind=True)
 def reconcile_sweep(self: Task) -> dict[str, Any]:
-    """Repair vec rows at once; send the items that need a run as a `reconcile` batch."""
+    """Repair vec rows at once; send the items that need a run as a `reconcile` batch, and
+    the memories that need a vector to `kidx.embed_memories`."""
     rt = runtime(self.app)
     settings = rt.settings
     model = rt.embedder.model_id if rt.embedder is not None else settings.embedding.model
@@ -35,12 +37,17 @@ def reconcile_sweep(self: Task) -> dict[str, Any]:
     batch_id = None
     if drift.to_index:
         batch_id, _ = send_batch(rt.db, drift.to_index, kind="reconcile", app=self.app)
+    # Memories a host wrote or changed, or that an earlier model embedded: a task embeds them.
+    memories = memories_missing(rt.db, model) if rt.embedder is not None else 0
+    if memories:
+        self.app.send_task(EMBED_MEMORIES)
     summary = {
         "repaired": drift.repaired,
         "found": {k: len(v) for k, v in drift.found.items()},
         "busy": drift.busy,
         "sent": len(drift.to_index),
         "batch_id": batch_id,
+        "memories_to_embed": memories,
     }
     record_sweep(rt.db, "reconcile", summary)
     log.info("reconcile sweep", **summary)

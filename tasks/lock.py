@@ -37,6 +37,11 @@ def lock_key(space: str, item_id: int) -> str:
     return f"kidx:{space}:lock:item:{item_id}"
 
 
+def memories_key(space: str) -> str:
+    """The lock of the run that embeds a database's memories (tasks/memories.py)."""
+    return f"kidx:{space}:lock:memories"
+
+
 def rerun_key(space: str, item_id: int) -> str:
     return f"kidx:{space}:rerun:item:{item_id}"
 

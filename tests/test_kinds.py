@@ -14,14 +14,21 @@ import pytest
 from markdown_it import MarkdownIt
 
 from conftest import DIMS, corpus_text, standin_settings
+from host import host
 from incli import run_kidx
 from stack import REDIS_DB, broker_url
 from worker.bulk import index_item
 from worker.errors import IndexAborted, InvalidInput
 from worker.indexers import IndexOptions
 from worker.indexers.code import search_code
-from worker.indexers.memories import add_memory, search_memories
+from worker.indexers.memories import (
+    add_memory,
+    embed_memories,
+    memories_missing,
+    search_memories,
+)
 from worker.providers import build_embedder
+from worker.reconcile import reconcile
 from worker.retrieval import search
 from worker.settings import FilesSettings, UrlSettings
 from worker.sources import Reader
@@ -295,6 +302,78 @@ def test_a_memory_is_found_by_memory_search_and_by_nothing_else(db, embedder):
     assert search_code(db, "The user prefers examples in Rust.", embedder)[0] == []
     with pytest.raises(InvalidInput, match="short text"):
         add_memory(db, "x" * 5000, embedder)
+
+
+def memory_rows(db) -> dict[str, list]:
+    return {
+        "vectors": db.all("SELECT memory_id, model, dimensions FROM memory_embeddings ORDER BY 1"),
+        "vec": db.all("SELECT memory_id FROM vec_memories ORDER BY 1"),
+    }
+
+
+def test_memories_a_host_writes_changes_or_deletes_are_embedded_again(db, db_path, embedder):
+    """A host's plain SQL (foreign keys off): new rows, any bytes, an empty row, a changed
+    text, a deleted row. `embed_memories` embeds what has no vector; the triggers drop the
+    vector of a changed or deleted text; the vec mirror follows (orphans by the sweep)."""
+    kept = add_memory(db, "The user deploys on Fridays.", embedder)
+    host(
+        db_path,
+        ("INSERT INTO memories(id, content) VALUES (100, 'The user writes Rust at work.')", []),
+        ("INSERT INTO memories(id, content) VALUES (101, ?)", [{"hex": "ff4361666588e9"}]),
+        ("INSERT INTO memories(id, content) VALUES (102, '   ')", []),
+    )
+    assert memories_missing(db, embedder.model_id) == 2  # the empty row has nothing to find
+    report = embed_memories(db, embedder)
+    assert (report.embedded, report.left, report.error) == (2, 0, None)
+    rows = memory_rows(db)
+    assert [r[0] for r in rows["vectors"]] == [r[0] for r in rows["vec"]] == [kept, 100, 101]
+    hits, via, _ = search_memories(db, "The user writes Rust at work.", embedder, k=1)
+    assert via == "vec" and hits[0].memory_id == 100 and hits[0].score > 0.99
+    assert embed_memories(db, embedder).embedded == 0  # nothing left: no provider call
+
+    host(
+        db_path,
+        ("UPDATE memories SET content = 'The user writes Go now.' WHERE id = 100", []),
+        ("DELETE FROM memories WHERE id = ?", [kept]),
+    )
+    assert [r[0] for r in memory_rows(db)["vectors"]] == [101]  # the triggers
+    assert embed_memories(db, embedder).embedded == 1
+    hits, _, _ = search_memories(db, "The user writes Go now.", embedder, k=1)
+    assert hits[0].memory_id == 100 and hits[0].score > 0.99
+    reconcile(db, model=embedder.model_id, max_items=10)  # the deleted one's vec row goes
+    rows = memory_rows(db)
+    assert [r[0] for r in rows["vectors"]] == [r[0] for r in rows["vec"]] == [100, 101]
+
+
+def test_memories_of_an_earlier_model_are_embedded_by_the_new_one(tmp_path, standin):
+    """A switch to a model of another dimension: the memories are embedded again (they kept
+    the old vectors only, which no search of the new model can use); a provider error stops
+    the run with what was done kept, and the next run ends it."""
+    path = tmp_path / "kidx.db"
+    small = standin_settings(standin, dimensions=DIMS)
+    db = connect(path, embedding=small)
+    model = build_embedder(small, dimensions=db.dimensions)
+    ids = [add_memory(db, f"Memory number {n} about the user.", model) for n in range(5)]
+    db.close()
+    standin.dimensions = 2 * DIMS
+    wide = standin_settings(standin, model="standin-wide", dimensions=2 * DIMS)
+    db = connect(path, embedding=wide)
+    try:
+        other = build_embedder(wide, dimensions=db.dimensions)
+        other.batch_size = 2
+        assert memories_missing(db, other.model_id) == 5
+        first = embed_memories(db, other, limit=4)  # two requests of two
+        assert first.embedded == 4 and first.left == 1 and first.error is None
+        standin.fail_status = 400  # every request fails now
+        failed = embed_memories(db, other)
+        assert failed.embedded == 0 and failed.left == 1 and "400" in (failed.error or "")
+        standin.fail_status = None
+        assert embed_memories(db, other).left == 0
+        rows = memory_rows(db)
+        assert rows["vectors"] == [(i, "standin-wide", 2 * DIMS) for i in ids]
+        assert [r[0] for r in rows["vec"]] == ids
+    finally:
+        db.close()
 
 
 # -- the command, as a new user would ---------------------------------------------------------

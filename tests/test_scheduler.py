@@ -106,6 +106,27 @@ def test_an_item_edited_directly_in_the_database_is_indexed_by_the_next_sweep(st
     assert stack.sweep()["found"]["changed"] == 0  # nothing left to do
 
 
+def test_a_memory_a_host_inserts_is_embedded_after_the_next_sweep(stack):
+    stack.db.execute("INSERT INTO memories(content) VALUES ('The user reads the Rust book.')")
+    summary = stack.sweep()
+    assert summary["memories_to_embed"] >= 1  # the sweep sent kidx.embed_memories
+    wait_for(
+        lambda: (
+            not stack.db.scalar(
+                "SELECT count(*) FROM memories m WHERE NOT EXISTS (SELECT 1 FROM memory_embeddings "
+                "e WHERE e.memory_id = m.id)"
+            )
+        ),
+        60,
+        "the worker to embed the memory",
+        every=0.1,
+    )
+    assert stack.sweep()["memories_to_embed"] == 0
+    assert stack.db.scalar("SELECT count(*) FROM vec_memories") == stack.db.scalar(
+        "SELECT count(*) FROM memory_embeddings"
+    )
+
+
 def test_a_failed_item_is_retried_with_growing_delays_and_then_left_to_an_admin(stack):
     stack.standin.fail_status = 401  # permanent: each run fails at once
     item = stack.note("Refused", "The provider refuses this one every time.")

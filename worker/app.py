@@ -22,9 +22,17 @@ from worker.settings import Settings, load_settings
 
 # The layers above reach the app, never the other way: the tasks and the beat schedule are
 # named here (Celery's `include` imports the modules when a worker starts), not imported.
-TASK_MODULES = ["tasks.metrics", "tasks.index", "tasks.group", "tasks.cancel", "scheduler.tasks"]
+TASK_MODULES = [
+    "tasks.metrics",
+    "tasks.index",
+    "tasks.group",
+    "tasks.cancel",
+    "tasks.memories",
+    "scheduler.tasks",
+]
 RECONCILE = "kidx.reconcile"  # scheduler/tasks.py
 RETRY_SWEEP = "kidx.retry_sweep"
+EMBED_MEMORIES = "kidx.embed_memories"  # tasks/memories.py, sent by the reconcile sweep
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from worker.chunking import Chunk, text_hash
 from worker.embedding import Plan
-from worker.errors import InvalidInput
+from worker.errors import InvalidInput, KidxError
 from worker.indexers.base import Indexer, IndexOptions, Planned
 from worker.log import get_logger
 from worker.nearest import nearest
@@ -122,3 +122,71 @@ def search_memories(
     db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10
 ) -> tuple[list[MemoryHit], str, str | None]:
     return MEMORIES.search(db, query, embedder, k=k)
+
+
+# Memories with no vector of this model and dimension: written by a host with plain SQL, changed
+# since (a trigger drops the vector of a changed text), or embedded by a model used before.
+_MISSING = (
+    "SELECT m.id, CAST(m.content AS BLOB) FROM memories m LEFT JOIN memory_embeddings e "
+    "ON e.memory_id = m.id AND e.model = :model AND e.dimensions = :dims "
+    "WHERE e.memory_id IS NULL AND length(trim(CAST(m.content AS TEXT))) > 0"
+)
+
+
+def memories_missing(db: Database, model: str) -> int:
+    """How many memories have no vector of `model` at the index's dimension."""
+    return int(
+        db.scalar(f"SELECT count(*) FROM ({_MISSING})", {"model": model, "dims": db.dimensions})
+    )
+
+
+@dataclass
+class MemoryBackfill:
+    """What `embed_memories` did: memories embedded, left for a later run, and why it stopped
+    early (a provider error), if it did."""
+
+    embedded: int = 0
+    left: int = 0
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) -> MemoryBackfill:
+    """Embed up to `limit` memories that have no vector of this model (`memories_missing`), a
+    batch a request and a write transaction, each memory as `add_memory` writes it. A text
+    changed or deleted while its batch was embedded is not written (the next run takes the
+    new text). A provider error stops the run with what was written kept: the error is
+    returned, not raised, for a sweep to report and try again later. A host's empty row is
+    left alone: it has nothing to find."""
+    report = MemoryBackfill()
+    params = {"model": embedder.model_id, "dims": db.dimensions, "limit": limit}
+    rows = db.all(f"{_MISSING} ORDER BY m.id LIMIT :limit", params)
+    options = IndexOptions()
+    for start in range(0, len(rows), embedder.batch_size):
+        batch = [
+            (memory_id, raw, shown(raw))
+            for memory_id, raw in rows[start : start + embedder.batch_size]
+        ]
+        try:
+            vectors = embedder.embed_checked([text for _, _, text in batch])
+        except KidxError as e:
+            report.error = f"{type(e).__name__}: {e}"
+            break
+        with db.atomic():
+            for (memory_id, raw, text), vector in zip(batch, vectors, strict=True):
+                now = db.scalar(
+                    "SELECT CAST(content AS BLOB) FROM memories WHERE id = ?", (memory_id,)
+                )
+                if now != raw:
+                    continue  # changed or deleted meanwhile
+                memory = Item(memory_id, "memory", "", None, text, None)
+                planned = MEMORIES.plan(db, memory, text, "", options, log)
+                planned.plan.vectors[0] = to_blob(vector)
+                MEMORIES.write(db, memory, planned, embedder.model_id, options, log, orphans=False)
+                report.embedded += 1
+    report.left = memories_missing(db, embedder.model_id)
+    if report.embedded or report.error:
+        log.info("memories embedded", **report.as_dict())
+    return report

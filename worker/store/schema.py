@@ -277,6 +277,37 @@ END;
 FTS_MIGRATION = 6
 MIGRATIONS.append((FTS_MIGRATION, ";\n".join(create_sql(t.name) for t in FTS_TABLES) + ";\n"))
 
+# Memories written or changed by a host with plain SQL (foreign keys off included): a changed
+# text loses its vector, so that it is embedded again (`embed_memories`); a deleted memory
+# loses it too. The vec row left behind is an orphan, which the reconcile sweep deletes (no
+# trigger may touch a vec0 table: a host's connection without sqlite-vec would fail).
+MIGRATIONS.append(
+    (
+        7,
+        """
+CREATE TRIGGER IF NOT EXISTS memories_content_changed
+AFTER UPDATE OF content ON memories
+WHEN new.content IS NOT old.content
+BEGIN
+    DELETE FROM memory_embeddings WHERE memory_id = new.id;
+END;
+
+CREATE TRIGGER IF NOT EXISTS memories_deleted
+AFTER DELETE ON memories
+BEGIN
+    DELETE FROM memory_embeddings WHERE memory_id = old.id;
+END;
+
+CREATE TRIGGER IF NOT EXISTS memories_id_changed
+AFTER UPDATE OF id ON memories
+WHEN new.id IS NOT old.id
+BEGIN
+    DELETE FROM memory_embeddings WHERE memory_id IN (old.id, new.id);
+END;
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

@@ -1,0 +1,41 @@
+"""Memories without a vector of the configured model (written by a host with plain SQL,
+changed since, or embedded by a model used before) embedded by a worker: the reconcile sweep
+sends this task when it finds some. One run at a time per database (a Redis lock, not
+waited for: a second run has nothing to add)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from celery import Task, shared_task
+from redis.exceptions import LockError
+
+from tasks.lock import memories_key
+from tasks.runtime import runtime
+from worker.app import EMBED_MEMORIES
+from worker.indexers.memories import embed_memories
+from worker.pipeline import NO_PROVIDER
+
+# A run embeds at most this many memories (a request a batch); the next sweep sends the rest.
+RUN_LIMIT = 512
+
+
+@shared_task(name=EMBED_MEMORIES, bind=True)
+def embed_memories_task(self: Task) -> dict[str, Any]:
+    """Embed what memories lack a vector; what was done (`embedded`, `left`, `error`)."""
+    rt = runtime(self.app)
+    if rt.embedder is None:
+        return {"skipped": NO_PROVIDER}
+    lock = rt.redis.lock(
+        memories_key(rt.db.instance()),
+        timeout=rt.settings.tasks.visibility_timeout,
+        thread_local=False,
+    )
+    if not lock.acquire(blocking=False):
+        return {"skipped": "another run is embedding memories"}
+    try:
+        return embed_memories(rt.db, rt.embedder, limit=RUN_LIMIT).as_dict()
+    finally:
+        with contextlib.suppress(LockError):  # it expired: another run may hold it now
+            lock.release()
