@@ -5,16 +5,19 @@ consecutive failures abort it like any batch."""
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
+import redis
 from celery import Task, shared_task
 
+from tasks.broker import live_task_ids
 from tasks.lock import held
 from tasks.producer import send_batch
-from tasks.runtime import runtime
+from tasks.runtime import Runtime, runtime
 from worker.app import EMBED_MEMORIES, RECONCILE, RETRY_SWEEP
 from worker.indexers.memories import memories_missing
 from worker.log import get_logger
-from worker.reconcile import due_retries, reconcile, record_sweep
+from worker.reconcile import due_retries, mark_lost, queued_jobs, reconcile, record_sweep
 
 log = get_logger("kidx.scheduler")
 
@@ -26,6 +29,7 @@ def reconcile_sweep(self: Task) -> dict[str, Any]:
     rt = runtime(self.app)
     settings = rt.settings
     model = rt.embedder.model_id if rt.embedder is not None else settings.embedding.model
+    lost = _lost_jobs(rt, self.app.conf.task_default_queue)
     drift = reconcile(
         rt.db,
         model=model,
@@ -48,10 +52,39 @@ def reconcile_sweep(self: Task) -> dict[str, Any]:
         "sent": len(drift.to_index),
         "batch_id": batch_id,
         "memories_to_embed": memories,
+        "lost": lost,
     }
     record_sweep(rt.db, "reconcile", summary)
     log.info("reconcile sweep", **summary)
     return summary
+
+
+# A task recorded as queued this long ago and not in the broker was lost, not on its way
+# (between the row and the broker's list is a few milliseconds).
+LOST_AFTER = 120.0
+
+
+def _lost_jobs(rt: Runtime, queue: str) -> int:
+    """Mark the queued jobs whose task a Redis broker no longer holds (`tasks.broker`) as
+    failed, so that this sweep sends their items again rather than waiting for the visibility
+    timeout; how many. Another broker, or one too full to read, is not looked at."""
+    if urlsplit(rt.settings.broker_url).scheme not in ("redis", "rediss", "unix"):
+        return 0
+    stale = queued_jobs(rt.db, older_than=LOST_AFTER)
+    if not stale:
+        return 0
+    try:
+        live = live_task_ids(rt.redis, [queue])
+    except redis.RedisError as e:
+        log.warning("could not read the broker's queues", reason=str(e))
+        return 0
+    if live is None:
+        return 0
+    lost = [job for job in stale if job.split(":", 1)[0] not in live]  # a group's `task:item`
+    if lost:
+        mark_lost(rt.db, lost)
+        log.warning("tasks lost by the broker: their items are sent again", jobs=len(lost))
+    return len(lost)
 
 
 @shared_task(name=RETRY_SWEEP, bind=True)

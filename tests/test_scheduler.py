@@ -9,12 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from conftest import corpus_text
 from scheduler.beat import HEARTBEAT_KEY, LEASE_KEY
 from stack import CELERY, Proc, Stack, running_stack, wait_for
+from tasks import broker
+from tasks.broker import live_task_ids
 from tasks.producer import enqueue
 from worker.store.items import get_state
+from worker.store.jobs import record_queued
 
 # Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
 # its module-scoped stack starts once.
@@ -125,6 +129,57 @@ def test_a_memory_a_host_inserts_is_embedded_after_the_next_sweep(stack):
     assert stack.db.scalar("SELECT count(*) FROM vec_memories") == stack.db.scalar(
         "SELECT count(*) FROM memory_embeddings"
     )
+
+
+def test_a_queued_task_the_broker_lost_is_sent_again_by_the_next_sweep(stack):
+    """A `queued` job whose message is in no queue and not delivered (Redis restarted without
+    persistence) is marked failed and its item sent again at once, not after the visibility
+    timeout; one whose message a worker holds (kombu's `unacked` hash) is left alone."""
+    lost_item = stack.note("Lost", "A note whose task the broker lost.")
+    held_item = stack.note("Held", "A note whose task a worker holds.")
+    record_queued(stack.db, "lost-task", "GenerateEmbedding", lost_item, None, "test")
+    record_queued(stack.db, "held-task:7", "kidx.index_group", held_item, None, "test")
+    stack.db.execute(
+        "UPDATE index_jobs SET queued_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-300 seconds') "
+        "WHERE task_id IN ('lost-task', 'held-task:7')"
+    )
+    client = redis.Redis.from_url(stack.settings.broker_url)
+    message = {"headers": {"id": "held-task"}, "body": "", "properties": {}}
+    client.hset("unacked", "test-tag", json.dumps([message, "", "celery"]))
+    try:
+        summary = stack.sweep()
+    finally:
+        client.hdel("unacked", "test-tag")
+        client.close()
+    assert summary["lost"] == 1
+    lost = stack.db.one("SELECT state, error FROM index_jobs WHERE task_id = 'lost-task'")
+    assert lost[0] == "failed" and lost[1].startswith("lost:")
+    assert stack.db.scalar("SELECT state FROM index_jobs WHERE task_id = 'held-task:7'") == (
+        "queued"
+    )
+    wait_for(lambda: stack.state(lost_item)["status"] == "indexed", 60, "the lost item indexed")
+    assert stack.state(held_item)["status"] != "indexed"  # busy: its task is held
+    stack.db.execute("DELETE FROM index_jobs WHERE task_id = 'held-task:7'")
+
+
+def test_the_broker_reader_finds_queued_and_delivered_tasks_and_ignores_strangers(stack):
+    queue = f"idle-{time.monotonic_ns()}"  # no worker consumes it
+    plain = stack.app.send_task("kidx.nothing", queue=queue)
+    urgent = stack.app.send_task("kidx.nothing", queue=queue, priority=5)
+    client = redis.Redis.from_url(stack.settings.broker_url)
+    try:
+        client.lpush(queue, b"not json", json.dumps({"headers": {"id": 42}}))
+        client.hset("unacked", "test-tag", json.dumps([{"headers": {"id": "running"}}, "", ""]))
+        live = live_task_ids(client, [queue])
+        assert live is not None and {plain.id, urgent.id, "running"} <= live
+        assert 42 not in live and len(live & {plain.id, urgent.id}) == 2
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(broker, "MAX_MESSAGES", 1)
+            assert live_task_ids(client, [queue]) is None  # too many to read: nothing is lost
+    finally:
+        client.delete(*[queue] + [f"{queue}{broker.SEP}{step}" for step in broker.PRIORITY_STEPS])
+        client.hdel("unacked", "test-tag")
+        client.close()
 
 
 def test_a_failed_item_is_retried_with_growing_delays_and_then_left_to_an_admin(stack):

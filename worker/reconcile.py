@@ -22,7 +22,8 @@ from worker.store.repair import repair_vectors
 from worker.store.vec import set_meta
 
 # Items a sweep must not send: a task for them is queued or running (not lost: younger than the
-# visibility timeout, after which Redis would have redelivered it anyway). A send the broker
+# visibility timeout, after which Redis would have redelivered it anyway; a task the broker no
+# longer holds at all is marked failed first, `mark_lost`). A send the broker
 # refused leaves no `queued` row (tasks.producer), so its item is not taken for busy.
 BUSY_JOBS = """
 SELECT item_id FROM index_jobs WHERE state IN ('queued', 'started')
@@ -69,6 +70,33 @@ class Drift:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+LOST = "lost: the broker no longer holds this task (a Redis restart?); the sweep sends it again"
+
+
+def queued_jobs(db: Database, *, older_than: float) -> list[str]:
+    """Job ids recorded as queued (first attempt, not started) for at least `older_than`
+    seconds: those the caller may look for in the broker (`mark_lost`)."""
+    return [
+        r[0]
+        for r in db.all(
+            "SELECT task_id FROM index_jobs WHERE state = 'queued' AND attempt = 0 AND "
+            "(julianday('now') - julianday(queued_at)) * 86400 >= ?",
+            (older_than,),
+        )
+    ]
+
+
+def mark_lost(db: Database, job_ids: list[str]) -> None:
+    """Jobs whose task the broker no longer holds: failed, so that their items are not taken
+    for busy and the sweep sends them again (a run that starts after all resets its row)."""
+    with db.atomic():
+        db.executemany(
+            f"UPDATE index_jobs SET state = 'failed', finished_at = {NOW}, error = ? "
+            "WHERE task_id = ? AND attempt = 0 AND state = 'queued'",
+            [(LOST, job_id) for job_id in job_ids],
+        )
 
 
 def reconcile(
