@@ -90,17 +90,22 @@ def test_wrong_kind_and_unknown_item_fail_at_once_without_retry(stack):
             stack.db.scalar("SELECT max(attempt) FROM index_jobs WHERE task_id = ?", (result.id,))
             == 0
         )
+
         # An expected failure (Celery's `throws`): one line at INFO, no traceback; the cause
         # is in kidx's own error line.
-        celery_lines = [
-            json.loads(x)
-            for x in stack.worker.log.splitlines()
-            if x.startswith("{") and result.id in x and "raised" in x
-        ]
-        assert celery_lines and all(
-            "raised expected" in x["event"] and x["level"] == "info" for x in celery_lines
-        ), celery_lines
-        assert not any("exception" in x for x in celery_lines)
+        def celery_lines(task_id: str = result.id) -> list[dict]:
+            return [
+                json.loads(x)
+                for x in stack.worker.log.splitlines()
+                if x.startswith("{") and task_id in x and "raised" in x
+            ]
+
+        # Celery stores the result, then logs the failure.
+        wait_for(celery_lines, 30, "Celery's line about the failure", every=0.05)
+        assert all(
+            "raised expected" in x["event"] and x["level"] == "info" for x in celery_lines()
+        ), celery_lines()
+        assert not any("exception" in x for x in celery_lines())
 
 
 def test_fifty_enqueues_during_a_run_cost_at_most_two_runs(stack):

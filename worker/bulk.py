@@ -107,7 +107,11 @@ def index_items(
                     set_states(
                         db, [w.item.id for w in fresh], status=Status.INDEXING, last_task_id=task_id
                     )
-                together = _new_items(ready)
+                try:
+                    together = _new_items(ready)
+                except apsw.Error as e:  # the transaction went with it: the cause is reported
+                    halt = store_failure(e)
+                    raise
                 for w, result in together:
                     works.remove(w)
                     indexed.append((w, result))
@@ -170,7 +174,8 @@ def index_items(
         try:
             return write_new_items(db, new, embedder.model_id, options)
         except (apsw.Error, StoreError) as e:
-            db.still_open()  # SQLite rolled the whole transaction back: that is the caller's
+            if db.conn.get_autocommit():
+                raise  # SQLite rolled the whole transaction back (a full disk): the caller's
             log.info(
                 f"{KI_EMBED} writing new items together failed; one by one now",
                 task_id=task_id,

@@ -186,7 +186,7 @@ class Database:
         if self._depth == 0:
             self.execute("BEGIN IMMEDIATE")
         else:
-            self.still_open()
+            self._still_open()
             self.execute(f"SAVEPOINT sp{self._depth}")
         self._depth += 1
         try:
@@ -199,7 +199,7 @@ class Database:
         if self._depth == 0:
             self._commit()
         else:
-            self.still_open()
+            self._still_open()
             self.execute(f"RELEASE sp{self._depth}")
 
     @contextmanager
@@ -223,7 +223,7 @@ class Database:
                 raise StoreError("the write transaction was rolled back by SQLite")
             self._commit()
 
-    def still_open(self) -> None:
+    def _still_open(self) -> None:
         """Inside a unit of work, the transaction it belongs to must still be there."""
         if self.conn.get_autocommit():
             raise StoreError("the write transaction was rolled back by SQLite")
