@@ -252,7 +252,18 @@ def test_a_python_package_becomes_code_chunks_that_only_code_search_returns(
     row = db.one("SELECT id, path, start_line, end_line, content FROM code_chunks LIMIT 1 OFFSET 3")
     query = f"{row[1]}:{row[2]}-{row[3]}"
     hits, via, _ = search_code(db, query, embedder, k=50)
-    assert via == "vec" and all(h.path and h.start_line <= h.end_line for h in hits)
+    assert "vec" in via.split("+") and all(h.path and h.start_line <= h.end_line for h in hits)
+    # A name only the keyword side can find (the stand-in's vectors know no meaning): the first
+    # hit holds it, found by its keywords.
+    for name in ("repair_vectors", "vec_table_dimensions", "sync_vec_tables"):
+        hits, via, _ = search_code(db, name, embedder, k=5)
+        assert via == "vec+fts"
+        for hit in hits[:1]:
+            content = db.scalar(
+                "SELECT content FROM code_chunks WHERE path = ? AND start_line = ?",
+                (hit.path, hit.start_line),
+            )
+            assert "fts" in hit.via.split("+") and name in content, (name, hit)
     notes = search(db, "anything about code", embedder, k=50)
     assert {h.item_id for h in notes.hits} == {note}  # note search never returns code
 

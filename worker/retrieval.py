@@ -203,7 +203,7 @@ def search_chunks(
                 scores = {c: -s for c, s in found_kw}
             more |= len(found_kw) == n
         if len(ranked) > 1:
-            order, scores, paths = _fuse(ranked, depth)
+            order, scores, paths = fuse(ranked, depth)
         else:
             order = ranked[0][0] if ranked else []
             paths = {c: ranked[0][1] for c in order}
@@ -222,7 +222,7 @@ def _items_in(db: Database, chunk_ids: list[int]) -> int:
     return len({r[0] for r in _rows(db, "c.item_id", chunk_ids)})
 
 
-def _fuse(
+def fuse(
     ranked: Sequence[tuple[list[int], str]], depth: int
 ) -> tuple[list[int], dict[int, float], dict[int, str]]:
     """Reciprocal rank fusion: each list gives weight / (RRF_K + rank) to each of its first

@@ -12,13 +12,16 @@ from worker.errors import InvalidInput
 from worker.indexers.base import Indexer, IndexOptions, Planned, plan_vectors
 from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel
+from worker.retrieval import fuse
 from worker.store.db import Database
-from worker.store.fts import CODE, fts_write_item
+from worker.store.fts import CODE, fts_write_item, keyword_query
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
 from worker.store.vec import VEC, vec_delete, vec_ready, vec_replace
 
 SNIPPET = 160
+# Candidates each side of a code search gives the fusion (as deep as prose search goes).
+CANDIDATES = 50
 
 # A stray vector under a new chunk's id (rows a host deleted by hand) is replaced, not a
 # constraint error.
@@ -104,14 +107,38 @@ class CodeHit:
 def search_code(
     db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10
 ) -> tuple[list[CodeHit], str, str | None]:
-    """The k code chunks nearest to `query` (code only: notes are never returned here)."""
+    """The k best code chunks for `query` (code only: notes are never returned here): the
+    vector side and the keyword side (FTS5 over the path and the code, identifiers split as
+    unicode61 and `identifier_parts` split them) fused as prose search fuses them
+    (worker.retrieval: RRF, the keyword side trusted twice as much), since a query naming an
+    identifier is what code search is asked most. `score`: the cosine similarity when only
+    the vector side serves, else the fused score; the paths that served, joined by `+`."""
     if not query.strip():
         raise InvalidInput("the query is empty")
+    depth = max(k, CANDIDATES)
     found, via, reason = nearest(
-        db, VEC["vec_work_code_chunks"], embedder.embed([query])[0], k, embedder.model_id
+        db, VEC["vec_work_code_chunks"], embedder.embed([query])[0], depth, embedder.model_id
     )
+    similarity = {chunk_id: round(1 - distance, 6) for chunk_id, distance in found}
+    match = keyword_query(query)
+    keyword: list[int] = []
+    if match is not None and db.table_exists(CODE.name):
+        keyword = [
+            r[0]
+            for r in db.all(
+                f"SELECT f.rowid FROM {CODE.name} f JOIN code_chunks c ON c.id = f.rowid "
+                f"WHERE {CODE.name} MATCH ? ORDER BY bm25({CODE.name}), f.rowid LIMIT ?",
+                (match, depth),
+            )
+        ]
+    if keyword:
+        order, fused, paths = fuse([([c for c, _ in found], via), (keyword, "fts")], depth)
+        served = f"{via}+fts" if found else "fts"
+    else:
+        order, fused, paths = [c for c, _ in found], similarity, {c: via for c in similarity}
+        served = via
     hits = []
-    for chunk_id, distance in found:
+    for chunk_id in order[:k]:
         row = db.one(
             "SELECT item_id, path, start_line, end_line, content FROM code_chunks WHERE id = ?",
             (chunk_id,),
@@ -119,5 +146,6 @@ def search_code(
         if row is not None:
             item_id, path, start, end, content = row
             snippet = " ".join(content.split())[:SNIPPET]
-            hits.append(CodeHit(item_id, path, start, end, round(1 - distance, 6), snippet, via))
-    return hits, via, reason
+            score = round(fused[chunk_id], 6)
+            hits.append(CodeHit(item_id, path, start, end, score, snippet, paths[chunk_id]))
+    return hits, served, reason
