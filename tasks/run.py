@@ -121,7 +121,15 @@ class Run:
         return f"item {str(item_id)[:60]}: {cause} (after {self.took() / 1000:.1f} s)"
 
     def execute(self) -> dict[str, Any]:
-        """Run the items; the task's result, or IndexFailed naming each item that failed."""
+        """Run the items; the task's result, or IndexFailed naming each item that failed.
+
+        SIGTERM (`kidx cancel --terminate`) is a cancellation from the first step to the last
+        record: a terminate that came after the run saw the revoke in Redis, while it recorded
+        the revoke, ended the process before the job rows were written."""
+        with running():
+            return self._execute()
+
+    def _execute(self) -> dict[str, Any]:
         try:
             if self.token():
                 raise Cancelled("revoked before it started")
@@ -175,7 +183,7 @@ class Run:
                 )
                 self.end(item_id, JobState.COALESCED, "ok")
                 self.results[item_id] = {"item_id": item_id, "status": "coalesced"}
-            with self.rt.scope.running(self.token), running():
+            with self.rt.scope.running(self.token):
                 self._index(held)
                 again = [i for i in locks.take_reruns() if self._indexed(i)]
                 again = [i for i in again if changed(self.rt, i)]

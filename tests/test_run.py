@@ -6,6 +6,7 @@ tests/test_groups.py and the fault suite."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from celery.exceptions import Ignore
 from conftest import FakeEmbedder
 from stack import REDIS_DB, broker_url, flush
 from tasks import GROUP, NOTE
-from tasks.cancel import RunScope, mark_revoked
+from tasks.cancel import TERMINATED, RunScope, mark_revoked, reset
 from tasks.group import GroupRun
 from tasks.index import SingleRun
 from tasks.lock import LockSet, rerun_key
@@ -334,3 +335,34 @@ def test_a_revoke_before_the_start_ends_revoked_and_writes_nothing(rt) -> None:
     assert set(job_states(rt, run).values()) == {"revoked"}
     assert rt.db.scalar("SELECT count(*) FROM note_chunks") == 0
     assert rt.embedder.calls == []  # type: ignore[union-attr]
+
+
+def test_a_terminate_that_comes_while_the_revoke_is_recorded_does_not_end_the_process(
+    rt,
+) -> None:
+    """`kidx cancel --terminate` writes the revoke to Redis, then Celery sends SIGTERM: a run
+    that saw the revoke first may be recording it when the signal comes. It must be taken as
+    the cancellation it is (the job rows written), not end the process with them unwritten."""
+    ids = notes(rt.db, 2)
+    run, task = group(rt, ids)
+    mark_revoked(rt.redis, [run.task_id])
+    reached: list[int] = []
+    # The process's own handler (billiard's ends the process): here, it records.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: reached.append(signum))
+    original_end = run.end
+
+    def end_then_terminated(*args: Any, **kwargs: Any) -> None:
+        if not reached and not TERMINATED.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)  # the terminate, while the revoke is recorded
+        original_end(*args, **kwargs)
+
+    run.end = end_then_terminated  # type: ignore[method-assign]
+    try:
+        with pytest.raises(Ignore):
+            run.execute()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        reset()
+    assert reached == []  # the run's handler took it: it did not reach the process's own
+    assert set(job_states(rt, run).values()) == {"revoked"}
+    assert task.revoked == [run.task_id]
