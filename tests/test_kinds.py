@@ -33,7 +33,7 @@ from worker.retrieval import search
 from worker.settings import FilesSettings, UrlSettings
 from worker.sources import Reader
 from worker.store import connect, vec_table_dimensions
-from worker.store.items import add_item, get_state
+from worker.store.items import add_item, get_state, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTICLE = """<html><head><title>Slices</title><script>var tracking = "SCRIPT-TEXT";</script></head>
@@ -334,6 +334,8 @@ def test_memories_a_host_writes_changes_or_deletes_are_embedded_again(db, db_pat
         ("INSERT INTO memories(id, content) VALUES (102, '   ')", []),
     )
     assert memories_missing(db, embedder.model_id) == 2  # the empty row has nothing to find
+    model = f"{embedder.model_id} ({db.dimensions})"
+    assert summary(db)["memories_by_model"] == {"no vector": 3, model: 1}
     report = embed_memories(db, embedder)
     assert (report.embedded, report.left, report.error) == (2, 0, None)
     rows = memory_rows(db)
@@ -341,6 +343,17 @@ def test_memories_a_host_writes_changes_or_deletes_are_embedded_again(db, db_pat
     hits, via, _ = search_memories(db, "The user writes Rust at work.", embedder, k=1)
     assert via == "vec" and hits[0].memory_id == 100 and hits[0].score > 0.99
     assert embed_memories(db, embedder).embedded == 0  # nothing left: no provider call
+    assert summary(db)["memories_by_model"] == {"no vector": 1, model: 3}  # the empty row
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "KIDX_DB": str(db_path),
+        "KIDX_EMBEDDING__PROVIDER": "openai",
+        "KIDX_EMBEDDING__MODEL": embedder.model_id,
+        "KIDX_EMBEDDING__DIMENSIONS": str(DIMS),
+    }
+    out = run_kidx(["status", "--summary"], env, db_path.parent)
+    assert out.returncode == 0 and "memories 4" in out.stdout, out.stderr
+    assert f"no vector: 1, {model}: 3" in out.stdout, out.stdout
 
     host(
         db_path,

@@ -508,6 +508,7 @@ def _print_overview(o: dict[str, Any]) -> None:
     line("status", o["by_status"])
     line("method", o["by_chunk_method"])
     line("model", o["by_model"])
+    line(f"memories {o['memories']}".ljust(10), o["memories_by_model"])
     for kind, sweep in o["last_sweeps"].items():
         click.echo(f"{'last ' + kind:<10} {sweep.get('at')} (sent {sweep.get('sent', 0)})")
     for b in o["running_batches"]:

@@ -219,7 +219,8 @@ def all_item_ids(db: Database) -> list[int]:
 
 
 def summary(db: Database) -> dict[str, Any]:
-    """Counts per status, chunk method and model; the running batches (for `kidx status`)."""
+    """Counts per status, chunk method and model; the running batches; the memories per model
+    of their vector (for `kidx status`)."""
 
     def counts(sql: str) -> dict[str, int]:
         return {str(k): int(n) for k, n in db.all(sql)}
@@ -241,5 +242,12 @@ def summary(db: Database) -> dict[str, Any]:
         "running_batches": db.dicts(
             "SELECT id, kind, total, ok, failed, skipped, created_at FROM index_batches "
             "WHERE state = 'running' ORDER BY id"
+        ),
+        "memories": int(db.scalar("SELECT count(*) FROM memories") or 0),
+        # `no vector`: a host's new or changed memories, until kidx.embed_memories runs
+        "memories_by_model": counts(
+            "SELECT coalesce(e.model || ' (' || e.dimensions || ')', 'no vector'), count(*) "
+            "FROM memories m LEFT JOIN memory_embeddings e ON e.memory_id = m.id "
+            "GROUP BY 1 ORDER BY 1"
         ),
     }
