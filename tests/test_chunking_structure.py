@@ -173,6 +173,22 @@ def test_a_section_within_the_target_stays_whole(text, target):
 prose = st.lists(sentence, min_size=1, max_size=12).map(" ".join)
 
 
+def test_a_section_of_exactly_the_target_followed_by_a_blank_line_stays_whole():
+    """Measured without the white space at its end, as its chunk is (hypothesis found a
+    section of 800 characters, then a blank line, cut in two at target 800)."""
+    paragraphs = [f"Paragraph {k} says something about ownership and borrowing." for k in range(20)]
+    section = "## Two\n\n" + "\n\n".join(paragraphs)
+    section = section[:799].rstrip() + "."
+    section += "x" * (800 - len(section))
+    assert len(section) == 800
+    text = "# One\n\n" + "Some words. " * 60 + "\n\n" + section + "\n\n## Three\n\n" + "More. " * 90
+    start = text.index("## Two")
+    chunks = chunk_structure(text, target=800)
+    assert any(c.start <= start and start + 800 <= c.end for c in chunks), [
+        (c.start, c.end) for c in chunks
+    ]
+
+
 @FEWER
 @given(st.lists(prose, min_size=20, max_size=50), st.sampled_from([300, 400, 500, 800]))
 def test_long_prose_is_cut_near_the_target(paras, target):

@@ -131,15 +131,21 @@ class _Plan:
 
     def _fitting_sections(self) -> list[tuple[int, int]]:
         """Outermost spans (sections, and the text before the first heading) that fit whole
-        into the target."""
+        into the target: measured as their chunk would be, without the white space at their
+        ends (a section of exactly the target followed by a blank line was cut)."""
         lay, limit = self.layout, self.target
+
+        def size(a: int, c: int) -> int:
+            a, c = self._trim(a, c)
+            return c - a
+
         spans: list[tuple[int, int]] = []
-        if lay.heading_pos and lay.heading_pos[0] - self.first <= limit:
+        if lay.heading_pos and size(self.first, lay.heading_pos[0]) <= limit:
             spans.append((self.first, lay.heading_pos[0]))
         ends = section_ends(lay.heading_pos, lay.heading_level, len(self.text))
         covered = -1
         for pos, end in zip(lay.heading_pos, ends):
-            if pos >= covered and end - pos <= limit:
+            if pos >= covered and size(pos, end) <= limit:
                 spans.append((pos, end))
                 covered = end
         return spans
@@ -307,6 +313,17 @@ class _Plan:
                 p = self._pick_in(lo_, hi_, ideal)
                 if p > a:
                     return p
+        # A heading: a part that ends at one keeps no room for an overlap, so it may reach the
+        # maximum itself (every other position in reach was inside a section that fits, and a
+        # hard cut would go through it).
+        heads = self.layout.heading_pos
+        reach = [
+            h
+            for h in heads[bisect_right(heads, a) : bisect_left(heads, c)]
+            if self._trim(a, h)[1] - a <= self.max_size and not self._inside_fitting(h)
+        ]
+        if reach:
+            return min(reach, key=lambda h: abs(h - ideal))
         # No boundary at all (one enormous word): a hard cut, moved out of a small fence.
         p = min(max(ideal, a + 1), a + limit)
         fences = self.small_fences
