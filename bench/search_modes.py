@@ -29,7 +29,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
-from search import QueryVectors, build, unit_vectors  # noqa: E402  (bench/search.py)
+from search import QueryVectors, build  # noqa: E402  (bench/search.py)
 
 from worker.log import configure_logging  # noqa: E402
 from worker.retrieval import search_chunks  # noqa: E402
@@ -39,6 +39,13 @@ from worker.store.fts import sync_fts  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "corpus"
 MODES = ("vector", "keyword", "hybrid")
+
+
+def unit_vectors(rng: np.random.Generator, n: int, dims: int) -> np.ndarray:
+    """Uniform random unit vectors: the modes' cost does not depend on where vectors lie."""
+    m = rng.standard_normal((n, dims), dtype=np.float32)
+    m /= np.linalg.norm(m, axis=1, keepdims=True)
+    return m
 
 
 def paragraphs() -> list[str]:
