@@ -116,8 +116,9 @@ def index_items(
                     works.remove(w)
                     indexed.append((w, result))
                     done(w.item.id, result)
+                written_together = {id(w) for w, _ in together}
                 for w in ready:
-                    if any(w is x for x, _ in together):
+                    if id(w) in written_together:
                         continue
                     works.remove(w)
                     writing = False

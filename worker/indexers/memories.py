@@ -108,14 +108,20 @@ def add_memory(db: Database, text: str, embedder: EmbeddingModel) -> int:
             f"a memory is a short text (at most {MAX_MEMORY} characters, this one has "
             f"{len(text)}); add it as a note instead"
         )
-    options = IndexOptions()
-    planned = MEMORIES.plan(db, Item(0, "memory", "", None, text, None), text, "", options, log)
-    planned.plan.vectors[0] = to_blob(embedder.embed_checked([planned.plan.input_of(0)])[0])
+    vector = embedder.embed_checked([text])[0]  # the memory's embedder input is its text
     with db.atomic():
         memory_id = int(db.scalar("INSERT INTO memories(content) VALUES (?) RETURNING id", (text,)))
-        memory = Item(memory_id, "memory", "", None, text, None)
-        MEMORIES.write(db, memory, planned, embedder.model_id, options, log, orphans=False)
+        _write_vector(db, memory_id, text, vector, embedder.model_id)
     return memory_id
+
+
+def _write_vector(db: Database, memory_id: int, text: str, vector: Any, model: str) -> None:
+    """A memory's vector and its mirror, through the indexer, in the caller's transaction."""
+    memory = Item(memory_id, "memory", "", None, text, None)
+    options = IndexOptions()
+    planned = MEMORIES.plan(db, memory, text, "", options, log)
+    planned.plan.vectors[0] = to_blob(vector)
+    MEMORIES.write(db, memory, planned, model, options, log, orphans=False)
 
 
 def search_memories(
@@ -163,7 +169,6 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
     report = MemoryBackfill()
     params = {"model": embedder.model_id, "dims": db.dimensions, "limit": limit}
     rows = db.all(f"{_MISSING} ORDER BY m.id LIMIT :limit", params)
-    options = IndexOptions()
     for start in range(0, len(rows), embedder.batch_size):
         batch = [
             (memory_id, raw, shown(raw))
@@ -181,10 +186,7 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
                 )
                 if now != raw:
                     continue  # changed or deleted meanwhile
-                memory = Item(memory_id, "memory", "", None, text, None)
-                planned = MEMORIES.plan(db, memory, text, "", options, log)
-                planned.plan.vectors[0] = to_blob(vector)
-                MEMORIES.write(db, memory, planned, embedder.model_id, options, log, orphans=False)
+                _write_vector(db, memory_id, text, vector, embedder.model_id)
                 report.embedded += 1
     report.left = memories_missing(db, embedder.model_id)
     if report.embedded or report.error:
