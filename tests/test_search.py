@@ -426,6 +426,24 @@ def test_a_filter_matching_k_far_chunks_returns_k_hits(db, monkeypatch, tmp_path
         Filters(item_ids=("1; DROP TABLE x",))  # type: ignore[arg-type]
 
 
+def test_widening_grows_fourfold_up_to_the_limit_and_stops_when_told():
+    asked: list[int] = []
+
+    def enough_at(n: int, more: bool = True) -> Any:
+        def attempt(fetch: int) -> tuple[int, bool]:
+            asked.append(fetch)
+            return fetch, fetch >= n or not more
+
+        return attempt
+
+    assert nearest.widening(32, 4096, enough_at(500)) == 512 and asked == [32, 128, 512]
+    asked.clear()  # the limit itself is tried once, then it is given up
+    assert nearest.widening(32, 1000, enough_at(5000)) is None and asked == [32, 128, 512, 1000]
+    asked.clear()  # a source with no more rows answers at the first try
+    assert nearest.widening(32, 4096, enough_at(5000, more=False)) == 32 and asked == [32]
+    assert nearest.widening(5000, 4096, lambda f: None) is None  # an attempt that gives up
+
+
 # -- the fallback and the shape --------------------------------------------------------------
 
 

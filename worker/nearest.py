@@ -5,9 +5,9 @@ each on their own (note search, with its one-hit-per-item merge, is `worker.retr
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -38,6 +38,29 @@ LIVE = {
 }
 KNN_MAX = 4096  # sqlite-vec 0.1's limit on k
 
+T = TypeVar("T")
+
+
+def widening(first: int, limit: int, attempt: Callable[[int], tuple[T, bool] | None]) -> T | None:
+    """`attempt(fetch)` with four times as many rows each time, from `first` up to `limit`,
+    until it says it has enough (or that the source has no more): what it found then. None
+    when `limit` rows were not enough, or when `attempt` gives up (None).
+
+    A nearest-neighbour query fetches a few more rows than it needs, since some may not pass
+    (a dead item's, another model's, a filter's): usually once; when many fail, growing
+    fourfold keeps the number of queries logarithmic."""
+    fetch = min(first, limit)
+    while True:
+        answer = attempt(fetch)
+        if answer is None:
+            return None
+        found, enough = answer
+        if enough:
+            return found
+        if fetch >= limit:
+            return None
+        fetch = min(fetch * 4, limit)
+
 
 def nearest(
     db: Database, table: VecTable, vector: np.ndarray, k: int, model: str
@@ -47,21 +70,23 @@ def nearest(
     q = np.asarray(vector, dtype="<f4")
     live = LIVE.get(table.name, "")
     reason = unavailable(db, table, len(q))
-    fetch = min(max(2 * k, 32), KNN_MAX)
-    while reason is None:
-        rows = db.all(
-            f"SELECT v.{table.key}, v.distance, r.{table.source_key} IS NOT NULL FROM "
-            f"(SELECT {table.key}, distance FROM {table.name} WHERE embedding MATCH ? AND "
-            f"k = ?) v LEFT JOIN ({table.source} r {live}) ON r.{table.source_key} = "
-            f"v.{table.key} AND r.model = ? ORDER BY v.distance",
-            (q.tobytes(), fetch, model),
-        )
-        found = [(int(key), float(d)) for key, d, ok in rows if ok]
-        if len(found) >= k or len(rows) < fetch:
-            return found[:k], "vec", None
-        if fetch == KNN_MAX:
-            reason = f"the nearest {k} need more than {KNN_MAX} rows of {table.name}"
-        fetch = min(fetch * 4, KNN_MAX)
+    if reason is None:
+
+        def attempt(fetch: int) -> tuple[list[tuple[int, float]], bool]:
+            rows = db.all(
+                f"SELECT v.{table.key}, v.distance, r.{table.source_key} IS NOT NULL FROM "
+                f"(SELECT {table.key}, distance FROM {table.name} WHERE embedding MATCH ? AND "
+                f"k = ?) v LEFT JOIN ({table.source} r {live}) ON r.{table.source_key} = "
+                f"v.{table.key} AND r.model = ? ORDER BY v.distance",
+                (q.tobytes(), fetch, model),
+            )
+            found = [(int(key), float(d)) for key, d, ok in rows if ok]
+            return found[:k], len(found) >= k or len(rows) < fetch
+
+        found = widening(max(2 * k, 32), KNN_MAX, attempt)
+        if found is not None:
+            return found, "vec", None
+        reason = f"the nearest {k} need more than {KNN_MAX} rows of {table.name}"
     found = exact_nearest(
         db,
         f"SELECT r.{table.source_key}, r.vector FROM {table.source} r {live} "

@@ -30,7 +30,7 @@ import numpy as np
 
 from worker.errors import InvalidInput
 from worker.hamming import nearest_bits
-from worker.nearest import KNN_MAX, distances, exact_nearest, unavailable
+from worker.nearest import KNN_MAX, distances, exact_nearest, unavailable, widening
 from worker.providers.base import EmbeddingModel
 from worker.settings import SearchSettings
 from worker.store.db import Database
@@ -301,8 +301,8 @@ def _two_pass(
     this model, the filter) or the table has no more. None past TWO_PASS_MAX candidates."""
     blob = np.asarray(vector, dtype="<f4").tobytes()
     query_bits = bytes(db.scalar("SELECT vec_quantize_binary(?)", (blob,)))
-    fetch = max(n * oversample, 32)
-    while True:
+
+    def attempt(fetch: int) -> tuple[list[tuple[int, float]], bool] | None:
         candidates = nearest_bits(db, "vec_chunk_bits", query_bits, fetch)
         if candidates is None:  # not the storage layout worker.hamming knows: vec0's KNN
             if fetch > KNN_MAX:
@@ -315,11 +315,9 @@ def _two_pass(
                 )
             ]
         found = _best(_rescore(db, vector, candidates, model, filters), n)
-        if len(found) >= n or len(candidates) < fetch:
-            return found
-        if fetch >= TWO_PASS_MAX:
-            return None
-        fetch = min(fetch * 4, TWO_PASS_MAX)
+        return found, len(found) >= n or len(candidates) < fetch
+
+    return widening(max(n * oversample, 32), TWO_PASS_MAX, attempt)
 
 
 def _rescore(
@@ -366,8 +364,8 @@ def _knn(
     or the table has no more; None past sqlite-vec's k limit (the caller scans exactly)."""
     blob = np.asarray(vector, dtype="<f4").tobytes()
     where, params = filters.where()
-    fetch = min(max(n + n // 8, 32), KNN_MAX)  # a few more: some rows may not pass
-    while True:
+
+    def attempt(fetch: int) -> tuple[list[tuple[int, float]], bool]:
         rows = db.all(
             f"SELECT v.chunk_id, v.distance, (i.id IS NOT NULL AND r.model = ?{where}) "
             "FROM (SELECT chunk_id, distance FROM vec_chunk_embeddings WHERE embedding MATCH ? "
@@ -377,11 +375,9 @@ def _knn(
             (model, *params, blob, fetch),
         )
         found = _best([(c, d) for c, d, ok in rows if ok], n)
-        if len(found) >= n or len(rows) < fetch:
-            return found
-        if fetch == KNN_MAX:
-            return None
-        fetch = min(fetch * 4, KNN_MAX)
+        return found, len(found) >= n or len(rows) < fetch
+
+    return widening(max(n + n // 8, 32), KNN_MAX, attempt)  # a few more: some may not pass
 
 
 def _exact(
