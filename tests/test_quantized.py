@@ -11,14 +11,22 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import DIMS, FakeEmbedder, corpus_text, integrity, mirror_problems, standin_settings
 from host import host
 from worker.bulk import index_item
+from worker.errors import PermanentProviderError
+from worker.indexers import IndexOptions
 from worker.reconcile import reconcile
+from worker.retrieval import search_chunks
+from worker.settings import FilesSettings
+from worker.sources import Reader
 from worker.store import connect, vec_table_dimensions
-from worker.store.items import add_item, update_content
+from worker.store.items import add_item, list_chunks, update_content
+from worker.store.removal import delete_items
+from worker.store.vec import vec_behind
 
 CHAPTERS = ("ch04-01-what-is-ownership.md", "ch10-02-traits.md", "ch15-01-box.md")
 TESTS = Path(__file__).parent
@@ -160,3 +168,112 @@ def test_a_writer_killed_mid_write_leaves_floats_and_bits_equal(tmp_path, standi
         assert db.scalar("SELECT count(*) FROM vec_chunk_bits") > 0
         assert mirror_problems(db) == [] and integrity(db) == "ok"
         db.close()
+
+
+# -- vectors under keys taken again, and vectors written without the mirror ------------------
+
+
+class Refusing(FakeEmbedder):
+    """Refuses any batch holding `word` (a refusal of one input: each text is tried alone)."""
+
+    def __init__(self, word: str) -> None:
+        super().__init__()
+        self.word = word
+
+    def embed_batch(self, texts: list[str]) -> np.ndarray:
+        if any(self.word in t for t in texts):
+            self.calls.append(list(texts))
+            raise PermanentProviderError("refused input", per_input=True)
+        return super().embed_batch(texts)
+
+
+def sections(word: str, n: int = 3) -> str:
+    para = f"A paragraph about {word} that is long enough to stand as a chunk of its own. " * 12
+    return "\n\n".join(f"## {word} {k}\n\n{para}" for k in range(n))
+
+
+def code_file(word: str, n: int = 3) -> str:
+    body = "".join(f"    {word}_{j} = {j}  # {word} step {j}\n" for j in range(12))
+    return "\n\n".join(f"def {word}_{k}():\n{body}    return {k}\n" for k in range(n))
+
+
+@pytest.mark.parametrize("kind", ["note", "code"])
+def test_a_chunk_whose_embedding_failed_never_inherits_a_vector_left_under_its_id(
+    tmp_path, standin, fake, kind
+):
+    """A host deletes the newest chunk by hand (foreign keys off: its vector stays); the next
+    new chunk takes its id, and its embedding is refused: it must have no vector, not that one."""
+    path = tmp_path / "k.db"
+    db = connect(path, embedding=standin_settings(standin))
+    chunks, vectors = (
+        ("note_chunks", "note_chunk_embeddings")
+        if kind == "note"
+        else ("code_chunks", "code_chunk_embeddings")
+    )
+    options = IndexOptions(reader=Reader(FilesSettings(roots=[tmp_path])))
+
+    def add(name: str, text: str) -> int:
+        if kind == "note":
+            return add_item(db, kind="note", title=name, content=text)
+        (tmp_path / f"{name}.py").write_text(text)
+        source = str(tmp_path / f"{name}.py")
+        return add_item(db, kind="code", title=f"{name}.py", content="", source=source)
+
+    make = sections if kind == "note" else code_file
+    a = add("a", make("alpha"))
+    assert index_item(db, a, embedder=fake, options=options).status == "indexed"
+    top = db.scalar(f"SELECT max(id) FROM {chunks}")
+    host(path, (f"DELETE FROM {chunks} WHERE id = ?", [top]))
+    assert db.scalar(f"SELECT count(*) FROM {vectors} WHERE chunk_id = ?", (top,)) == 1
+    b = add("b", make("POISON", 1) + "\n\n" + make("bravo"))
+    result = index_item(db, b, embedder=Refusing("POISON"), options=options)
+    assert result.status == "partial"
+    first = db.scalar(f"SELECT id FROM {chunks} WHERE item_id = ? ORDER BY chunk_index", (b,))
+    assert first == top  # the id was taken again, by the chunk whose embedding was refused
+    assert db.scalar(f"SELECT count(*) FROM {vectors} WHERE chunk_id = ?", (top,)) == 0
+    if kind == "note":  # (the chunk list of code items: next)
+        assert list_chunks(db, b)[0]["has_embedding"] is False
+    assert mirror_problems(db) == []
+    fake.calls.clear()  # the next run embeds it: nothing of another chunk is reused for it
+    result = index_item(db, b, embedder=fake, options=options)
+    assert result.status == "indexed"
+    assert any("POISON" in t for call in fake.calls for t in call)
+    assert mirror_problems(db) == [] and integrity(db) == "ok"
+    db.close()
+
+
+@pytest.mark.parametrize("mended_by", ["connect", "sweep"])
+def test_vectors_written_without_the_mirror_are_rebuilt_when_it_is_back(
+    tmp_path, standin, fake, mended_by
+):
+    """A process without sqlite-vec deletes an item and indexes others: new chunks take the
+    deleted ones' ids, a note's whole-item vector changes under the same key. No comparison
+    of keys sees the old vec rows; the database is marked and its vec tables rebuilt."""
+    path = tmp_path / "off.db"
+    settings = standin_settings(standin)
+    db = connect(path, embedding=settings)
+    a = add_item(db, kind="note", title="A", content=sections("alpha"))
+    short = add_item(db, kind="note", title="S", content="A short note about alpha.")
+    for item in (a, short):
+        index_item(db, item, embedder=fake)
+    assert mirror_problems(db) == [] and not vec_behind(db)
+    live = connect(path, embedding=settings)  # a worker that keeps running meanwhile
+    off = connect(path, embedding=settings, vec=False)
+    delete_items(off, [a])
+    b = add_item(off, kind="note", title="B", content=sections("bravo"))
+    index_item(off, b, embedder=fake)
+    update_content(off, short, "A short note about bravo now.")
+    index_item(off, short, embedder=fake)
+    assert vec_behind(off)
+    off.close()
+    assert any("unlike their vectors" in p for p in mirror_problems(live))
+    if mended_by == "connect":
+        live.close()
+        live = connect(path, embedding=settings)
+    else:
+        reconcile(live, model=fake.model_id, max_items=100, locked=lambda ids: set())
+    assert mirror_problems(live) == [] and not vec_behind(live)
+    hits = search_chunks(live, sections("alpha").split("\n\n")[1], fake, k=1, mode="vector").hits
+    assert hits and hits[0].item_id != a and hits[0].score < 0.99
+    live.close()
+    db.close()

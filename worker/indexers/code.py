@@ -17,7 +17,7 @@ from worker.store.db import Database
 from worker.store.fts import CODE, fts_write_item, keyword_query
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
-from worker.store.vec import VEC, vec_delete, vec_ready, vec_replace
+from worker.store.vec import VEC, mirror_ready, vec_delete, vec_replace
 
 SNIPPET = 160
 # Candidates each side of a code search gives the fusion (as deep as prose search goes).
@@ -66,7 +66,7 @@ class Code(Indexer):
     ) -> tuple[int, int]:
         """Replace the item's code chunks, in the caller's transaction."""
         plan, dims = planned.plan, db.dimensions
-        mirror = vec_ready(db, dims)
+        mirror = mirror_ready(db, dims)
         old = [r[0] for r in db.all("SELECT id FROM code_chunks WHERE item_id = ?", (item.id,))]
         if mirror:
             vec_delete(db, "vec_work_code_chunks", old)
@@ -78,7 +78,10 @@ class Code(Indexer):
                 (item.id, c.index, item.title, c.start_line, c.end_line, c.content, plan.hashes[i]),
             )
             vector = plan.vectors.get(i)
-            if vector is None:
+            if vector is None:  # no vector left under its id (a chunk deleted by hand) is its
+                db.execute("DELETE FROM code_chunk_embeddings WHERE chunk_id = ?", (chunk_id,))
+                if mirror:
+                    vec_delete(db, "vec_work_code_chunks", [chunk_id])
                 continue
             db.execute(_UPSERT_VECTOR, (chunk_id, model, dims, vector))
             if mirror:

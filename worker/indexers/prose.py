@@ -20,7 +20,7 @@ from worker.store.db import Database
 from worker.store.fts import NOTES, fts_write, fts_write_item
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
-from worker.store.vec import vec_delete, vec_insert, vec_ready, vec_replace
+from worker.store.vec import mirror_ready, vec_delete, vec_insert, vec_replace
 
 
 class Prose(Indexer):
@@ -132,7 +132,7 @@ def write_notes(
     `orphans=False`: the caller looks for orphan vec rows itself (repair_vectors)."""
     counter = FailureCounter(limit, ilog)
     vec_failed = 0
-    mirror = vec_ready(db, dims)
+    mirror = mirror_ready(db, dims)
     current = {
         cid: h
         for cid, h in db.all("SELECT id, embed_hash FROM note_chunks WHERE item_id = ?", (item_id,))
@@ -161,6 +161,16 @@ def write_notes(
     db.executemany(INSERT_CHUNK, [(ids[i], *_chunk_row(plan, i), item_id) for i in new])
     vectors = [(ids[i], plan.vectors[i]) for i in new if plan.vectors.get(i) is not None]
     db.executemany(INSERT_VECTOR, [(chunk_id, model, dims, vector) for chunk_id, vector in vectors])
+    # A new chunk whose embedding failed must not inherit a vector left under its id (a chunk
+    # a host deleted by hand, foreign keys off): it would count as embedded, and the next run
+    # would reuse it for good.
+    if bare := [ids[i] for i in new if plan.vectors.get(i) is None]:
+        db.execute(
+            f"DELETE FROM note_chunk_embeddings WHERE chunk_id IN ({','.join('?' * len(bare))})",
+            bare,
+        )
+        if mirror:
+            vec_delete(db, "vec_chunk_embeddings", bare)
     if mirror and vectors:
         vec_failed = _mirror_chunks(db, vectors, plan, ids, counter)
     _write_whole_item(db, item_id, plan, model, dims, mirror)
@@ -216,7 +226,7 @@ def write_new_notes(db: Database, items: Sequence[tuple[int, Plan]], model: str)
         "INSERT INTO note_embeddings(item_id, model, dimensions, vector) VALUES (?, ?, ?, ?)",
         [(item_id, model, dims, v) for item_id, v in wholes],
     )
-    if vec_ready(db, dims):  # stray vec rows under the new ids (a host's leftovers) go first
+    if mirror_ready(db, dims):  # stray vec rows under the new ids (a host's leftovers) go first
         for table, rows in (("vec_chunk_embeddings", vectors), ("vec_note_embeddings", wholes)):
             vec_delete(db, table, [key for key, _ in rows])
             vec_insert(db, table, rows)

@@ -1,6 +1,8 @@
 """Mend the mirror from the truth, with no provider call: vec rows missing for relational vectors
 are re-inserted (an interrupted run, vectors written while sqlite-vec was off), and vec rows
-without a relational vector of the index's dimension (orphans) are deleted."""
+without a relational vector of the index's dimension (orphans) are deleted. A database marked
+`vec_behind` (worker.store.vec) has its vec tables rebuilt by the full repair: a stale vector
+under a live key is found by no comparison of keys."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from worker.store.db import Database
-from worker.store.vec import VEC_TABLES, VecTable, vec_ready
+from worker.store.vec import VEC_TABLES, VecTable, sync_vec_tables, vec_behind, vec_ready
 
 # Relational vectors of one item, per vec table that holds item vectors.
 _ITEM_VECTORS = {
@@ -37,10 +39,11 @@ _CHUNK_TABLES = ("vec_chunk_embeddings", "vec_chunk_bits")
 class RepairReport:
     restored: dict[str, int] = field(default_factory=dict)
     orphans_deleted: dict[str, int] = field(default_factory=dict)
+    rebuilt: bool = False  # every vec table, from the relational vectors (`vec_behind`)
 
     @property
     def total(self) -> int:
-        return sum(self.restored.values()) + sum(self.orphans_deleted.values())
+        return sum(self.restored.values()) + sum(self.orphans_deleted.values()) + self.rebuilt
 
 
 def _restore(
@@ -107,6 +110,8 @@ def repair_vectors(
     in full. Runs inside the caller's transaction when there is one.
     """
     report = RepairReport()
+    if item_id is None and db.vec_loaded and vec_behind(db) and sync_vec_tables(db, dimensions):
+        report.rebuilt = True
     if not vec_ready(db, dimensions):
         return report
     with db.atomic():

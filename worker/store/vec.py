@@ -10,6 +10,13 @@ winning, and the new model's vectors would have nowhere to go.
     3. `KIDX_EMBEDDING__DIMENSIONS` (default 1536)
 
 vec0 has no REPLACE and no UPSERT: a changed vector is always a DELETE then an INSERT.
+
+Vectors written while the mirror cannot be (sqlite-vec off or failing to load, a table missing
+or of another dimension) leave the database marked `vec_behind` in `index_meta`: a new vector
+under a key the vec table already holds (a chunk id taken again after a delete, an item's or a
+memory's new whole vector) would leave the old one there, under the right key, where no
+comparison of keys finds it. The next connection that loads sqlite-vec, or the next full repair
+(the reconcile sweep), rebuilds every vec table from the relational vectors then.
 """
 
 from __future__ import annotations
@@ -109,8 +116,26 @@ def vec_table_dimensions(db: Database) -> dict[str, int | None]:
     return result
 
 
+VEC_BEHIND = "vec_behind"
+
+
+def vec_behind(db: Database) -> bool:
+    """Whether vectors were written while the mirror could not be (the module doc)."""
+    return db.scalar("SELECT value FROM index_meta WHERE key = ?", (VEC_BEHIND,)) is not None
+
+
+def mirror_ready(db: Database, dimensions: int) -> bool:
+    """`vec_ready`, for a writer of vectors: when the mirror cannot be written now, the
+    database is marked `vec_behind`, for a later rebuild."""
+    ready = vec_ready(db, dimensions)
+    if not ready:
+        set_meta(db, VEC_BEHIND, "1")
+    return ready
+
+
 def sync_vec_tables(db: Database, dimensions: int) -> bool:
-    """Make the vec tables exist with `dimensions`; rebuild those that differ.
+    """Make the vec tables exist with `dimensions`; rebuild those that differ, or all of them
+    when the database is marked `vec_behind`.
 
     Returns True when a rebuild happened. A rebuild drops and re-creates each table of another
     dimension (or missing: a database from before the quantized mirrors gets only those), re-fills
@@ -120,11 +145,12 @@ def sync_vec_tables(db: Database, dimensions: int) -> bool:
     """
     if not db.vec_loaded:
         return False
-    if all(d == dimensions for d in vec_table_dimensions(db).values()):
+    if not vec_behind(db) and all(d == dimensions for d in vec_table_dimensions(db).values()):
         return False
     with db.atomic():
         before = vec_table_dimensions(db)  # again, under the write lock
-        wrong = [t for t in VEC_TABLES if before[t.name] != dimensions]
+        behind = vec_behind(db)
+        wrong = [t for t in VEC_TABLES if behind or before[t.name] != dimensions]
         if not wrong:
             return False
         refilled = {}
@@ -150,6 +176,7 @@ def sync_vec_tables(db: Database, dimensions: int) -> bool:
             {"d": dimensions},
         ).fetchall()
         set_meta(db, "vec_dimensions", str(dimensions))
+        db.execute("DELETE FROM index_meta WHERE key = ?", (VEC_BEHIND,))
         sync_fts(db)  # rebuilt with the vec tables: a switch mends the keyword index too
     old = sorted({d for d in before.values() if d})
     (log.warning if old else log.info)(
@@ -158,6 +185,7 @@ def sync_vec_tables(db: Database, dimensions: int) -> bool:
         dimensions=dimensions,
         refilled=refilled,
         items_pending=len(pending),
+        **({"reason": "vectors were written while the mirror could not be"} if behind else {}),
     )
     return True
 
