@@ -15,6 +15,7 @@ the shape of its result (`SingleRun`, `GroupRun`).
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from typing import Any
@@ -35,6 +36,7 @@ from worker.errors import Cancelled, IndexAborted, KidxError, WrongTaskKind
 from worker.indexers import IndexOptions
 from worker.log import KI_EMBED, get_logger
 from worker.pipeline import IndexResult
+from worker.settings import TaskSettings
 from worker.store.items import Status, get_item, get_state, mark_not_run, set_state
 from worker.store.jobs import (
     BatchState,
@@ -389,11 +391,25 @@ def bad_arguments(
     return None
 
 
+def longest_countdown(t: TaskSettings) -> float:
+    """The longest retry countdown the broker holds without running the task twice: a Redis
+    broker hands a task out again when it is not acknowledged within the visibility timeout,
+    and a task waiting for its countdown is delivered (unacknowledged) from the start, so its
+    wait and its run (up to the hard time limit) must both fit in the timeout."""
+    return float(t.visibility_timeout - t.time_limit)
+
+
 def backoff(rt: Runtime, attempt: int, retry_after: float | None) -> float:
-    """Seconds before a retry: exponential with jitter, never before the server's Retry-After."""
+    """Seconds before a retry: exponential with jitter, not before the server's Retry-After,
+    and never past `longest_countdown` (a server asking for a day, or for 1e12 s, which no
+    countdown can hold, is retried then; asked again, it is retried again, until the task's
+    retries run out and the retry sweep takes the item). A wait that is no number (NaN) or
+    negative counts as none."""
     t = rt.settings.tasks
-    delay = min(t.retry_backoff_max, t.retry_backoff * 2**attempt) * random.uniform(0.5, 1.5)
-    return max(delay, retry_after or 0.0)
+    exponent = min(max(attempt, 0), 64)  # a float, not an overflow, whatever the retries
+    delay = min(t.retry_backoff_max, t.retry_backoff * 2.0**exponent) * random.uniform(0.5, 1.5)
+    asked = 0.0 if retry_after is None or math.isnan(retry_after) else retry_after
+    return min(longest_countdown(t), max(delay, asked, 0.0))
 
 
 def changed(rt: Runtime, item_id: int) -> bool:

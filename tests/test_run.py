@@ -5,11 +5,13 @@ tests/test_groups.py and the fault suite."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,12 +26,13 @@ from tasks.cancel import TERMINATED, RunScope, mark_revoked, reset
 from tasks.group import GroupRun
 from tasks.index import SingleRun
 from tasks.lock import LockSet, rerun_key
-from tasks.run import IndexFailed
+from tasks.run import IndexFailed, backoff, longest_countdown
 from tasks.runtime import Runtime
 from tasks.streak import BatchStreak, streak_key
 from worker.app import create_app
 from worker.errors import TransientProviderError
 from worker.log import Redact
+from worker.providers.http import RetryLater
 from worker.settings import load_settings
 from worker.sources import Reader
 from worker.store.db import Database
@@ -253,6 +256,52 @@ def test_a_provider_that_may_recover_retries_the_single_run_and_sends_a_group_it
     result = run.execute()
     (only,) = result["results"]
     assert only["status"] == "retry" and only["next"]  # a task of its own, sent with a delay
+    assert job_states(rt, run) == {two: "retry"}
+
+
+def test_backoff_honours_retry_after_only_up_to_what_the_broker_holds() -> None:
+    """A countdown past the visibility timeout (less the run's time limit) would have Redis run
+    the task twice; 1e12 s overflows Celery's ETA. NaN or a negative wait is no wait."""
+    settings = load_settings(tasks={"visibility_timeout": 3600, "time_limit": 660})
+    rt = SimpleNamespace(settings=settings)
+    cap = longest_countdown(settings.tasks)
+    assert cap == 3600 - 660
+    assert backoff(rt, 0, 1000.0) == 1000.0  # a wait the broker holds is honoured
+    for asked in (86_400.0, 1e12, math.inf):
+        assert backoff(rt, 0, asked) == cap
+    first = settings.tasks.retry_backoff
+    for asked in (math.nan, -5.0, None):
+        assert first * 0.5 <= backoff(rt, 0, asked) <= first * 1.5
+    settings.tasks.retry_backoff_max = 1e9  # the exponential part is capped too
+    assert backoff(rt, 5000, None) == cap
+    for countdown in (backoff(rt, 0, 1e12), backoff(rt, 5000, math.inf)):
+        datetime.now(UTC) + timedelta(seconds=countdown)  # what Celery makes of it: no overflow
+
+
+class AskedToWait(FakeEmbedder):
+    """A provider answering 429 with a Retry-After far beyond any countdown."""
+
+    def embed_batch(self, texts: list[str]) -> Any:
+        self.calls.append(list(texts))
+        raise RetryLater("HTTP 429: slow down", retry_after=1e12)
+
+
+def test_a_huge_retry_after_is_retried_within_the_broker_s_hold_not_an_overflow(rt) -> None:
+    """Retry-After: 1e12 made Celery's retry raise OverflowError after the job row said
+    `retry` (a single run), and failed a group's item with it (its retry could not be sent)."""
+    rt.embedder = AskedToWait()
+    cap = longest_countdown(rt.settings.tasks)
+    (one,) = notes(rt.db, 1, "one")
+    run, task = single(rt, one)
+    with pytest.raises(Retried, match="slow down"):
+        run.execute()
+    (countdown,) = task.retried
+    assert countdown == cap and job_states(rt, run) == {one: "retry"}
+    rt.app.amqp.as_task_v2(str(uuid.uuid4()), NOTE, args=(one,), countdown=countdown)
+    (two,) = notes(rt.db, 1, "two")
+    run, _ = group(rt, [two])
+    (only,) = run.execute()["results"]
+    assert only["status"] == "retry" and only["next"], only  # its retry was sent
     assert job_states(rt, run) == {two: "retry"}
 
 
