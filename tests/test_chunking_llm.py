@@ -4,7 +4,7 @@ the chat API over real HTTP (scripted answers, faults), and the structural fallb
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import structlog
@@ -16,6 +16,7 @@ from worker.chunking.llm import SUMMARY_MAX, units_of, windows_of
 from worker.indexers import IndexOptions
 from worker.providers.chat import ChatModel
 from worker.settings import ChunkSettings
+from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.items import add_item, get_state, update_content
 
 CHAPTER = "ch04-01-what-is-ownership.md"  # 25 KB: several windows
@@ -261,3 +262,59 @@ def test_units_cover_the_text_and_keep_fences_whole():
     assert json.dumps([w.key for w in windows]) == json.dumps(
         [w.key for w in windows_of(text, 6000)]
     )
+
+
+# A cached row of chunk_boundaries as a host or an older version may have left it, for a window
+# of n units: each must be a cache miss (asked again, then structure), never a failed item.
+JUNK_ROWS: dict[str, Callable[[int], str | bytes]] = {
+    "out of range": lambda n: f"[[1, {n + 50}, null]]",
+    "not JSON": lambda n: "chunks 1-3, then 4-9",
+    "nested too deep": lambda n: "[" * 100_000,
+    "not UTF-8": lambda n: b'[[1, 2, "\xff"]]',
+    "not a list": lambda n: json.dumps({"chunks": [[1, n, None]]}),
+    "objects": lambda n: json.dumps([{"start": 1, "end": n, "summary": "s"}]),
+    "a string end": lambda n: json.dumps([[1, str(n), None]]),
+    "a bool start": lambda n: json.dumps([[True, n, None]]),
+    "a number summary": lambda n: json.dumps([[1, n, 5]]),
+    "decreasing": lambda n: json.dumps([[2, n, "b"], [1, 1, "a"]]),
+    "a gap": lambda n: json.dumps([[1, 1, "a"], [3, n, "b"]]),
+    "huge list": lambda n: json.dumps([[i, i, None] for i in range(1, 100_001)]),
+}
+
+
+@pytest.mark.parametrize("case", list(JUNK_ROWS))
+def test_a_junk_cached_boundary_row_is_a_miss_not_a_failed_item(db, embedder, chat, standin, case):
+    text = corpus_text("ch04-03-slices.md")
+    windows = windows_of(text, 6000)
+    first = windows[0]
+    assert len(first.units) >= 3
+    junk = JUNK_ROWS[case](len(first.units))
+    db.execute(  # as TEXT, as a host writes it (bytes that are not UTF-8 included)
+        "INSERT INTO chunk_boundaries(model, window_hash, boundaries) "
+        "VALUES (?, ?, CAST(? AS TEXT))",
+        (chat.model_id, first.key, junk),
+    )
+    item = add_item(db, kind="note", title="Slices", content=text)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    assert result.status == "indexed" and result.chunk_method == "llm" and result.fallback is None
+    assert standin.chat.requests == len(windows)  # the junk window was asked again
+    assert_exact_and_covering(text, rows(db, item))
+    fresh = SqliteBoundaryCache(db).get(chat.model_id, first.key)  # the answer replaced it
+    assert fresh is not None and fresh[0][0] == 1 and fresh[-1][1] == len(first.units)
+
+
+def test_a_junk_cached_row_and_a_failing_chunk_model_fall_back_to_structure(
+    db, embedder, chat, standin
+):
+    text = corpus_text("ch04-03-slices.md")
+    key = windows_of(text, 6000)[0].key
+    db.execute(
+        "INSERT INTO chunk_boundaries(model, window_hash, boundaries) VALUES (?, ?, ?)",
+        (chat.model_id, key, "[[1, 99999, null]]"),
+    )
+    standin.chat.script = [ChatReply(status=500, content="upstream exploded")] * 2
+    item = add_item(db, kind="note", title="Slices", content=text)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    assert result.status == "indexed" and result.chunk_method == "structure"
+    assert "HTTP 500" in result.fallback
+    assert_exact_and_covering(text, rows(db, item))

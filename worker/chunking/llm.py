@@ -14,7 +14,8 @@ index. Here:
   a refusal, a timeout or an HTTP error, `ChunkingFailed` says why and the caller falls back to
   structural chunking.
 * Answers are cached by (model, hash of the window's units): unchanged text never calls the model
-  again, and its chunks do not reshuffle.
+  again, and its chunks do not reshuffle. A cached answer is validated as a fresh one is: a
+  row that does not fit (junk a host or an older version wrote) is a miss, not an error.
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def chunk_llm(text: str, llm: LLMChunker) -> list[Chunk]:
 
 def _window_chunks(text: str, window: Window, llm: LLMChunker) -> list[tuple[int, int, str | None]]:
     model_id = llm.model.model_id
-    cached = llm.cache.get(model_id, window.key) if llm.cache is not None else None
+    cached = _cached(text, window, llm)
     if cached is not None:
         return cached
     reason = ""
@@ -263,6 +264,22 @@ def _window_chunks(text: str, window: Window, llm: LLMChunker) -> list[tuple[int
             llm.cache.put(model_id, window.key, chunks)
         return chunks
     raise ChunkingFailed(reason)  # pragma: no cover - the loop returns or raises
+
+
+def _cached(text: str, window: Window, llm: LLMChunker) -> list[tuple[int, int, str | None]] | None:
+    """The window's cached boundaries, checked as a fresh answer is (`validate`): a row that an
+    older version or a host wrote may be anything, and one that does not fit this window is a
+    miss (the model is asked again, then structure), never an exception out of chunking."""
+    if llm.cache is None:
+        return None
+    value = llm.cache.get(llm.model.model_id, window.key)
+    if value is None:
+        return None
+    try:
+        answer = {"chunks": [{"start": s, "end": e, "summary": summary} for s, e, summary in value]}
+        return validate(answer, text, window)
+    except (BadAnswer, TypeError, ValueError):  # out of range, unordered, not (s, e, summary)
+        return None
 
 
 def _merge_small(
