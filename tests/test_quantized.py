@@ -14,7 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import DIMS, FakeEmbedder, corpus_text, integrity, mirror_problems, standin_settings
+from conftest import (
+    DIMS,
+    FakeEmbedder,
+    corpus_text,
+    integrity,
+    keyword_rows_problems,
+    mirror_problems,
+    standin_settings,
+)
 from host import host
 from worker.bulk import index_item
 from worker.errors import PermanentProviderError
@@ -25,7 +33,7 @@ from worker.settings import FilesSettings
 from worker.sources import Reader
 from worker.store import connect, vec_table_dimensions
 from worker.store.items import add_item, list_chunks, update_content
-from worker.store.removal import delete_items
+from worker.store.removal import delete_items, leftovers
 from worker.store.vec import vec_behind
 
 CHAPTERS = ("ch04-01-what-is-ownership.md", "ch10-02-traits.md", "ch15-01-box.md")
@@ -276,4 +284,51 @@ def test_vectors_written_without_the_mirror_are_rebuilt_when_it_is_back(
     hits = search_chunks(live, sections("alpha").split("\n\n")[1], fake, k=1, mode="vector").hits
     assert hits and hits[0].item_id != a and hits[0].score < 0.99
     live.close()
+    db.close()
+
+
+@pytest.mark.parametrize("mended_by", ["write", "sweep"])
+def test_an_item_whose_kind_a_host_changed_keeps_nothing_of_the_other_kind(
+    tmp_path, standin, fake, mended_by
+):
+    """A host turns a note into code with plain SQL, then back: the rows of the kind it was
+    (chunks, vectors, the whole-item vector, vec and keyword rows) go at its next write, or
+    with the sweep's leftovers; prose search no longer returns it."""
+    path = tmp_path / "kind.db"
+    db = connect(path, embedding=standin_settings(standin))
+    options = IndexOptions(reader=Reader(FilesSettings(roots=[tmp_path])))
+    note = add_item(db, kind="note", title="Z", content="A note about zebras and stripes.")
+    other = add_item(db, kind="note", title="O", content=sections("alpha"))
+    for item in (note, other):
+        assert index_item(db, item, embedder=fake, options=options).status == "indexed"
+    (tmp_path / "z.py").write_text(code_file("zebra"))
+    host(
+        path,
+        (
+            "UPDATE knowledge_items SET kind = 'code', source = ?, title = 'z.py', content = '' "
+            "WHERE id = ?",
+            [str(tmp_path / "z.py"), note],
+        ),
+    )
+    assert leftovers(db) == {"chunk vectors": 1, "note chunks": 1, "whole-item vectors": 1}
+    if mended_by == "write":
+        assert index_item(db, note, embedder=fake, options=options).status == "indexed"
+    else:
+        reconcile(db, model=fake.model_id, max_items=100, locked=lambda ids: set())
+    for table in ("note_chunks", "note_embeddings"):
+        assert db.scalar(f"SELECT count(*) FROM {table} WHERE item_id = ?", (note,)) == 0
+    assert leftovers(db) == {} and mirror_problems(db) == []
+    assert keyword_rows_problems(db) == []
+    hits = search_chunks(db, "zebras stripes", fake, k=5, mode="hybrid").hits
+    assert note not in {h.item_id for h in hits} and hits  # the other note still answers
+    if mended_by == "write":  # and back: its code rows go
+        assert db.scalar("SELECT count(*) FROM code_chunks WHERE item_id = ?", (note,)) > 0
+        host(
+            path,
+            ("UPDATE knowledge_items SET kind = 'note', content = 'Zebras.' WHERE id = ?", [note]),
+        )
+        assert index_item(db, note, embedder=fake, options=options).status == "indexed"
+        assert db.scalar("SELECT count(*) FROM code_chunks WHERE item_id = ?", (note,)) == 0
+        assert leftovers(db) == {} and mirror_problems(db) == [] and keyword_rows_problems(db) == []
+    assert integrity(db) == "ok"
     db.close()

@@ -44,6 +44,7 @@ from worker.log import KI_EMBED, get_logger
 from worker.providers.base import EmbeddingModel
 from worker.store.db import Database
 from worker.store.items import CREATE_STATE, NOW, Item, Status, get_item, set_state
+from worker.store.removal import remove_other_kind
 
 log = get_logger("kidx.pipeline")
 
@@ -227,6 +228,7 @@ def write_item(
     with db.atomic():
         if db.one("SELECT 1 FROM knowledge_items WHERE id = ?", (item.id,)) is None:
             raise ItemNotFound(item.id)  # deleted while it was read and embedded
+        remove_other_kind(db, [item.id], code=item.kind == "code")
         repaired, vec_failed = w.kind.indexer.write(
             db, item, w.planned, model, options, w.log, orphans=orphans
         )
@@ -254,6 +256,10 @@ def write_new_items(
         kinds.setdefault(id(w.kind.indexer), []).append(w)
     written: list[tuple[Work, IndexResult]] = []
     with db.atomic():
+        for code in (True, False):
+            remove_other_kind(
+                db, [w.item.id for w in works if (w.item.kind == "code") == code], code=code
+            )
         for group in kinds.values():
             ids = set(
                 group[0].kind.indexer.write_new(db, [(w.item, w.planned) for w in group], model)

@@ -6,9 +6,11 @@ foreign keys off: the schema's trigger (migration 5) removes the relational rows
 vec rows it cannot reach become orphans, which search skips and `repair_vectors` deletes.
 
 What a deleted item can still leave (a database that predates the trigger, a host that deleted
-chunks or state rows by hand) is a *leftover*: a row that no live item reaches. `leftovers()`
-counts them by kind, for `kidx doctor`; `remove_leftovers()` deletes them, for the reconcile
-sweep. Neither needs a provider, and neither touches a live item's rows.
+chunks or state rows by hand) is a *leftover*: a row that no live item reaches. So is what an
+item whose kind a host changed with plain SQL (a note into code, or back) keeps in the other
+kind's tables: its next write removes those (`remove_other_kind`), and so does the sweep.
+`leftovers()` counts them by kind, for `kidx doctor`; `remove_leftovers()` deletes them, for the
+reconcile sweep. Neither needs a provider, and neither touches a live item's rows.
 """
 
 from __future__ import annotations
@@ -17,21 +19,24 @@ from collections.abc import Iterable
 
 from worker.errors import ItemNotFound
 from worker.store.db import Database
-from worker.store.fts import FTS_TABLES, fts_delete
+from worker.store.fts import CODE, FTS_TABLES, NOTES, fts_delete
 from worker.store.vec import vec_delete, vec_ready
 
-_LIVE_NOTE_CHUNKS = "SELECT c.id FROM note_chunks c JOIN knowledge_items i ON i.id = c.item_id"
-_LIVE_CODE_CHUNKS = "SELECT c.id FROM code_chunks c JOIN knowledge_items i ON i.id = c.item_id"
+# Items whose index lives in the prose tables, and in the code tables.
+_PROSE_ITEMS = "SELECT id FROM knowledge_items WHERE kind IS NOT 'code'"
+_CODE_ITEMS = "SELECT id FROM knowledge_items WHERE kind = 'code'"
+_LIVE_NOTE_CHUNKS = f"SELECT id FROM note_chunks WHERE item_id IN ({_PROSE_ITEMS})"
+_LIVE_CODE_CHUNKS = f"SELECT id FROM code_chunks WHERE item_id IN ({_CODE_ITEMS})"
 
 # kind of leftover -> (table, the condition that makes one of its rows a leftover); vectors
 # before their chunks: with foreign keys on, a chunk's deletion would take its vector along,
 # uncounted.
 LEFTOVERS: dict[str, tuple[str, str]] = {
     "chunk vectors": ("note_chunk_embeddings", f"chunk_id NOT IN ({_LIVE_NOTE_CHUNKS})"),
-    "note chunks": ("note_chunks", "item_id NOT IN (SELECT id FROM knowledge_items)"),
-    "whole-item vectors": ("note_embeddings", "item_id NOT IN (SELECT id FROM knowledge_items)"),
+    "note chunks": ("note_chunks", f"item_id NOT IN ({_PROSE_ITEMS})"),
+    "whole-item vectors": ("note_embeddings", f"item_id NOT IN ({_PROSE_ITEMS})"),
     "code vectors": ("code_chunk_embeddings", f"chunk_id NOT IN ({_LIVE_CODE_CHUNKS})"),
-    "code chunks": ("code_chunks", "item_id NOT IN (SELECT id FROM knowledge_items)"),
+    "code chunks": ("code_chunks", f"item_id NOT IN ({_CODE_ITEMS})"),
     "memory vectors": ("memory_embeddings", "memory_id NOT IN (SELECT id FROM memories)"),
     "index states": ("item_index_state", "item_id NOT IN (SELECT id FROM knowledge_items)"),
 }
@@ -90,3 +95,44 @@ def _delete(db: Database, ids: list[int]) -> None:
     # The relational rows go with the item: the trigger of migration 5 (and, on this
     # connection, the foreign keys' cascade).
     db.execute(f"DELETE FROM knowledge_items WHERE id IN ({marks})", ids)
+
+
+def remove_other_kind(db: Database, item_ids: list[int], *, code: bool) -> int:
+    """What these items (all code, or all prose) have in the other kind's tables, in the
+    caller's transaction: chunks, their vectors, vec and keyword rows, and a whole-item vector.
+    A host that changes an item's kind with plain SQL leaves them; search would still return
+    a code item's old note chunks. Returns the chunks removed."""
+    if not item_ids:
+        return 0
+    marks = ",".join("?" * len(item_ids))
+    chunks, vectors, vec, fts = (
+        ("note_chunks", "note_chunk_embeddings", "vec_chunk_embeddings", NOTES)
+        if code
+        else ("code_chunks", "code_chunk_embeddings", "vec_work_code_chunks", CODE)
+    )
+    ids = [r[0] for r in db.all(f"SELECT id FROM {chunks} WHERE item_id IN ({marks})", item_ids)]
+    wholes = (
+        [
+            r[0]
+            for r in db.all(
+                f"SELECT item_id FROM note_embeddings WHERE item_id IN ({marks})", item_ids
+            )
+        ]
+        if code
+        else []
+    )
+    if not ids and not wholes:
+        return 0
+    if vec_ready(db, db.dimensions):  # else they are orphans, for the repair
+        vec_delete(db, vec, ids)
+        vec_delete(db, "vec_note_embeddings", wholes)
+    if db.table_exists(fts.name):
+        fts_delete(db, fts, ids)
+    for start in range(0, len(ids), 500):
+        part = ids[start : start + 500]
+        in_part = ",".join("?" * len(part))
+        db.execute(f"DELETE FROM {vectors} WHERE chunk_id IN ({in_part})", part)
+        db.execute(f"DELETE FROM {chunks} WHERE id IN ({in_part})", part)
+    if wholes:
+        db.execute(f"DELETE FROM note_embeddings WHERE item_id IN ({marks})", item_ids)
+    return len(ids)
