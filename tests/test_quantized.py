@@ -32,7 +32,7 @@ from worker.retrieval import search_chunks
 from worker.settings import FilesSettings
 from worker.sources import Reader
 from worker.store import connect, vec_table_dimensions
-from worker.store.items import add_item, list_chunks, update_content
+from worker.store.items import add_item, get_state, list_chunks, update_content
 from worker.store.removal import delete_items, leftovers
 from worker.store.vec import vec_behind
 
@@ -311,10 +311,14 @@ def test_an_item_whose_kind_a_host_changed_keeps_nothing_of_the_other_kind(
         ),
     )
     assert leftovers(db) == {"chunk vectors": 1, "note chunks": 1, "whole-item vectors": 1}
+    host(path, ("UPDATE knowledge_items SET title = 'O, renamed' WHERE id = ?", [other]))
+    for item in (note, other):  # its text comes from elsewhere, or its embedder input changed
+        assert get_state(db, item)["status"] == "pending"
     if mended_by == "write":
         assert index_item(db, note, embedder=fake, options=options).status == "indexed"
     else:
-        reconcile(db, model=fake.model_id, max_items=100, locked=lambda ids: set())
+        drift = reconcile(db, model=fake.model_id, max_items=100, locked=lambda ids: set())
+        assert sorted(drift.to_index) == sorted([note, other])
     for table in ("note_chunks", "note_embeddings"):
         assert db.scalar(f"SELECT count(*) FROM {table} WHERE item_id = ?", (note,)) == 0
     assert leftovers(db) == {} and mirror_problems(db) == []

@@ -308,6 +308,24 @@ END;
     )
 )
 
+# An item whose kind, source or title a host changes with plain SQL is to be indexed again:
+# its text comes from elsewhere now, or what each chunk's embedder input starts with changed.
+# Marked `pending`, which the reconcile sweep sends (a content change leaves content_hash NULL
+# instead: migration 3).
+MIGRATIONS.append(
+    (
+        8,
+        f"""
+CREATE TRIGGER IF NOT EXISTS knowledge_items_origin_changed
+AFTER UPDATE OF kind, source, title ON knowledge_items
+WHEN new.kind IS NOT old.kind OR new.source IS NOT old.source OR new.title IS NOT old.title
+BEGIN
+    UPDATE item_index_state SET status = 'pending', updated_at = {_NOW} WHERE item_id = new.id;
+END;
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
