@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 from markdown_it import MarkdownIt
 
@@ -18,7 +19,12 @@ from host import host
 from incli import run_kidx
 from stack import REDIS_DB, broker_url
 from worker.bulk import index_item
-from worker.errors import IndexAborted, InvalidInput
+from worker.errors import (
+    IndexAborted,
+    InvalidInput,
+    PermanentProviderError,
+    TransientProviderError,
+)
 from worker.indexers import IndexOptions
 from worker.indexers.code import search_code
 from worker.indexers.memories import (
@@ -28,6 +34,7 @@ from worker.indexers.memories import (
     search_memories,
 )
 from worker.providers import build_embedder
+from worker.providers.base import EmbeddingModel
 from worker.reconcile import reconcile
 from worker.retrieval import search
 from worker.settings import FilesSettings, UrlSettings
@@ -323,9 +330,10 @@ def memory_rows(db) -> dict[str, list]:
 
 
 def test_memories_a_host_writes_changes_or_deletes_are_embedded_again(db, db_path, embedder):
-    """A host's plain SQL (foreign keys off): new rows, any bytes, an empty row, a changed
-    text, a deleted row. `embed_memories` embeds what has no vector; the triggers drop the
-    vector of a changed or deleted text; the vec mirror follows (orphans by the sweep)."""
+    """A host's plain SQL (foreign keys off): new rows, bytes that are not UTF-8 (skipped, not
+    embedded as U+FFFD), an empty row, a changed text, a deleted row. `embed_memories` embeds
+    what has no vector; the triggers drop the vector of a changed or deleted text; the vec
+    mirror follows (orphans by the sweep)."""
     kept = add_memory(db, "The user deploys on Fridays.", embedder)
     host(
         db_path,
@@ -337,13 +345,14 @@ def test_memories_a_host_writes_changes_or_deletes_are_embedded_again(db, db_pat
     model = f"{embedder.model_id} ({db.dimensions})"
     assert summary(db)["memories_by_model"] == {"no vector": 3, model: 1}
     report = embed_memories(db, embedder)
-    assert (report.embedded, report.left, report.error) == (2, 0, None)
+    assert (report.embedded, report.left, report.error) == (1, 1, None)
+    assert (report.unreadable, report.unreadable_ids) == (1, [101])
     rows = memory_rows(db)
-    assert [r[0] for r in rows["vectors"]] == [r[0] for r in rows["vec"]] == [kept, 100, 101]
+    assert [r[0] for r in rows["vectors"]] == [r[0] for r in rows["vec"]] == [kept, 100]
     hits, via, _ = search_memories(db, "The user writes Rust at work.", embedder, k=1)
     assert via == "vec" and hits[0].memory_id == 100 and hits[0].score > 0.99
     assert embed_memories(db, embedder).embedded == 0  # nothing left: no provider call
-    assert summary(db)["memories_by_model"] == {"no vector": 1, model: 3}  # the empty row
+    assert summary(db)["memories_by_model"] == {"no vector": 2, model: 2}  # empty, not UTF-8
     env = {
         "PATH": "/usr/bin:/bin",
         "KIDX_DB": str(db_path),
@@ -353,26 +362,27 @@ def test_memories_a_host_writes_changes_or_deletes_are_embedded_again(db, db_pat
     }
     out = run_kidx(["status", "--summary"], env, db_path.parent)
     assert out.returncode == 0 and "memories 4" in out.stdout, out.stderr
-    assert f"no vector: 1, {model}: 3" in out.stdout, out.stdout
+    assert f"no vector: 2, {model}: 2" in out.stdout, out.stdout
 
     host(
         db_path,
         ("UPDATE memories SET content = 'The user writes Go now.' WHERE id = 100", []),
         ("DELETE FROM memories WHERE id = ?", [kept]),
     )
-    assert [r[0] for r in memory_rows(db)["vectors"]] == [101]  # the triggers
+    assert memory_rows(db)["vectors"] == []  # the triggers
     assert embed_memories(db, embedder).embedded == 1
     hits, _, _ = search_memories(db, "The user writes Go now.", embedder, k=1)
     assert hits[0].memory_id == 100 and hits[0].score > 0.99
     reconcile(db, model=embedder.model_id, max_items=10)  # the deleted one's vec row goes
     rows = memory_rows(db)
-    assert [r[0] for r in rows["vectors"]] == [r[0] for r in rows["vec"]] == [100, 101]
+    assert [r[0] for r in rows["vectors"]] == [r[0] for r in rows["vec"]] == [100]
 
 
 def test_memories_of_an_earlier_model_are_embedded_by_the_new_one(tmp_path, standin):
     """A switch to a model of another dimension: the memories are embedded again (they kept
     the old vectors only, which no search of the new model can use); a provider error stops
-    the run with what was done kept, and the next run ends it."""
+    the run with what was done kept (a 401: every text would fail alike, so none is tried
+    alone), and the next run ends it."""
     path = tmp_path / "kidx.db"
     small = standin_settings(standin, dimensions=DIMS)
     db = connect(path, embedding=small)
@@ -388,9 +398,9 @@ def test_memories_of_an_earlier_model_are_embedded_by_the_new_one(tmp_path, stan
         assert memories_missing(db, other.model_id) == 5
         first = embed_memories(db, other, limit=4)  # two requests of two
         assert first.embedded == 4 and first.left == 1 and first.error is None
-        standin.fail_status = 400  # every request fails now
+        standin.fail_status = 401  # every request fails now
         failed = embed_memories(db, other)
-        assert failed.embedded == 0 and failed.left == 1 and "400" in (failed.error or "")
+        assert failed.embedded == 0 and failed.left == 1 and "401" in (failed.error or "")
         standin.fail_status = None
         assert embed_memories(db, other).left == 0
         rows = memory_rows(db)
@@ -398,6 +408,121 @@ def test_memories_of_an_earlier_model_are_embedded_by_the_new_one(tmp_path, stan
         assert [r[0] for r in rows["vec"]] == ids
     finally:
         db.close()
+
+
+def memory_ids_with_vectors(db) -> list[int]:
+    return [r[0] for r in db.all("SELECT memory_id FROM memory_embeddings ORDER BY 1")]
+
+
+def test_a_memory_the_provider_refuses_is_skipped_not_blocking_the_others(
+    db, db_path, embedder, standin
+):
+    """A memory refused alone (a 400: per input) is skipped and reported; its batch is sent
+    again text by text so the others get their vectors; once alone, it costs a run one
+    request."""
+    host(
+        db_path,
+        *[
+            ("INSERT INTO memories(id, content) VALUES (?, ?)", [i, text])
+            for i, text in [
+                (1, "POISON the user shares a secret."),
+                (2, "The user likes tea."),
+                (3, "The user lives in Oslo."),
+                (4, "The user has a cat."),
+            ]
+        ],
+    )
+    standin.poison = "POISON"
+    first = embed_memories(db, embedder)
+    assert (first.embedded, first.left, first.error) == (3, 1, None)
+    assert (first.refused, first.refused_ids) == (1, [1])
+    assert memory_ids_with_vectors(db) == [2, 3, 4]
+    assert standin.requests == 1 + 4  # the batch, then each text alone
+    again = embed_memories(db, embedder)  # a later sweep: the refused memory alone
+    assert (again.embedded, again.refused, again.left, again.error) == (0, 1, 1, None)
+    assert standin.requests == 5 + 1
+    host(db_path, ("INSERT INTO memories(id, content) VALUES (5, 'The user runs.')", []))
+    later = embed_memories(db, embedder)  # a new memory after it is embedded too
+    assert (later.embedded, later.refused, later.left) == (1, 1, 1)
+    assert memory_ids_with_vectors(db) == [2, 3, 4, 5]
+
+
+class Scripted(EmbeddingModel):
+    """Refuses (per input) a batch holding a text with REFUSED, fails as a provider that is down
+    on one with DOWN; counts its requests."""
+
+    model_id, batch_size, dimensions = "scripted", 8, DIMS
+
+    def __init__(self) -> None:
+        self.requests: list[list[str]] = []
+
+    def embed_batch(self, texts: list[str]) -> np.ndarray:
+        self.requests.append(list(texts))
+        if any("REFUSED" in t for t in texts):
+            raise PermanentProviderError("refused input", per_input=True)
+        if any("DOWN" in t for t in texts):
+            raise TransientProviderError("the provider timed out")
+        return np.ones((len(texts), DIMS), dtype=np.float32)
+
+
+def test_refusals_in_a_row_or_a_provider_down_stop_the_one_by_one_memories(db, db_path):
+    """Text by text, the third refusal in a row stops the run (a provider refusing every
+    text is not asked once per memory), and so does an error that is not one input's."""
+    host(
+        db_path,
+        *[
+            ("INSERT INTO memories(id, content) VALUES (?, ?)", [i, f"REFUSED {i}"])
+            for i in range(1, 6)
+        ],
+        ("INSERT INTO memories(id, content) VALUES (6, 'a good memory')", []),
+    )
+    model = Scripted()
+    report = embed_memories(db, model)
+    assert (report.embedded, report.refused, report.refused_ids) == (0, 3, [1, 2, 3])
+    assert "3 consecutive" in (report.error or "") and report.left == 6
+    assert len(model.requests) == 1 + 3  # the batch, then three alone: not all six
+    host(
+        db_path,
+        ("DELETE FROM memories WHERE id IN (2, 3, 4, 5)", []),
+        ("INSERT INTO memories(id, content) VALUES (2, 'DOWN for a while')", []),
+    )
+    model.requests.clear()
+    down = embed_memories(db, model)  # refused 1, then 2 meets a provider that is down
+    assert (down.embedded, down.refused) == (0, 1) and "Transient" in (down.error or "")
+    assert model.requests == [
+        ["REFUSED 1", "DOWN for a while", "a good memory"],
+        ["REFUSED 1"],
+        ["DOWN for a while"],
+    ]  # memory 6 is left for a later run, not tried against a provider that is down
+
+
+def test_a_memory_that_is_not_utf8_is_skipped_unread_and_holds_back_nothing(
+    db, db_path, embedder, standin
+):
+    """Bytes that are not UTF-8 are not embedded as U+FFFD (store.text): no vector, no
+    request, reported; any number of them, before the limit, hides no memory after them. A
+    BLOB holding UTF-8 is the text it is."""
+    host(
+        db_path,
+        *[
+            ("INSERT INTO memories(id, content) VALUES (?, CAST(? AS TEXT))", [i, {"hex": hx}])
+            for i, hx in [(1, "4361666520ff"), (2, "ff"), (3, "c328"), (4, "e282")]
+        ],
+        (
+            "INSERT INTO memories(id, content) VALUES (5, ?)",
+            [{"hex": "436166c3a9206175206c616974"}],
+        ),
+        ("INSERT INTO memories(id, content) VALUES (6, 'The user drinks tea.')", []),
+    )
+    report = embed_memories(db, embedder, limit=2)
+    assert (report.embedded, report.unreadable, report.unreadable_ids) == (2, 4, [1, 2, 3, 4])
+    assert report.error is None and report.left == 4
+    assert memory_ids_with_vectors(db) == [5, 6]
+    assert standin.texts == ["Café au lait", "The user drinks tea."]  # no U+FFFD sent
+    requests = standin.requests
+    again = embed_memories(db, embedder, limit=2)
+    assert (again.embedded, again.unreadable, again.left) == (0, 4, 4)
+    assert standin.requests == requests  # nothing to send
 
 
 # -- the command, as a new user would ---------------------------------------------------------

@@ -5,19 +5,19 @@ and writes it at once."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from worker.chunking import Chunk, text_hash
-from worker.embedding import Plan
-from worker.errors import InvalidInput, KidxError
-from worker.indexers.base import Indexer, IndexOptions, Planned
+from worker.embedding import FailureCounter, Plan
+from worker.errors import IndexAborted, InvalidInput, KidxError, PermanentProviderError
+from worker.indexers.base import MAX_CONSECUTIVE_FAILURES, Indexer, IndexOptions, Planned
 from worker.log import get_logger
 from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel, to_blob
 from worker.store.db import Database
 from worker.store.items import Item
-from worker.store.text import shown
+from worker.store.text import NotText, shown, strict
 from worker.store.vec import VEC, vec_ready, vec_replace
 
 MAX_MEMORY = 2000  # characters: longer texts are notes, which are chunked
@@ -146,49 +146,161 @@ def memories_missing(db: Database, model: str) -> int:
     )
 
 
+SHOWN_IDS = 20  # the ids a report names of each kind of skipped memory; its counts are whole
+
+
 @dataclass
 class MemoryBackfill:
-    """What `embed_memories` did: memories embedded, left for a later run, and why it stopped
-    early (a provider error), if it did."""
+    """What `embed_memories` did: memories embedded; memories still without a vector (`left`,
+    the skipped ones included: later runs meet them again); memories skipped because the
+    provider refused each alone (`refused`) or because their content is not UTF-8
+    (`unreadable`), with their first ids; and why the run stopped early (a provider error, or
+    three refusals in a row), if it did."""
 
     embedded: int = 0
     left: int = 0
     error: str | None = None
+    refused: int = 0
+    refused_ids: list[int] = field(default_factory=list)
+    unreadable: int = 0
+    unreadable_ids: list[int] = field(default_factory=list)
+
+    def skip_refused(self, memory_id: int) -> None:
+        self.refused += 1
+        if len(self.refused_ids) < SHOWN_IDS:
+            self.refused_ids.append(memory_id)
+
+    def skip_unreadable(self, memory_id: int) -> None:
+        self.unreadable += 1
+        if len(self.unreadable_ids) < SHOWN_IDS:
+            self.unreadable_ids.append(memory_id)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+Memory = tuple[int, bytes, str]  # id, the stored bytes (to see a change), the text embedded
 
 
 def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) -> MemoryBackfill:
     """Embed up to `limit` memories that have no vector of this model (`memories_missing`), a
     batch a request and a write transaction, each memory as `add_memory` writes it. A text
     changed or deleted while its batch was embedded is not written (the next run takes the
-    new text). A provider error stops the run with what was written kept: the error is
-    returned, not raised, for a sweep to report and try again later. A host's empty row is
-    left alone: it has nothing to find."""
+    new text). A host's empty row is left alone: it has nothing to find.
+
+    One memory must not hold back the others (every run starts again at the lowest ids):
+    * content that is not UTF-8 is skipped unread (`store.text`: U+FFFD would change what the
+      host wrote), with no request, and does not count towards `limit`;
+    * a batch refused in a way that may be one input's fault (`per_input`) is sent again text
+      by text, as the pipeline does: the good memories get their vectors, a refused one is
+      skipped. Without a record of refusals, a later run asks again: a refused memory costs
+      each run its own request, and its batch one failed request, which its batch-mates'
+      one-by-one requests follow (they get their vectors, so that is not repeated); alone in
+      its batch, as it is once the others are embedded, one request a run in all.
+    Any other provider error stops the run, as does the third refusal in a row
+    (`FailureCounter`: a provider that refuses every text is not asked once per memory), with
+    what was written kept: the error is returned, not raised, for a sweep to report and try
+    again later."""
     report = MemoryBackfill()
-    params = {"model": embedder.model_id, "dims": db.dimensions, "limit": limit}
-    rows = db.all(f"{_MISSING} ORDER BY m.id LIMIT :limit", params)
-    for start in range(0, len(rows), embedder.batch_size):
-        batch = [
-            (memory_id, raw, shown(raw))
-            for memory_id, raw in rows[start : start + embedder.batch_size]
-        ]
+    todo = _readable(db, embedder.model_id, limit, report)
+    counter = FailureCounter(MAX_CONSECUTIVE_FAILURES, log)
+    for start in range(0, len(todo), embedder.batch_size):
+        batch = todo[start : start + embedder.batch_size]
         try:
             vectors = embedder.embed_checked([text for _, _, text in batch])
         except KidxError as e:
-            report.error = f"{type(e).__name__}: {e}"
+            if not _per_input(e):
+                report.error = _why(e)
+                break
+            done = _one_by_one(batch, embedder, counter, report, e)
+        else:
+            counter.ok()
+            done = list(zip(batch, vectors, strict=True))
+        _write(db, done, embedder.model_id, report)
+        if report.error:
             break
-        with db.atomic():
-            for (memory_id, raw, text), vector in zip(batch, vectors, strict=True):
-                now = db.scalar(
-                    "SELECT CAST(content AS BLOB) FROM memories WHERE id = ?", (memory_id,)
-                )
-                if now != raw:
-                    continue  # changed or deleted meanwhile
-                _write_vector(db, memory_id, text, vector, embedder.model_id)
-                report.embedded += 1
     report.left = memories_missing(db, embedder.model_id)
-    if report.embedded or report.error:
+    if report.embedded or report.error or report.refused or report.unreadable:
         log.info("memories embedded", **report.as_dict())
     return report
+
+
+def _readable(db: Database, model: str, limit: int, report: MemoryBackfill) -> list[Memory]:
+    """Up to `limit` memories without a vector whose content is UTF-8, in id order; the others
+    met on the way are counted in `report`, not returned, and read past: they cost no
+    request, so that any number of them never hides the memories after them."""
+    todo: list[Memory] = []
+    first = -(2**63)  # the lowest rowid: a host may write any id
+    params = {"model": model, "dims": db.dimensions}
+    while len(todo) < limit:
+        rows = db.all(
+            f"{_MISSING} AND m.id >= :first ORDER BY m.id LIMIT :page",
+            params | {"first": first, "page": limit - len(todo)},
+        )
+        for memory_id, raw in rows:
+            try:
+                todo.append((memory_id, raw, strict(raw, f"memory {memory_id}")))
+            except NotText:
+                report.skip_unreadable(memory_id)
+        if not rows or rows[-1][0] >= 2**63 - 1:
+            break
+        first = rows[-1][0] + 1
+    return todo
+
+
+def _one_by_one(
+    batch: list[Memory],
+    embedder: EmbeddingModel,
+    counter: FailureCounter,
+    report: MemoryBackfill,
+    error: KidxError,
+) -> list[tuple[Memory, Any]]:
+    """A batch refused for what may be one input's fault, text by text (a batch of one is not
+    asked again: its refusal was its own): the memories embedded. A refused one is skipped;
+    another error, or the third refusal in a row, stops the run (`report.error`)."""
+    done: list[tuple[Memory, Any]] = []
+    for memory in batch:
+        if len(batch) > 1:
+            try:
+                vector = embedder.embed_checked([memory[2]])[0]
+            except KidxError as e:
+                error = e
+            else:
+                counter.ok()
+                done.append((memory, vector))
+                continue
+        if not _per_input(error):
+            report.error = _why(error)
+            break
+        report.skip_refused(memory[0])
+        try:
+            counter.fail(0, str(error), error, item_id=memory[0])
+        except IndexAborted as aborted:
+            report.error = _why(aborted)
+            break
+    return done
+
+
+def _write(
+    db: Database, done: list[tuple[Memory, Any]], model: str, report: MemoryBackfill
+) -> None:
+    """The vectors of a batch, in one transaction; a memory changed or deleted meanwhile is
+    left for the next run."""
+    if not done:
+        return
+    with db.atomic():
+        for (memory_id, raw, text), vector in done:
+            now = db.scalar("SELECT CAST(content AS BLOB) FROM memories WHERE id = ?", (memory_id,))
+            if now != raw:
+                continue  # changed or deleted meanwhile
+            _write_vector(db, memory_id, text, vector, model)
+            report.embedded += 1
+
+
+def _per_input(error: Exception) -> bool:
+    """Whether the provider's refusal may concern one text only: worth trying each alone."""
+    return isinstance(error, PermanentProviderError) and error.per_input
+
+
+def _why(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
