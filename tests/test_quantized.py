@@ -27,6 +27,7 @@ from host import host
 from worker.bulk import index_item
 from worker.errors import PermanentProviderError
 from worker.indexers import IndexOptions
+from worker.indexers.memories import add_memory, embed_memories
 from worker.reconcile import reconcile
 from worker.retrieval import search_chunks
 from worker.settings import FilesSettings
@@ -262,11 +263,15 @@ def test_vectors_written_without_the_mirror_are_rebuilt_when_it_is_back(
     db = connect(path, embedding=settings)
     a = add_item(db, kind="note", title="A", content=sections("alpha"))
     short = add_item(db, kind="note", title="S", content="A short note about alpha.")
-    for item in (a, short):
+    for item in (short, a):  # A has the highest chunk ids: B takes them again
         index_item(db, item, embedder=fake)
+    memory = add_memory(db, "Likes alpha.", fake)
     assert mirror_problems(db) == [] and not vec_behind(db)
     live = connect(path, embedding=settings)  # a worker that keeps running meanwhile
     off = connect(path, embedding=settings, vec=False)
+    off.execute("UPDATE memories SET content = 'Likes bravo.' WHERE id = ?", (memory,))
+    assert not vec_behind(off) and embed_memories(off, fake).embedded == 1
+    assert vec_behind(off)  # a memory's new vector is enough
     delete_items(off, [a])
     b = add_item(off, kind="note", title="B", content=sections("bravo"))
     index_item(off, b, embedder=fake)
@@ -274,7 +279,8 @@ def test_vectors_written_without_the_mirror_are_rebuilt_when_it_is_back(
     index_item(off, short, embedder=fake)
     assert vec_behind(off)
     off.close()
-    assert any("unlike their vectors" in p for p in mirror_problems(live))
+    stale = [p.split(":")[0] for p in mirror_problems(live) if "unlike their vectors" in p]
+    assert {"vec_chunk_embeddings", "vec_note_embeddings", "vec_memories"} <= set(stale)
     if mended_by == "connect":
         live.close()
         live = connect(path, embedding=settings)

@@ -18,7 +18,7 @@ from worker.providers.base import EmbeddingModel, to_blob
 from worker.store.db import Database
 from worker.store.items import Item
 from worker.store.text import NotText, shown, strict
-from worker.store.vec import VEC, vec_ready, vec_replace
+from worker.store.vec import VEC, mirror_ready, vec_replace
 
 MAX_MEMORY = 2000  # characters: longer texts are notes, which are chunked
 
@@ -73,7 +73,7 @@ class Memories(Indexer):
             "dimensions = excluded.dimensions, vector = excluded.vector",
             (item.id, model, dims, vector),
         )
-        if vec_ready(db, dims):
+        if mirror_ready(db, dims):
             vec_replace(db, "vec_memories", item.id, vector)
         return 0, 0
 
