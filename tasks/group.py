@@ -23,7 +23,7 @@ from celery import Task, shared_task
 from tasks import GROUP
 from tasks import cancel as cancellation
 from tasks.producer import enqueue
-from tasks.run import IndexFailed, Run, backoff, bad_arguments, valid_id
+from tasks.run import IndexFailed, Run, backoff, bad_arguments, stored_reason, valid_id
 from tasks.runtime import runtime
 from worker.errors import IndexAborted, KidxError
 from worker.store.jobs import JobState, group_job_id, record_starts
@@ -49,7 +49,7 @@ def index_group(
         rt = runtime(self.app)
         problem = bad_arguments(rt, item_ids[0], reason, batch_id, structure_only)
         if problem is not None:  # its job rows say so, without what cannot be stored
-            batch_id, reason = None, reason if isinstance(reason, str) else None
+            batch_id, reason = None, stored_reason(reason)
         run = GroupRun(
             self,
             rt,
@@ -59,7 +59,8 @@ def index_group(
             structure_only=structure_only,
             started=started,
         )
-        record_starts(rt.db, [(run.job(i)[0], i) for i in run.ids], GROUP, batch_id, reason)
+        jobs = [(run.job(i)[0], i) for i in run.ids]
+        record_starts(rt.db, jobs, GROUP, batch_id, stored_reason(reason))
         if problem is not None:
             for item_id in run.ids:
                 run._failed(item_id, run.line(item_id, problem), "bad_input")

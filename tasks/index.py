@@ -21,7 +21,7 @@ from celery.signals import worker_process_init, worker_process_shutdown
 
 from tasks import KNOWLEDGE_ITEM, NOTE
 from tasks import cancel as cancellation
-from tasks.run import IndexFailed, Run, backoff, bad_arguments, valid_id
+from tasks.run import IndexFailed, Run, backoff, bad_arguments, stored_reason, valid_id
 from tasks.runtime import close_runtime, runtime
 from worker.errors import IndexAborted
 from worker.log import get_logger
@@ -119,7 +119,7 @@ def start(
         rt = runtime(task.app)
         problem = bad_arguments(rt, item_id, reason, batch_id, structure_only)
         if problem is not None:  # recorded without what cannot be stored (a batch that is not one)
-            batch_id, reason = None, reason if isinstance(reason, str) else None
+            batch_id, reason = None, stored_reason(reason)
         record_start(
             rt.db,
             task_id,
@@ -127,7 +127,7 @@ def start(
             task.name,
             item_id if valid else None,
             batch_id,
-            reason[:200] if reason else None,
+            stored_reason(reason),
         )
         run = SingleRun(
             task,

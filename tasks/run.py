@@ -372,6 +372,25 @@ def valid_id(item_id: object) -> bool:
     return type(item_id) is int and 0 < item_id < 2**63
 
 
+def not_utf8(text: str) -> int | None:
+    """Where a string stops being UTF-8 (a lone surrogate: JSON's "\\ud800" decodes to one,
+    and SQLite cannot store it), or None. A task argument that is stored is refused then, as
+    text that must be UTF-8 is refused where it is read (worker.store.text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def stored_reason(reason: object) -> str | None:
+    """A task's reason as its job row keeps it (refused arguments are recorded too): at most
+    200 characters of a string SQLite can store, or None."""
+    if not isinstance(reason, str) or not_utf8(reason) is not None:
+        return None
+    return reason[:200] or None
+
+
 def bad_arguments(
     rt: Runtime, item_id: object, reason: object, batch_id: object, structure_only: object
 ) -> str | None:
@@ -381,6 +400,8 @@ def bad_arguments(
         return f"the item id must be a positive integer, not {item_id!r:.60}"
     if reason is not None and not isinstance(reason, str):
         return f"reason must be a string, not {reason!r:.60}"
+    if isinstance(reason, str) and (at := not_utf8(reason)) is not None:
+        return f"reason must be UTF-8 text, not a string with a lone surrogate at character {at}"
     if not isinstance(structure_only, bool):
         return f"structure_only must be true or false, not {structure_only!r:.60}"
     if batch_id is not None:

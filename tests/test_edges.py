@@ -530,9 +530,19 @@ def test_a_huge_title_is_cut_in_what_the_embedder_gets_never_where_stored(edge: 
         ({"batch_id": "one"}, "the batch id must be a positive integer, not 'one'"),
         ({"batch_id": [1]}, "the batch id must be a positive integer, not [1]"),
         ({"reason": {"why": 1}}, "reason must be a string"),
+        # JSON's "\ud800" decodes to a lone surrogate, which SQLite cannot store: the job row
+        # could not be written and the task crashed without one.
+        ({"reason": "edit \ud800"}, "reason must be UTF-8 text"),
         ({"structure_only": "yes"}, "structure_only must be true or false"),
     ],
-    ids=["unknown-batch", "text-batch", "list-batch", "dict-reason", "text-flag"],
+    ids=[
+        "unknown-batch",
+        "text-batch",
+        "list-batch",
+        "dict-reason",
+        "surrogate-reason",
+        "text-flag",
+    ],
 )
 def test_junk_task_arguments_get_a_one_line_refusal_and_a_job_row(
     edge: Edge, kwargs: dict[str, Any], words: str

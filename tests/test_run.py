@@ -26,7 +26,7 @@ from tasks.cancel import TERMINATED, RunScope, mark_revoked, reset
 from tasks.group import GroupRun
 from tasks.index import SingleRun
 from tasks.lock import LockSet, rerun_key
-from tasks.run import IndexFailed, backoff, longest_countdown
+from tasks.run import IndexFailed, backoff, bad_arguments, longest_countdown, stored_reason
 from tasks.runtime import Runtime
 from tasks.streak import BatchStreak, streak_key
 from worker.app import create_app
@@ -303,6 +303,17 @@ def test_a_huge_retry_after_is_retried_within_the_broker_s_hold_not_an_overflow(
     (only,) = run.execute()["results"]
     assert only["status"] == "retry" and only["next"], only  # its retry was sent
     assert job_states(rt, run) == {two: "retry"}
+
+
+def test_a_reason_sqlite_cannot_store_is_refused_and_kept_out_of_the_job_row() -> None:
+    """JSON's "\\ud800" decodes to a lone surrogate: recording it raised UnicodeEncodeError
+    before the task's job row was written."""
+    lone = "edit \ud800 now"
+    problem = bad_arguments(None, 1, lone, None, False)  # type: ignore[arg-type]
+    assert problem == "reason must be UTF-8 text, not a string with a lone surrogate at character 5"
+    assert stored_reason(lone) is None and stored_reason(["x"]) is None
+    assert stored_reason("é" * 300) == "é" * 200 and stored_reason("") is None
+    assert bad_arguments(None, 1, "edit é 🙂", None, False) is None  # type: ignore[arg-type]
 
 
 def test_three_failures_in_a_row_abort_the_batch_and_its_other_items_are_skipped(rt) -> None:
