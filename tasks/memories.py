@@ -23,7 +23,8 @@ RUN_LIMIT = 512
 
 @shared_task(name=EMBED_MEMORIES, bind=True)
 def embed_memories_task(self: Task) -> dict[str, Any]:
-    """Embed what memories lack a vector; what was done (`embedded`, `left`, `error`)."""
+    """Embed what memories lack a vector; what was done (`MemoryBackfill`: `embedded`,
+    `left`, `refused`, `unreadable`, `error`)."""
     rt = runtime(self.app)
     if rt.embedder is None:
         return {"skipped": NO_PROVIDER}

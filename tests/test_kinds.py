@@ -183,6 +183,32 @@ def test_a_refused_file_gets_a_clear_stored_error(
     assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
 
 
+def test_items_skipped_without_a_provider_are_sent_by_the_sweep_once_one_is(
+    db, embedder, reader, files_root, pages
+):
+    """A file, URL or code item skipped while no provider was configured was never swept (the
+    content check is for notes only); a note was, every sweep, even without a provider."""
+    (files_root / "f.md").write_text("# F\n\nSome file text about things. " * 20)
+    (files_root / "m.py").write_text("def things():\n    return 'code about things'\n" * 5)
+    pages.routes["/slices"] = (200, "text/html; charset=utf-8", ARTICLE.encode())
+    ids = [
+        add_item(db, kind="note", title="N", content="A note about things. " * 20),
+        add_item(db, kind="file", title="f.md", content="", source=str(files_root / "f.md")),
+        add_item(db, kind="url", title="u", content="", source=pages.url + "/slices"),
+        add_item(db, kind="code", title="m.py", content="", source=str(files_root / "m.py")),
+    ]
+    for item in ids:
+        assert index_item(db, item, embedder=None).status == "skipped"
+    still_none = reconcile(db, model=embedder.model_id, max_items=100, provider=False)
+    assert still_none.to_index == [] and still_none.found["skipped"] == []  # no loop
+    drift = reconcile(db, model=embedder.model_id, max_items=100)
+    assert drift.to_index == ids and drift.found["skipped"] == ids
+    for item in ids:
+        result = index_item(db, item, embedder=embedder, options=IndexOptions(reader=reader))
+        assert result.status == "indexed", result
+    assert reconcile(db, model=embedder.model_id, max_items=100).to_index == []
+
+
 # -- URLs ------------------------------------------------------------------------------------
 
 
@@ -345,8 +371,9 @@ def test_memories_a_host_writes_changes_or_deletes_are_embedded_again(db, db_pat
     model = f"{embedder.model_id} ({db.dimensions})"
     assert summary(db)["memories_by_model"] == {"no vector": 3, model: 1}
     report = embed_memories(db, embedder)
-    assert (report.embedded, report.left, report.error) == (1, 1, None)
+    assert (report.embedded, report.left, report.error) == (1, 0, None)  # 101: recorded
     assert (report.unreadable, report.unreadable_ids) == (1, [101])
+    assert memories_missing(db, embedder.model_id) == 0  # so the sweep has nothing to send
     rows = memory_rows(db)
     assert [r[0] for r in rows["vectors"]] == [r[0] for r in rows["vec"]] == [kept, 100]
     hits, via, _ = search_memories(db, "The user writes Rust at work.", embedder, k=1)
@@ -418,8 +445,8 @@ def test_a_memory_the_provider_refuses_is_skipped_not_blocking_the_others(
     db, db_path, embedder, standin
 ):
     """A memory refused alone (a 400: per input) is skipped and reported; its batch is sent
-    again text by text so the others get their vectors; once alone, it costs a run one
-    request."""
+    again text by text so the others get their vectors. It is recorded: later runs (the
+    sweep's) do not ask again until its text changes, or the record is a day old."""
     host(
         db_path,
         *[
@@ -434,17 +461,25 @@ def test_a_memory_the_provider_refuses_is_skipped_not_blocking_the_others(
     )
     standin.poison = "POISON"
     first = embed_memories(db, embedder)
-    assert (first.embedded, first.left, first.error) == (3, 1, None)
+    assert (first.embedded, first.left, first.error) == (3, 0, None)
     assert (first.refused, first.refused_ids) == (1, [1])
     assert memory_ids_with_vectors(db) == [2, 3, 4]
     assert standin.requests == 1 + 4  # the batch, then each text alone
-    again = embed_memories(db, embedder)  # a later sweep: the refused memory alone
-    assert (again.embedded, again.refused, again.left, again.error) == (0, 1, 1, None)
-    assert standin.requests == 5 + 1
+    assert memories_missing(db, embedder.model_id) == 0  # the sweep sends no run for it
+    again = embed_memories(db, embedder)  # a later run asks nothing
+    assert (again.embedded, again.refused, again.left, again.error) == (0, 0, 0, None)
+    assert standin.requests == 5
     host(db_path, ("INSERT INTO memories(id, content) VALUES (5, 'The user runs.')", []))
-    later = embed_memories(db, embedder)  # a new memory after it is embedded too
-    assert (later.embedded, later.refused, later.left) == (1, 1, 1)
-    assert memory_ids_with_vectors(db) == [2, 3, 4, 5]
+    later = embed_memories(db, embedder)  # a new memory after it is embedded
+    assert (later.embedded, later.refused, later.left) == (1, 0, 0)
+    assert standin.requests == 6 and memory_ids_with_vectors(db) == [2, 3, 4, 5]
+    host(db_path, ("UPDATE memory_refusals SET refused_at = '2000-01-01T00:00:00Z'", []))
+    assert memories_missing(db, embedder.model_id) == 1  # a day later: asked again
+    assert embed_memories(db, embedder).refused == 1 and standin.requests == 7
+    host(db_path, ("UPDATE memories SET content = 'The user shares a secret.' WHERE id = 1", []))
+    assert embed_memories(db, embedder).embedded == 1  # its new text: asked at once
+    assert memory_ids_with_vectors(db) == [1, 2, 3, 4, 5]
+    assert db.scalar("SELECT count(*) FROM memory_refusals") == 0
 
 
 class Scripted(EmbeddingModel):
@@ -479,21 +514,32 @@ def test_refusals_in_a_row_or_a_provider_down_stop_the_one_by_one_memories(db, d
     model = Scripted()
     report = embed_memories(db, model)
     assert (report.embedded, report.refused, report.refused_ids) == (0, 3, [1, 2, 3])
-    assert "3 consecutive" in (report.error or "") and report.left == 6
+    assert "3 consecutive" in (report.error or "") and report.left == 3  # 1-3 recorded
     assert len(model.requests) == 1 + 3  # the batch, then three alone: not all six
+    model.requests.clear()
+    after = embed_memories(db, model)  # the next run goes past them: 4, 5, then 6
+    assert (after.embedded, after.refused_ids, after.error) == (1, [4, 5], None)
+    assert model.requests == [
+        ["REFUSED 4", "REFUSED 5", "a good memory"],
+        ["REFUSED 4"],
+        ["REFUSED 5"],
+        ["a good memory"],
+    ]
     host(
         db_path,
         ("DELETE FROM memories WHERE id IN (2, 3, 4, 5)", []),
         ("INSERT INTO memories(id, content) VALUES (2, 'DOWN for a while')", []),
+        ("INSERT INTO memories(id, content) VALUES (3, 'REFUSED again')", []),
+        ("INSERT INTO memories(id, content) VALUES (7, 'another good memory')", []),
     )
+    assert db.scalar("SELECT group_concat(memory_id) FROM memory_refusals") == "1"
     model.requests.clear()
-    down = embed_memories(db, model)  # refused 1, then 2 meets a provider that is down
-    assert (down.embedded, down.refused) == (0, 1) and "Transient" in (down.error or "")
+    down = embed_memories(db, model)  # 1 is skipped; 2 meets a provider that is down
+    assert (down.embedded, down.refused) == (0, 0) and "Transient" in (down.error or "")
     assert model.requests == [
-        ["REFUSED 1", "DOWN for a while", "a good memory"],
-        ["REFUSED 1"],
+        ["DOWN for a while", "REFUSED again", "another good memory"],
         ["DOWN for a while"],
-    ]  # memory 6 is left for a later run, not tried against a provider that is down
+    ]  # 3 and 7 are left for a later run, not tried against a provider that is down
 
 
 def test_a_memory_that_is_not_utf8_is_skipped_unread_and_holds_back_nothing(
@@ -516,12 +562,12 @@ def test_a_memory_that_is_not_utf8_is_skipped_unread_and_holds_back_nothing(
     )
     report = embed_memories(db, embedder, limit=2)
     assert (report.embedded, report.unreadable, report.unreadable_ids) == (2, 4, [1, 2, 3, 4])
-    assert report.error is None and report.left == 4
+    assert report.error is None and report.left == 0  # 1-4 recorded: no run is sent for them
     assert memory_ids_with_vectors(db) == [5, 6]
     assert standin.texts == ["Café au lait", "The user drinks tea."]  # no U+FFFD sent
     requests = standin.requests
     again = embed_memories(db, embedder, limit=2)
-    assert (again.embedded, again.unreadable, again.left) == (0, 4, 4)
+    assert (again.embedded, again.unreadable, again.left) == (0, 0, 0)
     assert standin.requests == requests  # nothing to send
 
 

@@ -130,12 +130,21 @@ def search_memories(
     return MEMORIES.search(db, query, embedder, k=k)
 
 
+# A memory refused (or unreadable) is not tried again for this long, unless its text or the
+# model changes: long enough for every sweep in between to find nothing to do, short enough
+# that memories a provider refused while it misbehaved get their vectors the next day.
+REFUSAL_TTL_S = 86_400
+
 # Memories with no vector of this model and dimension: written by a host with plain SQL, changed
-# since (a trigger drops the vector of a changed text), or embedded by a model used before.
+# since (a trigger drops the vector of a changed text), or embedded by a model used before;
+# but not those refused lately as they are now (`memory_refusals`, migration 9).
 _MISSING = (
     "SELECT m.id, CAST(m.content AS BLOB) FROM memories m LEFT JOIN memory_embeddings e "
     "ON e.memory_id = m.id AND e.model = :model AND e.dimensions = :dims "
-    "WHERE e.memory_id IS NULL AND length(trim(CAST(m.content AS TEXT))) > 0"
+    "WHERE e.memory_id IS NULL AND length(trim(CAST(m.content AS TEXT))) > 0 "
+    "AND NOT EXISTS (SELECT 1 FROM memory_refusals r WHERE r.memory_id = m.id "
+    "AND r.model = :model AND r.content IS CAST(m.content AS BLOB) "
+    f"AND (julianday('now') - julianday(r.refused_at)) * 86400 < {REFUSAL_TTL_S})"
 )
 
 
@@ -151,8 +160,8 @@ SHOWN_IDS = 20  # the ids a report names of each kind of skipped memory; its cou
 
 @dataclass
 class MemoryBackfill:
-    """What `embed_memories` did: memories embedded; memories still without a vector (`left`,
-    the skipped ones included: later runs meet them again); memories skipped because the
+    """What `embed_memories` did: memories embedded; memories still to embed (`left`: those
+    refused lately, as they are now, not counted); memories skipped because the
     provider refused each alone (`refused`) or because their content is not UTF-8
     (`unreadable`), with their first ids; and why the run stopped early (a provider error, or
     three refusals in a row), if it did."""
@@ -193,16 +202,18 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
       host wrote), with no request, and does not count towards `limit`;
     * a batch refused in a way that may be one input's fault (`per_input`) is sent again text
       by text, as the pipeline does: the good memories get their vectors, a refused one is
-      skipped. Without a record of refusals, a later run asks again: a refused memory costs
-      each run its own request, and its batch one failed request, which its batch-mates'
-      one-by-one requests follow (they get their vectors, so that is not repeated); alone in
-      its batch, as it is once the others are embedded, one request a run in all.
+      skipped.
+    A refused or unreadable memory is recorded (`memory_refusals`) and skipped by later runs
+    until its text or the model changes, or for `REFUSAL_TTL_S`: three refused memories in a
+    row stop one run, not every run at the same place, and the sweep does not send a run for
+    them every time.
     Any other provider error stops the run, as does the third refusal in a row
     (`FailureCounter`: a provider that refuses every text is not asked once per memory), with
     what was written kept: the error is returned, not raised, for a sweep to report and try
     again later."""
     report = MemoryBackfill()
-    todo = _readable(db, embedder.model_id, limit, report)
+    refusals: list[tuple[int, bytes, str]] = []  # (id, the stored bytes, why)
+    todo = _readable(db, embedder.model_id, limit, report, refusals)
     counter = FailureCounter(MAX_CONSECUTIVE_FAILURES, log)
     for start in range(0, len(todo), embedder.batch_size):
         batch = todo[start : start + embedder.batch_size]
@@ -212,20 +223,27 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
             if not _per_input(e):
                 report.error = _why(e)
                 break
-            done = _one_by_one(batch, embedder, counter, report, e)
+            done = _one_by_one(batch, embedder, counter, report, e, refusals)
         else:
             counter.ok()
             done = list(zip(batch, vectors, strict=True))
         _write(db, done, embedder.model_id, report)
         if report.error:
             break
+    _record_refusals(db, refusals, embedder.model_id)
     report.left = memories_missing(db, embedder.model_id)
     if report.embedded or report.error or report.refused or report.unreadable:
         log.info("memories embedded", **report.as_dict())
     return report
 
 
-def _readable(db: Database, model: str, limit: int, report: MemoryBackfill) -> list[Memory]:
+def _readable(
+    db: Database,
+    model: str,
+    limit: int,
+    report: MemoryBackfill,
+    refusals: list[tuple[int, bytes, str]],
+) -> list[Memory]:
     """Up to `limit` memories without a vector whose content is UTF-8, in id order; the others
     met on the way are counted in `report`, not returned, and read past: they cost no
     request, so that any number of them never hides the memories after them."""
@@ -240,8 +258,9 @@ def _readable(db: Database, model: str, limit: int, report: MemoryBackfill) -> l
         for memory_id, raw in rows:
             try:
                 todo.append((memory_id, raw, strict(raw, f"memory {memory_id}")))
-            except NotText:
+            except NotText as e:
                 report.skip_unreadable(memory_id)
+                refusals.append((memory_id, raw, str(e)))
         if not rows or rows[-1][0] >= 2**63 - 1:
             break
         first = rows[-1][0] + 1
@@ -254,6 +273,7 @@ def _one_by_one(
     counter: FailureCounter,
     report: MemoryBackfill,
     error: KidxError,
+    refusals: list[tuple[int, bytes, str]],
 ) -> list[tuple[Memory, Any]]:
     """A batch refused for what may be one input's fault, text by text (a batch of one is not
     asked again: its refusal was its own): the memories embedded. A refused one is skipped;
@@ -273,6 +293,7 @@ def _one_by_one(
             report.error = _why(error)
             break
         report.skip_refused(memory[0])
+        refusals.append((memory[0], memory[1], _why(error)))
         try:
             counter.fail(0, str(error), error, item_id=memory[0])
         except IndexAborted as aborted:
@@ -294,7 +315,23 @@ def _write(
             if now != raw:
                 continue  # changed or deleted meanwhile
             _write_vector(db, memory_id, text, vector, model)
+            db.execute("DELETE FROM memory_refusals WHERE memory_id = ?", (memory_id,))
             report.embedded += 1
+
+
+def _record_refusals(db: Database, refusals: list[tuple[int, bytes, str]], model: str) -> None:
+    """What could not be embedded, with the text it was (a text changed since is not)."""
+    if not refusals:
+        return
+    with db.atomic():
+        db.executemany(
+            "INSERT INTO memory_refusals(memory_id, model, content, reason) "
+            "SELECT id, ?, ?, ? FROM memories WHERE id = ? AND CAST(content AS BLOB) IS ? "
+            "ON CONFLICT(memory_id) DO UPDATE SET model = excluded.model, "
+            "content = excluded.content, reason = excluded.reason, "
+            "refused_at = excluded.refused_at",
+            [(model, raw, why[:500], memory_id, raw) for memory_id, raw, why in refusals],
+        )
 
 
 def _per_input(error: Exception) -> bool:

@@ -38,6 +38,7 @@ LEFTOVERS: dict[str, tuple[str, str]] = {
     "code vectors": ("code_chunk_embeddings", f"chunk_id NOT IN ({_LIVE_CODE_CHUNKS})"),
     "code chunks": ("code_chunks", f"item_id NOT IN ({_CODE_ITEMS})"),
     "memory vectors": ("memory_embeddings", "memory_id NOT IN (SELECT id FROM memories)"),
+    "memory refusals": ("memory_refusals", "memory_id NOT IN (SELECT id FROM memories)"),
     "index states": ("item_index_state", "item_id NOT IN (SELECT id FROM knowledge_items)"),
 }
 

@@ -326,6 +326,32 @@ END;
     )
 )
 
+# Memories kidx could not embed (the provider refused the text alone, or it is not UTF-8),
+# with the text as it was then: skipped by `embed_memories` until the text changes, the model
+# changes or the record is older than a day (a provider that refused everything for a while
+# is asked again), so that refused memories neither hold back the ones after them nor make
+# every sweep send a run. kidx's table; a deleted memory's row goes with it.
+MIGRATIONS.append(
+    (
+        9,
+        f"""
+CREATE TABLE IF NOT EXISTS memory_refusals (
+    memory_id  INTEGER PRIMARY KEY,
+    model      TEXT NOT NULL,
+    content    BLOB,
+    reason     TEXT NOT NULL,
+    refused_at TEXT NOT NULL DEFAULT {_NOW}
+);
+
+CREATE TRIGGER IF NOT EXISTS memories_deleted_refusal
+AFTER DELETE ON memories
+BEGIN
+    DELETE FROM memory_refusals WHERE memory_id = old.id;
+END;
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
