@@ -37,6 +37,7 @@ def reconcile_sweep(self: Task) -> dict[str, Any]:
         horizon=settings.tasks.visibility_timeout,
         # an `indexing` item without its lock: its run died
         locked=lambda ids: held(rt.redis, rt.db.instance(), ids),
+        provider=rt.embedder is not None,  # without one, skipped items would only be skipped again
     )
     batch_id = None
     if drift.to_index:

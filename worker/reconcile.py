@@ -3,8 +3,9 @@
 A record of what was indexed that never checks the vector store drifts silently (seen in
 LangChain #39937). The reconcile sweep looks at both sides: it mends what needs no provider at
 once (vec rows missing or orphaned) and returns the items that need a run (content changed,
-pending or partial, chunks without vectors, vectors of another model or dimension). Rows that
-deleted items left behind (worker.store.removal) are removed first. The retry
+pending or partial, chunks without vectors, vectors of another model or dimension, skipped while
+no provider was configured). Rows that deleted items left behind (worker.store.removal) are
+removed first. The retry
 sweep returns failed items whose backoff has passed, until their attempts run out.
 """
 
@@ -43,7 +44,7 @@ UNION SELECT item_id FROM item_index_state WHERE status = 'indexing'
 
 FINDINGS = {
     "changed": """SELECT i.id FROM knowledge_items i JOIN item_index_state s ON s.item_id = i.id
-        WHERE s.status IN ('indexed', 'partial', 'cancelled', 'skipped') AND i.kind = 'note'
+        WHERE s.status IN ('indexed', 'partial', 'cancelled') AND i.kind = 'note'
         AND (i.content_hash IS NULL OR s.indexed_hash IS NULL
              OR i.content_hash != s.indexed_hash)""",
     "pending": """SELECT i.id FROM knowledge_items i LEFT JOIN item_index_state s
@@ -57,6 +58,10 @@ FINDINGS = {
         UNION SELECT DISTINCT c.item_id FROM code_chunks c JOIN code_chunk_embeddings e
         ON e.chunk_id = c.id WHERE e.model != :model OR e.dimensions != :dims""",
 }
+# Items of any kind a run skipped because no provider was configured (a file's or URL's text is
+# read only by its run, so no hash says whether it changed): sent once a provider is. Without
+# one, a run would only skip them again: they are not sent, whatever else found them.
+SKIPPED = "SELECT item_id FROM item_index_state WHERE status = 'skipped'"
 
 
 @dataclass
@@ -106,10 +111,12 @@ def reconcile(
     max_items: int,
     horizon: float = 3600.0,
     locked: Callable[[list[int]], set[int]] | None = None,
+    provider: bool = True,
 ) -> Drift:
     """Mend the mirror and list the items that need a run (at most `max_items`). `locked`:
     which of these items a run holds the lock of now; an item marked `indexing` whose lock
-    is not held was left by a run that died, and is sent again (`interrupted`)."""
+    is not held was left by a run that died, and is sent again (`interrupted`). `provider`:
+    whether an embedding provider is configured; `skipped` items are sent only then."""
     dims = db.dimensions
     drift = Drift()
     removed = remove_leftovers(db)  # first: their vec rows are then orphans, deleted next
@@ -126,11 +133,14 @@ def reconcile(
     held = locked(sorted(marked)) if locked is not None and marked else set()
     running = held if locked is not None else {i for i, young in marked.items() if young}
     busy |= running
+    skipped = {r[0] for r in db.all(SKIPPED)}
     wanted: set[int] = set()
     for name, sql in FINDINGS.items():
-        ids = sorted({r[0] for r in db.all(sql, params)})
+        ids = sorted({r[0] for r in db.all(sql, params)} - (set() if provider else skipped))
         drift.found[name] = ids
         wanted.update(ids)
+    drift.found["skipped"] = sorted(skipped) if provider else []
+    wanted.update(drift.found["skipped"])
     drift.found["interrupted"] = sorted(set(marked) - running - busy)
     wanted.update(drift.found["interrupted"])
     drift.busy = len(wanted & busy)
