@@ -35,12 +35,13 @@ from worker.indexers.memories import (
 )
 from worker.providers import build_embedder
 from worker.providers.base import EmbeddingModel
-from worker.reconcile import reconcile
+from worker.reconcile import due_retries, reconcile
 from worker.retrieval import search
 from worker.settings import FilesSettings, UrlSettings
 from worker.sources import Reader
 from worker.store import connect, vec_table_dimensions
 from worker.store.items import add_item, get_state, summary
+from worker.store.jobs import JobState, record_end, record_start
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTICLE = """<html><head><title>Slices</title><script>var tracking = "SCRIPT-TEXT";</script></head>
@@ -207,6 +208,27 @@ def test_items_skipped_without_a_provider_are_sent_by_the_sweep_once_one_is(
         result = index_item(db, item, embedder=embedder, options=IndexOptions(reader=reader))
         assert result.status == "indexed", result
     assert reconcile(db, model=embedder.model_id, max_items=100).to_index == []
+
+
+def test_an_item_waiting_for_its_retry_countdown_is_busy_for_both_sweeps(db, embedder):
+    """Celery's retry of a task: the failed attempt's row says `retry` and the item `failed`
+    while the countdown runs (up to the visibility timeout less the time limit): neither the
+    retry sweep nor the reconcile sweep sends it meanwhile (a duplicate run that ignores the
+    provider's Retry-After); past the horizon it is theirs again (a retry the broker lost)."""
+    item = add_item(db, kind="note", title="N", content="A note about things.")
+    index_item(db, item, embedder=None)
+    db.execute(
+        "UPDATE item_index_state SET status = 'failed', attempts = 1, "
+        "updated_at = '2000-01-01T00:00:00Z' WHERE item_id = ?",
+        (item,),
+    )
+    record_start(db, "task-1", 0, "GenerateEmbedding", item, None, None)
+    record_end(db, "task-1", 0, JobState.RETRY, 5, "rate limited")
+    retries = {"max_attempts": 5, "backoff": 0.0, "backoff_max": 0.0}
+    assert due_retries(db, **retries) == []
+    assert item not in reconcile(db, model=embedder.model_id, max_items=10).to_index
+    db.execute("UPDATE index_jobs SET started_at = '2000-01-01T00:00:00Z'")
+    assert due_retries(db, **retries) == [item]
 
 
 # -- URLs ------------------------------------------------------------------------------------
