@@ -229,6 +229,12 @@ def test_an_item_waiting_for_its_retry_countdown_is_busy_for_both_sweeps(db, emb
     assert item not in reconcile(db, model=embedder.model_id, max_items=10).to_index
     db.execute("UPDATE index_jobs SET started_at = '2000-01-01T00:00:00Z'")
     assert due_retries(db, **retries) == [item]
+    record_start(db, "task-2", 0, "GenerateEmbedding", item, None, None)  # a retry of now
+    record_end(db, "task-2", 0, JobState.RETRY, 5, "rate limited")
+    assert due_retries(db, **retries) == []
+    record_start(db, "task-2", 1, "GenerateEmbedding", item, None, None)  # its retry ran
+    record_end(db, "task-2", 1, JobState.FAILED, 5, "rate limited, the last attempt")
+    assert due_retries(db, **retries) == [item]  # not held for the horizon by the old row
 
 
 # -- URLs ------------------------------------------------------------------------------------

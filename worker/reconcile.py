@@ -22,16 +22,20 @@ from worker.store.removal import remove_leftovers
 from worker.store.repair import repair_vectors
 from worker.store.vec import set_meta
 
-# Items a sweep must not send: a task for them is queued, running or waiting for its retry's
+# Items a sweep must not send: a task for them is queued or running, or waits for its retry's
 # countdown (Celery's retry of a task: the row of the attempt that failed says `retry`, the
-# item `failed`; a countdown is at most the visibility timeout less the time limit,
-# tasks.run.longest_countdown). Not lost: younger than the visibility timeout, after which
-# Redis would have redelivered it anyway; a task the broker no longer holds at all is marked
-# failed first, `mark_lost`. A send the broker refused leaves no `queued` row
-# (tasks.producer), so its item is not taken for busy.
-BUSY_JOBS = """
-SELECT item_id FROM index_jobs WHERE state IN ('queued', 'started', 'retry')
- AND (julianday('now') - julianday(coalesce(started_at, queued_at))) * 86400 < :horizon
+# item `failed`, until a later run of the item starts; a countdown is at most the visibility
+# timeout less the time limit, tasks.run.longest_countdown). Not lost: younger than the
+# visibility timeout, after which Redis would have redelivered it anyway; a task the broker no
+# longer holds at all is marked failed first, `mark_lost`. A send the broker refused leaves
+# no `queued` row (tasks.producer), so its item is not taken for busy.
+_AGE = "(julianday('now') - julianday(coalesce(j.started_at, j.queued_at))) * 86400"
+BUSY_JOBS = f"""
+SELECT item_id FROM index_jobs j WHERE state IN ('queued', 'started') AND {_AGE} < :horizon
+UNION SELECT item_id FROM index_jobs j WHERE state = 'retry' AND {_AGE} < :horizon
+ AND NOT EXISTS (SELECT 1 FROM index_jobs k WHERE k.item_id = j.item_id
+  AND (coalesce(k.started_at, k.queued_at) > coalesce(j.started_at, j.queued_at)
+   OR (k.task_id = j.task_id AND k.attempt > j.attempt)))
 """
 # Items marked `indexing`: a run holds them, or held them and died (a killed process, inline
 # or a worker's). The item's lock tells which, when the caller can look (`locked`); without
