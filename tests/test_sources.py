@@ -7,15 +7,19 @@ everything else shows a refusal with a clear message, and that no request was ma
 from __future__ import annotations
 
 import contextlib
+import io
 import ipaddress
 import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import zipfile
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import docx
 import httpx
@@ -23,11 +27,15 @@ import pytest
 from fpdf import FPDF
 from markdown_it import MarkdownIt
 
+from worker.bulk import index_item
 from worker.chunking import chunk_structure
 from worker.errors import InvalidInput, SourceUnavailable
+from worker.indexers import IndexOptions
 from worker.settings import FilesSettings, UrlSettings
+from worker.sources import Reader
 from worker.sources.files import pdf_text, read_file
 from worker.sources.urls import Fetched, fetch_url
+from worker.store.items import add_item, get_state
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "rustbook"
 CHAPTER = "ch04-01-what-is-ownership.md"
@@ -202,7 +210,7 @@ def test_pdf_pages_are_separated_by_a_blank_line(chapter_pdf: bytes) -> None:
 
     pages = [p.extract_text() for p in pypdf.PdfReader(__import__("io").BytesIO(chapter_pdf)).pages]
     assert len(pages) > 2
-    text = pdf_text(chapter_pdf, "ownership.pdf")
+    text = pdf_text(chapter_pdf, "ownership.pdf", limit=10**6)
     last_line_of_first = pages[0].rstrip().splitlines()[-1].strip()
     first_line_of_second = pages[1].strip().splitlines()[0].strip()
     i = text.index(last_line_of_first) + len(last_line_of_first)
@@ -337,6 +345,115 @@ def test_damaged_and_encrypted_documents(root: Path, files: FilesSettings) -> No
     page = "<html><head><title>T</title></head><body><script>go()</script><img src=a.png></body>"
     (root / "empty.html").write_text(page + "</html>")
     refused(r"empty\.html: no main text", lambda: read_file(root / "empty.html", files))
+
+
+# -- decompression bombs ---------------------------------------------------------------------
+
+
+def make_docx(paragraphs: int, *, blob: bytes = b"") -> bytes:
+    """A DOCX of `paragraphs` identical paragraphs of 1,000 characters (deflated XML shrinks
+    them some 300 times), with `blob` as an image part if given."""
+    document = docx.Document()
+    document.add_paragraph("seed")
+    buf = io.BytesIO()
+    document.save(buf)
+    source = zipfile.ZipFile(buf)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+        for info in source.infolist():
+            data = source.read(info.filename)
+            if info.filename == "word/document.xml":
+                head, tail = data.split(b"seed")
+                para = b"</w:t></w:r></w:p><w:p><w:r><w:t>" + b"word " * 200
+                data = head + para * paragraphs + tail
+            archive.writestr(info.filename, data)
+        if blob:
+            archive.writestr("word/media/image1.png", blob)
+    return out.getvalue()
+
+
+def lie_about_size(data: bytes, member: str, size: int) -> bytes:
+    """The zip with `member`'s uncompressed size in the central directory set to `size`."""
+    name = member.encode()
+    at = data.index(b"PK\x01\x02")
+    while data[at + 46 : at + 46 + len(name)] != name:
+        at = data.index(b"PK\x01\x02", at + 4)
+    return data[: at + 24] + struct.pack("<I", size) + data[at + 28 :]
+
+
+def test_a_docx_that_unpacks_to_too_much_xml_is_refused(root: Path) -> None:
+    bomb = make_docx(3_000)  # 3 MB of XML in a file of a few KB
+    (root / "bomb.docx").write_bytes(bomb)
+    assert len(bomb) < 50_000
+    files = FilesSettings(roots=[root], max_xml_bytes=2_000_000)
+    refused(
+        r"bomb\.docx: the document's XML unpacks to \d{7} bytes, over the limit of 2000000 "
+        r"bytes \(a decompression bomb\?\)",
+        lambda: read_file(root / "bomb.docx", files),
+    )
+    # Declared sizes can lie; zipfile inflates no more than declared (what the check relies
+    # on), so the lie ends in a refusal, never in the 3 MB. (This holds without the check.)
+    (root / "liar.docx").write_bytes(lie_about_size(bomb, "word/document.xml", 1_000))
+    refused(
+        r"liar\.docx: unreadable DOCX \(BadZipFile", lambda: read_file(root / "liar.docx", files)
+    )
+    # Within the limit, the same document is read.
+    assert read_file(root / "bomb.docx", FilesSettings(roots=[root])).count("word") == 600_000
+
+
+def test_a_docx_that_unpacks_to_too_much_in_all_is_refused(root: Path) -> None:
+    (root / "blob.docx").write_bytes(make_docx(1, blob=b"\x89PNG\r\n\x1a\n" + bytes(3_000_000)))
+    files = FilesSettings(roots=[root], max_bytes=500_000)
+    refused(
+        r"blob\.docx: the document's content unpacks to \d{7} bytes, over the limit of 2000000 "
+        r"bytes",
+        lambda: read_file(root / "blob.docx", files),
+    )
+    # An image is held, not parsed: it does not count as XML. XML it is, though, however
+    # much white space comes before its first `<`.
+    files = FilesSettings(roots=[root], max_xml_bytes=2_000_000)
+    assert read_file(root / "blob.docx", files)
+    (root / "padded.docx").write_bytes(make_docx(1, blob=b" " * 3_000_000 + b"<x/>"))
+    refused(
+        r"padded\.docx: the document's XML unpacks to \d{7} bytes",
+        lambda: read_file(root / "padded.docx", files),
+    )
+
+
+def test_a_docx_bomb_is_refused_by_the_indexer_and_nothing_is_indexed(
+    db: Any, embedder: Any, standin: Any, root: Path
+) -> None:
+    (root / "bomb.docx").write_bytes(make_docx(3_000))
+    reader = Reader(FilesSettings(roots=[root], max_xml_bytes=2_000_000))
+    item = add_item(db, kind="file", title="bomb", content="", source=str(root / "bomb.docx"))
+    with pytest.raises(InvalidInput, match="unpacks to"):
+        index_item(db, item, embedder=embedder, options=IndexOptions(reader=reader))
+    state = get_state(db, item)
+    assert state["status"] == "failed" and "XML unpacks to" in state["last_error"]
+    assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
+    assert db.scalar("SELECT content FROM knowledge_items WHERE id = ?", (item,)) == ""
+    assert standin.texts == []
+
+
+def test_a_small_compressed_document_with_a_huge_text_is_refused(root: Path) -> None:
+    """Its text, counted as it is extracted, is held to the size limit in characters:
+    refused, not cut short."""
+    (root / "long.docx").write_bytes(make_docx(1_000))  # a million characters
+    pdf = FPDF()
+    pdf.set_font("Helvetica", "", 8)
+    for _ in range(5):
+        pdf.add_page()
+        pdf.text(10, 10, "word " * 10_000)  # one line, as long as it is
+    (root / "long.pdf").write_bytes(bytes(pdf.output()))
+    for name, limit in (("long.docx", 500_000), ("long.pdf", 50_000)):
+        size = (root / name).stat().st_size
+        files = FilesSettings(roots=[root], max_bytes=limit)
+        assert size <= files.max_bytes < len(read_file(root / name, FilesSettings(roots=[root])))
+        refused(
+            rf"{re.escape(name)}: the text extracted is over the size limit of "
+            rf"{files.max_bytes} characters",
+            lambda: read_file(root / name, files),  # noqa: B023
+        )
 
 
 # -- a real HTTP server on 127.0.0.1 ----------------------------------------------------------
@@ -743,7 +860,7 @@ import sys
 from pathlib import Path
 from worker.sources import files, urls
 assert files.html_to_markdown({ARTICLE!r})
-assert files.pdf_text(Path({str(tmp_path / "c.pdf")!r}).read_bytes(), "c.pdf")
+assert files.pdf_text(Path({str(tmp_path / "c.pdf")!r}).read_bytes(), "c.pdf", limit=10**6)
 print(sorted(m for m in sys.modules if m.split(".")[0] == "sqlite3"))
 """
     done = subprocess.run(

@@ -195,6 +195,9 @@ class FilesSettings(BaseModel):
 
     roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     max_bytes: int = Field(default=50_000_000, gt=0)
+    # The XML a zipped document (DOCX) may unpack to: parsed, it takes some 40 times its size
+    # in memory, and a few hundred KB of deflated XML can hold 100 MB.
+    max_xml_bytes: int = Field(default=20_000_000, gt=0)
 
     _split = field_validator("roots", mode="before")(_split_list)
 
@@ -204,6 +207,7 @@ class UrlSettings(BaseModel):
 
     allow_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     max_bytes: int = Field(default=10_000_000, gt=0)
+    max_xml_bytes: int = Field(default=20_000_000, gt=0)  # as FilesSettings.max_xml_bytes
     max_redirects: int = Field(default=5, ge=0, le=20)
     connect_timeout: float = Field(default=5.0, gt=0)
     timeout: float = Field(default=20.0, gt=0)

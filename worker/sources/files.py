@@ -14,6 +14,7 @@ import math
 import os
 import re
 import stat
+import zipfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,9 @@ _LABEL_ALIASES = {
     "ascii": "cp1252",
     "us-ascii": "cp1252",
 }
+# A zipped document (DOCX) may unpack to at most this many times the size limit in all (its
+# images and other blobs, held in memory); its XML has a limit of its own (`max_xml_bytes`).
+UNPACK_RATIO = 4
 # Lines of plain text that the chunker would take for a heading or a code fence.
 _MARKDOWN_LOOKALIKE = re.compile(r"^([ \t]{0,3})(#{1,6}(?:[ \t]|$)|`{3}|~{3})", re.M)
 
@@ -130,6 +134,35 @@ def html_to_markdown(html: str) -> str | None:
     return text if text and text.strip() else None
 
 
+class _TextBudget:
+    """The characters extracted so far, refused as soon as they pass the limit: a small
+    compressed file (deflated XML, a PDF's compressed streams) can hold a huge text, which
+    would hold a worker for minutes and make a hundred thousand chunks. Refused rather than
+    cut short, as an oversized file is: an index of part of a document would pass for whole."""
+
+    def __init__(self, name: object, limit: int) -> None:
+        self.name = name
+        self.limit = limit
+        self.used = 0
+
+    def take(self, chars: int) -> None:
+        self.used += chars
+        if self.used > self.limit:
+            raise text_over_limit(self.name, self.limit)
+
+
+def text_over_limit(name: object, limit: int) -> InvalidInput:
+    return _refuse(name, f"the text extracted is over the size limit of {limit} characters")
+
+
+def check_text_size(text: str, name: object, limit: int) -> str:
+    """`text`, refused when longer than `limit` characters (the source's size limit): no
+    file or page gives more text than the largest plain text file allowed."""
+    if len(text) > limit:
+        raise text_over_limit(name, limit)
+    return text
+
+
 def _font_size(tm: Any, cm: Any, size: float) -> float:
     """The rendered height: the font size scaled by the text and current matrices."""
     c = tm[2] * cm[0] + tm[3] * cm[2]
@@ -137,13 +170,14 @@ def _font_size(tm: Any, cm: Any, size: float) -> float:
     return round(size * (math.hypot(c, d) or 1.0), 1)
 
 
-def _page_runs(page: Any) -> tuple[str, list[tuple[float, str]]]:
+def _page_runs(page: Any, budget: _TextBudget) -> tuple[str, list[tuple[float, str]]]:
     """A page's text, and its runs of text in one font size, in order."""
     runs: list[tuple[float, str]] = []
 
     def visit(text: str, cm: Any, tm: Any, _font: Any, size: float) -> None:
         if not text:
             return
+        budget.take(len(text))
         height = _font_size(tm, cm, size)
         if runs and (abs(runs[-1][0] - height) < 0.5 or not text.strip()):
             runs[-1] = (runs[-1][0], runs[-1][1] + text)
@@ -170,16 +204,18 @@ def _mark_headings(text: str, headings: dict[str, int]) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip()
 
 
-def pdf_text(data: bytes, name: object) -> str:
+def pdf_text(data: bytes, name: object, *, limit: int) -> str:
     """A PDF's text, page by page with a blank line between; lines set in a font larger than
-    the body's become Markdown headings, ranked by size."""
+    the body's become Markdown headings, ranked by size. Refused once the text passes `limit`
+    characters (the size limit), counted as it is extracted."""
     import pypdf
 
+    budget = _TextBudget(name, limit)
     try:
         reader = pypdf.PdfReader(io.BytesIO(data))
         if reader.is_encrypted and not reader.decrypt(""):
             raise _refuse(name, "the PDF is encrypted; give kidx a copy without a password")
-        pages = [_page_runs(page) for page in reader.pages]
+        pages = [_page_runs(page, budget) for page in reader.pages]
     except InvalidInput:
         raise
     except Exception as e:  # pypdf raises many kinds on damaged files
@@ -208,21 +244,91 @@ def pdf_text(data: bytes, name: object) -> str:
     result = "\n\n".join(t for t in texts if t)
     if not result.strip():
         raise _refuse(name, "the PDF has no text layer (scanned?); nothing to index")
-    return result
+    return check_text_size(result, name, limit)
 
 
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def docx_to_markdown(data: bytes, name: object) -> str:
+_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
+_RUN_TEXT = frozenset(_W + tag for tag in ("br", "cr", "noBreakHyphen", "ptab", "t", "tab"))
+
+
+def _run_text(run: Any) -> str:
+    return "".join(str(e) for e in run if e.tag in _RUN_TEXT)
+
+
+def _paragraph_text(p: Any) -> str:
+    """`Paragraph.text` without its XPath queries, which python-docx compiles on every call
+    (13 µs a paragraph: a minute for a document of a few million empty ones)."""
+    parts: list[str] = []
+    for child in p:
+        if child.tag == _W + "r":
+            parts.append(_run_text(child))
+        elif child.tag == _W + "hyperlink":
+            parts.extend(_run_text(run) for run in child if run.tag == _W + "r")
+    return "".join(parts)
+
+
+def _is_markup(head: bytes) -> bool:
+    """Whether an entry beginning with `head` may be XML, which python-docx would parse
+    (taking some 40 times its size in memory), rather than a blob (an image) it only holds.
+    White space may come before XML's `<` (NULs too, in UTF-16): a head of nothing else may
+    be XML yet."""
+    rest = head.lstrip(b" \t\r\n\0")
+    return not rest or rest.startswith(b"<") or _bom(head) is not None
+
+
+def _check_unpacked(data: bytes, name: object, *, max_xml: int, max_total: int) -> None:
+    """Refuse a zip whose XML unpacks to more than `max_xml` bytes, or everything to more than
+    `max_total`, before python-docx inflates and parses it. The sizes are those its directory
+    declares; a lie cannot get past them, since zipfile never inflates an entry past its
+    declared size (what is cut off fails the CRC check; tests/test_sources.py checks it)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            entries = archive.infolist()
+            declared = sum(entry.file_size for entry in entries)
+            if declared > max_total:
+                raise _unpacks_over(name, "content", declared, max_total)
+            if declared > max_xml:
+                xml = sum(e.file_size for e in entries if _is_markup(_head(archive, e)))
+                if xml > max_xml:
+                    raise _unpacks_over(name, "XML", xml, max_xml)
+    except InvalidInput:
+        raise
+    except Exception as e:  # zipfile raises several kinds on damaged archives
+        raise _refuse(name, f"unreadable DOCX ({type(e).__name__}: {e})") from None
+
+
+def _head(archive: zipfile.ZipFile, entry: zipfile.ZipInfo) -> bytes:
+    with archive.open(entry) as member:
+        return member.read(64)
+
+
+def _unpacks_over(name: object, what: str, size: int, limit: int) -> InvalidInput:
+    return _refuse(
+        name,
+        f"the document's {what} unpacks to {size} bytes, over the limit of {limit} bytes "
+        "(a decompression bomb?)",
+    )
+
+
+def docx_to_markdown(data: bytes, name: object, *, limit: int, max_xml: int) -> str:
     """A DOCX as Markdown: Title/Heading N → `#`×N, list paragraphs → `- ` items, tables →
-    Markdown table rows."""
+    Markdown table rows. Refused when its XML unpacks to more than `max_xml` bytes, the whole
+    to more than `UNPACK_RATIO` × `limit` (the size limit), or its text passes `limit`
+    characters, counted as it is extracted."""
     import docx
     from docx.table import Table
 
+    _check_unpacked(data, name, max_xml=max_xml, max_total=UNPACK_RATIO * limit)
+    budget = _TextBudget(name, limit)
     try:
         document = docx.Document(io.BytesIO(data))
+        # A paragraph's style is found by a scan of every style when it has none of its own:
+        # looked up once per style, not once per paragraph.
+        styles: dict[str | None, str] = {}
         blocks: list[tuple[str, str]] = []  # (kind, markdown)
         for block in document.iter_inner_content():
             if isinstance(block, Table):
@@ -233,14 +339,20 @@ def docx_to_markdown(data: bytes, name: object) -> str:
                     width = rows[0].count(" | ") + 1
                     rows.insert(1, "|" + " --- |" * width)
                     blocks.append(("table", "\n".join(rows)))
+                    budget.take(len(blocks[-1][1]))
                 continue
-            text = block.text.strip()
-            style = (block.style.name if block.style is not None else "") or ""
+            text = _paragraph_text(block._p).strip()
+            if not text:
+                continue
+            budget.take(len(text))
+            style_id = block._p.style
+            if style_id not in styles:
+                found = block.style
+                styles[style_id] = (found.name if found is not None else "") or ""
+            style = styles[style_id]
             heading = re.fullmatch(r"heading\s*(\d)", style.strip(), re.I)
             ppr = block._p.pPr
             numbered = ppr is not None and ppr.numPr is not None
-            if not text:
-                continue
             if style == "Title" or heading:
                 level = min(int(heading.group(1)), 6) if heading else 1
                 blocks.append(("heading", "#" * max(level, 1) + " " + " ".join(text.split())))
@@ -250,15 +362,19 @@ def docx_to_markdown(data: bytes, name: object) -> str:
                 blocks.append(("item", indent + "- " + escape_markdown_lookalikes(text)))
             else:
                 blocks.append(("para", escape_markdown_lookalikes(text)))
+    except InvalidInput:
+        raise
     except Exception as e:  # python-docx, zipfile and lxml all raise on damaged files
         raise _refuse(name, f"unreadable DOCX ({type(e).__name__}: {e})") from None
-    out = ""
+    parts: list[str] = []
     for i, (kind, md) in enumerate(blocks):
-        sep = "\n" if i and kind == "item" and blocks[i - 1][0] == "item" else "\n\n"
-        out += (sep if i else "") + md
+        if i:
+            parts.append("\n" if kind == "item" and blocks[i - 1][0] == "item" else "\n\n")
+        parts.append(md)
+    out = "".join(parts)
     if not out.strip():
         raise _refuse(name, "the document has no text")
-    return out
+    return check_text_size(out, name, limit)
 
 
 # -- files ----------------------------------------------------------------------------------
@@ -340,17 +456,19 @@ def read_under_roots(path: str | Path, settings: FilesSettings) -> tuple[Path, b
 def read_file(path: str | Path, settings: FilesSettings) -> str:
     """The text to index from a file under the allowed roots, Markdown where structure exists.
 
-    Raises `InvalidInput` (naming the file) for anything it will not or cannot read.
+    Raises `InvalidInput` (naming the file) for anything it will not or cannot read, including
+    a file whose text is longer than `max_bytes` characters, whatever its size on disk.
     """
     shown = Path(path)
     resolved, data = read_under_roots(shown, settings)
     if not data:
         raise _refuse(shown, "the file is empty")
     suffix = resolved.suffix.lower()
+    limit = settings.max_bytes
     if suffix == ".pdf" or (suffix not in TEXT_SUFFIXES | HTML_SUFFIXES and data[:5] == b"%PDF-"):
-        text = pdf_text(data, shown)
+        text = pdf_text(data, shown, limit=limit)
     elif suffix == ".docx":
-        text = docx_to_markdown(data, shown)
+        text = docx_to_markdown(data, shown, limit=limit, max_xml=settings.max_xml_bytes)
     elif suffix in BINARY_SUFFIXES:
         raise _refuse(shown, f"binary or unsupported file type ({suffix})")
     elif suffix in HTML_SUFFIXES:
@@ -362,4 +480,4 @@ def read_file(path: str | Path, settings: FilesSettings) -> str:
         text = decode_text(data, shown)
     if not text.strip():
         raise _refuse(shown, "contains only white space; nothing to index")
-    return text
+    return check_text_size(text, shown, limit)

@@ -28,6 +28,7 @@ from worker import net
 from worker.errors import InvalidInput, SourceUnavailable
 from worker.settings import UrlSettings
 from worker.sources.files import (
+    check_text_size,
     decode_html,
     decode_text,
     docx_to_markdown,
@@ -184,23 +185,28 @@ def _body(url: httpx.URL, response: httpx.Response, settings: UrlSettings) -> by
     return b"".join(parts)
 
 
-def _to_text(url: httpx.URL, data: bytes, media: str, charset: str | None) -> str:
+def _to_text(
+    url: httpx.URL, data: bytes, media: str, charset: str | None, settings: UrlSettings
+) -> str:
+    """The page's text, refused past the size limit in characters however small the body: a
+    compressed PDF or DOCX can unpack to far more."""
+    limit = settings.max_bytes
     name = str(url)
     if media in HTML_TYPES:
         text = html_to_markdown(decode_html(data, name, charset))
         if text is None:
             raise InvalidInput(f"{url}: no main text could be extracted from the page")
     elif media == "application/pdf":
-        text = pdf_text(data, name)
+        text = pdf_text(data, name, limit=limit)
     elif media == DOCX_TYPE:
-        text = docx_to_markdown(data, name)
+        text = docx_to_markdown(data, name, limit=limit, max_xml=settings.max_xml_bytes)
     elif media.startswith("text/") or media.endswith(("/json", "+json", "/xml", "+xml")):
         text = decode_text(data, name, charset)
     else:
         raise InvalidInput(f"{url}: cannot read content of type {media}")
     if not text.strip():
         raise InvalidInput(f"{url}: the page contains only white space; nothing to index")
-    return text
+    return check_text_size(text, name, limit)
 
 
 def _send(
@@ -289,7 +295,8 @@ def fetch_url(
                 data = _body(current, response, settings)
             finally:
                 response.close()
-            return Fetched(_to_text(current, data, media, charset), str(current), media)
+            text = _to_text(current, data, media, charset, settings)
+            return Fetched(text, str(current), media)
         raise InvalidInput(f"{url}: too many redirects (more than {settings.max_redirects})")
     except httpx.TimeoutException as e:
         detail = str(e) or type(e).__name__
