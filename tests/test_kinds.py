@@ -4,6 +4,7 @@ the embedding stand-in, a real page server on 127.0.0.1 (allowed by setting in t
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -40,7 +41,7 @@ from worker.retrieval import search
 from worker.settings import FilesSettings, UrlSettings
 from worker.sources import Reader
 from worker.store import connect, vec_table_dimensions
-from worker.store.items import add_item, get_state, summary
+from worker.store.items import add_item, get_state, list_chunks, summary
 from worker.store.jobs import JobState, record_end, record_start
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -327,6 +328,36 @@ def test_a_python_package_becomes_code_chunks_that_only_code_search_returns(
             assert "fts" in hit.via.split("+") and name in content, (name, hit)
     notes = search(db, "anything about code", embedder, k=50)
     assert {h.item_id for h in notes.hits} == {note}  # note search never returns code
+
+
+def test_a_code_items_chunks_are_listed_like_a_notes(db, embedder, standin, files_root, reader):
+    """`list_chunks` (`kidx chunks`) of a code item: its code_chunks, in the notes' shape, a
+    chunk without a vector (the provider refused it) shown as such."""
+    (files_root / "m.py").write_text(
+        "def alpha():\n    return 1\n\n\ndef beta():\n    return 'POISON'\n\n\n"
+        "def gamma():\n    return 3\n"
+    )
+    item = add_item(db, kind="code", title="m.py", content="", source=str(files_root / "m.py"))
+    note = add_item(db, kind="note", title="N", content="A note about things.")
+    index_item(db, note, embedder=embedder)
+    standin.poison = "POISON"
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(reader=reader))
+    assert result.status == "partial" and result.chunks == 3
+    rows = list_chunks(db, item)
+    assert [(r["chunk_index"], r["has_embedding"], r["summary"]) for r in rows] == [
+        (0, True, "m.py:1-2"),
+        (1, False, "m.py:5-6"),
+        (2, True, "m.py:9-10"),
+    ]
+    defs = [
+        "def alpha():\n    return 1",
+        "def beta():\n    return 'POISON'",
+        "def gamma():\n    return 3",
+    ]
+    assert [r["length"] for r in rows] == [len(d) for d in defs]
+    assert {r["chunk_method"] for r in rows} == {"structure"}
+    assert {(r["start_offset"], r["end_offset"]) for r in rows} == {(None, None)}
+    assert set(rows[0]) == set(list_chunks(db, note)[0])
 
 
 def test_a_dimension_change_rebuilds_and_refills_all_four_vec_tables(tmp_path, standin):
@@ -627,7 +658,15 @@ def test_kidx_add_file_url_code_memory_and_search(tmp_path, standin, pages, file
     assert out.returncode == 0, out.stderr
     out = kidx("add", "code", str(ROOT / "worker" / "store"), "--inline", "--json")
     assert out.returncode == 0, out.stderr
-    assert len(json.loads(out.stdout)["ids"]) >= 5
+    code_ids = json.loads(out.stdout)["ids"]
+    assert len(code_ids) >= 5
+    # A code item's chunks list as a note's do: where each is, whether it has a vector.
+    rows = json.loads(kidx("chunks", str(code_ids[0]), "--json").stdout)
+    assert rows and all(r["has_embedding"] and r["chunk_method"] == "structure" for r in rows)
+    assert all(re.fullmatch(r"\S+\.py:\d+-\d+", r["summary"]) for r in rows)
+    table = kidx("chunks", str(code_ids[0])).stdout
+    body = [ln for ln in table.splitlines() if ln.startswith("│")]
+    assert len(body) == len(rows) and rows[0]["summary"] in body[0] and "yes" in body[0]
     assert kidx("add", "memory", "Remember the borrow checker.").returncode == 0
     out = kidx("search", "--code", "def connect", "--json")
     assert out.returncode == 0 and {"path", "start_line", "end_line", "score", "via"} <= set(

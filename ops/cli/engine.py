@@ -324,7 +324,8 @@ def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool, struc
 @command(cli)
 @click.argument("item", type=ID)
 def chunks(ctx: Ctx, item: int) -> None:
-    """An item's chunks: index, method, has_embedding, summary, offsets, length."""
+    """An item's chunks: index, method, has_embedding, summary, offsets, length (a code
+    item's: `path:first-last` line as the summary, no offsets)."""
     from worker.store.items import list_chunks
 
     with ctx.store() as db:

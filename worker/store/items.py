@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from worker.chunking.base import text_hash
+from worker.chunking.base import ChunkMethod, text_hash
 from worker.errors import InvalidInput, ItemNotFound
 from worker.store.db import Database
 from worker.store.text import NotText, shown, strict
@@ -198,8 +198,11 @@ def list_states(db: Database) -> list[dict[str, Any]]:
 
 def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
     """What a chunk list shows (a UI's NoteChunkDto): index, method, has_embedding, summary,
-    offsets, length."""
-    get_item(db, item_id)
+    offsets, length. A code item's chunks (`code_chunks`) in the same shape: structural, with
+    their place (`path:first-last` line) as the summary and no character offsets, since they
+    are stored by line."""
+    if get_item(db, item_id, content=False).kind == "code":
+        return _code_chunks(db, item_id)
     rows = db.dicts(
         "SELECT c.chunk_index, c.method AS chunk_method, "
         "(e.chunk_id IS NOT NULL) AS has_embedding, c.summary, c.start_offset, c.end_offset, "
@@ -212,6 +215,27 @@ def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
     for row in rows:
         row["has_embedding"] = bool(row["has_embedding"])
     return rows
+
+
+def _code_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
+    rows = db.all(
+        "SELECT c.chunk_index, (e.chunk_id IS NOT NULL), c.path, c.start_line, c.end_line, "
+        "c.content FROM code_chunks c LEFT JOIN code_chunk_embeddings e ON e.chunk_id = c.id "
+        "WHERE c.item_id = ? ORDER BY c.chunk_index",
+        (item_id,),
+    )
+    return [
+        {
+            "chunk_index": index,
+            "chunk_method": ChunkMethod.STRUCTURE.value,  # code is cut at its definitions
+            "has_embedding": bool(embedded),
+            "summary": f"{path}:{first}-{last}",
+            "start_offset": None,
+            "end_offset": None,
+            "length": len(content),  # in Python: SQLite's length() stops at a NUL
+        }
+        for index, embedded, path, first, last, content in rows
+    ]
 
 
 def all_item_ids(db: Database) -> list[int]:
