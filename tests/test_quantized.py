@@ -240,8 +240,7 @@ def test_a_chunk_whose_embedding_failed_never_inherits_a_vector_left_under_its_i
     first = db.scalar(f"SELECT id FROM {chunks} WHERE item_id = ? ORDER BY chunk_index", (b,))
     assert first == top  # the id was taken again, by the chunk whose embedding was refused
     assert db.scalar(f"SELECT count(*) FROM {vectors} WHERE chunk_id = ?", (top,)) == 0
-    if kind == "note":  # (the chunk list of code items: next)
-        assert list_chunks(db, b)[0]["has_embedding"] is False
+    assert list_chunks(db, b)[0]["has_embedding"] is False
     assert mirror_problems(db) == []
     fake.calls.clear()  # the next run embeds it: nothing of another chunk is reused for it
     result = index_item(db, b, embedder=fake, options=options)
