@@ -33,6 +33,7 @@ from worker.errors import InvalidInput, SourceUnavailable
 from worker.indexers import IndexOptions
 from worker.settings import FilesSettings, UrlSettings
 from worker.sources import Reader
+from worker.sources import files as files_module
 from worker.sources.files import pdf_text, read_file
 from worker.sources.urls import Fetched, fetch_url
 from worker.store.items import add_item, get_state
@@ -289,6 +290,31 @@ def test_symlink_that_leads_outside(tmp_path: Path, root: Path, files: FilesSett
     assert "link.md" in message and "resolves to" in message
     (root / "linkdir").symlink_to(tmp_path, target_is_directory=True)
     refused("outside", lambda: read_file(root / "linkdir" / "secret.md", files))
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_folder_swapped_for_a_symlink_after_the_check_is_not_followed(
+    tmp_path: Path, root: Path, files: FilesSettings, monkeypatch: pytest.MonkeyPatch, depth: int
+) -> None:
+    """The race: the path is checked (resolved under the roots), then someone who may write
+    under the roots swaps a folder on the way for a symlink out of them, then it is opened."""
+    outside = tmp_path / "outside" / "a" / "b"
+    outside.mkdir(parents=True)
+    inside = root / "a" / "b"
+    inside.mkdir(parents=True)
+    for folder, text in ((outside, "# secret\n"), (inside, "# mine\n")):
+        (folder / "f.md").write_text(text)
+    swapped = root / "a" if depth == 1 else inside
+    real = files_module.resolve_under_roots
+
+    def check_then_swap(path: Any, settings: FilesSettings) -> Path:
+        resolved = real(path, settings)
+        swapped.rename(swapped.with_name("moved"))
+        swapped.symlink_to(tmp_path / "outside" / "a" if depth == 1 else outside)
+        return resolved
+
+    monkeypatch.setattr(files_module, "resolve_under_roots", check_then_swap)
+    refused("cannot be opened", lambda: read_file(inside / "f.md", files))
 
 
 def test_symlink_inside_the_roots_reads_the_target(root: Path, files: FilesSettings) -> None:

@@ -420,7 +420,8 @@ def read_under_roots(path: str | Path, settings: FilesSettings) -> tuple[Path, b
 
     Refused before it is opened: anything outside the roots (resolved), a FIFO, a device, a
     socket or a folder (opening a FIFO blocks; a device reads without end). Then opened
-    without following a symlink swapped in since the check and without blocking, checked
+    without following a symlink swapped in since the check, at any depth (`_open_beneath`),
+    and without blocking, checked
     again on the open file, and read up to the size limit, which holds while reading too.
     A file that says it is empty is not read (the pseudo files of /proc say so too)."""
     shown = Path(path)
@@ -434,9 +435,8 @@ def read_under_roots(path: str | Path, settings: FilesSettings) -> tuple[Path, b
         raise _refuse(
             shown, f"is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, not a regular file"
         )
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(resolved, flags)
+        fd = _open_beneath(resolved, settings)
     except OSError as e:
         raise _refuse(shown, f"cannot be opened ({e.strerror or e})") from None
     with os.fdopen(fd, "rb") as f:
@@ -451,6 +451,28 @@ def read_under_roots(path: str | Path, settings: FilesSettings) -> tuple[Path, b
     if len(data) > limit:
         raise _refuse(shown, f"is over the size limit of {limit} bytes")
     return resolved, data
+
+
+def _open_beneath(resolved: Path, settings: FilesSettings) -> int:
+    """Open the resolved path one name at a time from its root, following no symlink: a
+    folder on the way swapped for a symlink after the check (by anyone who may write under
+    the roots) fails the open (ELOOP, ENOTDIR), where opening the whole path would follow it
+    out of the roots. Without `dir_fd` (not Linux), the last name only is not followed."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    roots = [r.expanduser().resolve() for r in settings.roots]
+    root = next((r for r in roots if resolved.is_relative_to(r) and resolved != r), None)
+    if root is None or os.open not in os.supports_dir_fd:
+        return os.open(resolved, flags)
+    *folders, name = resolved.relative_to(root).parts
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for folder in folders:
+            inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        return os.open(name, flags, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def read_file(path: str | Path, settings: FilesSettings) -> str:
