@@ -127,9 +127,12 @@ class Run:
 
         SIGTERM (`kidx cancel --terminate`) is a cancellation from the first step to the last
         record: a terminate that came after the run saw the revoke in Redis, while it recorded
-        the revoke, ended the process before the job rows were written."""
+        the revoke, ended the process before the job rows were written. The result is
+        scrubbed of every configured secret: it goes to the result backend and the Tasks page,
+        and an item's error is what a provider said (the HTTP client masks its own key; a
+        provider of a host's own may not)."""
         with running():
-            return self._execute()
+            return self.rt.redact.scrub(self._execute())
 
     def _execute(self) -> dict[str, Any]:
         try:

@@ -5,6 +5,7 @@ tests/test_groups.py and the fault suite."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -30,7 +31,7 @@ from tasks.run import IndexFailed, backoff, bad_arguments, longest_countdown, st
 from tasks.runtime import Runtime
 from tasks.streak import BatchStreak, streak_key
 from worker.app import create_app
-from worker.errors import TransientProviderError
+from worker.errors import PermanentProviderError, TransientProviderError
 from worker.log import Redact
 from worker.providers.http import RetryLater
 from worker.settings import load_settings
@@ -426,3 +427,27 @@ def test_a_terminate_that_comes_while_the_revoke_is_recorded_does_not_end_the_pr
     assert reached == []  # the run's handler took it: it did not reach the process's own
     assert set(job_states(rt, run).values()) == {"revoked"}
     assert task.revoked == [run.task_id]
+
+
+class Quoting(FakeEmbedder):
+    """Refuses one text alone with a message that quotes the configured key (a provider of a
+    host's own, not kidx's HTTP client, which masks its key itself)."""
+
+    def embed_batch(self, texts: list[str]) -> Any:
+        if any("Refused" in t for t in texts):
+            raise PermanentProviderError(
+                "400 invalid input for key sk-test-key-not-for-logs", per_input=True
+            )
+        return super().embed_batch(texts)
+
+
+@pytest.mark.parametrize("kind", ["single", "group"])
+def test_a_partial_items_error_reaches_the_result_without_a_secret(rt, kind) -> None:
+    rt.embedder = Quoting()
+    content = "# Kept\n\n" + "Words. " * 120 + "\n\n# Refused\n\n" + "Other words. " * 20
+    item = add_item(rt.db, kind="note", title="partial", content=content)
+    run, _ = single(rt, item) if kind == "single" else group(rt, [item])
+    result = run.execute()
+    shown = json.dumps(result)
+    assert "partial" in shown and "invalid input for key ***" in shown
+    assert "sk-test-key-not-for-logs" not in shown
