@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 from markdown_it import MarkdownIt
 
 from conftest import DIMS, corpus_text, standin_settings
@@ -341,8 +342,13 @@ def test_a_code_items_chunks_are_listed_like_a_notes(db, embedder, standin, file
     note = add_item(db, kind="note", title="N", content="A note about things.")
     index_item(db, note, embedder=embedder)
     standin.poison = "POISON"
-    result = index_item(db, item, embedder=embedder, options=IndexOptions(reader=reader))
+    with structlog.testing.capture_logs() as logs:
+        result = index_item(db, item, embedder=embedder, options=IndexOptions(reader=reader))
     assert result.status == "partial" and result.chunks == 3
+    chunked = [e for e in logs if e["event"] == "[Chunk] chunked"]  # as a note's run logs it
+    assert [(e["chunk_method"], e["chunk_count"], e["dimensions"]) for e in chunked] == [
+        ("structure", 3, db.dimensions)
+    ]
     rows = list_chunks(db, item)
     assert [(r["chunk_index"], r["has_embedding"], r["summary"]) for r in rows] == [
         (0, True, "m.py:1-2"),
@@ -405,6 +411,19 @@ def test_a_memory_is_found_by_memory_search_and_by_nothing_else(db, embedder):
     assert search_code(db, "The user prefers examples in Rust.", embedder)[0] == []
     with pytest.raises(InvalidInput, match="short text"):
         add_memory(db, "x" * 5000, embedder)
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.5, True, "3", 10**6])
+@pytest.mark.parametrize("which", ["memories", "code"])
+def test_memory_and_code_search_refuse_what_chunk_search_refuses(db, embedder, which, k):
+    """k=-1 returned every hit but the last, k=0 nothing, k=2.5 a TypeError; a query that is
+    not a string an AttributeError."""
+    add_memory(db, "The user likes tea.", embedder)
+    find = search_memories if which == "memories" else search_code
+    with pytest.raises(InvalidInput, match="k must be an integer from 1 to 1000"):
+        find(db, "tea", embedder, k=k)
+    with pytest.raises(InvalidInput, match="the query is empty"):
+        find(db, None, embedder, k=3)  # type: ignore[arg-type]
 
 
 def memory_rows(db) -> dict[str, list]:

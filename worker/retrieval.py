@@ -138,6 +138,15 @@ class ChunkSearch:
     notes: list[str] = field(default_factory=list)
 
 
+def check_query(query: object, k: object) -> None:
+    """Every search's arguments, as a caller in any language may send them: a non-empty
+    string, and k from 1 to MAX_K (k=-1 would slice all hits but the last)."""
+    if not isinstance(query, str) or not query.strip():
+        raise InvalidInput("the query is empty")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise InvalidInput(f"k must be an integer from 1 to {MAX_K}, not {k!r}")
+
+
 def search_chunks(
     db: Database,
     query: str,
@@ -151,10 +160,7 @@ def search_chunks(
 ) -> ChunkSearch:
     """The k chunks best matching `query` (with `per_item`: the best chunk of each of k items).
     `tuning`: the two-pass vector search's settings (`KIDX_SEARCH__*`; default: the defaults)."""
-    if not isinstance(query, str) or not query.strip():
-        raise InvalidInput("the query is empty")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
-        raise InvalidInput(f"k must be an integer from 1 to {MAX_K}, not {k!r}")
+    check_query(query, k)
     try:
         mode = Mode(mode)
     except ValueError:

@@ -7,12 +7,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from worker.chunking import ChunkMethod
 from worker.chunking.code import chunk_code
 from worker.errors import InvalidInput
 from worker.indexers.base import Indexer, IndexOptions, Planned, plan_vectors
+from worker.log import CHUNK
 from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel
-from worker.retrieval import fuse
+from worker.retrieval import check_query, fuse
 from worker.store.db import Database
 from worker.store.fts import CODE, fts_write_item, keyword_query
 from worker.store.items import Item
@@ -42,6 +44,12 @@ class Code(Indexer):
         chunks = chunk_code(text, item.source or item.title)
         if not chunks:
             raise InvalidInput(f"{item.title}: no code to index")
+        ilog.info(
+            f"{CHUNK} chunked",
+            chunk_method=str(ChunkMethod.STRUCTURE),
+            chunk_count=len(chunks),
+            dimensions=db.dimensions,
+        )
         plan = plan_vectors(
             db,
             item,
@@ -116,8 +124,7 @@ def search_code(
     (worker.retrieval: RRF, the keyword side trusted twice as much), since a query naming an
     identifier is what code search is asked most. `score`: the cosine similarity when only
     the vector side serves, else the fused score; the paths that served, joined by `+`."""
-    if not query.strip():
-        raise InvalidInput("the query is empty")
+    check_query(query, k)
     depth = max(k, CANDIDATES)
     found, via, reason = nearest(
         db, VEC["vec_work_code_chunks"], embedder.embed([query])[0], depth, embedder.model_id

@@ -15,6 +15,7 @@ from worker.indexers.base import MAX_CONSECUTIVE_FAILURES, Indexer, IndexOptions
 from worker.log import get_logger
 from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel, to_blob
+from worker.retrieval import check_query
 from worker.store.db import Database
 from worker.store.items import Item
 from worker.store.text import NotText, shown, strict
@@ -80,8 +81,7 @@ class Memories(Indexer):
     def search(
         self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10
     ) -> tuple[list[MemoryHit], str, str | None]:
-        if not query.strip():
-            raise InvalidInput("the query is empty")
+        check_query(query, k)
         found, via, reason = nearest(
             db, VEC["vec_memories"], embedder.embed([query])[0], k, embedder.model_id
         )
