@@ -26,7 +26,10 @@ from tasks.producer import enqueue
 from tasks.run import IndexFailed, Run, backoff, bad_arguments, stored_reason, valid_id
 from tasks.runtime import runtime
 from worker.errors import IndexAborted, KidxError
+from worker.log import KI_EMBED, get_logger
 from worker.store.jobs import JobState, group_job_id, record_starts
+
+log = get_logger("kidx.tasks")
 
 
 @shared_task(name=GROUP, bind=True, throws=(IndexFailed,))
@@ -62,6 +65,7 @@ def index_group(
         jobs = [(run.job(i)[0], i) for i in run.ids]
         record_starts(rt.db, jobs, GROUP, batch_id, stored_reason(reason))
         if problem is not None:
+            log.error(f"{KI_EMBED} refused", reason=problem)
             for item_id in run.ids:
                 run._failed(item_id, run.line(item_id, problem), "bad_input")
             raise IndexFailed(run.failure())

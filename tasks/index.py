@@ -24,7 +24,7 @@ from tasks import cancel as cancellation
 from tasks.run import IndexFailed, Run, backoff, bad_arguments, stored_reason, valid_id
 from tasks.runtime import close_runtime, runtime
 from worker.errors import IndexAborted
-from worker.log import get_logger
+from worker.log import KI_EMBED, get_logger
 from worker.store.jobs import JobState, record_end, record_start
 
 log = get_logger("kidx.tasks")
@@ -140,6 +140,7 @@ def start(
             kinds=kinds,
         )
         if problem is not None:
+            log.error(f"{KI_EMBED} refused", reason=problem)
             message = run.line(item_id, problem)
             record_end(rt.db, task_id, attempt, JobState.FAILED, run.took(), message)
             raise IndexFailed(message)

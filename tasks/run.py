@@ -161,6 +161,7 @@ class Run:
         except (Cancelled, SoftTimeLimitExceeded) as e:
             if isinstance(e, SoftTimeLimitExceeded) and not TERMINATED.is_set():
                 limit = f"ran over the soft time limit of {self.settings.tasks.soft_time_limit} s"
+                log.error(f"{KI_EMBED} failed", items=self._open(), reason=limit)
                 for item_id in self._open():
                     self._failed(item_id, self.line(item_id, limit), "time_limit")
                 raise IndexFailed(self.failure()) from None
@@ -313,6 +314,7 @@ class Run:
                 wrong = WrongTaskKind(
                     f"item {item_id} is a {kind}: send {other}, not {self.task.name}"
                 )
+                log.error(f"{KI_EMBED} failed", item_id=item_id, reason=str(wrong))
                 self._failed(item_id, self.line(item_id, str(wrong)), "bad_input")
 
     def _send_on(self, item_ids: list[int]) -> None:

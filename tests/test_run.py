@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+import structlog
 from celery.exceptions import Ignore
 
 from conftest import FakeEmbedder
@@ -451,3 +452,22 @@ def test_a_partial_items_error_reaches_the_result_without_a_secret(rt, kind) -> 
     shown = json.dumps(result)
     assert "partial" in shown and "invalid input for key ***" in shown
     assert "sk-test-key-not-for-logs" not in shown
+
+
+def test_a_failure_of_the_task_layer_has_its_ki_embed_line(rt) -> None:
+    """The seed: failure reasons under the [KI Embed] prefix, for what fails before the engine
+    runs too (the engine logs its own): the wrong task for the item's kind, bad arguments."""
+    from tasks.index import start
+
+    item = add_item(rt.db, kind="file", title="f.md", content="", source="/nowhere/f.md")
+    run, _ = single(rt, item)  # GenerateEmbedding: notes only
+    with structlog.testing.capture_logs() as logs, pytest.raises(IndexFailed):
+        run.execute()
+    failed = [e for e in logs if e["event"] == "[KI Embed] failed"]
+    assert failed and "send GenerateKnowledgeItemEmbedding" in failed[0]["reason"]
+    rt.app.kidx_runtime = rt  # type: ignore[attr-defined]
+    task = FakeTask(rt.app, NOTE)  # type: ignore[attr-defined]
+    with structlog.testing.capture_logs() as logs, pytest.raises(IndexFailed):
+        start(task, "abc", None, None, False, frozenset({"note"}))  # type: ignore[arg-type]
+    refused = [e for e in logs if e["event"] == "[KI Embed] refused"]
+    assert refused and "the item id must be a positive integer" in refused[0]["reason"]
