@@ -1,17 +1,22 @@
 """The sweep tasks beat sends: reconcile (mend the mirror, send what drifted) and the retry sweep
 (send failed items again, with growing delays). Each sends its items as a batch, so three
-consecutive failures abort it like any batch."""
+consecutive failures abort it like any batch. One sweep of a kind runs at a time per database
+(a Redis lock, not waited for): two that a backed-up queue delivered together would each find
+the same items not yet sent, and send them twice."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 import redis
 from celery import Task, shared_task
+from redis.exceptions import LockError
 
 from tasks.broker import live_task_ids
-from tasks.lock import held
+from tasks.lock import held, sweep_key
 from tasks.producer import send_batch
 from tasks.runtime import Runtime, runtime
 from worker.app import EMBED_MEMORIES, RECONCILE, RETRY_SWEEP
@@ -22,11 +27,34 @@ from worker.reconcile import due_retries, mark_lost, queued_jobs, reconcile, rec
 log = get_logger("kidx.scheduler")
 
 
+@contextlib.contextmanager
+def alone(rt: Runtime, sweep: str) -> Iterator[bool]:
+    """Whether this is the only sweep of its kind running now (the lock, held meanwhile; it
+    expires after the hard time limit, should the process die holding it)."""
+    lock = rt.redis.lock(
+        sweep_key(rt.db.instance(), sweep), timeout=rt.settings.tasks.time_limit, thread_local=False
+    )
+    if not lock.acquire(blocking=False):
+        log.info(f"{sweep} sweep skipped: another one is running")
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(LockError):  # it expired: another sweep may hold it now
+            lock.release()
+
+
 @shared_task(name=RECONCILE, bind=True)
 def reconcile_sweep(self: Task) -> dict[str, Any]:
     """Repair vec rows at once; send the items that need a run as a `reconcile` batch, and
     the memories that need a vector to `kidx.embed_memories`."""
     rt = runtime(self.app)
+    with alone(rt, "reconcile") as only:
+        return _reconcile(self, rt) if only else {"skipped": "another reconcile sweep is running"}
+
+
+def _reconcile(self: Task, rt: Runtime) -> dict[str, Any]:
     settings = rt.settings
     model = rt.embedder.model_id if rt.embedder is not None else settings.embedding.model
     lost = _lost_jobs(rt, self.app.conf.task_default_queue)
@@ -92,6 +120,11 @@ def _lost_jobs(rt: Runtime, queue: str) -> int:
 def retry_sweep(self: Task) -> dict[str, Any]:
     """Send failed items whose backoff has passed as a `retry` batch."""
     rt = runtime(self.app)
+    with alone(rt, "retry") as only:
+        return _retry(self, rt) if only else {"skipped": "another retry sweep is running"}
+
+
+def _retry(self: Task, rt: Runtime) -> dict[str, Any]:
     settings = rt.settings
     s = settings.scheduler
     due = due_retries(

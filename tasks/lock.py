@@ -42,6 +42,11 @@ def memories_key(space: str) -> str:
     return f"kidx:{space}:lock:memories"
 
 
+def sweep_key(space: str, sweep: str) -> str:
+    """The lock of a database's running sweep of one kind (scheduler/tasks.py)."""
+    return f"kidx:{space}:lock:sweep:{sweep}"
+
+
 def rerun_key(space: str, item_id: int) -> str:
     return f"kidx:{space}:rerun:item:{item_id}"
 

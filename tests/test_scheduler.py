@@ -16,7 +16,10 @@ from scheduler.beat import HEARTBEAT_KEY, LEASE_KEY
 from stack import CELERY, Proc, Stack, running_stack, wait_for
 from tasks import broker
 from tasks.broker import live_task_ids
+from tasks.lock import sweep_key
 from tasks.producer import enqueue
+from worker.app import beat_schedule
+from worker.settings import load_settings
 from worker.store.items import get_state
 from worker.store.jobs import record_queued
 
@@ -93,6 +96,29 @@ def test_one_sweep_mends_vec_rows_without_any_embedding_call(stack):
     assert stack.standin.requests == 0
     mirrored = stack.db.scalar("SELECT count(*) FROM vec_chunk_embeddings")
     assert mirrored == stack.db.scalar("SELECT count(*) FROM note_chunk_embeddings")
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"), [("kidx.reconcile", "reconcile"), ("kidx.retry_sweep", "retry")]
+)
+def test_a_sweep_runs_alone_and_beat_lets_a_queued_one_expire(stack, name, kind):
+    """Two sweeps of a kind that a backed-up queue delivered together would each send the
+    same items: the second finds the first's lock and does nothing."""
+    item = stack.note(
+        f"Alone {kind}", "A note the sweep would send."
+    )  # pending: reconcile sends it
+    key = sweep_key(stack.db.instance(), kind)
+    assert stack.redis.set(key, "another sweep", ex=60)
+    try:
+        assert stack.sweep(name) == {"skipped": f"another {kind} sweep is running"}
+        assert stack.db.scalar("SELECT count(*) FROM index_jobs WHERE item_id = ?", (item,)) == 0
+    finally:
+        stack.redis.delete(key)
+    assert "skipped" not in stack.sweep(name) and not stack.redis.exists(key)
+    stack.wait_idle()
+    schedule = beat_schedule(load_settings(scheduler={"reconcile_every": 600}))
+    assert schedule["kidx-reconcile"]["options"] == {"expires": 600}
+    assert beat_schedule(load_settings())["kidx-retry-sweep"]["options"]["expires"] >= 60
 
 
 def test_an_item_edited_directly_in_the_database_is_indexed_by_the_next_sweep(stack):

@@ -36,11 +36,21 @@ EMBED_MEMORIES = "kidx.embed_memories"  # tasks/memories.py, sent by the reconci
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
-    """The periodic sweeps, by task name, every so many seconds from the settings."""
+    """The periodic sweeps, by task name, every so many seconds from the settings; a sweep
+    still queued when the next is due (or a minute, if that is later) expires: a backed-up
+    queue keeps about one of each, not one a period."""
     s = settings.scheduler
     return {
-        "kidx-reconcile": {"task": RECONCILE, "schedule": s.reconcile_every},
-        "kidx-retry-sweep": {"task": RETRY_SWEEP, "schedule": s.retry_every},
+        "kidx-reconcile": {
+            "task": RECONCILE,
+            "schedule": s.reconcile_every,
+            "options": {"expires": max(s.reconcile_every, 60.0)},
+        },
+        "kidx-retry-sweep": {
+            "task": RETRY_SWEEP,
+            "schedule": s.retry_every,
+            "options": {"expires": max(s.retry_every, 60.0)},
+        },
     }
 
 
