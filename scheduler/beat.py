@@ -9,6 +9,7 @@ lease after its TTL, and another takes over.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -35,6 +36,14 @@ if v == ARGV[1] or not v then
 end
 return 0
 """
+# Give the lease up only if we still hold it, in one step (a GET then a DELETE could delete
+# the lease another beat took in between, once ours had expired).
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('del', KEYS[1])
+end
+return 0
+"""
 
 
 class LeaderScheduler(PersistentScheduler):
@@ -43,7 +52,11 @@ class LeaderScheduler(PersistentScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.identity = f"{socket.gethostname()}:{os.getpid()}"
-        self.redis = redis.Redis.from_url(self.app.conf.broker_url)
+        # A Redis that stops answering must not stop beat's loop for good: a tick that
+        # cannot reach it sends nothing (`_lead`), and tries again at the next.
+        self.redis = redis.Redis.from_url(
+            self.app.conf.broker_url, socket_timeout=TICK, socket_connect_timeout=TICK
+        )
         self.leading: bool | None = None  # unknown until the first tick: both states are logged
 
     def _lead(self) -> bool:
@@ -67,9 +80,6 @@ class LeaderScheduler(PersistentScheduler):
 
     def close(self) -> None:
         if self.leading:
-            try:
-                if self.redis.get(LEASE_KEY) == self.identity.encode():
-                    self.redis.delete(LEASE_KEY)
-            except redis.RedisError:
-                pass
+            with contextlib.suppress(redis.RedisError):
+                self.redis.eval(_RELEASE, 1, LEASE_KEY, self.identity)
         super().close()

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from conftest import corpus_text
+from scheduler import beat
 from scheduler.beat import HEARTBEAT_KEY, LEASE_KEY
 from stack import CELERY, Proc, Stack, running_stack, wait_for
 from tasks import broker
@@ -270,6 +271,20 @@ def test_two_beats_send_each_sweep_once(stack):
     assert len(leading) == 1 and len(following) == 1
     sweeps = stack.worker.log.count('"event": "reconcile sweep"') - before
     assert 3 <= sweeps <= elapsed + 2  # one beat's worth (every second), not two
+
+
+def test_a_beat_gives_up_only_a_lease_it_still_holds(stack):
+    """Its lease expired and another beat took it: closing must not delete the other's (the
+    release is one step in Redis, not a GET then a DELETE)."""
+    key = "kidx:test:lease"
+    stack.redis.set(key, "host:2 (the new leader)", ex=60)
+    try:
+        assert stack.redis.eval(beat._RELEASE, 1, key, "host:1") == 0
+        assert stack.redis.get(key) == b"host:2 (the new leader)"
+        assert stack.redis.eval(beat._RELEASE, 1, key, "host:2 (the new leader)") == 1
+        assert not stack.redis.exists(key)
+    finally:
+        stack.redis.delete(key)
 
 
 def test_a_model_switch_reindexes_everything_while_search_keeps_answering(stack):
