@@ -43,3 +43,20 @@ def test_the_tasks_have_the_seeds_names():
 def test_limits_out_of_order_are_refused_at_start(tasks):
     with pytest.raises(ConfigError, match="KIDX_TASKS"):
         load_settings(tasks=tasks)
+
+
+@pytest.mark.parametrize(
+    ("flower", "variable"),
+    [
+        ({"user": "kidx", "password": "Tr0ub4dor,horse"}, "KIDX_FLOWER__PASSWORD"),  # 2 creds
+        ({"user": "ops,admin", "password": "a long password"}, "KIDX_FLOWER__USER"),
+        ({"user": "ops:admin", "password": "a long password"}, "KIDX_FLOWER__USER"),
+        ({"user": "ops", "password": "pässwörd"}, "KIDX_FLOWER__PASSWORD"),  # a 500, each page
+    ],
+)
+def test_flower_credentials_that_flower_would_mangle_are_refused_at_start(flower, variable):
+    """FLOWER_BASIC_AUTH is split on commas (a password `a,b` became the credentials `kidx:a`
+    and `b`), and Flower's hmac.compare_digest refuses non-ASCII text."""
+    with pytest.raises(ConfigError, match=variable) as e:
+        load_settings(flower=flower)
+    assert flower["password"] not in str(e.value)  # the message never shows the secret

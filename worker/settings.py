@@ -49,6 +49,16 @@ def _split_list(value: object) -> object:
     return value
 
 
+def _basic_auth_safe(value: str) -> None:
+    """What Flower's basic auth would mangle: FLOWER_BASIC_AUTH (and --basic-auth) is split on
+    commas into several credentials, and it compares them with hmac.compare_digest, which
+    refuses a non-ASCII str (every request would fail)."""
+    if "," in value:
+        raise ValueError("must not contain a comma: Flower splits its credentials on commas")
+    if not value.isascii():
+        raise ValueError("must be ASCII: Flower cannot compare other characters")
+
+
 class HTTPProviderSettings(BaseModel):
     """What every OpenAI-compatible provider needs: where, who, and how patiently."""
 
@@ -188,6 +198,21 @@ class FlowerSettings(BaseModel):
     password: SecretStr | None = None
     address: str = "127.0.0.1"
     port: int = Field(default=5555, gt=0, lt=65536)
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str) -> str:
+        _basic_auth_safe(v)
+        if ":" in v:
+            raise ValueError("must not contain a colon: basic auth ends the user at the first one")
+        return v
+
+    @field_validator("password")
+    @classmethod
+    def _password(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            _basic_auth_safe(v.get_secret_value())
+        return v
 
 
 class FilesSettings(BaseModel):
