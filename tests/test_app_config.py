@@ -60,3 +60,25 @@ def test_flower_credentials_that_flower_would_mangle_are_refused_at_start(flower
     with pytest.raises(ConfigError, match=variable) as e:
         load_settings(flower=flower)
     assert flower["password"] not in str(e.value)  # the message never shows the secret
+
+
+@pytest.mark.parametrize(
+    ("overrides", "variable"),
+    [
+        ({"busy_timeout_ms": 0}, "KIDX_BUSY_TIMEOUT_MS"),
+        ({"tasks": {"lock_ttl": 660}}, "lock_ttl must be below time_limit"),
+        ({"tasks": {"retry_backoff": 10, "retry_backoff_max": 5}}, "KIDX_TASKS: .*retry_backoff"),
+        ({"scheduler": {"retry_backoff": 600, "retry_backoff_max": 60}}, "KIDX_SCHEDULER"),
+        ({"embedding": {"backoff": 5, "backoff_max": 1}}, "KIDX_EMBEDDING: .*backoff_max"),
+        ({"embedding": {"timeout": "inf"}}, "KIDX_EMBEDDING__TIMEOUT"),
+        ({"chunk": {"connect_timeout": float("inf")}}, "KIDX_CHUNK__CONNECT_TIMEOUT"),
+        ({"urls": {"timeout": "inf"}}, "KIDX_URLS__TIMEOUT"),
+        ({"scheduler": {"reconcile_every": "inf"}}, "KIDX_SCHEDULER__RECONCILE_EVERY"),
+        ({"tasks": {"retry_backoff_max": "inf"}}, "KIDX_TASKS__RETRY_BACKOFF_MAX"),
+        ({"db": ""}, "KIDX_DB"),
+        ({"db": "."}, "KIDX_DB"),
+    ],
+)
+def test_settings_that_make_no_sense_are_refused_at_start(overrides, variable):
+    with pytest.raises(ConfigError, match=variable):
+        load_settings(**overrides)

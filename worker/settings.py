@@ -9,7 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from worker.errors import ConfigError
@@ -49,6 +57,19 @@ def _split_list(value: object) -> object:
     return value
 
 
+class _Section(BaseModel):
+    """A group of settings: no float is inf or nan (an infinite timeout waits forever, a nan
+    compares false with everything, so every bound check on it passes)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+def _ordered_backoff(first: float, cap: float, name: str) -> None:
+    """A cap below the first wait would silently make every wait the cap."""
+    if cap < first:
+        raise ValueError(f"{name}_max must be at least {name}: the cap is below the first wait")
+
+
 def _basic_auth_safe(value: str) -> None:
     """What Flower's basic auth would mangle: FLOWER_BASIC_AUTH (and --basic-auth) is split on
     commas into several credentials, and it compares them with hmac.compare_digest, which
@@ -59,7 +80,7 @@ def _basic_auth_safe(value: str) -> None:
         raise ValueError("must be ASCII: Flower cannot compare other characters")
 
 
-class HTTPProviderSettings(BaseModel):
+class HTTPProviderSettings(_Section):
     """What every OpenAI-compatible provider needs: where, who, and how patiently."""
 
     base_url: str = "https://api.openai.com/v1"
@@ -77,6 +98,11 @@ class HTTPProviderSettings(BaseModel):
         if not v.startswith(("http://", "https://")):
             raise ValueError("must be an http(s) URL such as http://127.0.0.1:11434/v1")
         return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _backoff_capped(self) -> HTTPProviderSettings:
+        _ordered_backoff(self.backoff, self.backoff_max, "backoff")
+        return self
 
 
 class EmbeddingSettings(HTTPProviderSettings):
@@ -127,7 +153,7 @@ class ChunkSettings(HTTPProviderSettings):
     window: int = Field(default=6000, ge=1000, le=100_000)  # characters shown per request
 
 
-class TaskSettings(BaseModel):
+class TaskSettings(_Section):
     """The queue's reliability knobs (`KIDX_TASKS__*`), checked against each other at start."""
 
     soft_time_limit: int = Field(default=600, gt=0)  # seconds; the task is cancelled cleanly
@@ -136,7 +162,9 @@ class TaskSettings(BaseModel):
     max_retries: int = Field(default=5, ge=0)
     retry_backoff: float = Field(default=2.0, ge=0)  # first retry after about this long
     retry_backoff_max: float = Field(default=300.0, ge=0)
-    lock_ttl: int = Field(default=60, ge=3)  # renewed every third of it while a task runs
+    # Renewed every third of it while a task runs; below time_limit, so that the lock of a run
+    # killed at the limit does not outlast it (runs meanwhile coalesce onto a dead holder).
+    lock_ttl: int = Field(default=60, ge=3)
     batch_abort_after: int = Field(default=3, ge=1)  # consecutive item failures
     # Items a bulk run (reindex, sweeps) gives one task at most, their texts sharing embedding
     # requests; 1: one task an item. A group starts no item after half the soft time limit:
@@ -155,10 +183,15 @@ class TaskSettings(BaseModel):
             raise ValueError(
                 "visibility_timeout must exceed time_limit, or Redis redelivers running tasks"
             )
+        if self.lock_ttl >= self.time_limit:
+            raise ValueError(
+                "lock_ttl must be below time_limit, or a killed run's lock outlasts the run"
+            )
+        _ordered_backoff(self.retry_backoff, self.retry_backoff_max, "retry_backoff")
         return self
 
 
-class SchedulerSettings(BaseModel):
+class SchedulerSettings(_Section):
     """The periodic sweeps (`KIDX_SCHEDULER__*`), sent by beat."""
 
     reconcile_every: float = Field(default=300.0, ge=1)  # seconds
@@ -168,8 +201,13 @@ class SchedulerSettings(BaseModel):
     retry_backoff: float = Field(default=60.0, ge=0)  # first retry after this, doubling
     retry_backoff_max: float = Field(default=6 * 3600.0, ge=0)
 
+    @model_validator(mode="after")
+    def _backoff_capped(self) -> SchedulerSettings:
+        _ordered_backoff(self.retry_backoff, self.retry_backoff_max, "retry_backoff")
+        return self
 
-class SearchSettings(BaseModel):
+
+class SearchSettings(_Section):
     """Vector search over many chunks (`KIDX_SEARCH__*`): a first pass over one bit a dimension
     (`vec_chunk_bits`) for `k x oversample` candidates, rescored exactly with their float
     vectors. Below `exact_below` chunk vectors the float table is searched directly (as fast
@@ -184,14 +222,14 @@ class SearchSettings(BaseModel):
     fallback_hold_mb: int = Field(default=256, ge=0)
 
 
-class MetricsSettings(BaseModel):
+class MetricsSettings(_Section):
     """The worker's Prometheus endpoint (`KIDX_METRICS__*`); port 0 turns it off."""
 
     port: int = Field(default=9808, ge=0, lt=65536)
     address: str = "127.0.0.1"
 
 
-class FlowerSettings(BaseModel):
+class FlowerSettings(_Section):
     """Flower, the Tasks page (`KIDX_FLOWER__*`)."""
 
     user: str = ""
@@ -215,7 +253,7 @@ class FlowerSettings(BaseModel):
         return v
 
 
-class FilesSettings(BaseModel):
+class FilesSettings(_Section):
     """Where files may be read from (`KIDX_FILES__ROOTS`, comma-separated)."""
 
     roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
@@ -227,7 +265,7 @@ class FilesSettings(BaseModel):
     _split = field_validator("roots", mode="before")(_split_list)
 
 
-class UrlSettings(BaseModel):
+class UrlSettings(_Section):
     """URL fetching (`KIDX_URLS__*`); loopback and private ranges only when allowed here."""
 
     allow_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -257,12 +295,14 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         env_file=".env",
         extra="ignore",
+        allow_inf_nan=False,
     )
 
     db: Path = Path("./data/kidx.db")
     vec: bool = True  # KIDX_VEC=off: never load sqlite-vec (retrieval falls back)
     vec_path: Path | None = None  # the sqlite-vec library to load (default: the package's)
-    busy_timeout_ms: int = Field(default=30_000, ge=0)
+    # Every writer waits this long for another's lock; 0 would make a busy database an error.
+    busy_timeout_ms: int = Field(default=30_000, ge=1000)
     broker_url: str = "redis://127.0.0.1:6379/0"
     result_backend: str = ""  # empty: the broker's Redis
     data_dir: Path = Path("./data")  # pid files, logs, Flower's and the workers' state
@@ -285,6 +325,20 @@ class Settings(BaseSettings):
             return False
         if isinstance(v, str) and v.strip().lower() in {"on", "yes", "1", "true"}:
             return True
+        return v
+
+    @field_validator("db", mode="before")
+    @classmethod
+    def _db_given(cls, v: object) -> object:
+        if isinstance(v, str) and (not v.strip() or v.endswith("/")):
+            raise ValueError("must name the database file, such as ./data/kidx.db")
+        return v
+
+    @field_validator("db")
+    @classmethod
+    def _db_file(cls, v: Path) -> Path:
+        if v.name in {"", ".."}:
+            raise ValueError("must name the database file, such as ./data/kidx.db")
         return v
 
     @property
