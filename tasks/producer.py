@@ -86,22 +86,28 @@ def _sending(db: Database, app: Celery, task_ids: list[str], item_id: int | None
 
     The broker is asked first, once, within the patience: Celery's send subscribes to the
     task's result before it publishes, and retries that 20 times a second apart (a producer
-    waited 19 s on a Redis that was down, and left its `queued` row behind)."""
+    waited 19 s on a Redis that was down, and left its `queued` row behind).
+
+    A broker URL that redis-py or kombu cannot use (a ValueError: a host's own app, not checked
+    by kidx's settings) is refused the same way, its `queued` rows forgotten."""
     try:
         _ping(app)
         yield
-    except (KombuError, RedisError, OSError, RuntimeError) as e:
+    except (KombuError, RedisError, OSError, RuntimeError, ValueError) as e:
         # (RuntimeError: Celery's "Retry limit exceeded ... reconnect to the result store")
         forget_queued(db, task_ids)
         where = safe_url(str(app.conf.broker_url))
+        unusable = isinstance(e, ValueError) and not isinstance(e, KombuError)
         kept = (
-            f"; item {item_id} is saved, and the reconcile sweep sends it once the broker is back"
+            f"; item {item_id} is saved, and the reconcile sweep sends it once the broker "
+            + ("URL is fixed" if unusable else "is back")
             if item_id is not None
             else ""
         )
         cause = " ".join(f"{type(e).__name__}: {e}".split())
+        what = "is not usable" if unusable else "did not take the task"
         raise BrokerUnavailable(
-            f"the broker at {where} did not take the task ({cause}){kept}", item_id=item_id
+            f"the broker at {where} {what} ({cause}){kept}", item_id=item_id
         ) from None
 
 

@@ -82,3 +82,23 @@ def test_flower_credentials_that_flower_would_mangle_are_refused_at_start(flower
 def test_settings_that_make_no_sense_are_refused_at_start(overrides, variable):
     with pytest.raises(ConfigError, match=variable):
         load_settings(**overrides)
+
+
+def test_a_broker_url_celery_or_redis_py_would_refuse_fails_at_start():
+    """kidx keeps its locks in the broker's Redis: only redis:// and rediss:// work, and a bad
+    host, port or database number is found at start, not when the first task is sent."""
+    for url in (
+        "notaurl",
+        "amqp://guest@127.0.0.1//",
+        "unix:///run/redis.sock",  # redis-py takes it, kombu has no such transport
+        "redis://",
+        "redis://127.0.0.1:0/0",
+        "redis://127.0.0.1:99999/0",
+        "redis://127.0.0.1:port/0",
+        "redis://127.0.0.1:6379/zero",
+        "redis://127.0.0.1:6379/0?db=x",
+    ):
+        with pytest.raises(ConfigError, match="KIDX_BROKER_URL"):
+            load_settings(broker_url=url)
+    for url in ("redis://:secret@redis:6379/3", "rediss://cache.example", "redis://[::1]/"):
+        assert load_settings(broker_url=url).broker_url == url

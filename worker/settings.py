@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import (
     BaseModel,
@@ -303,6 +304,7 @@ class Settings(BaseSettings):
     vec_path: Path | None = None  # the sqlite-vec library to load (default: the package's)
     # Every writer waits this long for another's lock; 0 would make a busy database an error.
     busy_timeout_ms: int = Field(default=30_000, ge=1000)
+    # Redis only: kidx keeps its locks and revokes in the broker's Redis (redis-py).
     broker_url: str = "redis://127.0.0.1:6379/0"
     result_backend: str = ""  # empty: the broker's Redis
     data_dir: Path = Path("./data")  # pid files, logs, Flower's and the workers' state
@@ -339,6 +341,30 @@ class Settings(BaseSettings):
     def _db_file(cls, v: Path) -> Path:
         if v.name in {"", ".."}:
             raise ValueError("must name the database file, such as ./data/kidx.db")
+        return v
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker(cls, v: str) -> str:
+        """What Celery (kombu) and redis-py would refuse only when the first task is sent."""
+        example = "such as redis://127.0.0.1:6379/0"
+        try:
+            parts = urlsplit(v)
+        except ValueError:
+            raise ValueError(f"must be a redis:// URL {example}: it does not parse") from None
+        if parts.scheme not in ("redis", "rediss"):
+            raise ValueError(f"must be a redis:// or rediss:// URL {example}")
+        if not parts.hostname:
+            raise ValueError(f"must name the Redis host, {example}")
+        try:
+            port = parts.port
+        except ValueError:
+            port = 0
+        if port == 0:
+            raise ValueError(f"must have a port from 1 to 65535, {example}")
+        db = parse_qs(parts.query).get("db", [parts.path.strip("/") or "0"])[0]
+        if not (db.isascii() and db.isdigit()):
+            raise ValueError(f"must end with a database number (/0, /1, ...), {example}")
         return v
 
     @property
