@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 from stack import REDIS_DB, broker_url
@@ -26,6 +29,18 @@ WRITER = textwrap.dedent(
     print(n)
     """
 )
+
+
+KIDX = str(Path(sys.executable).parent / "kidx")
+
+
+def _env(db: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "KIDX_DB": str(db),
+        "HF_HUB_OFFLINE": "1",
+        "KIDX_BROKER_URL": broker_url(REDIS_DB),
+    }
 
 
 def test_a_backup_taken_while_another_process_writes_is_whole(tmp_path: Path):
@@ -58,3 +73,148 @@ def test_a_backup_taken_while_another_process_writes_is_whole(tmp_path: Path):
         [kidx, "backup", str(dest)], env=env, capture_output=True, text=True, timeout=60
     )
     assert again.returncode == 1 and "exists" in again.stderr
+
+
+MAX_COMMITS = 200_000  # the writer's bounds: far more than it commits during one backup
+WRITER_SECONDS = 30.0
+
+
+class Writer(threading.Thread):
+    """Commits a note at a time on its own connection until told to stop (or its bounds)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.path = path
+        self.committed = 0
+        self.first = threading.Event()
+        self.stop = threading.Event()
+        self.stopped_by_us = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            db = connect(self.path, vec=False)
+        except BaseException as e:  # the test sees it, rather than a thread's stderr
+            self.error = e
+            self.first.set()
+            return
+        deadline = time.monotonic() + WRITER_SECONDS
+        try:
+            for n in range(MAX_COMMITS):
+                if self.stop.is_set():
+                    self.stopped_by_us = True
+                    return
+                if time.monotonic() > deadline:
+                    return
+                add_item(db, kind="note", title=f"w{n}", content="written during the backup")
+                self.committed += 1
+                self.first.set()
+        except BaseException as e:
+            self.error = e
+        finally:
+            db.close()
+            self.first.set()
+
+
+def test_a_backup_ends_while_another_connection_keeps_committing(tmp_path: Path):
+    """A backup taken in steps restarts at each commit of another connection, so under steady
+    writes it never ended; in one step it ends while the writer is still writing, and holds
+    every row committed before it started."""
+    source, dest = tmp_path / "live.db", tmp_path / "copy.db"
+    db = connect(source, vec=False)
+    for i in range(200):
+        add_item(db, kind="note", title=f"n{i}", content="some text of a note " * 50)
+    with db.atomic():  # ~24 MB: many of the old backup's 1024-page steps
+        db.execute("CREATE TABLE filler(b BLOB)")
+        db.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 6000) "
+            "INSERT INTO filler SELECT randomblob(4000) FROM n"
+        )
+    db.close()
+    writer = Writer(source)
+    writer.start()
+    try:
+        assert writer.first.wait(30) and writer.error is None, writer.error
+        before = 200 + writer.committed  # committed before the backup starts
+        out = subprocess.run(
+            [KIDX, "backup", str(dest), "--json"],
+            env=_env(source),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=WRITER_SECONDS * 4,
+        )
+    finally:
+        writer.stop.set()
+        writer.join(60)
+    assert writer.error is None, writer.error
+    assert out.returncode == 0, out.stderr
+    assert writer.stopped_by_us, "the backup ended only once the writer had stopped"
+    assert writer.committed > before - 200
+    copy = connect(dest, vec=False)
+    try:
+        assert copy.scalar("PRAGMA integrity_check") == "ok"
+        assert before <= copy.scalar("SELECT count(*) FROM knowledge_items")
+        assert copy.scalar("SELECT count(*) FROM filler") == 6000
+    finally:
+        copy.close()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("copy")) == ["copy.db"]
+
+
+def test_a_failed_backup_leaves_nothing_and_says_why_in_one_line(tmp_path: Path):
+    """A source that is not a database: one line naming it, and no file at DEST, no
+    -journal, no partial copy beside it; an older backup at DEST is kept."""
+    source = tmp_path / "notes.db"
+    source.write_bytes(b"not a database, only text " * 400)
+    backups = tmp_path / "backups"
+    out = subprocess.run(
+        [KIDX, "backup", str(backups / "copy.db")],
+        env=_env(source),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert str(source) in lines[0] and "not a database" in lines[0]
+    assert list(backups.iterdir()) == []
+
+    older = backups / "copy.db"
+    good = connect(tmp_path / "good.db", vec=False)
+    add_item(good, kind="note", title="kept", content="an older backup")
+    good.close()
+    shutil.copyfile(tmp_path / "good.db", older)
+    out = subprocess.run(
+        [KIDX, "backup", str(older), "--force"],
+        env=_env(source),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert [p.name for p in backups.iterdir()] == ["copy.db"]
+    kept = connect(older, vec=False)
+    assert kept.scalar("SELECT title FROM knowledge_items") == "kept"
+    kept.close()
+
+
+def test_force_does_not_replace_a_file_that_is_not_a_database(tmp_path: Path):
+    source = tmp_path / "live.db"
+    connect(source, vec=False).close()
+    precious = tmp_path / "thesis.docx"
+    precious.write_bytes(b"PK\x03\x04 a document, not a database")
+    out = subprocess.run(
+        [KIDX, "backup", str(precious), "--force"],
+        env=_env(source),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "not a SQLite database" in out.stderr
+    assert precious.read_bytes() == b"PK\x03\x04 a document, not a database"

@@ -1,23 +1,59 @@
-"""`kidx backup DEST`: SQLite's online backup, safe while workers write (WAL; the copy is a
-consistent snapshot, taken in steps so that writers are never blocked for long)."""
+"""`kidx backup DEST`: SQLite's online backup, safe while workers write.
+
+The copy is taken in one step, inside one read transaction: a consistent snapshot that writers
+do not wait for (WAL). A backup taken in steps restarts whenever another connection commits
+between two steps, so under steady writes it never ended. The copy is written beside DEST under
+a temporary name and renamed over it once checked: a failed or interrupted backup never leaves
+a partial file at DEST, and never costs the backup that was there.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import apsw
 import click
 
-from ops.cli.base import Ctx, cli, command
-from worker.errors import InvalidInput
+from ops.cli.base import Ctx, cli, command, sqlite_problem
+from worker.errors import InvalidInput, StoreError
 
-PAGES_PER_STEP = 1024
+SQLITE_HEADER = b"SQLite format 3\x00"
+SIDE_FILES = ("-journal", "-wal", "-shm")
+
+
+def _is_sqlite_or_empty(path: Path) -> bool:
+    """DEST may be replaced (--force) when it is a SQLite database or empty, not any file."""
+    with path.open("rb") as f:
+        head = f.read(len(SQLITE_HEADER))
+    return head in (b"", SQLITE_HEADER)
+
+
+def _remove_with_side_files(path: Path) -> None:
+    for p in (path, *(path.with_name(path.name + s) for s in SIDE_FILES)):
+        p.unlink(missing_ok=True)
+
+
+def _copy(source: Path, partial: Path, busy_timeout_ms: int) -> list[tuple[str, ...]]:
+    """Copy `source` into the new file `partial` in one step; its integrity check's rows."""
+    src = apsw.Connection(str(source), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        src.set_busy_timeout(busy_timeout_ms)
+        out = apsw.Connection(str(partial))
+        try:
+            with out.backup("main", src, "main") as b:
+                b.step(-1)  # every page, under one read snapshot
+            return list(out.execute("PRAGMA integrity_check"))
+        finally:
+            out.close()
+    finally:
+        src.close()
 
 
 @command(cli)
 @click.argument("dest", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--force", is_flag=True, help="Replace DEST if it exists.")
+@click.option("--force", is_flag=True, help="Replace DEST if it exists (a SQLite file only).")
 def backup(ctx: Ctx, dest: Path, force: bool) -> None:
     """Copy the database to DEST while it is in use (SQLite's online backup)."""
     source = Path(ctx.settings.db)
@@ -27,25 +63,30 @@ def backup(ctx: Ctx, dest: Path, force: bool) -> None:
         raise InvalidInput(f"{dest} exists (use --force to replace it)")
     if dest.resolve() == source.resolve():
         raise InvalidInput("the backup cannot be the database itself")
+    if dest.exists() and not _is_sqlite_or_empty(dest):
+        raise InvalidInput(f"{dest} is not a SQLite database: not replacing it")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(f".{dest.name}.{os.getpid()}.partial")
     started = time.monotonic()
-    src = apsw.Connection(str(source), flags=apsw.SQLITE_OPEN_READONLY)
-    src.set_busy_timeout(ctx.settings.busy_timeout_ms)
-    out = apsw.Connection(str(dest))
     try:
-        with out.backup("main", src, "main") as b:
-            while not b.done:
-                b.step(PAGES_PER_STEP)
-                time.sleep(0.001)  # let writers in between steps
-        check = out.execute("PRAGMA integrity_check").fetchall()
-    finally:
-        out.close()
-        src.close()
-    ok = check == [("ok",)]
+        check = _copy(source, partial, ctx.settings.busy_timeout_ms)
+        if check != [("ok",)]:
+            raise StoreError(f"the copy of {source} failed its integrity check: {check}")
+        for suffix in SIDE_FILES:  # the old DEST's: replayed onto the new file, they'd corrupt it
+            dest.with_name(dest.name + suffix).unlink(missing_ok=True)
+        partial.replace(dest)
+    except apsw.Error as e:
+        _remove_with_side_files(partial)
+        where = source if _is_source_error(e) else dest
+        problem = sqlite_problem(e, where)
+        raise StoreError(f"backup failed, nothing written to {dest}: {problem}") from None
+    except BaseException:
+        _remove_with_side_files(partial)
+        raise
     info = {
         "backup": str(dest),
         "bytes": dest.stat().st_size,
-        "integrity": "ok" if ok else check,
+        "integrity": "ok",
         "seconds": round(time.monotonic() - started, 3),
     }
     ctx.emit(
@@ -55,5 +96,8 @@ def backup(ctx: Ctx, dest: Path, force: bool) -> None:
             f"integrity {info['integrity']}, {info['seconds']} s)"
         ),
     )
-    if not ok:
-        raise InvalidInput(f"the copy at {dest} failed its integrity check: {check}")
+
+
+def _is_source_error(e: apsw.Error) -> bool:
+    """The new file is kidx's own: an error about what a database holds is the source's."""
+    return isinstance(e, apsw.NotADBError | apsw.CorruptError | apsw.BusyError)

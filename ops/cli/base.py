@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import apsw
 import click
 from rich.console import Console
 from rich.markup import escape
@@ -169,6 +170,25 @@ def configure_cli_logging(settings: Settings, verbose: bool) -> None:
         stream_level=settings.log_level if asked else "warning",
         file=Path(settings.data_dir) / "log" / "kidx.log",
     )
+
+
+def sqlite_problem(e: apsw.Error, path: str | Path) -> str:
+    """What SQLite's error means for the user, naming the file: apsw's own text ("attempt to
+    write a readonly database") says neither which file nor what to do."""
+    if isinstance(e, apsw.ReadOnlyError):
+        return f"{path} is read-only ({e}): kidx needs to write to it and to its folder"
+    if isinstance(e, apsw.BusyError):
+        return (
+            f"{path} is locked: another process holds the write lock ({e}); try again "
+            "(KIDX_BUSY_TIMEOUT_MS is how long kidx waits)"
+        )
+    if isinstance(e, apsw.NotADBError | apsw.CorruptError):
+        return f"{path} is not a database, or is corrupt ({e})"
+    if isinstance(e, apsw.FullError):
+        return f"the disk holding {path} is full ({e})"
+    if isinstance(e, apsw.CantOpenError):
+        return f"cannot open {path} ({e}): check that it and its folder exist and are readable"
+    return f"database {path}: {type(e).__name__}: {e}"
 
 
 def fail(message: str, code: int = 1, redact: Redact | None = None) -> NoReturn:
