@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import apsw
 import pytest
 
 from conftest import CORPUS, DIMS
 from incli import run_kidx
-from stack import REDIS_DB, broker_url
+from stack import REDIS_DB, broker_url, free_port
 
 KIDX = Path(sys.executable).parent / "kidx"
 API_KEY = "sk-cli-secret-123"
@@ -540,6 +541,95 @@ def test_db_that_is_not_a_database_is_one_line(kidx_process, tmp_path):
     shutil.copyfile(CORPUS / "SUMMARY.md", not_a_db)
     line = one_line_error(kidx_process("status", "--db", str(not_a_db), "--json"))
     assert "not a database" in line
+
+
+# -- what SQLite and the broker say, in the user's terms ---------------------------------------
+
+
+def _unprivileged() -> list[str]:
+    """root writes to a read-only file anyway: the command runs without the capabilities
+    that let it (setpriv), or the test is skipped."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("as root without setpriv, a read-only file is writable")
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner", "--inh-caps=-all"]
+
+
+def test_a_read_only_database_is_one_line_naming_it(kidx_process, tmp_path):
+    db = tmp_path / "kidx.db"
+    kidx_process.ok("init")
+    db.chmod(0o444)
+    try:
+        result = subprocess.run(
+            [*_unprivileged(), str(KIDX), "add", "note", "--title", "T", "--text", "words"],
+            env=kidx_process.env,
+            cwd=kidx_process.cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        db.chmod(0o644)
+    assert "Traceback" not in result.stderr, result.stderr
+    line = one_line_error(result)
+    assert result.returncode == 1
+    assert str(db) in line and "read-only" in line
+
+
+def test_a_locked_database_says_another_process_holds_the_write_lock(kidx_process, tmp_path):
+    kidx_process.ok("init")
+    holder = apsw.Connection(str(tmp_path / "kidx.db"))  # this process: the other writer
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        result = kidx_process(
+            "add", "note", "--title", "T", "--text", "words", env={"KIDX_BUSY_TIMEOUT_MS": "1000"}
+        )
+    finally:
+        holder.close()
+    line = one_line_error(result)
+    assert result.returncode == 1
+    assert str(tmp_path / "kidx.db") in line
+    assert "locked" in line and "another process holds the write lock" in line
+
+
+def test_a_corrupt_database_is_one_line_naming_it(kidx_process, tmp_path):
+    """It opens (its schema is whole), but the items' table is not: SQLite says so on the
+    first read of it."""
+    db = tmp_path / "kidx.db"
+    kidx_process.add("T", "--text", "words")
+    conn = apsw.Connection(str(db))
+    [(size,)] = conn.execute("PRAGMA page_size")
+    [(root,)] = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'knowledge_items'")
+    conn.close()
+    with db.open("r+b") as f:
+        f.seek((root - 1) * size)
+        f.write(b"\xa5" * size)
+    result = kidx_process("status", "--json")
+    line = one_line_error(result)
+    assert result.returncode == 1
+    assert str(db) in line and "corrupt" in line
+
+
+def test_a_broker_that_is_down_is_one_line_naming_it_without_its_password(kidx_process):
+    url = f"redis://:broker-pw-42@127.0.0.1:{free_port()}/0"  # nothing listens there
+    result = kidx_process("cancel", "abc", env={"KIDX_BROKER_URL": url})
+    line = one_line_error(result)
+    assert result.returncode == 1
+    assert "broker-pw-42" not in result.stderr
+    assert "redis://***@127.0.0.1:" in line and "unreachable" in line
+
+
+def test_a_bug_is_one_line_and_verbose_shows_its_traceback(kidx, monkeypatch):
+    def broken(*args: Any, **kwargs: Any) -> int:
+        raise TypeError("a bug in add_item")
+
+    monkeypatch.setattr("worker.store.items.add_item", broken)
+    line = one_line_error(kidx("add", "note", "--title", "T", "--text", "words"))
+    assert "TypeError: a bug in add_item" in line and "--verbose" in line
+    verbose = run_kidx(("add", "note", "--title", "T", "--text", "w", "-v"), kidx.env, kidx.cwd)
+    assert "Traceback" in verbose.stderr and verbose.returncode != 0
 
 
 # -- a quiet first run: progress on a terminal, logs in a file, tables in 80 columns ---------

@@ -191,6 +191,16 @@ def sqlite_problem(e: apsw.Error, path: str | Path) -> str:
     return f"database {path}: {type(e).__name__}: {e}"
 
 
+def _is_broker_error(e: Exception) -> bool:
+    """redis-py's and kombu's errors, looked up only if they were imported (if not, `e` is
+    not one of theirs), so that commands that never talk to the broker do not import them."""
+    redis = sys.modules.get("redis")
+    kombu = sys.modules.get("kombu.exceptions")
+    return (redis is not None and isinstance(e, redis.RedisError)) or (
+        kombu is not None and isinstance(e, kombu.OperationalError)
+    )
+
+
 def fail(message: str, code: int = 1, redact: Redact | None = None) -> NoReturn:
     if redact is not None:
         message = redact.scrub(message)
@@ -199,7 +209,10 @@ def fail(message: str, code: int = 1, redact: Redact | None = None) -> NoReturn:
 
 
 def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
-    """A subcommand with --db and --json, whose errors become one line and exit status 1."""
+    """A subcommand with --db and --json, whose errors become one line: exit status 2 for
+    invalid settings (and click's usage errors), 1 for everything else. What SQLite or the
+    broker says is told in the user's terms (which file, which broker, what to do); any other
+    exception is a bug, told in one line too (`--verbose` shows its traceback)."""
 
     def wrap(fn: Callable[..., Any]) -> Any:
         @group.command(name or fn.__name__.replace("_", "-"))
@@ -219,6 +232,7 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
         @functools.wraps(fn)
         def run(db_path: Path | None, as_json: bool, verbose: bool, **kwargs: Any) -> None:
             redact = None
+            settings: Settings | None = None
             try:
                 settings = load_settings(**({"db": db_path} if db_path else {}))
                 redact = Redact(settings.secrets())
@@ -228,9 +242,32 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
                 fail(str(e), 2, redact)
             except (KidxError, Cancelled) as e:
                 fail(str(e), 1, redact)
+            except apsw.Error as e:
+                fail(sqlite_problem(e, settings.db if settings else "the database"), 1, redact)
             except OSError as e:
                 message = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
                 fail(message, 1, redact)
+            except (click.ClickException, click.exceptions.Exit, click.Abort):
+                raise  # click's own: usage errors (status 2), aborts
+            except Exception as e:
+                if settings is not None and _is_broker_error(e):
+                    from worker.sources.urls import safe_url
+
+                    where = safe_url(settings.broker_url)
+                    fail(
+                        f"the broker at {where} is unreachable ({type(e).__name__}: {e}): "
+                        "start Redis, or check KIDX_BROKER_URL",
+                        1,
+                        redact,
+                    )
+                if verbose:
+                    raise
+                fail(
+                    f"unexpected {type(e).__name__}: {e} (a bug in kidx; "
+                    "run again with --verbose to see where)",
+                    1,
+                    redact,
+                )
 
         return run
 
