@@ -28,7 +28,7 @@ import worker.providers.chat
 import worker.providers.openai  # noqa: F401 - imported here, never by two check threads at once
 from scheduler.beat import HEARTBEAT_KEY, LEASE_TTL
 from worker.chunking.llm import INSTRUCTIONS, SCHEMA, SYSTEM
-from worker.errors import BadAnswer
+from worker.errors import BadAnswer, StoreError
 from worker.log import Redact
 from worker.providers import build_chat, build_embedder
 from worker.reconcile import last_sweeps
@@ -101,8 +101,12 @@ def _store(settings: Settings, timeout: float, *, vec: bool = False) -> Iterator
         raise NotChecked(f"no database at {settings.db}")
     db = Database(settings.db, busy_timeout_ms=int(timeout * 1000))
     try:
-        if schema_version(db) < SCHEMA_VERSION:
-            raise NotChecked("the database schema is not up to date")
+        try:
+            current = schema_version(db) == SCHEMA_VERSION
+        except StoreError:
+            current = False
+        if not current:  # older, newer or unreadable: the database check says which
+            raise NotChecked("the database schema is not this kidx's")
         if settings.vec and vec:
             db.load_vec(settings.vec_path)
         db.resolution = resolve_dimensions(db, settings.embedding)
@@ -119,7 +123,16 @@ def check_database(settings: Settings, timeout: float) -> str:
         raise Fail(f"no database at {path}", "check KIDX_DB, or create it with `kidx init`")
     db = Database(path, busy_timeout_ms=int(timeout * 1000))
     try:
-        version = schema_version(db)
+        try:
+            version = schema_version(db)
+        except StoreError as e:
+            raise Fail(str(e), "point KIDX_DB at a kidx database, or restore a backup") from None
+        if version > SCHEMA_VERSION:
+            raise Fail(
+                f"{path} has schema {version}, written by a newer kidx (this one knows "
+                f"{SCHEMA_VERSION}); this kidx refuses to open it",
+                "upgrade kidx here (and in the workers) to the version that wrote it",
+            )
         if version < SCHEMA_VERSION:
             raise Fail(f"{path} has schema {version}, not {SCHEMA_VERSION}", "run `kidx init`")
         items = db.scalar("SELECT count(*) FROM knowledge_items")

@@ -182,6 +182,23 @@ def test_init_creates_the_database_and_reports_sqlite_vec_and_dimensions(kidx_pr
     assert off["dimensions"] == DIMS
 
 
+def test_init_on_a_newer_kidx_s_database_refuses_and_writes_nothing(kidx, tmp_path):
+    """init reports the file's own schema version; a file of a newer schema is refused by
+    every command (this kidx would write tables it does not know), in one line."""
+    db = tmp_path / "kidx.db"
+    info = kidx.json("init")
+    conn = apsw.Connection(str(db))
+    [(stored,)] = conn.execute("SELECT value FROM index_meta WHERE key = 'schema_version'")
+    assert info["schema_version"] == int(stored)
+    conn.execute("UPDATE index_meta SET value = ? WHERE key = 'schema_version'", (stored + "0",))
+    conn.close()
+    before = db.read_bytes()
+    for args in (("init",), ("status",), ("add", "note", "--title", "T", "--text", "words")):
+        line = one_line_error(kidx(*args))
+        assert f"schema {stored}0, this one knows {stored}" in line and "upgrade kidx" in line
+    assert db.read_bytes() == before
+
+
 # -- add, chunks -----------------------------------------------------------------------------
 
 

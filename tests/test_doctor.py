@@ -38,7 +38,8 @@ from stack import (
     wait_for,
 )
 from testkit.standin import StandIn
-from worker.store import repair_vectors
+from worker.store import connect, repair_vectors
+from worker.store.schema import SCHEMA_VERSION
 
 # Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
 # its module-scoped stack starts once.
@@ -310,6 +311,34 @@ def test_a_slow_provider_is_bounded_by_the_timeout(stack):
     assert time.monotonic() - started < 15
     assert out.returncode == 1
     assert failing(lines) == ["embedding"], out.stdout
+
+
+@pytest.mark.parametrize(
+    ("version", "expected", "fix"),
+    [
+        (
+            str(SCHEMA_VERSION + 1),
+            f"written by a newer kidx (this one knows {SCHEMA_VERSION})",
+            "upgrade kidx",
+        ),
+        ("nine", "not a number", "restore a backup"),
+    ],
+)
+def test_a_database_of_another_schema_fails_with_what_to_do(
+    stack, tmp_path, version, expected, fix
+):
+    """A newer kidx's database, or one whose version is not a number, is not this kidx's:
+    one FAIL line saying what to do, and the other database checks do not read it."""
+    path = tmp_path / "other.db"
+    db = connect(path, vec=False)
+    db.execute("UPDATE index_meta SET value = ? WHERE key = 'schema_version'", (version,))
+    db.close()
+    out, lines = stack.doctor("--timeout", "10", KIDX_DB=str(path))
+    assert out.returncode == 1, out.stdout
+    level, text = lines["database"]
+    assert level == "FAIL" and expected in text and fix in text, text
+    for name in ("dimensions", "rows"):
+        assert "not checked" in lines[name][1], lines[name]
 
 
 def test_a_check_that_hangs_or_raises_stops_nothing_else(stack, monkeypatch):

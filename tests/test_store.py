@@ -14,6 +14,7 @@ import pytest
 
 from conftest import DIMS, FakeEmbedder, corpus_text, standin_settings
 from worker.bulk import index_item
+from worker.errors import StoreError
 from worker.providers import build_embedder
 from worker.retrieval import search
 from worker.settings import EmbeddingSettings
@@ -59,6 +60,35 @@ def test_connection_is_wal_with_foreign_keys_busy_timeout_and_sqlite_vec(db, db_
     ):
         sql = db.scalar("SELECT sql FROM sqlite_master WHERE name = ?", (name,))
         assert "distance_metric=cosine" in sql
+
+
+def _set_schema_version(path: Path, value: str) -> bytes:
+    """The file with `value` as its schema version, closed; its bytes."""
+    db = connect(path, vec=False)
+    db.execute("UPDATE index_meta SET value = ? WHERE key = 'schema_version'", (value,))
+    db.close()
+    return path.read_bytes()
+
+
+def test_a_database_of_a_newer_schema_is_refused_and_left_as_it_is(tmp_path):
+    """A newer kidx's tables are unknown to this one: opening and writing them could break the
+    newer kidx's data, so connect() refuses, naming both versions and what to do."""
+    path = tmp_path / "newer.db"
+    before = _set_schema_version(path, str(SCHEMA_VERSION + 1))
+    with pytest.raises(StoreError) as refused:
+        connect(path, vec=False)
+    message = str(refused.value)
+    assert f"schema {SCHEMA_VERSION + 1}, this one knows {SCHEMA_VERSION}" in message
+    assert "newer kidx" in message and "upgrade kidx" in message and str(path) in message
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("value", ["nine", "", "9.5"])
+def test_a_schema_version_that_is_not_a_number_is_a_clear_store_error(tmp_path, value):
+    path = tmp_path / "odd.db"
+    _set_schema_version(path, value)
+    with pytest.raises(StoreError, match="not a number"):
+        connect(path, vec=False)
 
 
 def test_migrations_are_idempotent(db, db_path, emb_settings):

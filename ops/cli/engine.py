@@ -33,12 +33,12 @@ from worker.errors import InvalidInput, KidxError
 @command(cli)
 def init(ctx: Ctx) -> None:
     """Create the database (or bring it up to date) and show what it runs with."""
-    from worker.store.schema import SCHEMA_VERSION
+    from worker.store.schema import schema_version
 
     with ctx.store() as db:
         info = {
             "db": str(ctx.settings.db),
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": schema_version(db),  # the file's, as connect() left it
             "sqlite_vec": db.vec_version,
             "vec_error": db.vec_error,
             "dimensions": db.dimensions,

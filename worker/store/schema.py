@@ -4,6 +4,7 @@ the resolved dimension and on the extension, so `worker.store.vec` creates them.
 
 from __future__ import annotations
 
+from worker.errors import StoreError
 from worker.store.db import Database
 from worker.store.fts import FTS_TABLES, create_sql
 
@@ -356,10 +357,30 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
 def schema_version(db: Database) -> int:
+    """The file's schema version (0: none yet). A value that is not a whole number is refused
+    (StoreError): migrations decided on it would run against a schema nobody knows."""
     if not db.table_exists("index_meta"):
         return 0
     value = db.scalar("SELECT value FROM index_meta WHERE key = 'schema_version'")
-    return int(value) if value is not None else 0
+    if value is None:
+        return 0
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise StoreError(
+            f"{db.path} has schema_version {str(value)[:40]!r} in index_meta, not a number: "
+            "not a kidx database, or damaged (restore a backup)"
+        ) from None
+
+
+def check_not_newer(db: Database, version: int) -> None:
+    """A file written by a newer kidx is refused, never opened and written: this kidx does not
+    know its tables, and what it wrote there could break the newer one's data."""
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"{db.path} was written by a newer kidx (schema {version}, this one knows "
+            f"{SCHEMA_VERSION}): upgrade kidx"
+        )
 
 
 def migrate(db: Database) -> int:
@@ -369,7 +390,9 @@ def migrate(db: Database) -> int:
     foreign keys on would delete every row that refers to it; the pragma cannot change
     inside a transaction, so it is set around it), and renames leave the schema's other
     objects as they are (legacy_alter_table)."""
-    if schema_version(db) >= SCHEMA_VERSION:
+    version = schema_version(db)
+    check_not_newer(db, version)
+    if version == SCHEMA_VERSION:
         return SCHEMA_VERSION
     db.execute("PRAGMA foreign_keys = OFF")
     # A host's own view over a table being rebuilt must not stop the rename that ends it.
@@ -377,6 +400,7 @@ def migrate(db: Database) -> int:
     try:
         with db.atomic():
             current = schema_version(db)  # again, under the write lock: another may have won
+            check_not_newer(db, current)
             for number, sql in MIGRATIONS:
                 if number <= current:
                     continue
