@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import redis
@@ -473,8 +472,7 @@ def run_checks(settings: Settings, timeout: float = DEFAULT_TIMEOUT) -> list[Che
     deadline = time.monotonic() + timeout + 1.0  # time for their own timeouts, with reasons
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    passwords = [urlsplit(u).password or "" for u in (settings.broker_url, settings.backend_url)]
-    redact = Redact([*settings.secrets(), *passwords])
+    redact = Redact(settings.secrets())
     checks = []
     for name in CHECKS:
         c = results.get(name) or Check(

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from worker.errors import ConfigError
 from worker.settings import Settings, load_settings
 
 # Flower's default list is name, uuid, state, received, runtime, worker: not what a task is
@@ -78,7 +79,10 @@ def main(argv: list[str] | None = None) -> None:
         help="local demo: bind 127.0.0.1 and make up a password if none is set",
     )
     args = ap.parse_args(argv)
-    settings = load_settings()
+    try:
+        settings = load_settings()
+    except ConfigError as e:  # one line, as every kidx command says it
+        sys.exit(f"error: {e}")
     f = settings.flower
     user = f.user
     password = f.password.get_secret_value() if f.password else ""

@@ -30,6 +30,7 @@ import redis
 
 from worker.errors import ConfigError
 from worker.settings import Settings, load_settings
+from worker.sources.urls import safe_url
 
 CELERY = ["-m", "celery", "-A", "worker.app"]
 NODE = "kidx@%h"
@@ -166,7 +167,7 @@ def fail(message: str, code: int = 1) -> NoReturn:
 def start_redis(stack: Stack) -> None:
     if redis_answers(stack.url):
         mine = stack.pid("redis")
-        print(f"redis   running at {stack.url}" + (f" (pid {mine})" if mine else ""))
+        print(f"redis   running at {safe_url(stack.url)}" + (f" (pid {mine})" if mine else ""))
         return
     parts = urlsplit(stack.url)
     binary = shutil.which("redis-server")
@@ -177,8 +178,8 @@ def start_redis(stack: Stack) -> None:
             else "it is not a local redis:// URL: start that Redis"
         )
         fail(
-            f"error: no Redis answers at KIDX_BROKER_URL={stack.url} and {todo}, or point "
-            "KIDX_BROKER_URL at a running Redis"
+            f"error: no Redis answers at KIDX_BROKER_URL={safe_url(stack.url)} and {todo}, or "
+            "point KIDX_BROKER_URL at a running Redis"
         )
     (stack.data / "redis").mkdir(parents=True, exist_ok=True)
     subprocess.run(
@@ -209,7 +210,7 @@ def start_redis(stack: Stack) -> None:
     )
     if not wait_until(lambda: redis_answers(stack.url), 10):
         fail(f"error: redis-server did not answer within 10 s:\n{stack.tail('redis')}")
-    print(f"redis   started at {stack.url} (pid {stack.pid('redis')})")
+    print(f"redis   started at {safe_url(stack.url)} (pid {stack.pid('redis')})")
 
 
 def spawn(stack: Stack, name: str, cmd: list[str]) -> int:
@@ -294,7 +295,7 @@ def stop_one(stack: Stack, name: str) -> str:
 def stop(stack: Stack) -> None:
     for name in (*reversed(PROCESSES), "redis"):
         if name == "redis" and not stack.pid_file(name).exists():
-            print(f"redis   left alone at {stack.url} (not started here)")
+            print(f"redis   left alone at {safe_url(stack.url)} (not started here)")
             continue
         print(f"{name:<7} {stop_one(stack, name)}")
 
@@ -303,9 +304,9 @@ def status(stack: Stack) -> None:
     mine = stack.pid("redis")
     if redis_answers(stack.url):
         owner = f"pid {mine}, started here" if mine else "not started here"
-        print(f"redis   running at {stack.url} ({owner})")
+        print(f"redis   running at {safe_url(stack.url)} ({owner})")
     else:
-        print(f"redis   stopped (nothing answers at {stack.url})")
+        print(f"redis   stopped (nothing answers at {safe_url(stack.url)})")
     for name in PROCESSES:
         pid = stack.pid(name)
         where = f", {stack.flower_url()}" if name == "flower" else ""

@@ -102,3 +102,12 @@ def test_a_broker_url_celery_or_redis_py_would_refuse_fails_at_start():
             load_settings(broker_url=url)
     for url in ("redis://:secret@redis:6379/3", "rediss://cache.example", "redis://[::1]/"):
         assert load_settings(broker_url=url).broker_url == url
+
+
+def test_the_secrets_to_redact_include_the_broker_and_backend_passwords():
+    settings = load_settings(
+        broker_url="redis://:broker-pass-1@127.0.0.1:6379/3",
+        result_backend="redis://user:backend-pass-2@127.0.0.1:6379/4",
+        embedding={"provider": "openai", "model": "m", "api_key": "sk-key-3"},
+    )
+    assert {"broker-pass-1", "backend-pass-2", "sk-key-3"} <= set(settings.secrets())

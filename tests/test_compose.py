@@ -286,3 +286,27 @@ def test_start_without_any_redis_says_what_to_do(tmp_path: Path) -> None:
     assert "redis-server" in advice[0] and "KIDX_BROKER_URL" in advice[0]
     assert env["KIDX_BROKER_URL"] in advice[0]
     assert not list((tmp_path / "data" / "run").glob("*.pid")), "something was started"
+
+
+def test_status_never_prints_the_broker_password(tmp_path: Path) -> None:
+    url = f"redis://:hunter2secret@127.0.0.1:{free_port()}/0"  # nothing listens there
+    result = run_stack(stack_env(tmp_path, KIDX_BROKER_URL=url), "status")
+    assert result.returncode == 0, result.stderr
+    assert "hunter2secret" not in result.stdout + result.stderr
+    assert "redis://***@127.0.0.1" in result.stdout
+
+
+def test_flower_refused_settings_are_one_line_not_a_traceback(tmp_path: Path) -> None:
+    env = stack_env(tmp_path, KIDX_FLOWER__USER="kidx", KIDX_FLOWER__PASSWORD="Tr0ub4dor,horse")
+    result = subprocess.run(
+        [sys.executable, "-m", "ops.flower"],
+        env=env,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "KIDX_FLOWER__PASSWORD" in lines[0], result.stderr
+    assert "horse" not in result.stderr

@@ -372,9 +372,18 @@ class Settings(BaseSettings):
         return self.result_backend or self.broker_url
 
     def secrets(self) -> list[str]:
-        """Every secret value, so that logging can redact them wherever they appear."""
+        """Every secret value, so that logging can redact them wherever they appear: the
+        API keys, Flower's password, and the passwords in the broker and backend URLs."""
         values = [self.embedding.api_key, self.chunk.api_key, self.flower.password]
-        return [s.get_secret_value() for s in values if s and s.get_secret_value()]
+        found = [s.get_secret_value() for s in values if s and s.get_secret_value()]
+        for url in (self.broker_url, self.backend_url):
+            try:
+                password = urlsplit(url).password
+            except ValueError:  # a backend URL that does not parse: nothing to take from it
+                password = None
+            if password:
+                found.append(password)
+        return found
 
 
 def load_settings(**overrides: object) -> Settings:
