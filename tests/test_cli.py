@@ -199,6 +199,37 @@ def test_init_on_a_newer_kidx_s_database_refuses_and_writes_nothing(kidx, tmp_pa
     assert db.read_bytes() == before
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("status",),
+        ("search", "traits"),
+        ("chunks", "1"),
+        ("jobs",),
+        ("index", "--all", "--inline"),
+        ("update", "1", "--text", "new words"),
+        ("delete", "1"),
+    ],
+)
+def test_a_command_on_a_missing_database_says_so_and_creates_nothing(kidx, tmp_path, args):
+    """A mistyped --db is one line, and no file and no folder is made there (a read-only
+    command used to create an empty database and report "items 0")."""
+    missing = tmp_path / "nope" / "b.db"
+    line = one_line_error(kidx(*args, "--db", str(missing)))
+    assert line == f"error: no database at {missing}; run `kidx init`"
+    assert not (tmp_path / "nope").exists()
+
+
+def test_init_and_add_create_the_database_and_its_folder(kidx, tmp_path):
+    """The README's first steps on a fresh machine: init (or a first add) makes the file."""
+    first = tmp_path / "a" / "kidx.db"
+    kidx.ok("init", "--db", str(first))
+    assert kidx.json("status", "--db", str(first)) == []
+    second = tmp_path / "b" / "kidx.db"
+    item = kidx.json("add", "note", "--title", "T", "--text", "words", "--db", str(second))["id"]
+    assert [s["item_id"] for s in kidx.json("status", "--db", str(second))] == [item]
+
+
 # -- add, chunks -----------------------------------------------------------------------------
 
 
@@ -335,6 +366,7 @@ def test_search_vec_and_fallback_agree_one_hit_per_item(kidx, standin):
 
 
 def test_status_of_every_item_and_of_one(kidx):
+    kidx.ok("init")
     assert kidx.json("status") == []
     pending = kidx.add("Later", "--text", "Indexed some other day.")
     done = kidx.add("Now", "--text", "Indexed right away.", inline=True)
@@ -376,7 +408,8 @@ def test_every_command_takes_db_over_kidx_db(kidx, tmp_path):
     assert kidx.json("status", str(item), *db)["status"] == "indexed"
     assert not decoy.exists(), "a command ignored --db"
     assert target.is_file()
-    assert kidx.json("status") == []  # KIDX_DB is another database
+    assert "no database at" in one_line_error(kidx("status"))  # KIDX_DB is another one
+    assert not decoy.exists()
 
 
 @pytest.mark.parametrize("fmt", ["json", "console"])
@@ -516,6 +549,7 @@ def test_bad_input_is_one_line_on_stderr(seeded, args, expected):
 def test_rejected_input_writes_nothing(kidx, tmp_path):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes(b"na\xefve\n")
+    kidx.ok("init")
     assert kidx.json("status") == []
     one_line_error(kidx("add", "note", "--title", "T", "--text", "   "))
     one_line_error(kidx("add", "note", "--title", "T", "--file", str(latin1)))

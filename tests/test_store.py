@@ -91,6 +91,20 @@ def test_a_schema_version_that_is_not_a_number_is_a_clear_store_error(tmp_path, 
         connect(path, vec=False)
 
 
+def test_connect_creates_by_default_and_not_when_told(tmp_path):
+    """Library callers (workers, beat, scripts) get a new database as before; create=False
+    (the CLI's commands that expect one) makes neither the file nor its folder."""
+    missing = tmp_path / "nope" / "b.db"
+    with pytest.raises(StoreError, match="no database at"):
+        connect(missing, vec=False, create=False)
+    assert not missing.parent.exists()
+    connect(missing, vec=False).close()
+    assert missing.is_file()
+    again = connect(missing, vec=False, create=False)
+    assert schema_version(again) == SCHEMA_VERSION
+    again.close()
+
+
 def test_migrations_are_idempotent(db, db_path, emb_settings):
     tables = db.all("SELECT name, sql FROM sqlite_master ORDER BY name")
     assert schema_version(db) == SCHEMA_VERSION

@@ -46,10 +46,13 @@ class Ctx:
         self.json = as_json
         self.redact = Redact(settings.secrets())
 
-    def store(self) -> Any:
+    def store(self, *, create: bool = False) -> Any:
+        """The database, which must exist: a mistyped --db or KIDX_DB is one line ("no database
+        at PATH; run `kidx init`"), not a new empty database in new folders that a read-only
+        command then reports as empty. `create=True`: init and add, which make it."""
         from worker.store import open_store
 
-        return open_store(self.settings)
+        return open_store(self.settings, create=create)
 
     def embedder(self, db: Any) -> Any:
         from worker.providers import build_embedder

@@ -35,7 +35,7 @@ def init(ctx: Ctx) -> None:
     """Create the database (or bring it up to date) and show what it runs with."""
     from worker.store.schema import schema_version
 
-    with ctx.store() as db:
+    with ctx.store(create=True) as db:
         info = {
             "db": str(ctx.settings.db),
             "schema_version": schema_version(db),  # the file's, as connect() left it
@@ -74,7 +74,7 @@ def add_note(ctx: Ctx, title: str, text: str | None, file: Path | None, inline: 
     from worker.store.items import add_item
 
     content = read_text(text, file)
-    with ctx.store() as db:
+    with ctx.store(create=True) as db:
         item_id = add_item(db, kind="note", title=title, content=content)
         results = index_inline(ctx, db, [item_id]) if inline else []
     ctx.emit({"id": item_id, "index": results or None}, lambda: out.print(item_id))

@@ -38,10 +38,12 @@ def connect(
     vec: bool = True,
     vec_path: str | Path | None = None,
     busy_timeout_ms: int = 30_000,
+    create: bool = True,
 ) -> Database:
     """Open the database: WAL, busy timeout, foreign keys, migrations, sqlite-vec when it loads,
-    and the vec tables at the resolved dimension (rebuilt only when it changed)."""
-    db = Database(path, busy_timeout_ms=busy_timeout_ms)
+    and the vec tables at the resolved dimension (rebuilt only when it changed). `create=False`:
+    a missing file is a StoreError and nothing is created (commands that expect a database)."""
+    db = Database(path, busy_timeout_ms=busy_timeout_ms, create=create)
     try:
         before = schema_version(db)
         migrate(db)
@@ -60,7 +62,7 @@ def connect(
     return db
 
 
-def open_store(settings: Settings) -> Database:
+def open_store(settings: Settings, *, create: bool = True) -> Database:
     """`connect()` with everything taken from the settings."""
     return connect(
         settings.db,
@@ -68,4 +70,5 @@ def open_store(settings: Settings) -> Database:
         vec=settings.vec,
         vec_path=settings.vec_path,
         busy_timeout_ms=settings.busy_timeout_ms,
+        create=create,
     )

@@ -50,13 +50,24 @@ def vec_library_path() -> str:
 class Database:
     """One SQLite connection with the project's settings and small query helpers."""
 
-    def __init__(self, path: str | Path, *, busy_timeout_ms: int = 30_000) -> None:
+    def __init__(
+        self, path: str | Path, *, busy_timeout_ms: int = 30_000, create: bool = True
+    ) -> None:
+        """`create=False`: a file that is not there is an error (StoreError), and nothing is
+        created, neither the file nor its folder: what a command that only reads or changes
+        an existing database wants, so that a mistyped path is said, not made."""
         self.path = Path(path)
         self._instance: str | None = None
+        flags: dict[str, int] = {}  # apsw's default: read-write, created if missing
         if str(path) != ":memory:":
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if create:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            elif not self.path.exists():
+                raise StoreError(f"no database at {path}; run `kidx init`")
+            else:  # if it went since: an error, not a new file
+                flags["flags"] = apsw.SQLITE_OPEN_READWRITE
         try:
-            self.conn = apsw.Connection(str(path))
+            self.conn = apsw.Connection(str(path), **flags)
             self.busy_timeout_ms = busy_timeout_ms
             self.conn.set_busy_handler(self._busy)
             self.execute("PRAGMA foreign_keys = ON")
