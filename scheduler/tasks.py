@@ -13,10 +13,9 @@ from urllib.parse import urlsplit
 
 import redis
 from celery import Task, shared_task
-from redis.exceptions import LockError
 
 from tasks.broker import live_task_ids
-from tasks.lock import held, sweep_key
+from tasks.lock import held, only_one, sweep_key
 from tasks.producer import send_batch
 from tasks.runtime import Runtime, runtime
 from worker.app import EMBED_MEMORIES, RECONCILE, RETRY_SWEEP
@@ -31,18 +30,11 @@ log = get_logger("kidx.scheduler")
 def alone(rt: Runtime, sweep: str) -> Iterator[bool]:
     """Whether this is the only sweep of its kind running now (the lock, held meanwhile; it
     expires after the hard time limit, should the process die holding it)."""
-    lock = rt.redis.lock(
-        sweep_key(rt.db.instance(), sweep), timeout=rt.settings.tasks.time_limit, thread_local=False
-    )
-    if not lock.acquire(blocking=False):
-        log.info(f"{sweep} sweep skipped: another one is running")
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        with contextlib.suppress(LockError):  # it expired: another sweep may hold it now
-            lock.release()
+    key = sweep_key(rt.db.instance(), sweep)
+    with only_one(rt.redis, key, rt.settings.tasks.time_limit) as only:
+        if not only:
+            log.info(f"{sweep} sweep skipped: another one is running")
+        yield only
 
 
 @shared_task(name=RECONCILE, bind=True)

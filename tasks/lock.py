@@ -10,8 +10,10 @@ starts with the task id) and takes it over at once.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
+from collections.abc import Iterator
 
 import redis
 from redis.exceptions import LockError
@@ -45,6 +47,21 @@ def memories_key(space: str) -> str:
 def sweep_key(space: str, sweep: str) -> str:
     """The lock of a database's running sweep of one kind (scheduler/tasks.py)."""
     return f"kidx:{space}:lock:sweep:{sweep}"
+
+
+@contextlib.contextmanager
+def only_one(client: redis.Redis, key: str, ttl: float) -> Iterator[bool]:
+    """Whether this process holds `key` for the block (not waited for: another holder is doing
+    the same work already); it expires after `ttl`, should the process die holding it."""
+    lock = client.lock(key, timeout=ttl, thread_local=False)
+    if not lock.acquire(blocking=False):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(LockError):  # it expired: another run may hold it now
+            lock.release()
 
 
 def rerun_key(space: str, item_id: int) -> str:

@@ -5,13 +5,11 @@ waited for: a second run has nothing to add)."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from celery import Task, shared_task
-from redis.exceptions import LockError
 
-from tasks.lock import memories_key
+from tasks.lock import memories_key, only_one
 from tasks.runtime import runtime
 from worker.app import EMBED_MEMORIES
 from worker.indexers.memories import embed_memories
@@ -28,15 +26,8 @@ def embed_memories_task(self: Task) -> dict[str, Any]:
     rt = runtime(self.app)
     if rt.embedder is None:
         return {"skipped": NO_PROVIDER}
-    lock = rt.redis.lock(
-        memories_key(rt.db.instance()),
-        timeout=rt.settings.tasks.visibility_timeout,
-        thread_local=False,
-    )
-    if not lock.acquire(blocking=False):
-        return {"skipped": "another run is embedding memories"}
-    try:
+    key = memories_key(rt.db.instance())
+    with only_one(rt.redis, key, rt.settings.tasks.visibility_timeout) as alone:
+        if not alone:
+            return {"skipped": "another run is embedding memories"}
         return embed_memories(rt.db, rt.embedder, limit=RUN_LIMIT).as_dict()
-    finally:
-        with contextlib.suppress(LockError):  # it expired: another run may hold it now
-            lock.release()
