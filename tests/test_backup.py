@@ -43,25 +43,33 @@ def _env(db: Path) -> dict[str, str]:
     }
 
 
+def _backup(
+    source: Path, cwd: Path, *args: str, timeout: float = 60
+) -> subprocess.CompletedProcess:
+    """`kidx backup ARGS` of the database at `source`, as a user runs it."""
+    return subprocess.run(
+        [KIDX, "backup", *args],
+        env=_env(source),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def test_a_backup_taken_while_another_process_writes_is_whole(tmp_path: Path):
     source, dest = tmp_path / "live.db", tmp_path / "copy.db"
     db = connect(source, vec=False)
     for i in range(500):
         add_item(db, kind="note", title=f"n{i}", content="some text of a note " * 50)
     db.close()
-    env = {
-        **os.environ,
-        "KIDX_DB": str(source),
-        "HF_HUB_OFFLINE": "1",
-        "KIDX_BROKER_URL": broker_url(REDIS_DB),
-    }
     writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(source)], env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", WRITER, str(source)],
+        env=_env(source),
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    kidx = str(Path(sys.executable).parent / "kidx")
-    out = subprocess.run(
-        [kidx, "backup", str(dest), "--json"], env=env, capture_output=True, text=True, timeout=60
-    )
+    out = _backup(source, tmp_path, str(dest), "--json")
     written = int(writer.communicate(timeout=30)[0].strip())
     assert out.returncode == 0, out.stderr
     assert '"integrity": "ok"' in out.stdout and written > 0
@@ -69,9 +77,7 @@ def test_a_backup_taken_while_another_process_writes_is_whole(tmp_path: Path):
     assert copy.scalar("PRAGMA integrity_check") == "ok"
     assert 500 <= copy.scalar("SELECT count(*) FROM knowledge_items") <= 500 + written
     copy.close()
-    again = subprocess.run(
-        [kidx, "backup", str(dest)], env=env, capture_output=True, text=True, timeout=60
-    )
+    again = _backup(source, tmp_path, str(dest))
     assert again.returncode == 1 and "exists" in again.stderr
 
 
@@ -136,14 +142,7 @@ def test_a_backup_ends_while_another_connection_keeps_committing(tmp_path: Path)
     try:
         assert writer.first.wait(30) and writer.error is None, writer.error
         before = 200 + writer.committed  # committed before the backup starts
-        out = subprocess.run(
-            [KIDX, "backup", str(dest), "--json"],
-            env=_env(source),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=WRITER_SECONDS * 4,
-        )
+        out = _backup(source, tmp_path, str(dest), "--json", timeout=WRITER_SECONDS * 4)
     finally:
         writer.stop.set()
         writer.join(60)
@@ -167,14 +166,7 @@ def test_a_failed_backup_leaves_nothing_and_says_why_in_one_line(tmp_path: Path)
     source = tmp_path / "notes.db"
     source.write_bytes(b"not a database, only text " * 400)
     backups = tmp_path / "backups"
-    out = subprocess.run(
-        [KIDX, "backup", str(backups / "copy.db")],
-        env=_env(source),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _backup(source, tmp_path, str(backups / "copy.db"))
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
@@ -187,14 +179,7 @@ def test_a_failed_backup_leaves_nothing_and_says_why_in_one_line(tmp_path: Path)
     add_item(good, kind="note", title="kept", content="an older backup")
     good.close()
     shutil.copyfile(tmp_path / "good.db", older)
-    out = subprocess.run(
-        [KIDX, "backup", str(older), "--force"],
-        env=_env(source),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _backup(source, tmp_path, str(older), "--force")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert [p.name for p in backups.iterdir()] == ["copy.db"]
     kept = connect(older, vec=False)
@@ -207,14 +192,7 @@ def test_force_does_not_replace_a_file_that_is_not_a_database(tmp_path: Path):
     connect(source, vec=False).close()
     precious = tmp_path / "thesis.docx"
     precious.write_bytes(b"PK\x03\x04 a document, not a database")
-    out = subprocess.run(
-        [KIDX, "backup", str(precious), "--force"],
-        env=_env(source),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _backup(source, tmp_path, str(precious), "--force")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "not a SQLite database" in out.stderr
     assert precious.read_bytes() == b"PK\x03\x04 a document, not a database"
