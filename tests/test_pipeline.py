@@ -8,7 +8,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import DIMS, FakeEmbedder, corpus_text, standin_settings
+from conftest import (
+    DIMS,
+    FakeEmbedder,
+    corpus_text,
+    keyword_rows_problems,
+    mirror_problems,
+    standin_settings,
+)
 from worker.bulk import index_item, index_items
 from worker.chunking import chunk_structure, text_hash
 from worker.errors import Cancelled, IndexAborted
@@ -473,7 +480,7 @@ def test_new_items_written_together_equal_the_same_items_written_one_by_one(
     every row equals what a run of one writes for each, whole-item vectors of single-chunk
     notes, bit mirrors and keyword rows included."""
     texts = {name: corpus_text(name) for name in GROUP}
-    texts["Tiny"] = "One short paragraph about `HashMap<K, V>` and BackgroundTasks."
+    texts["Tiny HttpServer"] = "One short paragraph about `HashMap<K, V>` and BackgroundTasks."
     embedder = FakeEmbedder()
     other = connect(tmp_path / "other.db", embedding=emb_settings)
     try:
@@ -492,6 +499,44 @@ def test_new_items_written_together_equal_the_same_items_written_one_by_one(
         assert index_dump(db)["whole"]  # appendix-00 and Tiny are single chunks
     finally:
         other.close()
+
+
+def test_new_items_written_together_clear_what_a_host_left_under_their_ids(db):
+    """Rows no chunk has under ids above the highest chunk's (a host deleted the newest
+    chunks by hand, foreign keys off): the new chunks written together take those ids, and
+    their vec, bit and keyword rows are theirs, nothing of the old ones left."""
+    first = add_item(db, kind="note", title="first", content=corpus_text(CHAPTER))
+    index_item(db, first, embedder=FakeEmbedder())
+    top = db.scalar("SELECT max(id) FROM note_chunks")
+    db.execute("PRAGMA foreign_keys = OFF")
+    doomed = [r[0] for r in db.all("SELECT id FROM note_chunks ORDER BY id DESC LIMIT 3")]
+    db.execute(f"DELETE FROM note_chunks WHERE id IN ({','.join('?' * 3)})", doomed)
+    db.execute("PRAGMA foreign_keys = ON")
+    stray = np.ones(DIMS, dtype=np.float32).tobytes()
+    db.execute(  # and one further up, where no chunk ever was
+        "INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (?, ?)", (top + 40, stray)
+    )
+    db.execute(
+        "INSERT INTO note_chunks_fts(rowid, title, headings, content, parts) "
+        "VALUES (?, 'x', '', 'stale', '')",
+        (top + 41,),
+    )
+    assert mirror_problems(db) and keyword_rows_problems(db)
+    ids = [
+        add_item(db, kind="note", title=n, content=corpus_text(n))
+        for n in ("ch04-01-what-is-ownership.md", "ch08-03-hash-maps.md")
+    ]
+    statements: list[str] = []
+    db.conn.exec_trace = lambda _cursor, sql, _bindings: statements.append(sql) or True
+    results = index_items(db, ids, embedder=FakeEmbedder())
+    db.conn.exec_trace = None
+    assert [results[i].status for i in ids] == ["indexed", "indexed"]
+    # together, not one by one after a failed write together (which would mend them too)
+    assert "SELECT id, embed_hash FROM note_chunks WHERE item_id = ?" not in statements
+    assert set(doomed) <= {
+        r[0] for r in db.all("SELECT id FROM note_chunks WHERE item_id IN (?, ?)", ids)
+    }
+    assert mirror_problems(db) == [] and keyword_rows_problems(db) == []
 
 
 def test_new_items_written_together_fall_back_to_one_by_one_when_a_write_fails(db):

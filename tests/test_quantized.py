@@ -35,7 +35,7 @@ from worker.sources import Reader
 from worker.store import connect, vec_table_dimensions
 from worker.store.items import add_item, get_state, list_chunks, update_content
 from worker.store.removal import delete_items, leftovers
-from worker.store.vec import vec_behind
+from worker.store.vec import vec_behind, vec_delete_from
 
 CHAPTERS = ("ch04-01-what-is-ownership.md", "ch10-02-traits.md", "ch15-01-box.md")
 TESTS = Path(__file__).parent
@@ -69,6 +69,23 @@ def test_indexing_and_edits_write_the_bits_with_the_floats(tmp_path, standin, fa
     index_item(db, 4, embedder=fake)  # one chunk to several: its whole-item vector goes
     assert db.scalar("SELECT count(*) FROM vec_note_bits") == 0
     assert mirror_problems(db) == [] and integrity(db) == "ok"
+    db.close()
+
+
+@pytest.mark.parametrize("shadow", ["rowids", "scan"])
+def test_rows_from_a_key_up_leave_the_float_and_bit_tables(tmp_path, standin, fake, shadow):
+    """vec_delete_from finds the keys through sqlite-vec's `_rowids` table, or, in a version
+    without it, by reading the vec table: the same rows go, the others stay."""
+    db = indexed(tmp_path / "q.db", standin, fake)
+    keys = [r[0] for r in db.all("SELECT chunk_id FROM vec_chunk_embeddings ORDER BY chunk_id")]
+    first = keys[len(keys) // 2]
+    if shadow == "scan":
+        exists = db.table_exists
+        db.table_exists = lambda name: not name.endswith("_rowids") and exists(name)
+    vec_delete_from(db, "vec_chunk_embeddings", first)
+    below = [k for k in keys if k < first]
+    for table in ("vec_chunk_embeddings", "vec_chunk_bits"):
+        assert [r[0] for r in db.all(f"SELECT chunk_id FROM {table} ORDER BY chunk_id")] == below
     db.close()
 
 

@@ -32,7 +32,7 @@ from worker.retrieval import Filters, search_chunks
 from worker.settings import FilesSettings, SearchSettings, load_settings
 from worker.sources import Reader
 from worker.store import connect
-from worker.store.fts import identifier_parts, keyword_query
+from worker.store.fts import _row, chunk_parts, identifier_parts, keyword_query, keyword_row
 from worker.store.items import add_item, update_content
 from worker.store.removal import delete_items
 
@@ -237,6 +237,22 @@ def _parts_by_regex(text: str) -> str:
 def test_identifier_parts_are_those_of_unicode61_tokens(text: str) -> None:
     """The bytes fast path finds the same words, in the same order, as the token regex."""
     assert identifier_parts(text) == _parts_by_regex(text)
+
+
+_FIELD = st.text(alphabet=st.sampled_from("aAbBzZ09_ -.éÉßİK\u0301中xyTs"), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_FIELD, _FIELD, _FIELD)
+@example("HttpServer notes", "Using BackgroundTasks", "the HttpServer and its BackgroundTasks")
+def test_a_keyword_row_from_parts_made_with_the_chunk_is_the_row_made_whole(
+    title: str, headings: str, content: str
+) -> None:
+    """A new item's keyword rows take the parts made when the chunk was cut (out of the write
+    lock) and add the title's: the row is the one made from the three fields at once."""
+    made = chunk_parts(headings, content)
+    assert keyword_row(7, title, headings, content, made) == _row(7, title, headings, content)
+    assert keyword_row(7, title, headings, content, None) == _row(7, title, headings, content)
 
 
 def test_identifier_parts_of_a_real_chapter() -> None:

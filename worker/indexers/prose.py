@@ -17,10 +17,11 @@ from worker.log import CHUNK, KI_EMBED
 from worker.providers.base import EmbeddingModel
 from worker.store.boundaries import SqliteBoundaryCache
 from worker.store.db import Database
-from worker.store.fts import NOTES, fts_write, fts_write_item
+from worker.store.fts import NOTES, chunk_parts, fts_insert, fts_write_item, keyword_row
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
-from worker.store.vec import mirror_ready, vec_delete, vec_insert, vec_replace
+from worker.store.text import shown
+from worker.store.vec import mirror_ready, vec_delete, vec_delete_from, vec_insert, vec_replace
 
 
 class Prose(Indexer):
@@ -58,7 +59,10 @@ class Prose(Indexer):
             chunks_table="note_chunks",
             vectors_table="note_chunk_embeddings",
         )
-        return Planned(plan, outcome.method, outcome.fallback)
+        parts: tuple[str, ...] = ()
+        if not plan.reuse:  # a new item, maybe: its keyword rows go in `write_new_notes`
+            parts = tuple(chunk_parts(_headings(c), c.content) for c in outcome.chunks)
+        return Planned(plan, outcome.method, outcome.fallback, parts)
 
     def write(
         self,
@@ -88,7 +92,7 @@ class Prose(Indexer):
     def write_new(
         self, db: Database, items: Sequence[tuple[Item, Planned]], model: str
     ) -> list[int]:
-        return write_new_notes(db, [(item.id, planned.plan) for item, planned in items], model)
+        return write_new_notes(db, [(item.id, planned) for item, planned in items], model)
 
     def search(self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> Any:
         from worker.retrieval import search
@@ -112,8 +116,20 @@ INSERT_VECTOR = (
 def _chunk_row(plan: Plan, i: int) -> tuple[Any, ...]:
     """Chunk i's columns, from chunk_index to embed_hash."""
     c = plan.chunks[i]
-    headings = " > ".join(c.headings)
-    return (c.index, c.content, c.summary, str(c.method), c.start, c.end, headings, plan.hashes[i])
+    return (
+        c.index,
+        c.content,
+        c.summary,
+        str(c.method),
+        c.start,
+        c.end,
+        _headings(c),
+        plan.hashes[i],
+    )
+
+
+def _headings(chunk: Any) -> str:
+    return " > ".join(chunk.headings)
 
 
 def write_notes(
@@ -185,7 +201,7 @@ def write_notes(
     return report.total, vec_failed
 
 
-def write_new_notes(db: Database, items: Sequence[tuple[int, Plan]], model: str) -> list[int]:
+def write_new_notes(db: Database, items: Sequence[tuple[int, Planned]], model: str) -> list[int]:
     """What `write_notes` writes for items that have no chunk and no whole-item vector yet,
     for all of them at once: a statement per table, not a dozen an item (a bulk run of new
     notes spent most of its write lock on those, and FTS5 flushes its pending rows at each
@@ -205,18 +221,21 @@ def write_new_notes(db: Database, items: Sequence[tuple[int, Plan]], model: str)
             ids + ids,
         )
     }
-    new = [(item_id, plan) for item_id, plan in items if item_id in titles and item_id not in taken]
+    new = [(item_id, p) for item_id, p in items if item_id in titles and item_id not in taken]
     if not new:
         return []
     dims = db.dimensions
-    next_id = (db.scalar("SELECT max(id) FROM note_chunks") or 0) + 1
+    first = next_id = (db.scalar("SELECT max(id) FROM note_chunks") or 0) + 1
     chunks, vectors, wholes, keywords = [], [], [], []
-    for item_id, plan in new:
+    for item_id, planned in new:
+        plan, parts = planned.plan, planned.keyword_parts
+        title = shown(titles[item_id])
         for i in range(len(plan.chunks)):
             row = _chunk_row(plan, i)
             chunks.append((next_id, *row, item_id))
             vectors.append((next_id, plan.vectors[i]))
-            keywords.append((next_id, titles[item_id], row[6], row[1]))
+            made = parts[i] if len(parts) == len(plan.chunks) else None
+            keywords.append(keyword_row(next_id, title, row[6], row[1], made))
             next_id += 1
         if len(plan.chunks) == 1:  # single-chunk content: its vector is the item's too
             wholes.append((item_id, plan.vectors[0]))
@@ -226,12 +245,15 @@ def write_new_notes(db: Database, items: Sequence[tuple[int, Plan]], model: str)
         "INSERT INTO note_embeddings(item_id, model, dimensions, vector) VALUES (?, ?, ?, ?)",
         [(item_id, model, dims, v) for item_id, v in wholes],
     )
-    if mirror_ready(db, dims):  # stray vec rows under the new ids (a host's leftovers) go first
-        for table, rows in (("vec_chunk_embeddings", vectors), ("vec_note_embeddings", wholes)):
-            vec_delete(db, table, [key for key, _ in rows])
-            vec_insert(db, table, rows)
+    # Rows under the new ids (a host's leftovers: no live chunk has an id that high) go first.
+    if mirror_ready(db, dims):
+        vec_delete_from(db, "vec_chunk_embeddings", first)
+        vec_insert(db, "vec_chunk_embeddings", vectors)
+        vec_delete(db, "vec_note_embeddings", [key for key, _ in wholes])
+        vec_insert(db, "vec_note_embeddings", wholes)
     if db.table_exists(NOTES.name):
-        fts_write(db, NOTES, keywords)
+        db.execute(f"DELETE FROM {NOTES.name} WHERE rowid >= ?", (first,))
+        fts_insert(db, NOTES, keywords)
     return [item_id for item_id, _ in new]
 
 

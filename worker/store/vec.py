@@ -214,6 +214,20 @@ def vec_delete(db: Database, table: str, keys: list[int]) -> None:
         db.executemany(f"DELETE FROM {t.name} WHERE {t.key} = ?", [(key,) for key in keys])
 
 
+def vec_delete_from(db: Database, table: str, first: int) -> None:
+    """Delete the rows of a float table and of its mirrors whose key is `first` or more: the
+    strays under the ids a writer is about to give new rows. vec0 answers a range of keys
+    only by reading every row, so the keys come from its `_rowids` shadow table (keyed by
+    them) when it has one; a DELETE a key, as before, cost the bulk write a tenth of its
+    write lock (bench/write_path.py)."""
+    for t in (VEC[table], *MIRRORS[table]):
+        shadow = f"{t.name}_rowids"
+        source = shadow if db.table_exists(shadow) else t.name
+        column = "rowid" if source == shadow else t.key
+        keys = db.all(f'SELECT {column} FROM "{source}" WHERE {column} >= ?', (first,))
+        db.executemany(f"DELETE FROM {t.name} WHERE {t.key} = ?", keys)
+
+
 def set_meta(db: Database, key: str, value: str) -> None:
     db.execute(
         "INSERT INTO index_meta(key, value) VALUES (?, ?) "
