@@ -84,9 +84,16 @@ class GroupRun(Run):
         return group_job_id(self.task_id, item_id), 0
 
     def retry_later(self, item_id: int, error: IndexAborted, message: str) -> None:
+        """The item's own task, sent once the write transaction that reported the item (when
+        one did) commits: a message sent inside it would hold every writer's lock for a broker
+        round trip, and would go even if the transaction then rolled back (the item is then
+        reported again, with the cause)."""
         if not self.settings.tasks.max_retries:
             self._failed(item_id, message, "provider_transient")
             return
+        self.rt.db.on_commit(lambda: self._send_retry(item_id, error, message))
+
+    def _send_retry(self, item_id: int, error: IndexAborted, message: str) -> None:
         if self.locks is not None:  # or the retry, due in seconds, would find it locked
             self.locks.release_one(item_id)
         try:

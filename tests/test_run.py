@@ -20,6 +20,7 @@ import pytest
 import redis
 import structlog
 from celery.exceptions import Ignore
+from celery.signals import before_task_publish
 
 from conftest import FakeEmbedder
 from stack import REDIS_DB, broker_url, flush
@@ -259,6 +260,38 @@ def test_a_provider_that_may_recover_retries_the_single_run_and_sends_a_group_it
     (only,) = result["results"]
     assert only["status"] == "retry" and only["next"]  # a task of its own, sent with a delay
     assert job_states(rt, run) == {two: "retry"}
+
+
+class FailsFlaky(FakeEmbedder):
+    """Refuses, for now, any request with a text naming FLAKY (the others, sent alone, pass)."""
+
+    def embed_batch(self, texts: list[str]) -> Any:
+        if any("FLAKY" in t for t in texts):
+            raise TransientProviderError("FLAKY is down for now")
+        return super().embed_batch(texts)
+
+
+def test_a_group_items_retry_is_sent_once_the_write_that_reported_it_commits(rt) -> None:
+    """An item whose only text failed for now is reported with the items written beside it,
+    inside their write transaction: its retry's message goes after the COMMIT, not while
+    every other writer waits for the lock (and not at all if the transaction rolls back)."""
+    rt.embedder = FailsFlaky()
+    ids = notes(rt.db, 3) + notes(rt.db, 1, "FLAKY")
+    in_transaction: list[bool] = []
+
+    def published(sender: str | None = None, **_: Any) -> None:
+        in_transaction.append(not rt.db.conn.get_autocommit())
+
+    before_task_publish.connect(published)
+    try:
+        run, _ = group(rt, ids)
+        result = run.execute()
+    finally:
+        before_task_publish.disconnect(published)
+    statuses = {r["item_id"]: r["status"] for r in result["results"]}
+    assert statuses == {**dict.fromkeys(ids[:3], "indexed"), ids[3]: "retry"}
+    assert in_transaction == [False]  # one message, the retry's, sent outside
+    assert job_states(rt, run)[ids[3]] == "retry"
 
 
 def test_backoff_honours_retry_after_only_up_to_what_the_broker_holds() -> None:

@@ -46,6 +46,54 @@ def test_a_writer_waits_for_another_writers_lock_up_to_the_busy_timeout(db_path)
         second.close()
 
 
+def test_what_waits_for_the_commit_runs_after_it_and_never_after_a_rollback(db_path):
+    """`on_commit` (a retry's message): after the COMMIT, when the lock is free for others;
+    dropped with a transaction or a savepoint that rolls back, and with a COMMIT that fails."""
+    db, other = Database(db_path), Database(db_path, busy_timeout_ms=100)
+    ran: list[str] = []
+
+    def note(name: str) -> None:
+        # the lock is free: another connection writes at once, and sees the row
+        with other.atomic():
+            other.execute("INSERT INTO t VALUES (?)", (name,))
+        ran.append(name)
+
+    try:
+        db.execute("CREATE TABLE t(x)")
+        db.on_commit(lambda: note("outside: at once"))
+        with db.atomic():
+            db.execute("INSERT INTO t VALUES ('row')")
+            db.on_commit(lambda: note("kept"))
+            with pytest.raises(ZeroDivisionError), db.atomic():  # a savepoint rolled back
+                db.on_commit(lambda: note("savepoint rolled back"))
+                1 / 0
+            assert ran == ["outside: at once"]
+        assert ran == ["outside: at once", "kept"]
+        with pytest.raises(ZeroDivisionError), db.atomic():
+            db.on_commit(lambda: note("transaction rolled back"))
+            1 / 0
+        with pytest.raises(StoreError), db.committing():
+            db.on_commit(lambda: note("rolled back by SQLite"))
+            db.execute("ROLLBACK")
+        with pytest.raises(apsw.ConstraintError), db.atomic():  # the COMMIT itself fails
+            db.execute("PRAGMA foreign_keys = ON")
+            db.execute("CREATE TABLE p(id INTEGER PRIMARY KEY)")
+            db.execute("CREATE TABLE c(p REFERENCES p(id) DEFERRABLE INITIALLY DEFERRED)")
+            db.execute("INSERT INTO c VALUES (1)")
+            db.on_commit(lambda: note("commit failed"))
+        with db.atomic():
+            pass
+        assert ran == ["outside: at once", "kept"]
+        assert sorted(r[0] for r in db.all("SELECT x FROM t")) == [
+            "kept",
+            "outside: at once",
+            "row",
+        ]
+    finally:
+        db.close()
+        other.close()
+
+
 def test_connection_is_wal_with_foreign_keys_busy_timeout_and_sqlite_vec(db, db_path):
     assert db.scalar("PRAGMA journal_mode") == "wal"
     assert db.scalar("PRAGMA foreign_keys") == 1

@@ -13,7 +13,7 @@ import hashlib
 import importlib.util
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +86,7 @@ class Database:
         self.vec_version: str | None = None
         self.vec_error: str | None = None
         self._depth = 0
+        self._on_commit: list[tuple[int, Callable[[], None]]] = []  # (depth, what)
         self._busy_since = 0.0
         self.resolution: Resolution | None = None
 
@@ -205,6 +206,7 @@ class Database:
         except BaseException:
             self._depth -= 1
             self._undo()
+            self._drop_on_commit(self._depth + 1)
             raise
         self._depth -= 1
         if self._depth == 0:
@@ -231,8 +233,23 @@ class Database:
         finally:
             self._depth = 0
             if self.conn.get_autocommit():
+                self._drop_on_commit(1)
                 raise StoreError("the write transaction was rolled back by SQLite")
             self._commit()
+
+    def on_commit(self, what: Callable[[], None]) -> None:
+        """Run `what` once the write transaction under way commits (now, outside one): what
+        must not happen unless the transaction's rows are kept, and must not hold the write
+        lock while it waits (a message to the broker). Dropped when the transaction, or the
+        savepoint it was asked in, rolls back."""
+        if self._depth == 0:
+            what()
+            return
+        self._on_commit.append((self._depth, what))
+
+    def _drop_on_commit(self, depth: int) -> None:
+        """What was asked at `depth` or deeper goes with its rolled-back unit."""
+        self._on_commit = [(d, w) for d, w in self._on_commit if d < depth]
 
     def _still_open(self) -> None:
         """Inside a unit of work, the transaction it belongs to must still be there."""
@@ -254,15 +271,20 @@ class Database:
             log.error("rollback failed", reason=f"{type(e).__name__}: {e}")
 
     def _commit(self) -> None:
+        """COMMIT, then what was asked to run after it (`on_commit`), in order."""
         try:
             self.execute("COMMIT")
         except BaseException:
+            self._drop_on_commit(1)
             if not self.conn.get_autocommit():
                 try:
                     self.execute("ROLLBACK")
                 except apsw.Error as e:
                     log.error("rollback failed", reason=f"{type(e).__name__}: {e}")
             raise
+        after, self._on_commit = self._on_commit, []
+        for _, what in after:
+            what()
 
     def map_for_reading(self, megabytes: int = 1024) -> None:
         """Read the file through a memory map (PRAGMA mmap_size): a search scans every vector
