@@ -24,6 +24,19 @@ def test_json_only_acks_late_reject_on_lost_prefetch_one_and_one_visibility_time
     assert conf.worker_send_task_events and conf.task_send_sent_event
     assert conf.task_track_started and conf.result_extended
     assert set(TASK_MODULES) <= set(conf.include)
+    # a pool process's memory is given back: replaced past 1 GB by default
+    assert conf.worker_max_memory_per_child == 1024 * 1024
+    assert conf.worker_max_tasks_per_child is None
+
+
+def test_pool_processes_are_replaced_as_configured_or_never():
+    conf = create_app(
+        load_settings(tasks={"max_tasks_per_child": 50, "max_memory_per_child": 300})
+    ).conf
+    assert conf.worker_max_tasks_per_child == 50
+    assert conf.worker_max_memory_per_child == 300 * 1024
+    never = create_app(load_settings(tasks={"max_memory_per_child": 0})).conf
+    assert never.worker_max_memory_per_child is None
 
 
 def test_the_tasks_have_the_seeds_names():

@@ -90,6 +90,8 @@ def create_app(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True,
         result_expires=7 * 24 * 3600,
         worker_concurrency=t.concurrency,
+        worker_max_tasks_per_child=t.max_tasks_per_child or None,
+        worker_max_memory_per_child=t.max_memory_per_child * 1024 or None,  # Celery's KiB
         enable_utc=True,
         beat_schedule=beat_schedule(settings),
         beat_scheduler="scheduler.beat:LeaderScheduler",

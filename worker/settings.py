@@ -172,6 +172,11 @@ class TaskSettings(_Section):
     # the rest go on in a group of their own.
     group_size: int = Field(default=128, ge=1, le=1000)
     concurrency: int = Field(default=2, ge=1)
+    # A pool process is replaced after this many tasks, or once it ends a task above this many
+    # MB resident (0: never): the local model alone is about 350 MB, and what a 20 MB note
+    # made the interpreter take is never given back to the system.
+    max_tasks_per_child: int = Field(default=0, ge=0)
+    max_memory_per_child: int = Field(default=1024, ge=0)
     # Seconds a producer (and `kidx`) waits for the broker before BrokerUnavailable: the
     # Redis socket timeouts (above the 1 s a worker's BRPOP waits).
     broker_patience: float = Field(default=5.0, ge=1.5, le=300)
