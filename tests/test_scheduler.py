@@ -258,7 +258,14 @@ def test_two_beats_send_each_sweep_once(stack):
             "a beat to take the lease",
         )
         wait_for(lambda: stack.state(pending)["status"] == "indexed", 60, "the sweep to index it")
-        time.sleep(3)  # three more intervals: a second beat would send three more sweeps
+        # Three more sweeps: from two beats, in half the time (the count below then exceeds
+        # one beat's worth for the time elapsed).
+        seen = stack.worker.log.count('"event": "reconcile sweep"')
+        wait_for(
+            lambda: stack.worker.log.count('"event": "reconcile sweep"') >= seen + 3,
+            30,
+            "three more sweeps",
+        )
         logs = [b.log for b in beats]
     finally:
         for b in beats:
