@@ -196,3 +196,32 @@ def test_force_does_not_replace_a_file_that_is_not_a_database(tmp_path: Path):
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "not a SQLite database" in out.stderr
     assert precious.read_bytes() == b"PK\x03\x04 a document, not a database"
+
+
+def test_what_a_killed_backup_left_goes_at_the_next_and_a_running_ones_stays(tmp_path: Path):
+    """A backup SIGKILLed mid-copy leaves `.DEST.<pid>.partial` (and its -journal) beside
+    DEST: the next backup to DEST removes them; a partial whose process still runs is its."""
+    source = tmp_path / "live.db"
+    db = connect(source, vec=False)
+    add_item(db, kind="note", title="n", content="a note")
+    db.close()
+    backups = tmp_path / "backups"
+    backups.mkdir()
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    dead = backups / f".copy.db.{int(gone.stdout)}.partial"
+    dead.write_bytes(b"SQLite format 3\x00 half a copy")
+    (backups / f"{dead.name}-journal").write_bytes(b"its journal")
+    running = backups / f".copy.db.{os.getpid()}.partial"  # this process is alive
+    running.write_bytes(b"SQLite format 3\x00 a copy under way")
+    other = backups / f".other.db.{int(gone.stdout)}.partial"  # another DEST's: not ours
+    other.write_bytes(b"SQLite format 3\x00")
+    out = _backup(source, tmp_path, str(backups / "copy.db"))
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in backups.iterdir()) == sorted(
+        ["copy.db", running.name, other.name]
+    )

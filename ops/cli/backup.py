@@ -9,6 +9,7 @@ a partial file at DEST, and never costs the backup that was there.
 
 from __future__ import annotations
 
+import glob
 import os
 import time
 from pathlib import Path
@@ -33,6 +34,25 @@ def _is_sqlite_or_empty(path: Path) -> bool:
 def _remove_with_side_files(path: Path) -> None:
     for p in (path, *(path.with_name(path.name + s) for s in SIDE_FILES)):
         p.unlink(missing_ok=True)
+
+
+def _remove_dead_partials(dest: Path) -> None:
+    """The temporary files of backups to DEST whose process is gone (SIGKILL, a power cut):
+    named by their pid, so that a backup running now keeps its own."""
+    for p in dest.parent.glob(f".{glob.escape(dest.name)}.*.partial"):
+        pid = p.name[len(dest.name) + 2 : -len(".partial")]
+        if pid.isdigit() and not _alive(int(pid)):
+            _remove_with_side_files(p)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process (or no pid at all: not ours to judge)
+    return True
 
 
 def _copy(source: Path, partial: Path, busy_timeout_ms: int) -> list[tuple[str, ...]]:
@@ -66,6 +86,7 @@ def backup(ctx: Ctx, dest: Path, force: bool) -> None:
     if dest.exists() and not _is_sqlite_or_empty(dest):
         raise InvalidInput(f"{dest} is not a SQLite database: not replacing it")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_partials(dest)
     partial = dest.with_name(f".{dest.name}.{os.getpid()}.partial")
     started = time.monotonic()
     try:
