@@ -64,11 +64,13 @@ def test_what_waits_for_the_commit_runs_after_it_and_never_after_a_rollback(db_p
         with db.atomic():
             db.execute("INSERT INTO t VALUES ('row')")
             db.on_commit(lambda: note("kept"))
+            with db.atomic():  # a savepoint kept: what it asked survives a sibling's rollback
+                db.on_commit(lambda: note("savepoint kept"))
             with pytest.raises(RuntimeError), db.atomic():  # a savepoint rolled back
                 db.on_commit(lambda: note("savepoint rolled back"))
                 raise RuntimeError("undone")
             assert ran == ["outside: at once"]
-        assert ran == ["outside: at once", "kept"]
+        assert ran == ["outside: at once", "kept", "savepoint kept"]
         with pytest.raises(RuntimeError), db.atomic():
             db.on_commit(lambda: note("transaction rolled back"))
             raise RuntimeError("undone")
@@ -83,11 +85,12 @@ def test_what_waits_for_the_commit_runs_after_it_and_never_after_a_rollback(db_p
             db.on_commit(lambda: note("commit failed"))
         with db.atomic():
             pass
-        assert ran == ["outside: at once", "kept"]
+        assert ran == ["outside: at once", "kept", "savepoint kept"]
         assert sorted(r[0] for r in db.all("SELECT x FROM t")) == [
             "kept",
             "outside: at once",
             "row",
+            "savepoint kept",
         ]
     finally:
         db.close()

@@ -214,6 +214,8 @@ class Database:
         else:
             self._still_open()
             self.execute(f"RELEASE sp{self._depth}")
+            # what the savepoint asked is its parent's now: a sibling's rollback keeps it
+            self._on_commit = [(min(d, self._depth), w) for d, w in self._on_commit]
 
     @contextmanager
     def committing(self) -> Iterator[Database]:
