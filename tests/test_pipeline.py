@@ -20,6 +20,7 @@ from worker.bulk import index_item, index_items
 from worker.chunking import chunk_structure, text_hash
 from worker.errors import Cancelled, IndexAborted
 from worker.indexers import IndexOptions
+from worker.reconcile import reconcile
 from worker.sources import Reader
 from worker.store import connect
 from worker.store.items import add_item, get_state, list_chunks, update_content
@@ -126,6 +127,84 @@ def test_content_changed_directly_in_the_database_is_seen(db, embedder, standin)
     )
     state = db.one("SELECT indexed_hash FROM item_index_state WHERE item_id = ?", (item,))
     assert state[0] == text_hash("Second version, written by a host app.")
+
+
+class EditsMidRun(FakeEmbedder):
+    """Runs `edit` (a host's or `kidx update`'s change) at its first request: while the run
+    that read the item is embedding it."""
+
+    def __init__(self, edit) -> None:
+        super().__init__()
+        self.edit = edit
+
+    def embed_batch(self, texts: list[str]) -> np.ndarray:
+        if not self.calls:
+            self.edit()
+        return super().embed_batch(texts)
+
+
+@pytest.mark.parametrize("how", ["host SQL", "kidx update", "host SQL with its hash"])
+def test_an_edit_during_the_run_is_never_recorded_as_indexed(db, emb_settings, tmp_path, how):
+    """The run indexed the text it read; the row holds another now. Its hash must still say so
+    (NULL from the trigger, or the editor's), for the sweep: the run does not write the hash
+    of the text it read over it."""
+    item = add_item(db, kind="note", title="t", content="Old text about apples. " * 3)
+    new = "New text about oranges."
+    other = connect(db.path, embedding=emb_settings)
+
+    def edit() -> None:
+        if how == "kidx update":
+            update_content(other, item, new)
+        elif how == "host SQL":
+            other.execute("UPDATE knowledge_items SET content = ? WHERE id = ?", (new, item))
+        else:
+            other.execute(
+                "UPDATE knowledge_items SET content = ?, content_hash = ? WHERE id = ?",
+                (new, text_hash(new), item),
+            )
+
+    try:
+        index_item(db, item, embedder=EditsMidRun(edit))
+    finally:
+        other.close()
+    assert db.scalar("SELECT content FROM note_chunks WHERE item_id = ?", (item,)).startswith("Old")
+    stored = db.scalar("SELECT content_hash FROM knowledge_items WHERE id = ?", (item,))
+    assert stored in (None, text_hash(new))
+    assert reconcile(db, model="fake", max_items=10).to_index == [item]
+    index_item(db, item, embedder=FakeEmbedder())  # the sweep's run: the new text, its hash
+    assert db.scalar("SELECT content FROM note_chunks WHERE item_id = ?", (item,)) == new
+    assert db.scalar("SELECT content_hash FROM knowledge_items WHERE id = ?", (item,)) == (
+        text_hash(new)
+    )
+
+
+def test_a_wrong_hash_a_host_wrote_is_mended_by_a_run_of_the_same_text(db):
+    item = add_item(db, kind="note", title="t", content="The text as it is.")
+    db.execute("UPDATE knowledge_items SET content_hash = 'junk' WHERE id = ?", (item,))
+    index_item(db, item, embedder=FakeEmbedder())
+    assert db.scalar("SELECT content_hash FROM knowledge_items WHERE id = ?", (item,)) == (
+        text_hash("The text as it is.")
+    )
+    assert reconcile(db, model="fake", max_items=10).to_index == []
+
+
+@pytest.mark.parametrize("column", ["title", "source"])
+def test_a_rename_during_the_run_leaves_the_item_pending_for_the_sweep(db, emb_settings, column):
+    """The embedder was given the old title: the item is `pending`, not `indexed` (a title of
+    bytes that are not UTF-8 is compared as the bytes it is, or it would never be indexed)."""
+    item = add_item(db, kind="note", title="Old title", content="Body text of the note.")
+    db.execute("UPDATE knowledge_items SET title = x'ff4f6c64' WHERE id = ?", (item,))
+    index_item(db, item, embedder=FakeEmbedder())
+    assert get_state(db, item)["status"] == "indexed"  # bytes as they were: unchanged
+    other = connect(db.path, embedding=emb_settings)
+    edit = f"UPDATE knowledge_items SET {column} = 'New' WHERE id = ?"
+    try:
+        db.execute("UPDATE knowledge_items SET content = 'Body, edited.' WHERE id = ?", (item,))
+        index_item(db, item, embedder=EditsMidRun(lambda: other.execute(edit, (item,))))
+    finally:
+        other.close()
+    assert get_state(db, item)["status"] == "pending"
+    assert reconcile(db, model="fake", max_items=10).to_index == [item]
 
 
 def test_missing_vec_rows_are_restored_and_orphans_deleted_without_a_provider_call(

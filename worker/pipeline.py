@@ -43,7 +43,15 @@ from worker.indexers import IndexOptions, Kind, Planned, kind_of
 from worker.log import KI_EMBED, get_logger
 from worker.providers.base import EmbeddingModel
 from worker.store.db import Database
-from worker.store.items import CREATE_STATE, NOW, Item, Status, get_item, set_state
+from worker.store.items import (
+    CREATE_STATE,
+    NOW,
+    Item,
+    Status,
+    get_item,
+    origin_unchanged,
+    set_state,
+)
 from worker.store.removal import remove_other_kind
 
 log = get_logger("kidx.pipeline")
@@ -300,6 +308,9 @@ def _record(db: Database, w: Work, failed: int, model: str, dims: int, task_id: 
     _record_all(db, [(w, failed)], model, dims, task_id)
 
 
+_SAME_ORIGIN = origin_unchanged("?10", "?11", "?12", "?13")
+
+
 def _record_all(
     db: Database, works: list[tuple[Work, int]], model: str, dims: int, task_id: str | None
 ) -> None:
@@ -316,7 +327,7 @@ def _record_all(
         if planned.fallback:
             notes.append(f"LLM chunking fell back to structure: {planned.fallback}")
         if w.kind.text_in_row:
-            hashes.append((w.content_hash, w.item.id, w.content_hash))
+            hashes.append((w.content_hash, w.item.id))
         else:  # the text last extracted, so a host can read it
             texts.append((w.text, w.content_hash, w.item.id, w.content_hash))
         status = Status.PARTIAL if failed else Status.INDEXED
@@ -332,12 +343,17 @@ def _record_all(
                 task_id,
                 w.elapsed(),
                 w.item.id,
+                *w.item.origin,
             )
         )
     with db.atomic():
+        # A note's missing or wrong hash is filled only while the row holds the text that was
+        # indexed: one edited during the run keeps the hash that says so (NULL, from the
+        # trigger, or the editor's), for the re-run check and the sweep.
         db.executemany(
-            "UPDATE knowledge_items SET content_hash = ? WHERE id = ? AND "
-            "(content_hash IS NULL OR content_hash != ?)",
+            "UPDATE knowledge_items SET content_hash = ?1 WHERE id = ?2 AND "
+            "(content_hash IS NULL OR content_hash != ?1) "
+            "AND kidx_sha256(CAST(content AS BLOB)) = ?1",
             hashes,
         )
         db.executemany(
@@ -345,12 +361,15 @@ def _record_all(
             "WHERE id = ? AND (content_hash IS NULL OR content_hash != ?)",
             texts,
         )
-        db.executemany(CREATE_STATE, [(state[-1],) for state in states])
+        db.executemany(CREATE_STATE, [(state[9],) for state in states])
+        # Renamed, moved or made another kind during the run (what the embedder was given
+        # includes the title): `pending`, for the sweep, not `indexed`.
         db.executemany(
-            "UPDATE item_index_state SET status = ?, indexed_hash = ?, chunk_method = ?, "
-            "chunk_count = ?, model = ?, dimensions = ?, last_error = ?, last_task_id = ?, "
-            f"attempts = 0, duration_ms = ?, updated_at = {NOW}, indexed_at = {NOW} "
-            "WHERE item_id = ?",
+            f"UPDATE item_index_state SET status = CASE WHEN {_SAME_ORIGIN} THEN ?1 "
+            "ELSE 'pending' END, indexed_hash = ?2, chunk_method = ?3, "
+            "chunk_count = ?4, model = ?5, dimensions = ?6, last_error = ?7, last_task_id = ?8, "
+            f"attempts = 0, duration_ms = ?9, updated_at = {NOW}, indexed_at = {NOW} "
+            "WHERE item_id = ?10",
             states,
         )
 

@@ -47,6 +47,10 @@ def vec_library_path() -> str:
     return os.path.join(next(iter(spec.submodule_search_locations)), "vec0")
 
 
+def _sha256(value: bytes | None) -> str | None:
+    return None if value is None else hashlib.sha256(value).hexdigest()
+
+
 class Database:
     """One SQLite connection with the project's settings and small query helpers."""
 
@@ -77,6 +81,9 @@ class Database:
             raise StoreError(f"cannot open database {path}: {e}") from None
         if str(path) != ":memory:" and str(mode).lower() != "wal":
             raise StoreError(f"cannot switch {path} to WAL (journal_mode is {mode})")
+        # The sha256 of stored bytes (a text's hash is that of its UTF-8): what a writer
+        # compares with the hash of the text it read (worker.pipeline).
+        self.conn.create_scalar_function("kidx_sha256", _sha256, 1, deterministic=True)
         # Checkpoints off the committing thread (worker/store/checkpoint.py says why).
         self._checkpointer: Checkpointer | None = None
         if str(path) != ":memory:":

@@ -35,6 +35,18 @@ class Item:
     content: str
     content_hash: str | None
     unreadable: str | None = None  # why its content or source cannot be indexed (not UTF-8)
+    # kind, title and source as stored, bytes for bytes: a write compares them with the row
+    # then (`origin_unchanged`), so that a rename during the run is not recorded as indexed.
+    origin: tuple[Any, Any, Any] = (None, None, None)
+
+
+def origin_unchanged(item: str, kind: str, title: str, source: str) -> str:
+    """SQL: whether the item (parameter `item`) still has the kind, title and source of its
+    `Item.origin` (the parameters `kind`, `title`, `source`)."""
+    return (
+        f"EXISTS (SELECT 1 FROM knowledge_items WHERE id = {item} AND CAST(kind AS BLOB) IS "
+        f"{kind} AND CAST(title AS BLOB) IS {title} AND CAST(source AS BLOB) IS {source})"
+    )
 
 
 # An item's state row, created when missing: never for an item that is gone (a task still
@@ -80,7 +92,10 @@ def get_item(db: Database, item_id: int, *, content: bool = True) -> Item:
     Columns a host filled with bytes that are not UTF-8 never raise here (worker.store.text):
     a title is shown with U+FFFD, content or a source that is not text sets `unreadable`."""
     column = "content" if content else "''"
-    sql = "SELECT id, {}, {}, {}, " + column + ", {} FROM knowledge_items WHERE id = ?"
+    sql = (
+        "SELECT id, {}, {}, {}, " + column + ", {}, CAST(kind AS BLOB), CAST(title AS BLOB), "
+        "CAST(source AS BLOB) FROM knowledge_items WHERE id = ?"
+    )
     names = ("kind", "title", "source", "content_hash")
     try:
         row = db.one(sql.format(*names), (item_id,))
@@ -93,7 +108,7 @@ def get_item(db: Database, item_id: int, *, content: bool = True) -> Item:
 
 
 def _item(row: tuple[Any, ...]) -> Item:
-    item_id, kind, title, source, text, content_hash = row
+    item_id, kind, title, source, text, content_hash, *origin = row
     problems = []
     try:
         text = strict(text, "the content")
@@ -112,6 +127,7 @@ def _item(row: tuple[Any, ...]) -> Item:
         text,
         shown(content_hash) or None,
         "; ".join(problems) or None,
+        (origin[0], origin[1], origin[2]),
     )
 
 
