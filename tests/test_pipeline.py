@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import apsw
 import numpy as np
 import pytest
 
@@ -21,6 +22,7 @@ from worker.chunking import chunk_structure, text_hash
 from worker.errors import Cancelled, IndexAborted
 from worker.indexers import IndexOptions
 from worker.reconcile import reconcile
+from worker.retrieval import Filters, search_chunks
 from worker.sources import Reader
 from worker.store import connect
 from worker.store.items import add_item, get_state, list_chunks, update_content
@@ -205,6 +207,25 @@ def test_a_rename_during_the_run_leaves_the_item_pending_for_the_sweep(db, emb_s
         other.close()
     assert get_state(db, item)["status"] == "pending"
     assert reconcile(db, model="fake", max_items=10).to_index == [item]
+
+
+def test_no_statement_binds_a_value_per_chunk_or_item(db):
+    """SQLite binds 32,766 values at most: a 12 MB note (40k chunks) whose chunks all change,
+    a run of many items, or a search filtered by many items must not bind one value each in
+    one statement. The limit is lowered to 64 here to see it with three chapters."""
+    db.conn.limit(apsw.SQLITE_LIMIT_VARIABLE_NUMBER, 64)
+    text = "\n\n".join(corpus_text(n) for n in (CHAPTER, *GROUP))
+    item = add_item(db, kind="note", title="Traits", content=text)
+    assert index_item(db, item, embedder=FakeEmbedder()).chunks > 64
+    db.execute("UPDATE knowledge_items SET title = 'Traits, renamed' WHERE id = ?", (item,))
+    assert index_item(db, item, embedder=FakeEmbedder()).status == "indexed"  # every chunk anew
+    many = [add_item(db, kind="note", title=f"n{k}", content=f"Note {k}.") for k in range(80)]
+    results = index_items(db, many, embedder=FakeEmbedder())
+    assert {r.status for r in results.values()} == {"indexed"}
+    hits = search_chunks(
+        db, "Note 3.", FakeEmbedder(), filters=Filters(item_ids=tuple(many[1:])), k=100
+    ).hits
+    assert {h.item_id for h in hits} == set(many[1:])
 
 
 def test_missing_vec_rows_are_restored_and_orphans_deleted_without_a_provider_call(

@@ -22,6 +22,7 @@ item (a UI's note list); `search()` is that, vector-only, in the older result sh
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -97,9 +98,9 @@ class Filters:
         if self.kinds:
             sql += f" AND i.kind IN ({','.join('?' * len(self.kinds))})"
             params += list(self.kinds)
-        if self.item_ids:
-            sql += f" AND c.item_id IN ({','.join('?' * len(self.item_ids))})"
-            params += list(self.item_ids)
+        if self.item_ids:  # one value, however many ids (SQLite binds 32,766 at most)
+            sql += " AND c.item_id IN (SELECT value FROM json_each(?))"
+            params.append(json.dumps(list(self.item_ids)))
         if self.source_prefix:
             sql += " AND substr(i.source, 1, ?) = ?"
             params += [len(self.source_prefix), self.source_prefix]
@@ -331,14 +332,11 @@ def _rescore(
 ) -> list[tuple[int, float]]:
     """Exact cosine distances of these chunks that are live, of `model` and pass the filter."""
     where, params = filters.where()
-    rows: list[tuple[Any, ...]] = []
-    for start in range(0, len(chunk_ids), 500):
-        part = chunk_ids[start : start + 500]
-        rows += db.all(
-            f"SELECT r.chunk_id, r.vector FROM note_chunk_embeddings r {_LIVE}{where} "
-            f"AND r.dimensions = ? AND r.chunk_id IN ({','.join('?' * len(part))})",
-            (model, *params, len(vector), *part),
-        )
+    rows = db.all(
+        f"SELECT r.chunk_id, r.vector FROM note_chunk_embeddings r {_LIVE}{where} "
+        "AND r.dimensions = ? AND r.chunk_id IN (SELECT value FROM json_each(?))",
+        (model, *params, len(vector), json.dumps(chunk_ids)),
+    )
     if not rows:
         return []
     matrix = np.frombuffer(b"".join(r[1] for r in rows), dtype="<f4").reshape(len(rows), -1)
@@ -479,16 +477,13 @@ def _load(
 
 
 def _rows(db: Database, columns: str, chunk_ids: list[int]) -> list[tuple[Any, ...]]:
-    """`columns` of these live chunks (c: note_chunks, i: knowledge_items), 500 ids a query."""
-    out: list[tuple[Any, ...]] = []
-    for start in range(0, len(chunk_ids), 500):
-        part = chunk_ids[start : start + 500]
-        out += db.all(
-            f"SELECT {columns} FROM note_chunks c JOIN knowledge_items i ON i.id = c.item_id "
-            f"WHERE c.id IN ({','.join('?' * len(part))})",
-            part,
-        )
-    return out
+    """`columns` of these live chunks (c: note_chunks, i: knowledge_items); the ids are one
+    value (a JSON array): SQLite binds 32,766 values at most."""
+    return db.all(
+        f"SELECT {columns} FROM note_chunks c JOIN knowledge_items i ON i.id = c.item_id "
+        "WHERE c.id IN (SELECT value FROM json_each(?))",
+        (json.dumps(chunk_ids),),
+    )
 
 
 # -- one hit per item, vector only (the older API) -------------------------------------------

@@ -158,7 +158,9 @@ def write_notes(
     if gone:
         if mirror:
             vec_delete(db, "vec_chunk_embeddings", gone)
-        db.execute(f"DELETE FROM note_chunks WHERE id IN ({','.join('?' * len(gone))})", gone)
+        # a statement an id: an IN list of 40k chunks (a 12 MB note) passes SQLite's limit of
+        # 32,766 bound values
+        db.executemany("DELETE FROM note_chunks WHERE id = ?", [(cid,) for cid in gone])
     # Out of the way of UNIQUE(item_id, chunk_index) while kept chunks move.
     db.execute(
         "UPDATE note_chunks SET chunk_index = -1 - chunk_index WHERE item_id = ?", (item_id,)
@@ -181,9 +183,8 @@ def write_notes(
     # a host deleted by hand, foreign keys off): it would count as embedded, and the next run
     # would reuse it for good.
     if bare := [ids[i] for i in new if plan.vectors.get(i) is None]:
-        db.execute(
-            f"DELETE FROM note_chunk_embeddings WHERE chunk_id IN ({','.join('?' * len(bare))})",
-            bare,
+        db.executemany(
+            "DELETE FROM note_chunk_embeddings WHERE chunk_id = ?", [(cid,) for cid in bare]
         )
         if mirror:
             vec_delete(db, "vec_chunk_embeddings", bare)

@@ -181,13 +181,12 @@ def set_states(db: Database, item_ids: list[int], **fields: Any) -> None:
     """set_state() for several items, in one statement each way."""
     if "status" in fields:
         fields["status"] = str(fields["status"])
-    marks = ",".join("?" * len(item_ids))
     sets = ", ".join(f"{n} = ?" for n in fields)
     with db.atomic():
         db.executemany(CREATE_STATE, [(i,) for i in item_ids])
-        db.execute(
-            f"UPDATE item_index_state SET {sets}, updated_at = {NOW} WHERE item_id IN ({marks})",
-            (*fields.values(), *item_ids),
+        db.executemany(
+            f"UPDATE item_index_state SET {sets}, updated_at = {NOW} WHERE item_id = ?",
+            [(*fields.values(), i) for i in item_ids],
         )
 
 
