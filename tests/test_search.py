@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import random
 import re
 import subprocess
@@ -25,8 +26,9 @@ from host import host
 from ops.doctor import Fail, check_keywords
 from worker import hamming, nearest, retrieval
 from worker.bulk import index_item
-from worker.errors import InvalidInput
+from worker.errors import BadAnswer, IndexAborted, InvalidInput
 from worker.indexers import IndexOptions
+from worker.indexers.memories import add_memory, search_memories
 from worker.reconcile import reconcile
 from worker.retrieval import Filters, search_chunks
 from worker.settings import FilesSettings, SearchSettings, load_settings
@@ -524,6 +526,56 @@ def test_every_mode_answers_in_the_same_shape_with_and_without_sqlite_vec(
         assert keyword.hits[0].headings  # the heading path comes with the chunk
         with pytest.raises(InvalidInput, match="embedding provider"):
             search_chunks(no_vec, "ownership", None, mode="hybrid")
+    finally:
+        no_vec.close()
+
+
+class Degenerate(FakeEmbedder):
+    """A vector of zeros for a text naming ZERO, one too long for float32 for HUGE."""
+
+    def embed_batch(self, texts: list[str]) -> Any:
+        out = super().embed_batch(texts)
+        for i, t in enumerate(texts):
+            if "ZERO" in t:
+                out[i] = 0.0
+            elif "HUGE" in t:
+                out[i] = 3e38
+        return out
+
+
+def test_a_vector_without_a_direction_is_refused_and_one_a_host_wrote_never_breaks_search(
+    notes_db, emb_settings
+):
+    """A provider's vector of zeros (or past float32) is refused for its text alone; one a host
+    wrote anyway scores as the exact path scores it (distance 1) on every path, memories too,
+    where sqlite-vec's NULL distance made every search through it fail."""
+    db, ids = notes_db
+    bad = Degenerate()
+    for word in ("ZERO", "HUGE"):
+        item = add_item(db, kind="note", title=word, content=f"{word} text.\n\nOther text.")
+        with pytest.raises(IndexAborted, match="vector of zeros, or one too long"):
+            index_item(db, item, embedder=bad)
+        with pytest.raises(BadAnswer, match="vector of zeros"):
+            add_memory(db, f"a {word} memory", bad)
+    zero = np.zeros(DIMS, dtype=np.float32).tobytes()
+    (chunk,) = db.one("SELECT id FROM note_chunks WHERE item_id = ? LIMIT 1", (ids[CHAPTERS[0]],))
+    memory = add_memory(db, "a memory about ownership", FakeEmbedder())
+    db.execute("UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = ?", (zero, chunk))
+    db.execute("UPDATE memory_embeddings SET vector = ? WHERE memory_id = ?", (zero, memory))
+    for table, key, value in (
+        ("vec_chunk_embeddings", "chunk_id", chunk),
+        ("vec_memories", "memory_id", memory),
+    ):
+        db.execute(f"DELETE FROM {table} WHERE {key} = ?", (value,))
+        db.execute(f"INSERT INTO {table}({key}, embedding) VALUES (?, ?)", (value, zero))
+    no_vec = connect(db.path, embedding=emb_settings, vec=False)
+    try:
+        for store in (db, no_vec):
+            for mode in ("vector", "hybrid"):
+                hits = search_chunks(store, "ownership", FakeEmbedder(), k=500, mode=mode).hits
+                assert hits and all(math.isfinite(h.score) for h in hits)
+            found, _, _ = search_memories(store, "ownership", FakeEmbedder(), k=5)
+            assert memory in [m.memory_id for m in found]
     finally:
         no_vec.close()
 

@@ -12,16 +12,18 @@ import apsw
 import numpy as np
 import pytest
 
-from conftest import DIMS, FakeEmbedder, corpus_text, standin_settings
+from conftest import DIMS, FakeEmbedder, corpus_text, mirror_problems, standin_settings
 from worker.bulk import index_item
 from worker.errors import StoreError
 from worker.providers import build_embedder
-from worker.retrieval import search
+from worker.reconcile import reconcile
+from worker.retrieval import search, search_chunks
 from worker.settings import EmbeddingSettings
 from worker.store import connect, resolve_dimensions, vec_table_dimensions
 from worker.store.db import Database
 from worker.store.items import add_item, get_state
 from worker.store.schema import SCHEMA_VERSION, migrate, schema_version
+from worker.store.vec import set_meta
 
 
 def test_a_writer_waits_for_another_writers_lock_up_to_the_busy_timeout(db_path):
@@ -241,6 +243,74 @@ def test_resolution_3_the_setting_default_1536(tmp_path):
     set_ = EmbeddingSettings(provider="openai", model="mystery", dimensions=100)
     assert resolve_dimensions(db, set_).dimensions == 100
     db.close()
+
+
+def test_a_process_without_a_provider_keeps_the_index_s_dimension(tmp_path, standin):
+    """`KIDX_EMBEDDING__PROVIDER=none` (a CLI that only reads): no model to resolve from. Its
+    connection keeps the vec tables as they are; the default model's 1536 dimensions would
+    rebuild them, and mark every item pending, at each command (and the workers back)."""
+    path = tmp_path / "n.db"
+    db = connect(path, embedding=standin_settings(standin))  # 64 dimensions
+    item = add_item(db, kind="note", title="t", content="A note about ownership.")
+    index_item(db, item, embedder=FakeEmbedder())
+    db.close()
+    none = connect(path, embedding=EmbeddingSettings(provider="none"))
+    assert (none.dimensions, none.resolution.source) == (64, "vec tables")
+    assert vec_table_dimensions(none) == dict.fromkeys(vec_table_dimensions(none), 64)
+    assert get_state(none, item)["status"] == "indexed"
+    none.close()
+    fresh = connect(tmp_path / "fresh.db", embedding=EmbeddingSettings(provider="none"))
+    assert fresh.resolution.source == "setting"  # nothing to keep yet
+    fresh.close()
+
+
+@pytest.mark.parametrize("vector", ["text of 256 characters", "dimensions 'abc'"])
+def test_an_embedding_row_kidx_cannot_read_is_no_vector_and_stops_nothing(
+    tmp_path, standin, vector
+):
+    """A host's row with a TEXT vector (the length CHECK counts characters) or a TEXT
+    dimension: read as no vector (resolution, the fallback, the rebuild, the repair), and
+    its item is embedded again by the sweep; no process is kept from opening the file."""
+    path = tmp_path / "h.db"
+    settings = standin_settings(standin)
+    db = connect(path, embedding=settings)
+    ids = [add_item(db, kind="note", title=f"n{i}", content=f"Note {i} text.") for i in range(2)]
+    for i in ids:
+        index_item(db, i, embedder=FakeEmbedder())
+    if vector.startswith("text"):
+        db.execute(
+            "UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = "
+            "(SELECT id FROM note_chunks WHERE item_id = ?)",
+            ("a" * 4 * DIMS, ids[0]),
+        )
+    else:
+        db.execute(
+            "INSERT INTO memories(id, content) VALUES (1, 'm'); "
+            "INSERT INTO memory_embeddings(memory_id, model, dimensions, vector, created_at) "
+            "VALUES (1, ?, 'abc', x'', '9999')",
+            (FakeEmbedder().model_id,),
+        )
+    with db.atomic():
+        set_meta(db, "vec_behind", "1")  # the next connection rebuilds every vec table
+    db.close()
+    db = connect(path, embedding=settings.model_copy(update={"model": "fake", "dimensions": None}))
+    try:
+        assert db.dimensions == DIMS
+        no_vec = connect(path, embedding=settings, vec=False)
+        hits = search_chunks(no_vec, "Note 1 text.", FakeEmbedder(), k=2, mode="vector").hits
+        no_vec.close()
+        assert hits and hits[0].item_id == ids[1]
+        drift = reconcile(db, model="fake", max_items=10)
+        if vector.startswith("text"):
+            assert drift.to_index == [ids[0]]
+            index_item(db, ids[0], embedder=FakeEmbedder())
+        assert (
+            db.scalar("SELECT count(*) FROM note_chunk_embeddings WHERE typeof(vector) != 'blob'")
+            == 0
+        )
+        assert mirror_problems(db) == []
+    finally:
+        db.close()
 
 
 def test_dimension_change_rebuilds_and_refills_so_knn_keeps_working(tmp_path, standin):

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from worker.store.db import Database
-from worker.store.vec import VecTable, vec_table_dimensions
+from worker.store.vec import VecTable, sound, vec_table_dimensions
 
 BLOCK = 20_000
 
@@ -62,6 +62,11 @@ def widening(first: int, limit: int, attempt: Callable[[int], tuple[T, bool] | N
         fetch = min(fetch * 4, limit)
 
 
+# sqlite-vec's distance to a vector of zeros (a host's row) is NULL: 1, as the exact path
+# scores it (a zero row stays zero, its dot product 0), rather than a crash of the search.
+NO_DIRECTION = "ifnull(v.distance, 1.0)"
+
+
 def nearest(
     db: Database, table: VecTable, vector: np.ndarray, k: int, model: str
 ) -> tuple[list[tuple[int, float]], str, str | None]:
@@ -74,10 +79,10 @@ def nearest(
 
         def attempt(fetch: int) -> tuple[list[tuple[int, float]], bool]:
             rows = db.all(
-                f"SELECT v.{table.key}, v.distance, r.{table.source_key} IS NOT NULL FROM "
+                f"SELECT v.{table.key}, {NO_DIRECTION}, r.{table.source_key} IS NOT NULL FROM "
                 f"(SELECT {table.key}, distance FROM {table.name} WHERE embedding MATCH ? AND "
                 f"k = ?) v LEFT JOIN ({table.source} r {live}) ON r.{table.source_key} = "
-                f"v.{table.key} AND r.model = ? ORDER BY v.distance",
+                f"v.{table.key} AND r.model = ? ORDER BY 2",
                 (q.tobytes(), fetch, model),
             )
             found = [(int(key), float(d)) for key, d, ok in rows if ok]
@@ -90,7 +95,8 @@ def nearest(
     found = exact_nearest(
         db,
         f"SELECT r.{table.source_key}, r.vector FROM {table.source} r {live} "
-        "WHERE r.model = ? AND r.dimensions = ? AND r.rowid > ? ORDER BY r.rowid LIMIT ?",
+        f"WHERE {sound('r')} AND r.model = ? AND r.dimensions = ? AND r.rowid > ? "
+        "ORDER BY r.rowid LIMIT ?",
         model,
         q,
         k,

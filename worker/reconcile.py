@@ -20,7 +20,7 @@ from worker.store.fts import sync_fts
 from worker.store.items import NOW
 from worker.store.removal import remove_leftovers
 from worker.store.repair import repair_vectors
-from worker.store.vec import set_meta
+from worker.store.vec import set_meta, sound
 
 # Items a sweep must not send: a task for them is queued or running, or waits for its retry's
 # countdown (Celery's retry of a task: the row of the attempt that failed says `retry`, the
@@ -56,10 +56,13 @@ FINDINGS = {
              OR i.content_hash != s.indexed_hash)""",
     "pending": """SELECT i.id FROM knowledge_items i LEFT JOIN item_index_state s
         ON s.item_id = i.id WHERE coalesce(s.status, 'pending') IN ('pending', 'partial')""",
-    "without_vectors": """SELECT DISTINCT c.item_id FROM note_chunks c
-        LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id WHERE e.chunk_id IS NULL
+    # (a vector a host wrote that kidx cannot read counts as none: `sound`)
+    "without_vectors": f"""SELECT DISTINCT c.item_id FROM note_chunks c
+        LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id
+        WHERE e.chunk_id IS NULL OR NOT ({sound("e")})
         UNION SELECT DISTINCT c.item_id FROM code_chunks c
-        LEFT JOIN code_chunk_embeddings e ON e.chunk_id = c.id WHERE e.chunk_id IS NULL""",
+        LEFT JOIN code_chunk_embeddings e ON e.chunk_id = c.id
+        WHERE e.chunk_id IS NULL OR NOT ({sound("e")})""",
     "other_model": """SELECT DISTINCT c.item_id FROM note_chunks c JOIN note_chunk_embeddings e
         ON e.chunk_id = c.id WHERE e.model != :model OR e.dimensions != :dims
         UNION SELECT DISTINCT c.item_id FROM code_chunks c JOIN code_chunk_embeddings e

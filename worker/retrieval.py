@@ -31,13 +31,20 @@ import numpy as np
 
 from worker.errors import InvalidInput
 from worker.hamming import nearest_bits
-from worker.nearest import KNN_MAX, distances, exact_nearest, unavailable, widening
+from worker.nearest import (
+    KNN_MAX,
+    NO_DIRECTION,
+    distances,
+    exact_nearest,
+    unavailable,
+    widening,
+)
 from worker.providers.base import EmbeddingModel
 from worker.settings import SearchSettings
 from worker.store.db import Database
 from worker.store.fts import NOTES, keyword_query
 from worker.store.text import shown
-from worker.store.vec import VEC, vec_table_dimensions
+from worker.store.vec import VEC, sound, vec_table_dimensions
 
 SNIPPET = 160
 MAX_K = 1000
@@ -345,7 +352,7 @@ def _rescore(
 
 _LIVE = (
     "JOIN note_chunks c ON c.id = r.chunk_id JOIN knowledge_items i ON i.id = c.item_id "
-    "WHERE r.model = ?"
+    f"WHERE {sound('r')} AND r.model = ?"
 )
 
 
@@ -371,7 +378,7 @@ def _knn(
 
     def attempt(fetch: int) -> tuple[list[tuple[int, float]], bool]:
         rows = db.all(
-            f"SELECT v.chunk_id, v.distance, (i.id IS NOT NULL AND r.model = ?{where}) "
+            f"SELECT v.chunk_id, {NO_DIRECTION}, (i.id IS NOT NULL AND r.model = ?{where}) "
             "FROM (SELECT chunk_id, distance FROM vec_chunk_embeddings WHERE embedding MATCH ? "
             "AND k = ?) v LEFT JOIN note_chunks c ON c.id = v.chunk_id "
             "LEFT JOIN note_chunk_embeddings r ON r.chunk_id = v.chunk_id "
@@ -397,7 +404,7 @@ def _exact(
     sql = (
         f"SELECT c.id, r.vector FROM note_chunk_embeddings r "
         f"JOIN note_chunks c ON c.id = r.chunk_id JOIN knowledge_items i ON i.id = c.item_id "
-        f"WHERE 1{where} AND r.model = ? AND r.dimensions = ? AND r.rowid > ? "
+        f"WHERE {sound('r')}{where} AND r.model = ? AND r.dimensions = ? AND r.rowid > ? "
         "ORDER BY r.rowid LIMIT ?"
     )
     return exact_nearest(db, sql, model, vector, n, before=params, hold_mb=tuning.fallback_hold_mb)

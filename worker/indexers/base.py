@@ -23,6 +23,7 @@ from worker.providers.base import EmbeddingModel
 from worker.sources import Reader
 from worker.store.db import Database
 from worker.store.items import Item
+from worker.store.vec import sound
 
 MAX_CONSECUTIVE_FAILURES = 3
 
@@ -122,7 +123,8 @@ def plan_vectors(
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     for chunk_id, embed_hash, vector in db.all(
         f"SELECT c.id, c.embed_hash, e.vector FROM {chunks_table} c JOIN {vectors_table} e "
-        "ON e.chunk_id = c.id AND e.model = ? AND e.dimensions = ? WHERE c.item_id = ? "
+        f"ON e.chunk_id = c.id AND e.model = ? AND e.dimensions = ? AND {sound('e')} "
+        "WHERE c.item_id = ? "
         "ORDER BY c.chunk_index",
         (model, db.dimensions, item.id),
     ):

@@ -19,7 +19,7 @@ from worker.retrieval import check_query
 from worker.store.db import Database
 from worker.store.items import Item
 from worker.store.text import NotText, shown, strict
-from worker.store.vec import VEC, mirror_ready, vec_replace
+from worker.store.vec import VEC, mirror_ready, sound, vec_replace
 
 MAX_MEMORY = 2000  # characters: longer texts are notes, which are chunked
 
@@ -48,7 +48,7 @@ class Memories(Indexer):
         plan = Plan(chunks, lambda i: text, [text_hash(text)], item_id=item.id)
         row = db.one(
             "SELECT vector FROM memory_embeddings WHERE memory_id = ? AND model = ? "
-            "AND dimensions = ?",
+            f"AND dimensions = ? AND {sound()}",
             (item.id, model, db.dimensions),
         )
         if row is not None:
@@ -140,7 +140,7 @@ REFUSAL_TTL_S = 86_400
 # but not those refused lately as they are now (`memory_refusals`, migration 9).
 _MISSING = (
     "SELECT m.id, CAST(m.content AS BLOB) FROM memories m LEFT JOIN memory_embeddings e "
-    "ON e.memory_id = m.id AND e.model = :model AND e.dimensions = :dims "
+    f"ON e.memory_id = m.id AND e.model = :model AND e.dimensions = :dims AND {sound('e')} "
     "WHERE e.memory_id IS NULL AND length(trim(CAST(m.content AS TEXT))) > 0 "
     "AND NOT EXISTS (SELECT 1 FROM memory_refusals r WHERE r.memory_id = m.id "
     "AND r.model = :model AND r.content IS CAST(m.content AS BLOB) "

@@ -78,6 +78,16 @@ class EmbeddingModel(ABC):
             )
         if vectors.shape[1] == 0:
             raise BadAnswer(f"{self.model_id}: empty vectors")
+        # A vector of zeros has no direction, and one whose squared length passes float32 has
+        # none sqlite-vec can compute (it would sort every search by a NULL distance).
+        with np.errstate(over="ignore", under="ignore"):
+            lengths = np.einsum("ij,ij->i", vectors, vectors)
+        if not (np.isfinite(lengths) & (lengths > 0)).all():
+            raise BadAnswer(
+                f"{self.model_id}: the answer contains a vector of zeros, or one too long to "
+                "measure in float32",
+                per_input=True,
+            )
         return vectors
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:

@@ -35,7 +35,7 @@ class Resolution:
     """The index's dimension, and where it came from (worker.store.vec resolves it)."""
 
     dimensions: int
-    source: str  # "embedding row", "model", "setting"
+    source: str  # "embedding row", "model", "setting", "vec tables" (no provider)
 
 
 def vec_library_path() -> str:

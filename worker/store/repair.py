@@ -10,18 +10,25 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from worker.store.db import Database
-from worker.store.vec import VEC_TABLES, VecTable, sync_vec_tables, vec_behind, vec_ready
+from worker.store.vec import (
+    VEC_TABLES,
+    VecTable,
+    sound,
+    sync_vec_tables,
+    vec_behind,
+    vec_ready,
+)
 
 # Relational vectors of one item, per vec table that holds item vectors.
 _ITEM_VECTORS = {
     "vec_note_embeddings": "SELECT item_id, vector FROM note_embeddings "
-    "WHERE item_id = :item AND dimensions = :d",
+    f"WHERE item_id = :item AND dimensions = :d AND {sound()}",
     "vec_chunk_embeddings": "SELECT e.chunk_id, e.vector FROM note_chunks c "
     "JOIN note_chunk_embeddings e ON e.chunk_id = c.id "
-    "WHERE c.item_id = :item AND e.dimensions = :d",
+    f"WHERE c.item_id = :item AND e.dimensions = :d AND {sound('e')}",
     "vec_work_code_chunks": "SELECT e.chunk_id, e.vector FROM code_chunks c "
     "JOIN code_chunk_embeddings e ON e.chunk_id = c.id "
-    "WHERE c.item_id = :item AND e.dimensions = :d",
+    f"WHERE c.item_id = :item AND e.dimensions = :d AND {sound('e')}",
 }
 _ITEM_VECTORS["vec_note_bits"] = _ITEM_VECTORS["vec_note_embeddings"]
 _ITEM_VECTORS["vec_chunk_bits"] = _ITEM_VECTORS["vec_chunk_embeddings"]
@@ -71,7 +78,7 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
         r[0]: r[1]
         for r in db.all(
             f"SELECT {t.source_key}, {'vector' if restore else 'NULL'} FROM {t.source} "
-            "WHERE dimensions = ?",
+            f"WHERE dimensions = ? AND {sound()}",
             (dims,),
         )
     }
@@ -148,7 +155,8 @@ def _orphans(db: Database, dimensions: int, report: RepairReport) -> None:
         if t.name in _ITEM_RUN_ORPHAN_TABLES:
             mirrored = db.scalar(f"SELECT count(*) FROM {t.name}")
             truth = db.scalar(
-                f"SELECT count(*) FROM {t.source} WHERE dimensions = ?", (dimensions,)
+                f"SELECT count(*) FROM {t.source} WHERE dimensions = ? AND {sound()}",
+                (dimensions,),
             )
             if mirrored > truth:
                 _sweep(db, t, dimensions, report, restore=False)

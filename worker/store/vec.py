@@ -85,11 +85,35 @@ UNION SELECT c.item_id FROM code_chunks c JOIN code_chunk_embeddings e ON e.chun
 """
 
 
+def sound(alias: str = "") -> str:
+    """SQL: the embedding row (of table `alias`) holds a vector kidx can read: a BLOB of
+    `dimensions` float32s. A host may write any value of any type (the schema's CHECK on the
+    length lets TEXT through: it counts characters); a row that is not sound is read as no
+    vector at all (the sweep embeds its item again), never into a search, a reuse or a vec
+    table."""
+    a = f"{alias}." if alias else ""
+    return (
+        f"typeof({a}dimensions) = 'integer' AND {a}dimensions > 0 AND "
+        f"typeof({a}vector) = 'blob' AND length({a}vector) = 4 * {a}dimensions"
+    )
+
+
+_SOUND_ROW = sound()
+
+
 def resolve_dimensions(db: Database, embedding: EmbeddingSettings) -> Resolution:
-    """The dimension the index should have now, in the order of the module doc."""
+    """The dimension the index should have now, in the order of the module doc.
+
+    A process with no provider (`none`: a CLI that only reads, a host's own tool) has no
+    model to resolve from: it keeps the vec tables' dimension (or the most recent vector's),
+    where the default model's would drop and rebuild them, and mark every item pending, at
+    each command."""
+    if embedding.provider == "none":
+        return _kept_dimensions(db, embedding)
     where = "model = :model" + (" AND dimensions = :dims" if embedding.dimensions else "")
     union = " UNION ALL ".join(
-        f"SELECT dimensions, created_at FROM {table} WHERE {where}" for table in EMBEDDING_TABLES
+        f"SELECT dimensions, created_at FROM {table} WHERE {where} AND {_SOUND_ROW}"
+        for table in EMBEDDING_TABLES
     )
     row = db.one(
         f"SELECT dimensions FROM ({union}) ORDER BY created_at DESC LIMIT 1",
@@ -100,6 +124,20 @@ def resolve_dimensions(db: Database, embedding: EmbeddingSettings) -> Resolution
     known = embedding.model_dimensions()
     if known:
         return Resolution(known, "model")
+    return Resolution(embedding.dimensions or DEFAULT_DIMENSIONS, "setting")
+
+
+def _kept_dimensions(db: Database, embedding: EmbeddingSettings) -> Resolution:
+    declared = [d for d in vec_table_dimensions(db).values() if d]
+    if declared:
+        return Resolution(max(declared, key=declared.count), "vec tables")
+    union = " UNION ALL ".join(
+        f"SELECT dimensions, created_at FROM {table} WHERE {_SOUND_ROW}"
+        for table in EMBEDDING_TABLES
+    )
+    row = db.one(f"SELECT dimensions FROM ({union}) ORDER BY created_at DESC LIMIT 1")
+    if row is not None:
+        return Resolution(int(row[0]), "embedding row")
     return Resolution(embedding.dimensions or DEFAULT_DIMENSIONS, "setting")
 
 
@@ -163,11 +201,12 @@ def sync_vec_tables(db: Database, dimensions: int) -> bool:
             db.execute(
                 f"INSERT INTO {t.name}({t.key}, embedding) "
                 f"SELECT {t.source_key}, {t.value('vector')} FROM {t.source} "
-                "WHERE dimensions = ?",
+                f"WHERE dimensions = ? AND {_SOUND_ROW}",
                 (dimensions,),
             )
             refilled[t.name] = db.scalar(
-                f"SELECT count(*) FROM {t.source} WHERE dimensions = ?", (dimensions,)
+                f"SELECT count(*) FROM {t.source} WHERE dimensions = ? AND {_SOUND_ROW}",
+                (dimensions,),
             )
         pending = db.execute(
             "UPDATE item_index_state SET status = 'pending', "
