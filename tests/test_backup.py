@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from stack import REDIS_DB, broker_url
 from worker.store import connect
@@ -225,3 +228,62 @@ def test_what_a_killed_backup_left_goes_at_the_next_and_a_running_ones_stays(tmp
     assert sorted(p.name for p in backups.iterdir()) == sorted(
         ["copy.db", running.name, other.name]
     )
+
+
+def _live(tmp_path: Path) -> Path:
+    source = tmp_path / "live.db"
+    db = connect(source, vec=False)
+    add_item(db, kind="note", title="n", content="a note")
+    db.close()
+    return source
+
+
+def _one_line_error(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    return lines[0]
+
+
+def test_force_does_not_open_nor_replace_a_fifo(tmp_path: Path):
+    """Reading a FIFO for SQLite's header waited for a writer forever; now DEST is looked at
+    (lstat) and refused, with or without --force, and stays a FIFO."""
+    source = _live(tmp_path)
+    fifo = tmp_path / "copy.db"
+    os.mkfifo(fifo)
+    for args in ((str(fifo), "--force"), (str(fifo),)):
+        line = _one_line_error(_backup(source, tmp_path, *args, timeout=30))
+        assert str(fifo) in line and "FIFO" in line and "not replacing it" in line
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir() if "copy" in p.name) == ["copy.db"]
+
+
+def test_force_does_not_replace_a_symbolic_link(tmp_path: Path):
+    """A link is not a regular file: not replaced (a rename would replace the link, not what
+    it leads to), whether it leads to a document or to an empty file."""
+    source = _live(tmp_path)
+    doc, empty = tmp_path / "notes.txt", tmp_path / "empty"
+    doc.write_text("my notes, not a database")
+    empty.write_bytes(b"")
+    for target in (doc, empty):
+        link = tmp_path / f"to-{target.name}.db"
+        link.symlink_to(target)
+        line = _one_line_error(_backup(source, tmp_path, str(link), "--force"))
+        assert str(link) in line and "symbolic link" in line
+        assert link.is_symlink() and os.readlink(link) == str(target)
+    assert doc.read_text() == "my notes, not a database" and empty.read_bytes() == b""
+
+
+def test_force_does_not_replace_a_device_node(tmp_path: Path):
+    """A character device read as empty, so --force renamed the copy over the node. The node
+    here is one made for the test under tmp_path (the null device's numbers), never /dev's."""
+    source = _live(tmp_path)
+    node = tmp_path / "copy.db"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("cannot make a device node here (no CAP_MKNOD)")
+    line = _one_line_error(_backup(source, tmp_path, str(node), "--force"))
+    assert str(node) in line and "character device" in line
+    assert stat.S_ISCHR(os.lstat(node).st_mode)
+    assert os.lstat(node).st_rdev == os.makedev(1, 3)

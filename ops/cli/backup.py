@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -25,10 +26,42 @@ SIDE_FILES = ("-journal", "-wal", "-shm")
 
 
 def _is_sqlite_or_empty(path: Path) -> bool:
-    """DEST may be replaced (--force) when it is a SQLite database or empty, not any file."""
-    with path.open("rb") as f:
-        head = f.read(len(SQLITE_HEADER))
+    """DEST may be replaced (--force) when it is a SQLite database or empty, not any file.
+    Opened without following a link and without waiting (a FIFO put there since DEST was
+    looked at would block), and read only if it is (still) a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, len(SQLITE_HEADER))
+    finally:
+        os.close(fd)
     return head in (b"", SQLITE_HEADER)
+
+
+FILE_TYPES = {
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def _dest_type(dest: Path) -> str | None:
+    """What DEST is, if it exists and is not a regular file (not followed if a link): a backup
+    renamed over a device node, a FIFO or a link replaces that, not what it leads to, and
+    reading a FIFO to look for SQLite's header waits forever."""
+    try:
+        mode = os.lstat(dest).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise InvalidInput(f"cannot look at {dest}: {e.strerror or e}") from None
+    if stat.S_ISREG(mode):
+        return None
+    return FILE_TYPES.get(stat.S_IFMT(mode), "something else")
 
 
 def _remove_with_side_files(path: Path) -> None:
@@ -79,6 +112,9 @@ def backup(ctx: Ctx, dest: Path, force: bool) -> None:
     source = Path(ctx.settings.db)
     if not source.is_file():
         raise InvalidInput(f"no database at {source}")
+    kind = _dest_type(dest)
+    if kind is not None:
+        raise InvalidInput(f"{dest} is {kind}, not a regular file: not replacing it")
     if dest.exists() and not force:
         raise InvalidInput(f"{dest} exists (use --force to replace it)")
     if dest.resolve() == source.resolve():
