@@ -287,3 +287,18 @@ def test_force_does_not_replace_a_device_node(tmp_path: Path):
     assert str(node) in line and "character device" in line
     assert stat.S_ISCHR(os.lstat(node).st_mode)
     assert os.lstat(node).st_rdev == os.makedev(1, 3)
+
+
+def test_a_source_that_cannot_be_opened_is_named_not_dest(tmp_path: Path):
+    """A WAL database whose -wal cannot be opened (here a directory stands at its name: a
+    read-only mount as root cannot be had in a test) failed at the backup's first step, told
+    as "cannot open DEST (not an error)"; now the source is opened and read first, and its
+    failure names it."""
+    source = _live(tmp_path)
+    (tmp_path / "live.db-wal").mkdir()
+    dest = tmp_path / "copy.db"
+    line = _one_line_error(_backup(source, tmp_path, str(dest)))
+    assert f"cannot open the database {source}" in line, line
+    assert line.count(str(dest)) == 1 and "nothing written to" in line  # only as what is spared
+    assert "not an error" not in line
+    assert sorted(p.name for p in tmp_path.iterdir() if "copy" in p.name) == []

@@ -88,11 +88,46 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _copy(source: Path, partial: Path, busy_timeout_ms: int) -> list[tuple[str, ...]]:
-    """Copy `source` into the new file `partial` in one step; its integrity check's rows."""
-    src = apsw.Connection(str(source), flags=apsw.SQLITE_OPEN_READONLY)
+def _open_source(source: Path, dest: Path, busy_timeout_ms: int) -> apsw.Connection:
+    """The database, opened read-only, and read once: SQLite opens a file (and a WAL
+    database's -wal and -shm) only at its first read, so that what fails here is the source's,
+    and is said as the source's (it named DEST when the backup's first step failed)."""
+    src = None
     try:
+        src = apsw.Connection(str(source), flags=apsw.SQLITE_OPEN_READONLY)
         src.set_busy_timeout(busy_timeout_ms)
+        src.execute("SELECT count(*) FROM sqlite_schema").fetchall()
+    except apsw.Error as e:
+        if src is not None:
+            src.close()
+        if isinstance(e, apsw.CantOpenError):
+            problem = (
+                f"cannot open the database {source}{_detail(e)}: check that it, its folder and "
+                "its -wal and -shm files are readable (a database in WAL mode also needs its "
+                "folder writable, or its -shm present: a read-only mount refuses that)"
+            )
+        else:
+            problem = _problem(e, source)
+        raise StoreError(f"backup failed, nothing written to {dest}: {problem}") from None
+    return src
+
+
+def _detail(e: apsw.Error) -> str:
+    """apsw's text in parentheses, unless it is the empty "not an error" that SQLite reports
+    for a connection whose own last call succeeded."""
+    text = str(e).strip()
+    return "" if text.lower() in ("", "not an error") else f" ({text})"
+
+
+def _problem(e: apsw.Error, path: Path) -> str:
+    """`sqlite_problem`, without apsw's text when that says nothing ("not an error")."""
+    problem = sqlite_problem(e, path)
+    return problem if _detail(e) else problem.replace(f" ({e})", "")
+
+
+def _copy(src: apsw.Connection, partial: Path) -> list[tuple[str, ...]]:
+    """Copy `src` into the new file `partial` in one step; its integrity check's rows."""
+    try:
         out = apsw.Connection(str(partial))
         try:
             with out.backup("main", src, "main") as b:
@@ -125,8 +160,9 @@ def backup(ctx: Ctx, dest: Path, force: bool) -> None:
     _remove_dead_partials(dest)
     partial = dest.with_name(f".{dest.name}.{os.getpid()}.partial")
     started = time.monotonic()
+    src = _open_source(source, dest, ctx.settings.busy_timeout_ms)
     try:
-        check = _copy(source, partial, ctx.settings.busy_timeout_ms)
+        check = _copy(src, partial)
         if check != [("ok",)]:
             raise StoreError(f"the copy of {source} failed its integrity check: {check}")
         for suffix in SIDE_FILES:  # the old DEST's: replayed onto the new file, they'd corrupt it
@@ -134,8 +170,7 @@ def backup(ctx: Ctx, dest: Path, force: bool) -> None:
         partial.replace(dest)
     except apsw.Error as e:
         _remove_with_side_files(partial)
-        where = source if _is_source_error(e) else dest
-        problem = sqlite_problem(e, where)
+        problem = _problem(e, source if _is_source_error(e) else dest)
         raise StoreError(f"backup failed, nothing written to {dest}: {problem}") from None
     except BaseException:
         _remove_with_side_files(partial)
