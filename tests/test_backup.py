@@ -302,3 +302,16 @@ def test_a_source_that_cannot_be_opened_is_named_not_dest(tmp_path: Path):
     assert line.count(str(dest)) == 1 and "nothing written to" in line  # only as what is spared
     assert "not an error" not in line
     assert sorted(p.name for p in tmp_path.iterdir() if "copy" in p.name) == []
+
+
+def test_the_restore_runbook_stops_the_workers_and_removes_wal_and_shm_first():
+    """Put at KIDX_DB beside a leftover kidx.db-wal, the copy gets the old database's last
+    pages replayed onto it: the runbook says to stop every worker and delete -wal and -shm
+    before the copy goes in place."""
+    text = " ".join((Path(__file__).resolve().parents[1] / "ops" / "README.md").read_text().split())
+    restore = text[text.index("To restore") : text.index("## Drift")]
+    put = restore.index("Put the copy at `KIDX_DB`")
+    assert restore.index("Stop every process that opens the database") < put
+    assert "worker and beat" in restore
+    assert restore.index("`kidx.db-wal`") < put and restore.index("`kidx.db-shm`") < put
+    assert "replay" in restore
