@@ -35,7 +35,7 @@ from worker.settings import FilesSettings, SearchSettings, load_settings
 from worker.sources import Reader
 from worker.store import connect
 from worker.store.fts import _row, chunk_parts, identifier_parts, keyword_query, keyword_row
-from worker.store.items import add_item, update_content
+from worker.store.items import add_item, list_chunks, update_content
 from worker.store.removal import delete_items
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -578,6 +578,41 @@ def test_a_vector_without_a_direction_is_refused_and_one_a_host_wrote_never_brea
             assert memory in [m.memory_id for m in found]
     finally:
         no_vec.close()
+
+
+def test_chunk_rows_a_host_filled_with_other_bytes_or_types_never_stop_a_run_or_a_search(
+    notes_db, fake
+):
+    """A host writes bytes that are not UTF-8 into a chunk's text columns and text into its
+    integer ones (the schema's CHECKs let both through): search skips what it cannot place,
+    shows the rest, the chunk list shows them, the keyword index is rebuilt from them, and
+    the item is indexed again over them."""
+    db, ids = notes_db
+    item = ids[CHAPTERS[0]]
+    first, second = [
+        r[0] for r in db.all("SELECT id FROM note_chunks WHERE item_id = ? LIMIT 2", (item,))
+    ]
+    db.execute(
+        "UPDATE note_chunks SET content = CAST(x'6f776e657273686970ff' AS TEXT), "
+        "headings = CAST(x'ff' AS TEXT), summary = CAST(x'ff' AS TEXT) WHERE id = ?",
+        (first,),
+    )
+    db.execute(
+        "UPDATE note_chunks SET chunk_index = 'x', end_offset = 'zzz', start_offset = 'y' "
+        "WHERE id = ?",
+        (second,),
+    )
+    for mode in ("vector", "keyword", "hybrid"):
+        hits = search_chunks(db, "ownership", fake, k=200, mode=mode).hits
+        assert hits and second not in {h.chunk_id for h in hits}
+    assert len(list_chunks(db, item)) == db.scalar(
+        "SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)
+    )
+    db.execute("DROP TABLE note_chunks_fts")
+    reconcile(db, model=fake.model_id, max_items=100)  # the keyword rows, from those chunks
+    assert keyword_rows_problems(db) == []
+    update_content(db, item, corpus_text(CHAPTERS[0]) + "\n\nOne more paragraph.")
+    assert index_item(db, item, embedder=fake).status == "indexed"
 
 
 def test_hybrid_without_a_word_to_search_is_vector_search(notes_db, fake):

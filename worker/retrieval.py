@@ -463,6 +463,8 @@ def _load(
         if row is None:  # gone since it was ranked
             continue
         _, item_id, title, kind, source, index, headings, start, end, content = row
+        if not all(type(n) is int for n in (index, start, end)):
+            continue  # a host wrote something else there: no place to show it at
         path = shown(headings)  # a host's bytes are shown, never raised (store.text)
         hits.append(
             ChunkHit(

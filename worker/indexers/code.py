@@ -19,6 +19,7 @@ from worker.store.db import Database
 from worker.store.fts import CODE, fts_write_item, keyword_query
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
+from worker.store.text import shown
 from worker.store.vec import VEC, mirror_ready, vec_delete, vec_replace
 
 SNIPPET = 160
@@ -150,12 +151,16 @@ def search_code(
     hits = []
     for chunk_id in order[:k]:
         row = db.one(
-            "SELECT item_id, path, start_line, end_line, content FROM code_chunks WHERE id = ?",
+            "SELECT item_id, CAST(path AS BLOB), start_line, end_line, CAST(content AS BLOB) "
+            "FROM code_chunks WHERE id = ?",
             (chunk_id,),
         )
         if row is not None:
             item_id, path, start, end, content = row
-            snippet = " ".join(content.split())[:SNIPPET]
+            if not (type(start) is int and type(end) is int):
+                continue  # a host wrote something else there: no place to show it at
+            path = shown(path)
+            snippet = " ".join(shown(content).split())[:SNIPPET]
             score = round(fused[chunk_id], 6)
             hits.append(CodeHit(item_id, path, start, end, score, snippet, paths[chunk_id]))
     return hits, served, reason

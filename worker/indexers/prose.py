@@ -35,10 +35,16 @@ class Prose(Indexer):
             llm = LLMChunker(
                 options.chat, SqliteBoundaryCache(db), options.chunk_window, options.cancel
             )
-        previous = db.all(
-            "SELECT start_offset, content FROM note_chunks WHERE item_id = ? ORDER BY chunk_index",
-            (item.id,),
-        )
+        # (only a hint for where to cut: a host's row of another type is left out, its bytes
+        # are read as text to show)
+        previous = [
+            (start, shown(content))
+            for start, content in db.all(
+                "SELECT start_offset, CAST(content AS BLOB) FROM note_chunks WHERE item_id = ? "
+                "AND typeof(start_offset) = 'integer' ORDER BY chunk_index",
+                (item.id,),
+            )
+        ]
         outcome = chunk(text, previous, llm=llm)
         if outcome.fallback:
             ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=outcome.fallback)

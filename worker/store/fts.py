@@ -51,13 +51,14 @@ class FtsTable:
 NOTES = FtsTable(
     "note_chunks_fts",
     "note_chunks",
-    "SELECT c.id, CAST(i.title AS BLOB), c.headings, c.content FROM note_chunks c "
+    "SELECT c.id, CAST(i.title AS BLOB), CAST(c.headings AS BLOB), CAST(c.content AS BLOB) "
+    "FROM note_chunks c "
     "JOIN knowledge_items i ON i.id = c.item_id",
 )
 CODE = FtsTable(
     "code_chunks_fts",
     "code_chunks",
-    "SELECT c.id, CAST(c.path AS BLOB), '', c.content FROM code_chunks c "
+    "SELECT c.id, CAST(c.path AS BLOB), '', CAST(c.content AS BLOB) FROM code_chunks c "
     "JOIN knowledge_items i ON i.id = c.item_id",
 )
 FTS_TABLES = (NOTES, CODE)

@@ -219,23 +219,27 @@ def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
     if get_item(db, item_id, content=False).kind == "code":
         return _code_chunks(db, item_id)
     rows = db.dicts(
-        "SELECT c.chunk_index, c.method AS chunk_method, "
-        "(e.chunk_id IS NOT NULL) AS has_embedding, c.summary, c.start_offset, c.end_offset, "
+        "SELECT c.chunk_index, CAST(c.method AS BLOB) AS chunk_method, "
+        "(e.chunk_id IS NOT NULL) AS has_embedding, CAST(c.summary AS BLOB) AS summary, "
+        "c.start_offset, c.end_offset, "
         # Not length(content): SQLite's length() stops at a NUL character.
         "c.end_offset - c.start_offset AS length FROM note_chunks c "
         "LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id "
         "WHERE c.item_id = ? ORDER BY c.chunk_index",
         (item_id,),
     )
-    for row in rows:
+    for row in rows:  # a host's bytes are shown, never raised (worker.store.text)
         row["has_embedding"] = bool(row["has_embedding"])
+        row["chunk_method"] = shown(row["chunk_method"])
+        row["summary"] = None if row["summary"] is None else shown(row["summary"])
     return rows
 
 
 def _code_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
     rows = db.all(
-        "SELECT c.chunk_index, (e.chunk_id IS NOT NULL), c.path, c.start_line, c.end_line, "
-        "c.content FROM code_chunks c LEFT JOIN code_chunk_embeddings e ON e.chunk_id = c.id "
+        "SELECT c.chunk_index, (e.chunk_id IS NOT NULL), CAST(c.path AS BLOB), c.start_line, "
+        "c.end_line, CAST(c.content AS BLOB) FROM code_chunks c "
+        "LEFT JOIN code_chunk_embeddings e ON e.chunk_id = c.id "
         "WHERE c.item_id = ? ORDER BY c.chunk_index",
         (item_id,),
     )
@@ -244,10 +248,10 @@ def _code_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
             "chunk_index": index,
             "chunk_method": ChunkMethod.STRUCTURE.value,  # code is cut at its definitions
             "has_embedding": bool(embedded),
-            "summary": f"{path}:{first}-{last}",
+            "summary": f"{shown(path)}:{first}-{last}",
             "start_offset": None,
             "end_offset": None,
-            "length": len(content),  # in Python: SQLite's length() stops at a NUL
+            "length": len(shown(content)),  # in Python: SQLite's length() stops at a NUL
         }
         for index, embedded, path, first, last, content in rows
     ]
