@@ -95,11 +95,8 @@ class Stack:
 
     def pid(self, name: str) -> int | None:
         """The pid in the component's pid file, if that process still runs."""
-        try:
-            pid = int(self.pid_file(name).read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return None
-        return pid if alive(pid, MARKS[name]) else None
+        pid = read_pid(self.pid_file(name))
+        return pid if pid is not None and alive(pid, MARKS[name]) else None
 
     def tail(self, name: str, lines: int = 30) -> str:
         try:
@@ -122,18 +119,34 @@ class Stack:
         return None
 
 
+def read_pid(path: Path) -> int | None:
+    """The pid a pid file holds, if it is one a component can have: an integer above 1. Any
+    other content is a stale or damaged pid file: 0, -1 and 1 are not a process of ours but a
+    process group, every process and init, which `os.kill` would signal."""
+    try:
+        pid = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if pid > 1 else None
+
+
 def alive(pid: int, mark: str) -> bool:
     """Whether `pid` runs and is still the program `mark` names (not a reused pid, no zombie)."""
+    if pid <= 1:
+        return False  # a process group, every process, init: never a component
     try:
         os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
+    except (ProcessLookupError, PermissionError, OverflowError):
         return False
     try:
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-        return mark.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return True  # no /proc here: trust the pid
+        return not Path("/proc/self").exists()  # no /proc here: trust the pid; else it ended
+    with contextlib.suppress(IndexError):
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return mark.encode() in cmdline
 
 
 def wait_until(check: Callable[[], bool], timeout: float, every: float = 0.25) -> bool:
