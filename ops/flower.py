@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ops.stack import data_dirs
 from worker.errors import ConfigError
 from worker.settings import Settings, load_settings
 
@@ -87,18 +88,18 @@ def main(argv: list[str] | None = None) -> None:
     user = f.user
     password = f.password.get_secret_value() if f.password else ""
     address = f.address
+    if not args.demo and not (user and password):
+        sys.exit(
+            "error: Flower needs KIDX_FLOWER__USER and KIDX_FLOWER__PASSWORD "
+            "(or --demo, for a local demo on 127.0.0.1)"
+        )
+    data_dirs(settings.data_dir, Path(settings.data_dir).resolve())  # else one line, status 2
     if args.demo:
         address = "127.0.0.1"  # a demo is never reachable from elsewhere
         if not (user and password):
             user = user or "kidx"
             password = password or secrets.token_urlsafe(12)
             print(f"Flower: http://127.0.0.1:{f.port}/ user {user} password {password}", flush=True)
-    elif not (user and password):
-        sys.exit(
-            "error: Flower needs KIDX_FLOWER__USER and KIDX_FLOWER__PASSWORD "
-            "(or --demo, for a local demo on 127.0.0.1)"
-        )
-    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
     cmd = flower_command(settings, address=address, port=f.port)
     os.environ["FLOWER_BASIC_AUTH"] = f"{user}:{password}"
     serve(cmd)

@@ -109,6 +109,8 @@ class Stack:
         address = self.settings.flower.address
         if address in {"", "0.0.0.0", "::"} or not self.settings.flower.password:
             address = "127.0.0.1"  # --demo binds loopback
+        if ":" in address and not address.startswith("["):  # IPv6: [::1], not ::1
+            address = f"[{address.replace('%', '%25')}]"
         return f"http://{address}:{self.settings.flower.port}/"
 
     def demo_line(self) -> str | None:
@@ -177,6 +179,32 @@ def fail(message: str, code: int = 1) -> NoReturn:
     sys.exit(code)
 
 
+def in_the_way(path: Path) -> Path | None:
+    """What stands where the folder `path` (or one of its parents) should be, if anything does:
+    a file, a device, a dangling symbolic link."""
+    for p in (path, *path.parents):
+        if p.is_dir():
+            return None
+        if p.exists() or p.is_symlink():
+            return p
+    return None
+
+
+def data_dirs(setting: str | Path, *paths: Path, create: bool = True) -> None:
+    """Make the folders `paths` under KIDX_DATA_DIR (`setting`), or with create=False only
+    check that nothing is in their way: what is, or a folder that cannot be made, is one line
+    and exit status 2, as for every other configuration error."""
+    for path in paths:
+        blocker = in_the_way(path)
+        if blocker is not None:
+            fail(f"error: KIDX_DATA_DIR={setting}: {blocker} is not a directory", 2)
+        if create:
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                fail(f"error: KIDX_DATA_DIR={setting}: cannot create {path}: {e.strerror or e}", 2)
+
+
 def start_redis(stack: Stack) -> None:
     if redis_answers(stack.url):
         mine = stack.pid("redis")
@@ -194,7 +222,7 @@ def start_redis(stack: Stack) -> None:
             f"error: no Redis answers at KIDX_BROKER_URL={safe_url(stack.url)} and {todo}, or "
             "point KIDX_BROKER_URL at a running Redis"
         )
-    (stack.data / "redis").mkdir(parents=True, exist_ok=True)
+    data_dirs(stack.settings.data_dir, stack.data / "redis")
     subprocess.run(
         [
             binary,
@@ -244,8 +272,7 @@ def start(stack: Stack, demo: bool) -> None:
     f = stack.settings.flower
     if not demo and not (f.user and f.password) and stack.pid("flower") is None:
         fail("error: Flower needs KIDX_FLOWER__USER and KIDX_FLOWER__PASSWORD (or start --demo)", 2)
-    for sub in ("run", "log"):
-        (stack.data / sub).mkdir(parents=True, exist_ok=True)
+    data_dirs(stack.settings.data_dir, stack.data / "run", stack.data / "log")
     start_redis(stack)
     for name, cmd in commands(stack.settings, stack.data, demo).items():
         pid = stack.pid(name)
@@ -306,6 +333,7 @@ def stop_one(stack: Stack, name: str) -> str:
 
 
 def stop(stack: Stack) -> None:
+    data_dirs(stack.settings.data_dir, stack.data / "run", create=False)
     for name in (*reversed(PROCESSES), "redis"):
         if name == "redis" and not stack.pid_file(name).exists():
             print(f"redis   left alone at {safe_url(stack.url)} (not started here)")

@@ -3,22 +3,29 @@ looked at or signalled. 0, -1 and 1 in a pid file are a process group, every pro
 `os.kill(-1, SIGTERM)` signals every process there is.
 
 No test here lets a signal reach -1, 0 or 1: `os.kill` and `os.killpg` are replaced by fakes
-that record every call and pass on only signal 0 (an existence check) to a pid above 1."""
+that record every call and pass on only signal 0 (an existence check) to a pid above 1.
+
+Also what the stack and Flower need of KIDX_DATA_DIR and of Flower's address: a file where the
+data directory should be is one line, and an IPv6 address is bracketed in Flower's URL."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ops import stack as ops_stack
-from stack import free_port
-from worker.settings import Settings
+from stack import ROOT, free_port
+from worker.settings import FlowerSettings, Settings
 
 BAD = ("-1", "0", "1", "-42", "", "worker", "1.5")  # never a component's pid
 REAL_KILL = os.kill
@@ -146,3 +153,104 @@ def test_a_live_component_is_still_running_and_stopped(
             child.wait(timeout=30)
         if child.stdin:
             child.stdin.close()
+
+
+# -- KIDX_DATA_DIR that is a file ---------------------------------------------------------------
+
+
+def run_module(tmp_path: Path, data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KIDX_", "FLOWER_"))}
+    env.update(
+        KIDX_DATA_DIR=str(data_dir),
+        KIDX_DB=str(tmp_path / "kidx.db"),
+        KIDX_BROKER_URL=f"redis://127.0.0.1:{free_port()}/0",  # nothing listens there
+        KIDX_FLOWER__PORT=str(free_port()),
+        PYTHONPATH=str(ROOT),
+    )
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def one_config_error(result: subprocess.CompletedProcess[str], data_dir: Path) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert f"KIDX_DATA_DIR={data_dir}" in lines[0]
+    return lines[0]
+
+
+def test_start_and_stop_with_a_data_dir_that_is_a_file_say_so_in_one_line(tmp_path: Path):
+    """They crashed with a NotADirectoryError traceback; now one line naming the variable and
+    the file, exit status 2 (a configuration error), and the file is left as it was."""
+    file = tmp_path / "data"
+    file.write_text("not a directory")
+    for data_dir in (file, file / "below"):
+        for action in ("start", "stop"):
+            extra = ("--demo",) if action == "start" else ()
+            result = run_module(tmp_path, data_dir, "ops.stack", action, *extra)
+            line = one_config_error(result, data_dir)
+            assert f"{file} is not a directory" in line
+    assert file.read_text() == "not a directory"
+
+
+def test_flower_with_a_data_dir_that_is_a_file_says_so_in_one_line(tmp_path: Path):
+    """Before any credentials are printed (--demo makes a password up): Flower never starts."""
+    file = tmp_path / "data"
+    file.write_text("not a directory")
+    result = run_module(tmp_path, file, "ops.flower", "--demo")
+    line = one_config_error(result, file)
+    assert f"{file} is not a directory" in line
+    assert "password" not in result.stdout
+    assert file.read_text() == "not a directory"
+
+
+# -- Flower's URL on IPv6 -------------------------------------------------------------------------
+
+
+class Healthcheck(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/healthcheck" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def test_flower_url_brackets_an_ipv6_address(tmp_path: Path):
+    """KIDX_FLOWER__ADDRESS=::1 made http://::1:5555/, which httpx refuses (InvalidURL, not an
+    HTTPError: `start` crashed waiting for Flower); the URL is http://[::1]:PORT/ and reaches
+    a server on ::1."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        server = IPv6Server(("::1", 0), Healthcheck)
+    except OSError as e:
+        pytest.skip(f"cannot listen on ::1: {e}")
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        stack = make_stack(tmp_path)
+        flower = FlowerSettings(
+            address="::1", port=server.server_address[1], user="kidx", password="horse-staple"
+        )
+        stack.settings = stack.settings.model_copy(update={"flower": flower})
+        url = stack.flower_url()
+        assert url == f"http://[::1]:{server.server_address[1]}/"
+        assert httpx.get(url + "healthcheck", timeout=5).status_code == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
