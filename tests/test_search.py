@@ -28,6 +28,7 @@ from worker import hamming, nearest, retrieval
 from worker.bulk import index_item
 from worker.errors import BadAnswer, IndexAborted, InvalidInput
 from worker.indexers import IndexOptions
+from worker.indexers.code import search_code
 from worker.indexers.memories import add_memory, search_memories
 from worker.reconcile import reconcile
 from worker.retrieval import Filters, search_chunks
@@ -613,6 +614,26 @@ def test_chunk_rows_a_host_filled_with_other_bytes_or_types_never_stop_a_run_or_
     assert keyword_rows_problems(db) == []
     update_content(db, item, corpus_text(CHAPTERS[0]) + "\n\nOne more paragraph.")
     assert index_item(db, item, embedder=fake).status == "indexed"
+
+
+def test_a_damaged_keyword_index_leaves_the_vectors_to_answer_until_the_sweep(notes_db, fake):
+    """A host wrote into FTS5's shadow tables: the keyword side fails (CorruptError); hybrid
+    search answers by vector and says why, as with a missing table, and code search too."""
+    db, _ = notes_db
+    code = add_item(
+        db, kind="code", title="x.py", content="", source=str(ROOT / "worker" / "errors.py")
+    )
+    reader = Reader(FilesSettings(roots=[ROOT / "worker"]))
+    index_item(db, code, embedder=fake, options=IndexOptions(reader=reader))
+    for table in ("note_chunks_fts", "code_chunks_fts"):
+        db.execute(f"UPDATE {table}_data SET block = randomblob(length(block)) WHERE id > 10")
+    hybrid = search_chunks(db, "ownership", fake, k=3, mode="hybrid")
+    assert [h.via for h in hybrid.hits] == ["vec"] * 3
+    assert "note_chunks_fts is damaged" in (hybrid.reason or "")
+    keyword = search_chunks(db, "ownership", fake, k=3, mode="keyword")
+    assert keyword.hits == [] and "damaged" in (keyword.reason or "")
+    hits, served, reason = search_code(db, "StoreError", fake, k=3)
+    assert hits and served == "vec" and "code_chunks_fts is damaged" in (reason or "")
 
 
 def test_hybrid_without_a_word_to_search_is_vector_search(notes_db, fake):

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import apsw
 import numpy as np
 
 from worker.errors import InvalidInput
@@ -211,7 +212,12 @@ def search_chunks(
                 scores = {c: 1.0 - d for c, d in found}
             more |= len(found) == n
         if match is not None:
-            found_kw = _keyword(db, match, n, filters)
+            try:
+                found_kw = _keyword(db, match, n, filters)
+            except apsw.CorruptError:  # a host wrote into its shadow tables: vectors serve
+                notes.append(f"{NOTES.name} is damaged (the sweep rebuilds it): no keyword hit")
+                match, found_kw = None, []
+        if match is not None:
             ranked.insert(0, ([c for c, _ in found_kw], "fts"))
             if mode == Mode.KEYWORD:
                 scores = {c: -s for c, s in found_kw}

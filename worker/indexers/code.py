@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import apsw
+
 from worker.chunking import ChunkMethod
 from worker.chunking.code import chunk_code
 from worker.errors import InvalidInput
@@ -134,14 +136,18 @@ def search_code(
     match = keyword_query(query)
     keyword: list[int] = []
     if match is not None and db.table_exists(CODE.name):
-        keyword = [
-            r[0]
-            for r in db.all(
-                f"SELECT f.rowid FROM {CODE.name} f JOIN code_chunks c ON c.id = f.rowid "
-                f"WHERE {CODE.name} MATCH ? ORDER BY bm25({CODE.name}), f.rowid LIMIT ?",
-                (match, depth),
-            )
-        ]
+        try:
+            keyword = [
+                r[0]
+                for r in db.all(
+                    f"SELECT f.rowid FROM {CODE.name} f JOIN code_chunks c ON c.id = f.rowid "
+                    f"WHERE {CODE.name} MATCH ? ORDER BY bm25({CODE.name}), f.rowid LIMIT ?",
+                    (match, depth),
+                )
+            ]
+        except apsw.CorruptError:  # a host wrote into its shadow tables: vectors serve
+            damaged = f"{CODE.name} is damaged (the sweep rebuilds it): no keyword hit"
+            reason = f"{reason}; {damaged}" if reason else damaged
     if keyword:
         order, fused, paths = fuse([([c for c, _ in found], via), (keyword, "fts")], depth)
         served = f"{via}+fts" if found else "fts"
