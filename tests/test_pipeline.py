@@ -458,6 +458,29 @@ def test_items_together_cancelled_leave_every_unwritten_item_cancelled(db, embed
     assert db.scalar("SELECT count(*) FROM note_chunks") == 0
 
 
+def test_ctrl_c_during_an_inline_run_leaves_what_was_read_cancelled_not_failed(db):
+    """Ctrl-C (KeyboardInterrupt, in the main thread) is the user cancelling the run: the items
+    read and not written are `cancelled`, as after a revoke, not `failed` (which the retry
+    sweep counts, and doctor reports)."""
+    ids = [add_item(db, kind="note", title=n, content=corpus_text(n)) for n in GROUP]
+    read: list[int] = []
+
+    class Interrupted(Reader):
+        def text(self, item, cancel=None):
+            if len(read) == 2:
+                raise KeyboardInterrupt
+            read.append(item.id)
+            return super().text(item, cancel)
+
+    embedder = FakeEmbedder()
+    embedder.batch_size = 1000  # nothing is written before the third item is read
+    with pytest.raises(KeyboardInterrupt):
+        index_items(db, ids, embedder=embedder, options=IndexOptions(reader=Interrupted()))
+    states = [get_state(db, i)["status"] for i in ids]
+    assert states[:2] == ["cancelled", "cancelled"] and set(states[2:]) == {"pending"}
+    assert db.scalar("SELECT count(*) FROM item_index_state WHERE attempts > 0") == 0
+
+
 def test_items_together_are_read_and_written_while_a_request_is_in_flight(db):
     """One request in flight while the caller works: the first request cannot end before the
     caller has read the next item, nor the second before the first request's items are

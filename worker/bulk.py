@@ -247,7 +247,8 @@ def index_items(
             if w.item.id not in out:
                 # Recorded if the database lets us (a full disk may not): the cause is raised.
                 with contextlib.suppress(apsw.Error, StoreError):
-                    if isinstance(e, Cancelled):
+                    # Ctrl-C on an inline run is the user cancelling it, as a revoke is
+                    if isinstance(e, Cancelled | KeyboardInterrupt):
                         set_state(
                             db,
                             w.item.id,
