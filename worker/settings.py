@@ -392,9 +392,22 @@ class Settings(BaseSettings):
 
 
 def load_settings(**overrides: object) -> Settings:
-    """Build the settings, turning a validation error into one readable ConfigError."""
+    """Build the settings, turning a validation error, or a settings group's variable that is
+    not JSON (`KIDX_EMBEDDING='{"provider":1'`), into one readable ConfigError."""
+    import re
+
+    from pydantic_settings import SettingsError
+
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
+    except SettingsError as e:
+        # pydantic-settings names the field and the source, not the variable, and keeps the
+        # JSON error as the cause (never the value: it may hold a key).
+        field = re.search(r'field "([^"]+)"', str(e))
+        name = "KIDX_" + field.group(1).upper() if field else "a KIDX_ variable"
+        where = " (in .env)" if "DotEnv" in str(e) else ""
+        why = f"not valid JSON ({e.__cause__})" if e.__cause__ else str(e)
+        raise ConfigError(f"invalid settings: {name}{where}: {why}") from None
     except ValidationError as e:
         problems = []
         for err in e.errors():
