@@ -49,6 +49,45 @@ def _sql(db: Path, sql: str, *args: object) -> list[tuple]:
         conn.close()
 
 
+# -- 1. stored control characters --------------------------------------------------------------
+
+
+def test_escape_sequences_stored_in_the_database_never_reach_the_terminal(kidx, tmp_path):
+    """A title, a chunk's text, an item's last error and a batch's abort reason may hold
+    anything a host or a document put there; every table cell and every echoed line shows a
+    control character as U+FFFD."""
+    db = tmp_path / "kidx.db"
+    item = kidx.add(f"esc {ESC}[31mRED", "--text", f"hello {ESC}[2J world\tand tab", inline=True)
+    _sql(
+        db,
+        "UPDATE item_index_state SET status = 'failed', last_error = ? WHERE item_id = ?",
+        f"boom {ESC}]0;pwned\x07",
+        item,
+    )
+    [(batch,)] = _sql(
+        db,
+        "INSERT INTO index_batches(kind, state, total, abort_reason) "
+        "VALUES ('reindex', 'aborted', 1, ?) RETURNING id",
+        f"why {ESC}[2Jcleared",
+    )
+    runs = {
+        "search": kidx("search", "hello", "--mode", "keyword"),
+        "search --chunks": kidx("search", "hello", "--mode", "keyword", "--chunks"),
+        "status": kidx("status"),
+        "jobs": kidx("jobs", "--batch", str(batch)),
+        "doctor": kidx("doctor", "--timeout", "0.5", env={"KIDX_FLOWER__PORT": "1"}),
+    }
+    for name, result in runs.items():
+        shown = result.stdout + result.stderr
+        assert ESC not in shown and "\x07" not in shown, f"{name}: {shown!r}"
+    assert "RED" in runs["search"].stdout and "\ufffd" in runs["search"].stdout
+    assert "[2J world" in runs["search --chunks"].stdout
+    assert "pwned" in runs["status"].stdout
+    assert "why \ufffd[2Jcleared" in runs["jobs"].stdout
+    [failed] = [ln for ln in runs["doctor"].stdout.splitlines() if ln.split()[1:2] == ["failed"]]
+    assert "boom \ufffd]0;pwned\ufffd" in failed
+
+
 # -- 4. settings ---------------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -36,6 +37,15 @@ FOLD = frozenset(
     {"error", "last_error", "summary", "snippet", "title", "content", "path", "task", "task_id"}
 )
 FOLD_MIN = 18  # a folded column's narrowest
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: object) -> str:
+    """`text` with every C0 and C1 control character (tab, newline and ESC included) as
+    U+FFFD: what a title, a snippet or an error stored in the database holds is shown, never
+    run by the terminal (ESC[2J would clear the screen, ESC]0; set its title)."""
+    return _CONTROL.sub("\ufffd", str(text))
 
 
 class Ctx:
@@ -101,6 +111,15 @@ class Ctx:
             return None
         return client
 
+    def say(self, text: object) -> str:
+        """Free text that may hold stored data, as it may be shown: no control character,
+        no secret."""
+        return printable(self.redact.scrub(str(text)))
+
+    def echo(self, text: object) -> None:
+        """A line on stdout that may hold stored data (an abort reason, an error): `say`."""
+        click.echo(self.say(text))
+
     def emit(self, data: Any, human: Callable[[], None]) -> None:
         """Print `data` as JSON, or call `human` to print it for people; no secret gets out
         either way (a provider's error text may quote the key)."""
@@ -119,11 +138,10 @@ class Ctx:
         """A table on stdout that fits the terminal (80 columns when there is none): a status,
         a number or an id is never cut to `index…`; free text (FOLD) wraps; when the rest is
         still too wide, the `drop` columns go, least useful first (`--json` has them all).
-        Cells are plain text (a title like "Plan [draft]" is not markup)."""
+        Cells are plain text (a title like "Plan [draft]" is not markup), with no control
+        character (`printable`): what the database holds never drives the terminal."""
         names = list(headers)
-        cells = [
-            [Text(self.redact.scrub("" if c is None else str(c))) for c in row] for row in rows
-        ]
+        cells = [[Text(self.say("" if c is None else c)) for c in row] for row in rows]
 
         def natural(i: int) -> int:
             lines = (line for row in cells for line in row[i].plain.splitlines() or [""])
@@ -207,6 +225,7 @@ def _is_broker_error(e: Exception) -> bool:
 def fail(message: str, code: int = 1, redact: Redact | None = None) -> NoReturn:
     if redact is not None:
         message = redact.scrub(message)
+    message = printable(message)  # an error may quote a title, a path, a provider's text
     err.print(f"[red]error:[/red] {escape(message)}", markup=True, highlight=False)
     sys.exit(code)
 

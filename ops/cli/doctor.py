@@ -30,7 +30,7 @@ def doctor(ctx: Ctx, timeout: float) -> None:
 
     def human() -> None:
         for c in checks:
-            click.echo(c.line())
+            ctx.echo(c.line())  # the failed check quotes an item's last error
 
     ctx.emit([c.as_dict() for c in checks], human)
     sys.stdout.flush()

@@ -414,7 +414,7 @@ def search(
             if embedder is not None:
                 embedder.close()
     for note in result.notes:
-        err.print(f"note: {escape(note)}")
+        err.print(f"note: {escape(ctx.say(note))}")
     if chunks:
         ctx.emit([h.as_dict() for h in result.hits], lambda: _print_hits(ctx, result.hits))
         return
@@ -435,18 +435,16 @@ def _print_hits(ctx: Ctx, hits: list[Any]) -> None:
     """Each hit: a line of score, item, chunk, title and heading path, then its text, wrapped
     to the terminal (80 columns when not a terminal). Control characters a document holds
     (an escape sequence would drive the terminal) are shown as U+FFFD; secrets are masked."""
-    import re
     import textwrap
-
-    def plain(text: str) -> str:
-        return ctx.redact.scrub(re.sub(r"[\x00-\x1f\x7f-\x9f]", "\ufffd", text))
 
     width = max(40, min(out.width, 100))
     for n, h in enumerate(hits, 1):
         where = " > ".join([h.title, *h.headings])
-        head = plain(f"{n:>2}. {h.score:.3f}  item {h.item_id} #{h.chunk_index} [{h.via}] {where}")
+        head = ctx.say(
+            f"{n:>2}. {h.score:.3f}  item {h.item_id} #{h.chunk_index} [{h.via}] {where}"
+        )
         click.echo(head if len(head) <= width else head[: width - 1] + "…")
-        text = plain(" ".join(h.content.split()))
+        text = ctx.say(" ".join(h.content.split()))
         for line in textwrap.wrap(text, width - 4, max_lines=3, placeholder=" …"):
             click.echo("    " + line)
 
@@ -468,7 +466,7 @@ def _search_other(ctx: Ctx, db: Any, query: str, embedder: Any, k: int, *, code:
         headers = ("score", "memory", "content")
         rows = [(f"{h.score:.3f}", h.memory_id, h.content) for h in hits]
     if reason:
-        err.print(f"note: served by the in-memory fallback: {escape(reason)}")
+        err.print(f"note: served by the in-memory fallback: {escape(ctx.say(reason))}")
     ctx.emit([h.as_dict() for h in hits], lambda: ctx.table(headers, rows))
 
 
@@ -489,7 +487,7 @@ def status(ctx: Ctx, item: int | None, summary: bool) -> None:
 
     def human() -> None:
         if overview is not None:
-            _print_overview(overview)
+            _print_overview(ctx, overview)
         if not summary:
             ctx.table(
                 STATE_COLUMNS,
@@ -500,20 +498,22 @@ def status(ctx: Ctx, item: int | None, summary: bool) -> None:
     ctx.emit(overview if summary else data, human)
 
 
-def _print_overview(o: dict[str, Any]) -> None:
+def _print_overview(ctx: Ctx, o: dict[str, Any]) -> None:
+    """The counts; a model's name, a kind or a time is the database's: shown by `ctx.echo`."""
+
     def line(label: str, values: dict[str, int]) -> None:
         shown = ", ".join(f"{k}: {v}" for k, v in values.items()) or "none"
-        click.echo(f"{label:<10} {shown}")
+        ctx.echo(f"{label:<10} {shown}")
 
-    click.echo(f"{'items':<10} {o['items']}")
+    ctx.echo(f"{'items':<10} {o['items']}")
     line("status", o["by_status"])
     line("method", o["by_chunk_method"])
     line("model", o["by_model"])
     line(f"memories {o['memories']}".ljust(10), o["memories_by_model"])
     for kind, sweep in o["last_sweeps"].items():
-        click.echo(f"{'last ' + kind:<10} {sweep.get('at')} (sent {sweep.get('sent', 0)})")
+        ctx.echo(f"{'last ' + kind:<10} {sweep.get('at')} (sent {sweep.get('sent', 0)})")
     for b in o["running_batches"]:
-        click.echo(
+        ctx.echo(
             f"batch {b['id']:<4} {b['kind']} running: {b['ok']} ok, {b['failed']} failed, "
             f"{b['skipped']} skipped of {b['total']}"
         )

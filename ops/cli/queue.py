@@ -126,12 +126,12 @@ def _summary(ctx: Ctx, batch: dict[str, Any]) -> None:
     from worker.store.jobs import BatchState
 
     def human() -> None:
-        click.echo(
+        ctx.echo(
             f"batch {batch['id']} {batch['state']}: {batch['ok']} ok, {batch['failed']} failed, "
             f"{batch['skipped']} skipped of {batch['total']}"
         )
         if batch["abort_reason"]:
-            click.echo(f"why: {batch['abort_reason']}")
+            ctx.echo(f"why: {batch['abort_reason']}")
 
     ctx.emit(batch, human)
     if batch["state"] != BatchState.DONE or batch["failed"]:
@@ -154,13 +154,13 @@ def jobs(ctx: Ctx, failed: bool, batch_id: int | None, limit: int) -> None:
 
     def human() -> None:
         if batch is not None:
-            click.echo(
+            ctx.echo(
                 f"batch {batch['id']} ({batch['kind']}) {batch['state']}: "
                 f"{batch['ok']} ok, {batch['failed']} failed, {batch['skipped']} skipped "
                 f"of {batch['total']}"
             )
             if batch["abort_reason"]:
-                click.echo(f"why: {batch['abort_reason']}")
+                ctx.echo(f"why: {batch['abort_reason']}")
         ctx.table(
             JOB_SHOWN,
             ([r[c] for c in JOB_SHOWN] for r in rows),
