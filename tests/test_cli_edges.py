@@ -8,11 +8,15 @@ broker is a port where nothing listens: nothing here reaches one.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import apsw
 import pytest
-from test_cli import NOWHERE, Kidx, base_env, one_line_error
+from test_cli import KIDX, NOWHERE, Kidx, base_env, one_line_error
 
 NO_BROKER = "redis://127.0.0.1:1/9"
 ESC = "\x1b"
@@ -86,6 +90,80 @@ def test_escape_sequences_stored_in_the_database_never_reach_the_terminal(kidx, 
     assert "why \ufffd[2Jcleared" in runs["jobs"].stdout
     [failed] = [ln for ln in runs["doctor"].stdout.splitlines() if ln.split()[1:2] == ["failed"]]
     assert "boom \ufffd]0;pwned\ufffd" in failed
+
+
+# -- 2, 3. closed and non-UTF-8 streams --------------------------------------------------------
+
+
+def test_with_stderr_closed_a_command_runs_and_its_output_is_whole(offline, tmp_path):
+    """`kidx ... 2>&-`: Python gives no sys.stderr; the command still runs (its log lines go
+    nowhere, its file log still gets them), and the database is intact."""
+    args = ("add", "note", "--title", "e", "--text", "closed stderr", "--inline")
+    env = offline.env | {"KIDX_LOG_LEVEL": "info", "KIDX_DATA_DIR": str(tmp_path / "data")}
+    result = subprocess.run(
+        ["sh", "-c", 'exec "$0" "$@" 2>&-', str(KIDX), *args],
+        env=env,
+        cwd=offline.cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (result.returncode, result.stdout) == (0, "1\n"), result
+    assert [s["item_id"] for s in offline.json("status")] == [1]
+    [(check,)] = _sql(tmp_path / "kidx.db", "PRAGMA integrity_check")
+    assert check == "ok"
+    assert "[KI Embed] skipped" in (tmp_path / "data" / "log" / "kidx.log").read_text()
+
+
+def test_a_latin1_stdout_gets_json_and_text_it_can_hold(kidx):
+    """PYTHONIOENCODING=latin-1: --json is ASCII (the same JSON), and the people's output
+    replaces what latin-1 cannot hold (`…`, curly quotes) rather than fail."""
+    text = "\u201cquoted\u201d words \u2026 and more"
+    item = kidx.add("caf\u00e9 \u2026", "--text", text, inline=True)
+
+    def latin1(*args: str) -> tuple[str, str]:
+        result = subprocess.run(
+            [str(KIDX), "search", "quoted", "--mode", "keyword", *args],
+            env=kidx.env | {"PYTHONIOENCODING": "latin-1"},
+            cwd=kidx.cwd,
+            capture_output=True,
+            timeout=60,
+        )
+        stdout, stderr = result.stdout.decode("latin-1"), result.stderr.decode("latin-1")
+        assert result.returncode == 0, stderr
+        assert "Traceback" not in stderr and "UnicodeEncodeError" not in stderr
+        return stdout, stderr
+
+    as_json, _ = latin1("--json")
+    assert as_json.isascii()
+    [hit] = json.loads(as_json)
+    assert (hit["item_id"], hit["title"], hit["content"]) == (item, "caf\u00e9 \u2026", text)
+    for extra in ((), ("--chunks",)):  # the table, then each chunk's text
+        stdout, _ = latin1(*extra)
+        assert "caf\u00e9 ?" in stdout and "?quoted? words ? and more" in stdout, stdout
+
+
+def test_a_closed_stdout_pipe_ends_quietly_like_git(offline):
+    """`kidx status | head -1`, the reader gone before kidx writes: no "Broken pipe" error,
+    killed by SIGPIPE's default action (what git, cat or head do; 141 in a shell)."""
+    offline.ok("init")
+    offline.add("T", "--text", "words")
+    read, write = os.pipe()
+    os.close(read)  # a reader that has already stopped
+    try:
+        proc = subprocess.Popen(
+            [str(KIDX), "status"],
+            env=offline.env,
+            cwd=offline.cwd,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        os.close(write)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGPIPE, stderr
+    assert stderr == ""
 
 
 # -- 4. settings ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import os
 import re
 import sys
 from collections.abc import Iterable, MutableMapping
@@ -22,6 +23,15 @@ CHUNK = "[Chunk]"
 KI_EMBED = "[KI Embed]"
 _SECRET_KEY = re.compile(r"api_?key|token|password|secret|authorization", re.I)
 _MASK = "***"
+_NULL: TextIO | None = None
+
+
+def _devnull() -> TextIO:
+    """One os.devnull stream for the process: where records go when stderr is closed."""
+    global _NULL
+    if _NULL is None:
+        _NULL = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - the process's
+    return _NULL
 
 
 class Redact:
@@ -68,8 +78,9 @@ def configure_logging(
     """Configure structlog and the standard library's logging for this process: records at
     `level` and above, on `stream` from `stream_level` (default: `level`) and, with `file`, all
     of them as JSON lines in that file (rotated at 10 MB, three kept; a file that cannot be
-    written is left out, not an error)."""
-    stream = stream or sys.stderr
+    written is left out, not an error). With stderr closed (`2>&-`: sys.stderr is None), the
+    stream is os.devnull: the process runs on and logs to its file."""
+    stream = stream or sys.stderr or _devnull()
     as_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,

@@ -1,8 +1,63 @@
 """The `kidx` command: engine commands (`ops.cli.engine`) and queue commands (`ops.cli.queue`)."""
 
+import io
+import os
+import signal
+import sys
+
 from ops.cli import backup, doctor, engine, items, queue  # noqa: F401 - register commands
-from ops.cli.base import cli
+from ops.cli.base import OutputClosed, cli
+
+
+def _standard_streams() -> None:
+    """stdin, stdout and stderr as the commands expect them, whatever the process was given:
+
+    * a closed one (`kidx ... 2>&-`: Python makes it None) is os.devnull, at its own file
+      descriptor when that is free (as git does), so that no file opened later (the database)
+      takes descriptor 2 and gets what is written there;
+    * stdout and stderr replace what their encoding cannot hold (`PYTHONIOENCODING=latin-1`
+      and a snippet's `…`) rather than fail the command.
+    """
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        if getattr(sys, name) is not None:
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:  # closed: devnull there
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            stream = open(fd, mode, encoding="utf-8", closefd=False)  # noqa: SIM115
+        else:  # the descriptor is something else's now: a stream of its own
+            stream = open(os.devnull, mode, encoding="utf-8")  # noqa: SIM115
+        setattr(sys, name, stream)
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="replace")
+
+
+def _end_quietly() -> None:
+    """The reader of stdout has gone (`kidx status | head -1`): end as git does, by SIGPIPE's
+    default action (status 141 in a shell), with no message; nothing more is written."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())  # the interpreter's last flush goes nowhere
+        os.close(null)
+    except (OSError, ValueError, AttributeError):
+        pass
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGPIPE)
+    os._exit(141)
 
 
 def main() -> None:
-    cli(prog_name="kidx")
+    _standard_streams()
+    try:
+        try:
+            cli(prog_name="kidx")
+        finally:
+            sys.stdout.flush()  # what is still buffered: a closed pipe shows here too
+    except (OutputClosed, BrokenPipeError):
+        _end_quietly()

@@ -48,6 +48,23 @@ def printable(text: object) -> str:
     return _CONTROL.sub("\ufffd", str(text))
 
 
+class OutputClosed(Exception):
+    """stdout is a pipe whose reader has gone (`kidx status | head -1`): the command ends
+    quietly (`ops.cli.main`), as git does, with no error line."""
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe with no reader left (poll reports POLLERR on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # not a file, closed, or no poll()
+        return False
+
+
 class Ctx:
     """What every command gets: the settings (built once) and the output mode."""
 
@@ -124,7 +141,8 @@ class Ctx:
         """Print `data` as JSON, or call `human` to print it for people; no secret gets out
         either way (a provider's error text may quote the key)."""
         if self.json:
-            click.echo(json.dumps(self.redact.scrub(data), ensure_ascii=False, default=str))
+            # ASCII (still the same JSON): a stdout whose encoding is not UTF-8 takes it.
+            click.echo(json.dumps(self.redact.scrub(data), ensure_ascii=True, default=str))
         else:
             human()
 
@@ -266,6 +284,10 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
                 fail(str(e), 1, redact)
             except apsw.Error as e:
                 fail(sqlite_problem(e, settings.db if settings else "the database"), 1, redact)
+            except BrokenPipeError:
+                if stdout_closed():
+                    raise OutputClosed() from None
+                fail("a pipe was closed (EPIPE) while kidx wrote to it", 1, redact)
             except OSError as e:
                 message = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
                 fail(message, 1, redact)
