@@ -175,3 +175,55 @@ def test_a_settings_group_that_is_not_json_is_a_configuration_error(offline, tmp
     assert result.returncode == 2, line
     assert "KIDX_EMBEDDING" in line and "JSON" in line and "a bug" not in line
     assert not (tmp_path / "kidx.db").exists()
+
+
+# -- 5, 6. non-UTF-8 arguments and names, the size limit of code -------------------------------
+
+
+def test_an_argument_that_is_not_utf8_is_refused_naming_it(offline, tmp_path):
+    """`--title $'bad\\xff'` arrives as a lone surrogate (surrogateescape): one line naming the
+    option (or the argument), and nothing is written."""
+    for args, name in [
+        (("add", "note", "--title", "bad\udcff", "--text", "x"), "--title"),
+        (("add", "note", "--title", "T", "--text", "caf\udce9"), "--text"),
+        (("add", "file", str(tmp_path / "n\udce9.md")), "PATH"),
+    ]:
+        line = one_line_error(offline(*args))
+        assert f"error: {name} is not UTF-8 (byte 0x" in line, line
+        assert "a bug" not in line
+    assert not (tmp_path / "kidx.db").exists()
+
+
+def test_add_code_skips_names_that_are_not_utf8_and_says_so(offline, tmp_path):
+    tree = tmp_path / "src"
+    tree.mkdir()
+    for name in (b"a.py", b"b\xe9.py", b"c.py"):
+        (tree / os.fsdecode(name)).write_text("x = 1\n")
+    out = offline.json("add", "code", str(tree), "--inline")
+    assert len(out["ids"]) == 2
+    assert out["skipped"] == [
+        {"path": f"{tree}/b\\xe9.py", "reason": "has a name that is not UTF-8"}
+    ]
+    titles = sorted(r[0] for r in _sql(tmp_path / "kidx.db", "SELECT title FROM knowledge_items"))
+    assert titles == ["a.py", "c.py"]
+    human = offline.ok("add", "code", str(tree), "--inline")
+    assert human.stdout.split() == [str(i) for i in out["ids"]]  # the same items again
+    assert f"skipped {tree}/b\\xe9.py: has a name that is not UTF-8" in human.stderr
+
+
+def test_add_code_takes_the_workers_size_limit_and_names_what_it_skips(offline, tmp_path):
+    """A folder's files up to KIDX_FILES__MAX_BYTES (50 MB by default) are added, as a worker
+    would read them; a larger one is named on stderr (or in --json's "skipped")."""
+    tree = tmp_path / "src"
+    tree.mkdir()
+    (tree / "big.py").write_text("# " + "a" * 1_200_000 + "\n")  # over the old 1 MB
+    (tree / "small.py").write_text("y = 2\n")
+    assert len(offline.json("add", "code", str(tree), "--inline")["ids"]) == 2
+
+    small = {"KIDX_FILES__MAX_BYTES": "1000"}
+    out = offline.json("add", "code", str(tree), "--inline", env=small)
+    assert len(out["ids"]) == 1
+    [skip] = out["skipped"]
+    assert skip["path"] == str(tree / "big.py") and "larger than 1000 bytes" in skip["reason"]
+    human = offline.ok("add", "code", str(tree), "--inline", env=small)
+    assert f"skipped {tree / 'big.py'}: is larger than 1000 bytes" in human.stderr

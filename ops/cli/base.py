@@ -65,6 +65,40 @@ def stdout_closed() -> bool:
         return False
 
 
+def not_utf8(name: str, value: str) -> InvalidInput | None:
+    """The error for an argument that is not UTF-8 (its bytes came in as lone surrogates,
+    Python's surrogateescape), or None: kidx stores text and paths as UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        at = len(value[: e.start].encode("utf-8"))
+        try:
+            byte = value[e.start].encode("utf-8", "surrogateescape")[0]
+            where = f" (byte 0x{byte:02x} at offset {at})"
+        except UnicodeEncodeError:  # a surrogate that was not a byte of the argument
+            where = f" (at offset {at})"
+        return InvalidInput(f"{name} is not UTF-8{where}: kidx takes text and paths as UTF-8")
+    return None
+
+
+def check_utf8(params: dict[str, Any]) -> None:
+    """Every argument and option of this command is UTF-8, or InvalidInput naming it (before
+    anything is read or written)."""
+    command_params = {p.name: p for p in click.get_current_context().command.params}
+    for key, value in params.items():
+        values = value if isinstance(value, tuple | list) else (value,)
+        for v in values:
+            if not isinstance(v, str | Path):
+                continue
+            param = command_params.get(key)
+            if isinstance(param, click.Option):
+                name = max(param.opts, key=len)
+            else:
+                name = param.human_readable_name if param is not None else key
+            if problem := not_utf8(name, str(v)):
+                raise problem
+
+
 class Ctx:
     """What every command gets: the settings (built once) and the output mode."""
 
@@ -274,6 +308,7 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
             redact = None
             settings: Settings | None = None
             try:
+                check_utf8({"db_path": db_path, **kwargs})
                 settings = load_settings(**({"db": db_path} if db_path else {}))
                 redact = Redact(settings.secrets())
                 configure_cli_logging(settings, verbose)

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ops.cli.base import Ctx, command, fail
+from ops.cli.base import Ctx, command, err, fail
 from ops.cli.engine import add, index_inline
 from worker.errors import InvalidInput
 
@@ -30,15 +30,26 @@ def _index_or_send(ctx: Ctx, db: Any, ids: list[int], inline: bool) -> list[dict
     return send_items(ctx, ids, "added")
 
 
-def _report(ctx: Ctx, ids: list[int], results: list[dict[str, Any]]) -> None:
+def _report(
+    ctx: Ctx,
+    ids: list[int],
+    results: list[dict[str, Any]],
+    skipped: list[dict[str, str]] | None = None,
+) -> None:
     def human() -> None:
         for item_id in ids:
             click.echo(item_id)
 
-    ctx.emit({"ids": ids, "results": results}, human)
+    ctx.emit({"ids": ids, "results": results} | ({"skipped": skipped} if skipped else {}), human)
     failed = [r for r in results if r.get("status") == "failed"]
     for r in failed:
         fail(f"item {r['item_id']} was added, but indexing failed: {r['error']}", 1, ctx.redact)
+
+
+def shown_path(path: Path) -> str:
+    """A path as text that can be printed and stored as JSON: a byte of its name that is not
+    UTF-8 is shown as `\\xe9`."""
+    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 @command(add, "file")
@@ -81,11 +92,18 @@ def add_code(ctx: Ctx, path: Path, inline: bool) -> None:
     from worker.sources.files import resolve_under_roots
 
     resolve_under_roots(path, ctx.settings.files)  # refused now, and nothing written
-    files = list_code_files(path)
+    found: list[tuple[Path, str]] = []
+    # The workers' limit (KIDX_FILES__MAX_BYTES), not the listing's default.
+    files = list_code_files(path, max_bytes=ctx.settings.files.max_bytes, skipped=found)
+    skipped = [{"path": shown_path(p), "reason": reason} for p, reason in found]
+    if not ctx.json:  # with --json, in the output's "skipped"
+        for s in skipped:
+            err.print(ctx.say(f"skipped {s['path']}: {s['reason']}"), markup=False, highlight=False)
     if path.is_file():  # named directly: refused now if a worker would refuse it
         read_code(path, ctx.settings.files)
     if not files:
-        raise InvalidInput(f"no source files under {path}")
+        more = f" ({len(skipped)} skipped)" if skipped else ""
+        raise InvalidInput(f"no source files under {path}{more}")
     base = path.resolve() if path.is_dir() else path.resolve().parent
     with ctx.store(create=True) as db:
         ids = [
@@ -93,7 +111,7 @@ def add_code(ctx: Ctx, path: Path, inline: bool) -> None:
             for f in files
         ]
         results = _index_or_send(ctx, db, ids, inline)
-    _report(ctx, ids, results if inline else [])
+    _report(ctx, ids, results if inline else [], skipped)
 
 
 @command(add, "memory")

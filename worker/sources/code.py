@@ -135,11 +135,21 @@ def _check_file(path: Path, max_bytes: int) -> str | None:
     return None
 
 
-def list_code_files(path: str | Path, *, max_bytes: int = 1_000_000) -> list[Path]:
+def list_code_files(
+    path: str | Path,
+    *,
+    max_bytes: int = 1_000_000,
+    skipped: list[tuple[Path, str]] | None = None,
+) -> list[Path]:
     """The source files to index under `path` (sorted), or `path` itself if it is a file.
 
     A file named directly is refused (`InvalidInput`) only if it is missing, binary, empty or
     too large: naming it is asking for it, whatever its suffix or ignore rules say.
+
+    With `skipped`, each source file (or folder) of the tree that is left out for a reason
+    its user would want told is appended to it as (path, reason): larger than `max_bytes`,
+    binary, unreadable, or a name that is not UTF-8. Files that are empty, ignored, or not
+    source by name are left out silently.
     """
     given = Path(path)
     if not given.exists():
@@ -155,6 +165,19 @@ def list_code_files(path: str | Path, *, max_bytes: int = 1_000_000) -> list[Pat
             raise InvalidInput(f"{given} {reason}")
         return [given]
 
+    def skip(parts: tuple[str, ...], reason: str) -> None:
+        if skipped is not None:
+            skipped.append((given.joinpath(*parts), reason))
+
+    def not_utf8(name: str) -> bool:
+        """A name whose bytes are not UTF-8 (held as lone surrogates): it cannot be an item's
+        source or title, which are UTF-8 text."""
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+
     outer, prefix = _outer_specs(given.resolve())
     found: list[Path] = []
     stack: list[tuple[Path, tuple[str, ...], _Specs]] = [(given, (), outer)]
@@ -166,22 +189,39 @@ def list_code_files(path: str | Path, *, max_bytes: int = 1_000_000) -> list[Pat
             specs = [*specs, (prefix + rel, spec)]
         try:
             entries = list(os.scandir(folder))
-        except OSError:
+        except OSError as e:
+            if rel:  # the top folder's own failure is the caller's to see
+                skip(rel, f"cannot be read ({e.strerror or e})")
             continue
         for entry in entries:
             parts = (*rel, entry.name)
             try:  # follow_symlinks=False: a link is neither a folder nor a file here
                 if entry.is_dir(follow_symlinks=False):
-                    if not _skipped_dir(entry.name) and not _ignored(specs, prefix + parts, True):
+                    if _skipped_dir(entry.name) or _ignored(specs, prefix + parts, True):
+                        continue
+                    if not_utf8(entry.name):
+                        skip(parts, "is a folder whose name is not UTF-8")
+                    else:
                         stack.append((folder / entry.name, parts, specs))
                 elif (
                     entry.is_file(follow_symlinks=False)
                     and _wanted_name(entry.name)
                     and not _ignored(specs, prefix + parts, False)
-                    and _check_file(Path(entry.path), max_bytes) is None
                 ):
-                    found.append(given.joinpath(*parts))
-            except OSError:  # vanished or unreadable meanwhile: not part of the listing
+                    if entry.stat(follow_symlinks=False).st_size == 0:
+                        continue  # nothing to index, and nothing worth saying
+                    reason = (
+                        "has a name that is not UTF-8"
+                        if not_utf8(entry.name)
+                        else _check_file(Path(entry.path), max_bytes)
+                    )
+                    if reason is None:
+                        found.append(given.joinpath(*parts))
+                    else:
+                        skip(parts, reason)
+            except OSError as e:  # vanished or unreadable meanwhile: not part of the listing
+                if not isinstance(e, FileNotFoundError):
+                    skip(parts, f"cannot be read ({e.strerror or e})")
                 continue
     return sorted(found)
 
