@@ -48,7 +48,7 @@ def index_group(
     try:
         if not isinstance(item_ids, list) or not item_ids or not all(map(valid_id, item_ids)):
             shown = repr(item_ids)[:80]
-            raise IndexFailed(f"the item ids must be a list of positive integers, not {shown}")
+            raise IndexFailed(f"the item ids must be a list of 64-bit integers, not {shown}")
         rt = runtime(self.app)
         problem = bad_arguments(rt, item_ids[0], reason, batch_id, structure_only)
         if problem is not None:  # its job rows say so, without what cannot be stored

@@ -372,9 +372,15 @@ class Run:
 
 
 def valid_id(item_id: object) -> bool:
-    """An id SQLite can hold: a JSON message may carry "abc", 1.5, true or 2**70 (a 64-bit
-    overflow that would otherwise fail before the run is recorded)."""
-    return type(item_id) is int and 0 < item_id < 2**63
+    """An item id SQLite can hold: a JSON message may carry "abc", 1.5, true or 2**70 (a 64-bit
+    overflow that would otherwise fail before the run is recorded). Zero and negative ids are
+    rows a host may write (SQLite takes any 64-bit rowid) and the sweep finds: indexed as any."""
+    return type(item_id) is int and -(2**63) <= item_id < 2**63
+
+
+def valid_batch(batch_id: object) -> bool:
+    """A batch id: kidx's own, from 1 up."""
+    return type(batch_id) is int and 0 < batch_id < 2**63
 
 
 def not_utf8(text: str) -> int | None:
@@ -402,7 +408,7 @@ def bad_arguments(
     """What is wrong with a task's arguments (a host may send anything a JSON message
     holds), in one line; None when they are fine."""
     if not valid_id(item_id):
-        return f"the item id must be a positive integer, not {item_id!r:.60}"
+        return f"the item id must be a 64-bit integer, not {item_id!r:.60}"
     if reason is not None and not isinstance(reason, str):
         return f"reason must be a string, not {reason!r:.60}"
     if isinstance(reason, str) and (at := not_utf8(reason)) is not None:
@@ -410,7 +416,7 @@ def bad_arguments(
     if not isinstance(structure_only, bool):
         return f"structure_only must be true or false, not {structure_only!r:.60}"
     if batch_id is not None:
-        if not valid_id(batch_id):
+        if not valid_batch(batch_id):
             return f"the batch id must be a positive integer, not {batch_id!r:.60}"
         if get_batch(rt.db, batch_id) is None:  # type: ignore[arg-type]
             return f"no batch with id {batch_id}"

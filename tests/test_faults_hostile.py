@@ -199,9 +199,9 @@ def hostile_cases(s: FaultStack, root: Path) -> list[Case]:
         "is not a public address",
     )
     source("a URL that is not http", "url", "file:///etc/passwd", "http")
-    must = "the item id must be a positive integer, not "
+    must = "the item id must be a 64-bit integer, not "
     task("a non-integer item id", must + "'abc'", "GenerateEmbedding", "abc")
-    task("a negative item id", must + "-7", "GenerateEmbedding", -7)
+    task("an item id past 64 bits", must + str(2**70), "GenerateEmbedding", 2**70)
     task("a fractional item id", must + "1.5", "GenerateEmbedding", 1.5)
     task("a boolean item id", must + "True", "GenerateEmbedding", True)
     task("no item id", "item_id", "GenerateEmbedding")

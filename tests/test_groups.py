@@ -138,10 +138,23 @@ def test_a_group_past_its_deadline_sends_the_rest_on_and_all_get_indexed(stack):
     assert all(stack.state(i)["chunk_count"] == BATCH for i in ids)
 
 
+def test_items_a_host_gave_id_zero_or_below_are_indexed_with_the_others(stack):
+    """SQLite takes any 64-bit rowid, and the sweep finds such rows: a group with them runs
+    every item, where one such id made the group refuse its whole list, sweep after sweep."""
+    stack.db.execute(
+        "INSERT INTO knowledge_items(id, kind, title, content) VALUES "
+        "(0, 'note', 'zero', 'Host note zero.'), (-7, 'note', 'neg', 'Host note minus seven.')"
+    )
+    ids = [-7, 0, stack.note("Positive", "A note with a kidx id.")]
+    task_id = send_group(stack.db, stack.app, ids, None, "sweep")
+    assert stack.app.AsyncResult(task_id).get(timeout=30)["indexed"] == 3
+    assert [stack.state(i)["status"] for i in ids] == ["indexed"] * 3
+
+
 def test_a_group_with_bad_arguments_fails_clearly_and_the_worker_serves_on(stack):
-    for args in (["12"], [[1, "x"]], [[-3]], [[]], [[2**70]]):
+    for args in (["12"], [[1, "x"]], [[1.5]], [[]], [[2**70]]):
         result = stack.app.send_task(GROUP, args=args)
-        with pytest.raises(Exception, match="item ids must be a list of positive integers"):
+        with pytest.raises(Exception, match="item ids must be a list of 64-bit integers"):
             result.get(timeout=30)
     item = stack.note("After", sections("after", 1))
     task_id = send_group(stack.db, stack.app, [item, stack.note("Also", "Short note.")], None, "x")

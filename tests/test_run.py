@@ -503,4 +503,4 @@ def test_a_failure_of_the_task_layer_has_its_ki_embed_line(rt) -> None:
     with structlog.testing.capture_logs() as logs, pytest.raises(IndexFailed):
         start(task, "abc", None, None, False, frozenset({"note"}))  # type: ignore[arg-type]
     refused = [e for e in logs if e["event"] == "[KI Embed] refused"]
-    assert refused and "the item id must be a positive integer" in refused[0]["reason"]
+    assert refused and "the item id must be a 64-bit integer" in refused[0]["reason"]

@@ -441,7 +441,7 @@ def test_a_filter_matching_k_far_chunks_returns_k_hits(db, monkeypatch, tmp_path
     assert bool(passes) == (path == "two-pass")
     with pytest.raises(InvalidInput, match="own search"):
         Filters(kinds=("code",))
-    with pytest.raises(InvalidInput, match="positive integer"):
+    with pytest.raises(InvalidInput, match="64-bit integer"):
         Filters(item_ids=("1; DROP TABLE x",))  # type: ignore[arg-type]
 
 

@@ -119,7 +119,7 @@ class FailureCounter:
         item_id: int | None = None,
     ) -> None:
         self.in_a_row += 1
-        where = {"chunk_index": chunk_index} | ({"item_id": item_id} if item_id else {})
+        where = {"chunk_index": chunk_index} | ({"item_id": item_id} if item_id is not None else {})
         self.log.warning(f"{KI_EMBED} vector failed", **where, reason=cause)
         if self.in_a_row >= self.limit:
             raise IndexAborted(

@@ -91,8 +91,8 @@ class Filters:
                     + (" (code has its own search: --code)" if kind == "code" else "")
                 )
         for item_id in self.item_ids:
-            if isinstance(item_id, bool) or not isinstance(item_id, int) or item_id < 1:
-                raise InvalidInput(f"an item id is a positive integer, not {item_id!r}")
+            if type(item_id) is not int or not -(2**63) <= item_id < 2**63:
+                raise InvalidInput(f"an item id is a 64-bit integer, not {item_id!r}")
         if self.source_prefix is not None and not self.source_prefix:
             raise InvalidInput("the source prefix is empty")
 
