@@ -227,3 +227,31 @@ def test_add_code_takes_the_workers_size_limit_and_names_what_it_skips(offline, 
     assert skip["path"] == str(tree / "big.py") and "larger than 1000 bytes" in skip["reason"]
     human = offline.ok("add", "code", str(tree), "--inline", env=small)
     assert f"skipped {tree / 'big.py'}: is larger than 1000 bytes" in human.stderr
+
+
+# -- 7. update -----------------------------------------------------------------------------------
+
+
+def test_update_takes_a_title_alone(offline, tmp_path):
+    note = offline.add("Old", "--text", "words")
+    assert offline.json("update", str(note), "--title", "New") == {"id": note, "updated": True}
+    assert _sql(tmp_path / "kidx.db", "SELECT title, content FROM knowledge_items") == [
+        ("New", "words")
+    ]
+
+
+def test_update_refuses_text_for_an_item_read_from_its_source(offline, tmp_path):
+    """A file's text is read again at each index: an edit of it here would be lost there."""
+    db = tmp_path / "kidx.db"
+    source = tmp_path / "doc.md"
+    source.write_text("# Doc\n\nThe file's own words.\n")
+    [item] = offline.json("add", "file", str(source), "--inline")["ids"]
+    row = "SELECT title, content, content_hash FROM knowledge_items WHERE id = ?"
+    before = _sql(db, row, item)
+    for args in (("--text", "lost words"), ("--file", str(source))):
+        line = one_line_error(offline("update", str(item), *args))
+        assert "its text comes from its source" in line and str(source) in line
+    assert _sql(db, row, item) == before
+    offline.ok("update", str(item), "--title", "Renamed")
+    assert _sql(db, "SELECT title FROM knowledge_items WHERE id = ?", item) == [("Renamed",)]
+    assert offline.json("status", str(item))["status"] == "pending"  # to be indexed again

@@ -85,16 +85,35 @@ def add_note(ctx: Ctx, title: str, text: str | None, file: Path | None, inline: 
 
 @command(cli)
 @click.argument("item", type=ID)
-@click.option("--text", help="The new text.")
+@click.option("--text", help="The new text (a note's only).")
 @click.option("--file", "file", type=click.Path(path_type=Path), help="Read the text from a file.")
 @click.option("--title", help="A new title.")
 def update(ctx: Ctx, item: int, text: str | None, file: Path | None, title: str | None) -> None:
-    """Replace an item's text (index it again to see the change in search)."""
-    from worker.store.items import update_content
+    """Replace a note's text, or any item's title (index it again to see the change in
+    search). A file's, a URL's or a code item's text comes from its source: edit that."""
+    from worker.store.items import NOW, get_item, update_content
 
-    content = read_text(text, file)
+    if text is None and file is None:
+        if title is None:
+            raise InvalidInput("give --title, or exactly one of --text and --file")
+        content = None
+    else:
+        content = read_text(text, file)
     with ctx.store() as db:
-        update_content(db, item, content, title=title)
+        found = get_item(db, item, content=False)
+        if content is None:
+            with db.atomic():  # the title alone (a trigger makes the item pending)
+                db.execute(
+                    f"UPDATE knowledge_items SET title = ?, updated_at = {NOW} WHERE id = ?",
+                    (title, item),
+                )
+        elif found.kind != "note":
+            raise InvalidInput(
+                f"item {item} is a {found.kind} item: its text comes from its source "
+                f"({found.source}), read again at each index; edit that (--title alone is fine)"
+            )
+        else:
+            update_content(db, item, content, title=title)
     ctx.emit({"id": item, "updated": True}, lambda: out.print(f"item {item} updated"))
 
 
