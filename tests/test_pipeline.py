@@ -662,6 +662,25 @@ def test_new_items_written_together_clear_what_a_host_left_under_their_ids(db):
     assert mirror_problems(db) == [] and keyword_rows_problems(db) == []
 
 
+def test_a_chunk_a_host_wrote_at_the_largest_rowid_leaves_room_for_every_other(db):
+    """No id above 2**63 - 1: new chunks take free ids below (as SQLite picks them), where
+    max(id) + 1 could not even be bound and every later prose write failed."""
+    first = add_item(db, kind="note", title="a", content="Alpha note text.")
+    index_item(db, first, embedder=FakeEmbedder())
+    db.execute(
+        "INSERT INTO note_chunks(id, item_id, chunk_index, content, method, start_offset, "
+        "end_offset, embed_hash) VALUES (9223372036854775807, ?, 99, 'x', 'structure', 0, 1, 'h')",
+        (first,),
+    )
+    alone = add_item(db, kind="note", title="b", content=corpus_text(CHAPTER))
+    assert index_item(db, alone, embedder=FakeEmbedder()).status == "indexed"
+    ids = [add_item(db, kind="note", title=n, content=f"Note {n}.") for n in "cd"]
+    results = index_items(db, ids, embedder=FakeEmbedder())
+    assert [results[i].status for i in ids] == ["indexed", "indexed"]
+    db.execute("DELETE FROM note_chunks WHERE id = 9223372036854775807")
+    assert mirror_problems(db) == [] and keyword_rows_problems(db) == []
+
+
 def test_new_items_written_together_fall_back_to_one_by_one_when_a_write_fails(db):
     """One item's vec write fails inside the shared write: it is rolled back and the items go
     one by one, so that item alone is partial (its chunk unmirrored) and the others whole."""

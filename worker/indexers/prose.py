@@ -5,6 +5,7 @@ their ids (and vec rows): only what changed is deleted and inserted."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ import apsw
 
 from worker.chunking import LLMChunker, chunk
 from worker.embedding import FailureCounter, Plan
+from worker.errors import StoreError
 from worker.indexers.base import Indexer, IndexOptions, Planned, plan_vectors
 from worker.log import CHUNK, KI_EMBED
 from worker.providers.base import EmbeddingModel
@@ -134,6 +136,24 @@ def _chunk_row(plan: Plan, i: int) -> tuple[Any, ...]:
     )
 
 
+MAX_ROWID = 2**63 - 1
+
+
+def _new_chunk_ids(db: Database, n: int) -> list[int]:
+    """Ids for n new chunks: above the highest, or, when a host's row holds an id so high
+    that there is no room (SQLite's largest rowid), free ones at random, as SQLite itself then
+    picks them."""
+    top = db.scalar("SELECT max(id) FROM note_chunks") or 0
+    if top <= MAX_ROWID - n:
+        return list(range(top + 1, top + 1 + n))
+    ids: set[int] = set()
+    while len(ids) < n:
+        candidate = random.randrange(1, MAX_ROWID)
+        if db.one("SELECT 1 FROM note_chunks WHERE id = ?", (candidate,)) is None:
+            ids.add(candidate)
+    return sorted(ids)
+
+
 def _headings(chunk: Any) -> str:
     return " > ".join(chunk.headings)
 
@@ -180,8 +200,7 @@ def write_notes(
     # New chunks get their ids here (the write lock is held: nobody else can take them), so
     # that their rows go in one statement each way rather than three round trips a chunk.
     new = [i for i in range(len(plan.chunks)) if i not in keep]
-    first = (db.scalar("SELECT max(id) FROM note_chunks") or 0) + 1
-    ids = {i: first + n for n, i in enumerate(new)}
+    ids = dict(zip(new, _new_chunk_ids(db, len(new)), strict=True))
     db.executemany(INSERT_CHUNK, [(ids[i], *_chunk_row(plan, i), item_id) for i in new])
     vectors = [(ids[i], plan.vectors[i]) for i in new if plan.vectors.get(i) is not None]
     db.executemany(INSERT_VECTOR, [(chunk_id, model, dims, vector) for chunk_id, vector in vectors])
@@ -233,6 +252,8 @@ def write_new_notes(db: Database, items: Sequence[tuple[int, Planned]], model: s
         return []
     dims = db.dimensions
     first = next_id = (db.scalar("SELECT max(id) FROM note_chunks") or 0) + 1
+    if first + sum(len(p.plan.chunks) for _, p in new) > MAX_ROWID:
+        raise StoreError("no room above the highest chunk id: the items go one by one")
     chunks, vectors, wholes, keywords = [], [], [], []
     for item_id, planned in new:
         plan, parts = planned.plan, planned.keyword_parts
