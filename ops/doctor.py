@@ -25,6 +25,7 @@ import redis
 
 import worker.providers.chat
 import worker.providers.openai  # noqa: F401 - imported here, never by two check threads at once
+from ops.stack import url_host
 from scheduler.beat import HEARTBEAT_KEY, LEASE_TTL
 from worker.chunking.llm import INSTRUCTIONS, SCHEMA, SYSTEM
 from worker.errors import BadAnswer, StoreError
@@ -339,8 +340,7 @@ def check_beat(settings: Settings, timeout: float) -> str:
 
 def check_flower(settings: Settings, timeout: float) -> str:
     f = settings.flower
-    host = "127.0.0.1" if f.address in ("", "0.0.0.0", "::") else f.address
-    url = f"http://{host}:{f.port}/healthcheck"
+    url = f"http://{url_host(f.address)}:{f.port}/healthcheck"
     try:
         status = httpx.get(url, timeout=timeout).status_code  # open: no credentials needed
         problem = f"HTTP {status}"

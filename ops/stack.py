@@ -106,12 +106,10 @@ class Stack:
         return "\n".join(f"    {line}" for line in text[-lines:])
 
     def flower_url(self) -> str:
-        address = self.settings.flower.address
-        if address in {"", "0.0.0.0", "::"} or not self.settings.flower.password:
-            address = "127.0.0.1"  # --demo binds loopback
-        if ":" in address and not address.startswith("["):  # IPv6: [::1], not ::1
-            address = f"[{address.replace('%', '%25')}]"
-        return f"http://{address}:{self.settings.flower.port}/"
+        demo = not self.settings.flower.password  # --demo binds loopback
+        return f"http://{url_host('' if demo else self.settings.flower.address)}:" + (
+            f"{self.settings.flower.port}/"
+        )
 
     def demo_line(self) -> str | None:
         """The credentials line `python -m ops.flower --demo` printed at this start, if any."""
@@ -119,6 +117,16 @@ class Stack:
             lines = self.log_file("flower").read_text(errors="replace").splitlines()
             return next((s for s in reversed(lines) if s.startswith("Flower: http")), None)
         return None
+
+
+def url_host(address: str) -> str:
+    """The host of a URL to a server listening on `address`: loopback for every address (or
+    none), and an IPv6 address in brackets ([::1], not ::1, which no URL parser takes)."""
+    if address in {"", "0.0.0.0", "::"}:
+        return "127.0.0.1"
+    if ":" in address and not address.startswith("["):
+        return f"[{address.replace('%', '%25')}]"
+    return address
 
 
 def read_pid(path: Path) -> int | None:

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from ops import stack as ops_stack
+from ops.doctor import check_flower
 from stack import ROOT, free_port
 from worker.settings import FlowerSettings, Settings
 
@@ -249,6 +250,7 @@ def test_flower_url_brackets_an_ipv6_address(tmp_path: Path):
         url = stack.flower_url()
         assert url == f"http://[::1]:{server.server_address[1]}/"
         assert httpx.get(url + "healthcheck", timeout=5).status_code == 200
+        assert check_flower(stack.settings, 5) == url + "healthcheck"  # kidx doctor's check
     finally:
         server.shutdown()
         server.server_close()
