@@ -67,8 +67,10 @@ bench: setup
 	$(PY) bench/memory.py
 	$(PY) bench/search.py
 
+# Not ./data: the default database lives there (and the demo's pid files, which stack-stop
+# needs); remove it yourself when you mean to, after `make stack-stop`.
 clean:
-	rm -rf $(VENV) data .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
 
 # The fault suite (tests/test_faults_*.py) at soak scale, not run by CI: 3000 items and 50 kills,
 # 1000 items under provider chaos, an outage of 1000, 2000 edits of 100 notes in a minute. Any
