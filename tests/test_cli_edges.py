@@ -255,3 +255,40 @@ def test_update_refuses_text_for_an_item_read_from_its_source(offline, tmp_path)
     offline.ok("update", str(item), "--title", "Renamed")
     assert _sql(db, "SELECT title FROM knowledge_items WHERE id = ?", item) == [("Renamed",)]
     assert offline.json("status", str(item))["status"] == "pending"  # to be indexed again
+
+
+# -- 8. widths, numbers, --summary ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("columns", ["0", "1"])
+def test_a_zero_or_tiny_width_shows_tables_at_80_columns(offline, columns):
+    offline.add("T", "--text", "words")
+    shown = offline.ok("status", env={"COLUMNS": columns}).stdout
+    table = shown[shown.index("┏") :]  # below the counts
+    assert "item_id" in table and "status" in table, repr(shown)
+    assert any(row.split("│")[1:3] == [" 1       ", " pending "] for row in table.splitlines())
+    assert max(len(line) for line in table.splitlines()) <= 80
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("doctor", "--timeout", "nan"),
+        ("reindex", "--all", "--timeout", "nan"),
+        ("reindex", "--all", "--timeout", "-1"),
+        ("reindex", "--all", "--timeout", "0"),
+        ("reindex", "--all", "--timeout", "inf"),
+    ],
+)
+def test_a_timeout_must_be_a_positive_finite_number(offline, args):
+    result = offline(*args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "positive, finite number of seconds" in result.stderr
+    assert result.stdout == ""
+
+
+def test_status_summary_of_one_item_is_an_error(offline):
+    item = offline.add("T", "--text", "words")
+    for extra in ((), ("--json",)):
+        result = offline("status", str(item), "--summary", *extra)
+        assert "--summary" in one_line_error(result) and result.stdout == ""

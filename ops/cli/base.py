@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -37,6 +38,7 @@ FOLD = frozenset(
     {"error", "last_error", "summary", "snippet", "title", "content", "path", "task", "task_id"}
 )
 FOLD_MIN = 18  # a folded column's narrowest
+NARROWEST = 20  # a terminal (or COLUMNS) narrower than this is taken as 80 columns wide
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
@@ -46,6 +48,36 @@ def printable(text: object) -> str:
     U+FFFD: what a title, a snippet or an error stored in the database holds is shown, never
     run by the terminal (ESC[2J would clear the screen, ESC]0; set its title)."""
     return _CONTROL.sub("\ufffd", str(text))
+
+
+def fit_width() -> None:
+    """COLUMNS=0 (or a terminal a few columns wide) would blank every table: 80 instead."""
+    for console in (out, err):
+        if console.width < NARROWEST:
+            console.width = 80
+
+
+class Seconds(click.ParamType):
+    """A number of seconds, finite and above zero (click's FloatRange lets `nan` through)."""
+
+    name = "seconds"
+
+    def __init__(self, least: float = 0.0, most: float | None = None) -> None:
+        self.least, self.most = least, most
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not math.isfinite(seconds) or seconds <= 0:
+            self.fail(f"{value!r} is not a positive, finite number of seconds", param, ctx)
+        if seconds < self.least or (self.most is not None and seconds > self.most):
+            upper = f" to {self.most:g}" if self.most is not None else " or more"
+            self.fail(f"{value!r} is not from {self.least:g}{upper} seconds", param, ctx)
+        return seconds
 
 
 class OutputClosed(Exception):
@@ -309,6 +341,7 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
             settings: Settings | None = None
             try:
                 check_utf8({"db_path": db_path, **kwargs})
+                fit_width()
                 settings = load_settings(**({"db": db_path} if db_path else {}))
                 redact = Redact(settings.secrets())
                 configure_cli_logging(settings, verbose)

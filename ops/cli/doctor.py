@@ -6,13 +6,13 @@ import sys
 
 import click
 
-from ops.cli.base import Ctx, cli, command
+from ops.cli.base import Ctx, Seconds, cli, command
 
 
 @command(cli)
 @click.option(
     "--timeout",
-    type=click.FloatRange(0.1, 600),
+    type=Seconds(0.1, 600),
     default=5.0,  # ops.doctor.DEFAULT_TIMEOUT (imported lazily: slow)
     show_default=True,
     help="Seconds each check may take.",

@@ -499,6 +499,8 @@ def status(ctx: Ctx, item: int | None, summary: bool) -> None:
     from worker.store.items import STATE_COLUMNS, get_state, list_states
     from worker.store.items import summary as counts
 
+    if summary and item is not None:
+        raise InvalidInput("--summary is the counts of every item: give it without an ITEM")
     with ctx.store() as db:
         data: Any = get_state(db, item) if item is not None else list_states(db)
         overview = counts(db) | {"last_sweeps": last_sweeps(db)} if item is None else None

@@ -10,7 +10,7 @@ from typing import Any
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ops.cli.base import ID, Ctx, cli, command, err
+from ops.cli.base import ID, Ctx, Seconds, cli, command, err
 from worker.errors import InvalidInput
 
 JOB_SHOWN = (
@@ -71,7 +71,9 @@ def enqueue(ctx: Ctx, items: tuple[int, ...]) -> None:
 @command(cli)
 @click.option("--all", "all_items", is_flag=True, required=True, help="Every item.")
 @click.option("--wait", is_flag=True, help="Show progress until the batch ends.")
-@click.option("--timeout", type=float, default=None, help="Stop waiting after this many seconds.")
+@click.option(
+    "--timeout", type=Seconds(), default=None, help="Stop waiting after this many seconds."
+)
 def reindex(ctx: Ctx, all_items: bool, wait: bool, timeout: float | None) -> None:
     """Re-index every item as one batch (it aborts after consecutive failures)."""
     from tasks.producer import send_batch
