@@ -310,3 +310,12 @@ def test_flower_refused_settings_are_one_line_not_a_traceback(tmp_path: Path) ->
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "KIDX_FLOWER__PASSWORD" in lines[0], result.stderr
     assert "horse" not in result.stderr
+
+
+def test_make_clean_never_removes_the_default_database():
+    """`make clean` is for caches: ./data holds the default database (and the demo's pid
+    files that `make stack-stop` needs)."""
+    recipe = subprocess.run(
+        ["make", "-n", "clean"], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    assert "rm " in recipe and not re.search(r"(^|\s)\.?/?data(/|\s|$)", recipe)
