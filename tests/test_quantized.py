@@ -35,6 +35,7 @@ from worker.sources import Reader
 from worker.store import connect, vec_table_dimensions
 from worker.store.items import add_item, get_state, list_chunks, update_content
 from worker.store.removal import delete_items, leftovers
+from worker.store.repair import repair_vectors
 from worker.store.vec import vec_behind, vec_delete_from
 
 CHAPTERS = ("ch04-01-what-is-ownership.md", "ch10-02-traits.md", "ch15-01-box.md")
@@ -86,6 +87,43 @@ def test_rows_from_a_key_up_leave_the_float_and_bit_tables(tmp_path, standin, fa
     below = [k for k in keys if k < first]
     for table in ("vec_chunk_embeddings", "vec_chunk_bits"):
         assert [r[0] for r in db.all(f"SELECT chunk_id FROM {table} ORDER BY chunk_id")] == below
+    db.close()
+
+
+def test_a_vec_row_unlike_its_vector_is_replaced_by_the_sweep_a_slice_at_a_time(
+    tmp_path, standin, fake
+):
+    """A host wrote another vector into a live key's vec row (or a bit row drifted): key
+    checks never see it. Each full repair compares the contents of the next slice of keys,
+    from where the last stopped, and replaces what differs; the sweep's does too."""
+    db = indexed(tmp_path / "q.db", standin, fake)
+    keys = [r[0] for r in db.all("SELECT chunk_id FROM vec_chunk_embeddings ORDER BY chunk_id")]
+    other = np.ones(DIMS, dtype=np.float32).tobytes()
+    wrong = [keys[1], keys[-2]]  # one early, one late: two slices apart
+    for key in wrong:
+        for table, value in (
+            ("vec_chunk_embeddings", "?"),
+            ("vec_chunk_bits", "vec_quantize_binary(?)"),
+        ):
+            db.execute(f"DELETE FROM {table} WHERE chunk_id = ?", (key,))
+            db.execute(
+                f"INSERT INTO {table}(chunk_id, embedding) VALUES (?, {value})", (key, other)
+            )
+    assert mirror_problems(db)
+    first = repair_vectors(db, db.dimensions, verify=len(keys) // 2)
+    assert first.replaced == {"vec_chunk_embeddings": 1, "vec_chunk_bits": 1}  # the early one
+    assert mirror_problems(db)
+    second = repair_vectors(db, db.dimensions, verify=len(keys) // 2)
+    assert second.replaced == {"vec_chunk_embeddings": 1, "vec_chunk_bits": 1}  # the late one
+    assert mirror_problems(db) == []
+    assert reconcile(db, model=fake.model_id, max_items=10).repaired["replaced"] == {}
+    db.execute("DELETE FROM vec_chunk_embeddings WHERE chunk_id = ?", (keys[0],))
+    db.execute(
+        "INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (?, ?)", (keys[0], other)
+    )
+    drift = reconcile(db, model=fake.model_id, max_items=10)  # the round ended: from the first
+    assert drift.repaired["replaced"] == {"vec_chunk_embeddings": 1}
+    assert mirror_problems(db) == []
     db.close()
 
 

@@ -136,6 +136,7 @@ def reconcile(
         "keyword_rows": sync_fts(db, verify=True),
         "restored": report.restored,
         "orphans_deleted": report.orphans_deleted,
+        "replaced": report.replaced,
     }
     params = {"model": model, "dims": dims, "horizon": horizon}
     busy = {r[0] for r in db.all(BUSY_JOBS, params)}
