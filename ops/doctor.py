@@ -264,7 +264,8 @@ def check_stuck(settings: Settings, timeout: float) -> str:
         raise Fail(
             f"stuck: {_n(len(runs), 'run')} started and {_n(len(items), 'item')} indexing longer "
             f"than the time limit ({limit} s): items {shown}",
-            f"check the workers (`kidx jobs`), then `kidx retry {shown}`",
+            f"check the workers (`kidx jobs`), then "
+            f"`kidx retry {'-- ' if ids and ids[0] < 0 else ''}{shown}`",
         )
     return f"nothing running longer than {limit} s"
 

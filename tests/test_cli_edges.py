@@ -292,3 +292,20 @@ def test_status_summary_of_one_item_is_an_error(offline):
     for extra in ((), ("--json",)):
         result = offline("status", str(item), "--summary", *extra)
         assert "--summary" in one_line_error(result) and result.stdout == ""
+
+
+def test_items_a_host_gave_id_zero_or_below_are_addressed_after_a_double_dash(offline, tmp_path):
+    """A host may write id 0 or below (SQLite takes any 64-bit rowid) and kidx indexes them:
+    `kidx status -- -7` and the like name them (before `--`, -7 reads as an option)."""
+    offline.add("First", "--text", "words")  # the database, made by kidx
+    _sql(
+        tmp_path / "kidx.db",
+        "INSERT INTO knowledge_items(id, kind, title, content) VALUES (-7, 'note', 'neg', 'x')",
+    )
+    status = offline.ok("status", "--json", "--", "-7").stdout
+    assert json.loads(status)["item_id"] == -7
+    offline.ok("index", "--inline", "--", "-7")
+    offline.ok("delete", "--", "-7")
+    assert _sql(tmp_path / "kidx.db", "SELECT count(*) FROM knowledge_items WHERE id = -7") == [
+        (0,)
+    ]

@@ -27,7 +27,10 @@ from worker.log import Redact, configure_logging
 from worker.settings import Settings, load_settings
 
 # An id SQLite can hold (a larger one would overflow before any lookup): a usage error.
-ID = click.IntRange(1, 2**63 - 1)
+# An item id: any 64-bit integer (a host may write 0 or below; give those after `--`, as
+# `kidx status -- -7`, or click reads them as options). A batch id is kidx's own, from 1.
+ID = click.IntRange(-(2**63), 2**63 - 1)
+BATCH = click.IntRange(1, 2**63 - 1)
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)

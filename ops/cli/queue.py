@@ -10,7 +10,7 @@ from typing import Any
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ops.cli.base import ID, Ctx, Seconds, cli, command, err
+from ops.cli.base import BATCH, ID, Ctx, Seconds, cli, command, err
 from worker.errors import InvalidInput
 
 JOB_SHOWN = (
@@ -142,7 +142,7 @@ def _summary(ctx: Ctx, batch: dict[str, Any]) -> None:
 
 @command(cli)
 @click.option("--failed", is_flag=True, help="Only failed runs.")
-@click.option("--batch", "batch_id", type=ID, help="Only the runs of this batch.")
+@click.option("--batch", "batch_id", type=BATCH, help="Only the runs of this batch.")
 @click.option("--limit", type=click.IntRange(1, 100_000), default=200, show_default=True)
 def jobs(ctx: Ctx, failed: bool, batch_id: int | None, limit: int) -> None:
     """Task runs, newest first: state, duration, error."""
