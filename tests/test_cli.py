@@ -218,6 +218,7 @@ def test_a_command_on_a_missing_database_says_so_and_creates_nothing(kidx, tmp_p
     line = one_line_error(kidx(*args, "--db", str(missing)))
     assert line == f"error: no database at {missing}; run `kidx init`"
     assert not (tmp_path / "nope").exists()
+    assert not (kidx.cwd / "data").exists()  # nor the default data folder, for a log file
 
 
 def test_init_and_add_create_the_database_and_its_folder(kidx, tmp_path):
@@ -690,6 +691,7 @@ def test_a_run_logs_to_its_file_and_says_on_stderr_only_what_is_asked(kidx, tmp_
     """Below warning, a command's log records go to $KIDX_DATA_DIR/log/kidx.log, not the
     terminal; `--verbose` (or KIDX_LOG_LEVEL) brings them back to stderr."""
     data = tmp_path / "data"
+    data.mkdir()  # (one that is not there is not made for the log)
     env = {"KIDX_DATA_DIR": str(data)}
     kidx.add("Traits", "--file", str(CHAPTER))
     quiet = kidx.ok("index", "--all", "--inline", env=env)

@@ -269,14 +269,16 @@ class Ctx:
 def configure_cli_logging(settings: Settings, verbose: bool) -> None:
     """Every record at KIDX_LOG_LEVEL in `$KIDX_DATA_DIR/log/kidx.log`; on stderr only
     warnings and errors, unless asked (`--verbose`, or KIDX_LOG_LEVEL set): a command's output
-    is its own, not two hundred lines of a run's progress."""
+    is its own, not two hundred lines of a run's progress. A data directory that is not there
+    is not made for the log: a command run in the wrong folder leaves nothing behind."""
     asked = verbose or "log_level" in settings.model_fields_set
+    data = Path(settings.data_dir)
     configure_logging(
         fmt=settings.log_format,
         level=settings.log_level,
         secrets=settings.secrets(),
         stream_level=settings.log_level if asked else "warning",
-        file=Path(settings.data_dir) / "log" / "kidx.log",
+        file=data / "log" / "kidx.log" if data.is_dir() else None,
     )
 
 
