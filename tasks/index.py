@@ -97,7 +97,7 @@ class SingleRun(Run):
         return {**self.results[item_id], "duration_ms": self.took()}
 
     def failure(self) -> str:
-        return next(iter(self.failures.values()))
+        return next(iter(self.failures.values()), "the run failed")
 
 
 def start(

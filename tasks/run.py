@@ -33,11 +33,11 @@ from tasks.streak import BatchStreak, streak_key
 from worker.bulk import index_items
 from worker.chunking import text_hash
 from worker.errors import Cancelled, IndexAborted, KidxError, WrongTaskKind
-from worker.indexers import IndexOptions
+from worker.indexers import IndexOptions, kind_of
 from worker.log import KI_EMBED, get_logger
 from worker.pipeline import IndexResult
 from worker.settings import TaskSettings
-from worker.store.items import Status, get_item, get_state, mark_not_run, set_state
+from worker.store.items import Status, get_item, mark_not_run
 from worker.store.jobs import (
     BatchState,
     JobState,
@@ -170,7 +170,10 @@ class Run:
             for item_id in self._open():
                 self._failed(item_id, self.line(item_id, f"{type(e).__name__}: {e}"), "error")
             log.exception(f"{KI_EMBED} the run failed", reason=f"{type(e).__name__}: {e}")
-            raise IndexFailed(self.failure()) from None
+            if self.failures:
+                raise IndexFailed(self.failure()) from None
+            # Every item had ended well (the error came after: a lock's release, a follow-up
+            # send): their outcomes stand, and so does the task's.
         if self.failures:
             raise IndexFailed(self.failure())
         return self.result()
@@ -344,8 +347,17 @@ class Run:
         """Cancelled: what was written stays, the rest keeps its previous index; REVOKED."""
         for item_id in self._open():
             self.end(item_id, JobState.REVOKED, "skipped", "cancelled")
+            # as an aborted batch's: not over another run's index, or its run under way (a
+            # revoke seen before the start holds no lock)
             with contextlib.suppress(apsw.Error, KidxError):
-                set_state(self.rt.db, item_id, status=Status.CANCELLED, last_task_id=self.task_id)
+                mark_not_run(
+                    self.rt.db,
+                    item_id,
+                    self.task_id,
+                    self.job(item_id)[0],
+                    "cancelled",
+                    status=Status.CANCELLED,
+                )
         self.task.backend.mark_as_revoked(self.task_id, "cancelled", request=self.task.request)
         self.task.send_event(
             "task-revoked", terminated=TERMINATED.is_set(), signum=None, expired=False
@@ -445,13 +457,15 @@ def backoff(rt: Runtime, attempt: int, retry_after: float | None) -> float:
 
 
 def changed(rt: Runtime, item_id: int) -> bool:
-    """Whether the item's text differs from what its index was built from."""
+    """Whether the item's text differs from what its index was built from. A file's, URL's or
+    code's text is read from its source, by a run only: asked for again, it is run again."""
     try:
         item = get_item(rt.db, item_id, content=False)
+        if not kind_of(item).text_in_row:
+            return True
         if item.content_hash is None:  # the content was written without its hash
             item = get_item(rt.db, item_id)
-        return get_state(rt.db, item_id).get("indexed_hash") != (
-            item.content_hash or text_hash(item.content)
-        )
-    except KidxError:  # gone
+    except KidxError:  # gone, or of no kind kidx knows
         return False
+    state = "SELECT indexed_hash FROM item_index_state WHERE item_id = ?"
+    return rt.db.scalar(state, (item_id,)) != (item.content_hash or text_hash(item.content))

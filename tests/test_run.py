@@ -29,7 +29,14 @@ from tasks.cancel import TERMINATED, RunScope, mark_revoked, reset
 from tasks.group import GroupRun
 from tasks.index import SingleRun
 from tasks.lock import LockSet, rerun_key
-from tasks.run import IndexFailed, backoff, bad_arguments, longest_countdown, stored_reason
+from tasks.run import (
+    IndexFailed,
+    backoff,
+    bad_arguments,
+    changed,
+    longest_countdown,
+    stored_reason,
+)
 from tasks.runtime import Runtime
 from tasks.streak import BatchStreak, streak_key
 from worker.app import create_app
@@ -39,7 +46,7 @@ from worker.providers.http import RetryLater
 from worker.settings import load_settings
 from worker.sources import Reader
 from worker.store.db import Database
-from worker.store.items import add_item, get_state, set_state, update_content
+from worker.store.items import Status, add_item, get_state, set_state, update_content
 from worker.store.jobs import create_batch, get_batch, record_starts
 from worker.store.schema import migrate
 
@@ -247,6 +254,66 @@ def test_an_item_changed_and_asked_for_while_it_ran_is_indexed_once_more(rt) -> 
     assert "changed while it was indexed" in content
 
 
+def test_an_unchanged_note_asked_for_again_while_it_ran_is_not_run_again(rt) -> None:
+    """A duplicate delivery asks for the item while its run holds it: the note's text is the
+    one just indexed, so no second pass and no follow-up task (`changed` read no hash at all,
+    and every item counted as changed)."""
+    (item,) = notes(rt.db, 1)
+    run, _ = single(rt, item)
+    embedder = rt.embedder
+    original = embedder.embed_batch  # type: ignore[union-attr]
+
+    def ask_again(texts: list[str]) -> Any:
+        rt.redis.set(rerun_key(rt.db.instance(), item), "a duplicate delivery")
+        return original(texts)
+
+    embedder.embed_batch = ask_again  # type: ignore[union-attr, method-assign]
+    sent: list[str] = []
+    before_task_publish.connect(record := lambda sender=None, **_: sent.append(sender))
+    try:
+        assert run.execute()["status"] == "indexed"
+    finally:
+        before_task_publish.disconnect(record)
+    assert len(embedder.calls) == 1 and sent == []  # type: ignore[union-attr]
+    assert changed(rt, item) is False
+    update_content(rt.db, item, "# New\n\nAnother text.")
+    assert changed(rt, item) is True
+
+
+def test_a_file_asked_for_again_is_run_again(rt, tmp_path) -> None:
+    """A file's text is read only by a run: asked for again, it is changed (it may be)."""
+    item = add_item(rt.db, kind="file", title="f.md", content="", source=str(tmp_path / "f.md"))
+    assert changed(rt, item) is True
+
+
+@pytest.mark.parametrize("where", ["the locks' release", "a follow-up send"])
+def test_an_error_after_every_item_ended_well_leaves_the_task_a_success(rt, where) -> None:
+    """A broker restart as the locks go, or a follow-up task the broker refuses: the items are
+    indexed and their job rows say so; the task is not a FAILURE (its failure was a bare
+    StopIteration, naming nothing)."""
+    (item,) = notes(rt.db, 1)
+    run, _ = single(rt, item)
+    with pytest.MonkeyPatch.context() as mp:
+        if where == "the locks' release":
+            release = LockSet.release
+
+            def broken(self: LockSet) -> list[int]:
+                release(self)
+                raise redis.ConnectionError("Connection reset by peer (Redis restarted)")
+
+            mp.setattr(LockSet, "release", broken)
+        else:
+            mp.setattr("tasks.run.changed", lambda rt, item_id: True)
+            mp.setattr(LockSet, "release", lambda self: [item])
+            mp.setattr(
+                "tasks.run.enqueue",
+                lambda *a, **k: (_ for _ in ()).throw(redis.ConnectionError("broker down")),
+            )
+        result = run.execute()
+    assert result["status"] == "indexed"
+    assert job_states(rt, run) == {item: "success"}
+
+
 def test_a_provider_that_may_recover_retries_the_single_run_and_sends_a_group_item_on(rt) -> None:
     rt.embedder.down = True  # type: ignore[union-attr]
     (one,) = notes(rt.db, 1, "one")
@@ -430,6 +497,21 @@ def test_a_revoke_before_the_start_ends_revoked_and_writes_nothing(rt) -> None:
     assert set(job_states(rt, run).values()) == {"revoked"}
     assert rt.db.scalar("SELECT count(*) FROM note_chunks") == 0
     assert rt.embedder.calls == []  # type: ignore[union-attr]
+
+
+def test_a_revoke_seen_before_the_start_leaves_another_runs_index_as_it_is(rt) -> None:
+    """The revoke key outlived its run's start (`kidx cancel` with no worker up): the task
+    ends revoked, and does not mark `cancelled` an item another run indexed since it was
+    queued, nor one another run is indexing now; an item no run touched is cancelled."""
+    ids = notes(rt.db, 3)
+    run, _ = group(rt, ids)  # queued now
+    other, _ = group(rt, ids[:1])
+    other.execute()  # indexed after the revoked task was queued
+    set_state(rt.db, ids[1], status=Status.INDEXING, last_task_id="another-run")
+    mark_revoked(rt.redis, [run.task_id])
+    with pytest.raises(Ignore):
+        run.execute()
+    assert [get_state(rt.db, i)["status"] for i in ids] == ["indexed", "indexing", "cancelled"]
 
 
 def test_a_terminate_that_comes_while_the_revoke_is_recorded_does_not_end_the_process(

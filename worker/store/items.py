@@ -160,19 +160,34 @@ def set_state(db: Database, item_id: int, **fields: Any) -> None:
             )
 
 
-def mark_not_run(db: Database, item_id: int, task_id: str, job_task_id: str, error: str) -> bool:
+def mark_not_run(
+    db: Database,
+    item_id: int,
+    task_id: str,
+    job_task_id: str,
+    error: str,
+    status: Status = Status.FAILED,
+) -> bool:
     """An item its run did not run (its batch was aborted) becomes `failed`, so that `kidx
-    retry --failed` finds it; unless a later run has indexed it since this job was queued, or
-    another run is indexing it now: that run's outcome stands. Whether it was marked."""
+    retry --failed` finds it (or `cancelled`: revoked before its run got to it); unless a later
+    run has indexed it since this job was queued, or another run is indexing it now: that
+    run's outcome stands. Whether it was marked."""
     with db.atomic():
         db.execute(CREATE_STATE, (item_id,))
         db.execute(
-            f"UPDATE item_index_state SET status = 'failed', last_task_id = :task, "
+            f"UPDATE item_index_state SET status = :status, last_task_id = :task, "
             f"last_error = :error, updated_at = {NOW} WHERE item_id = :item AND NOT ("
             "(status = 'indexing' AND coalesce(last_task_id, '') <> :task) OR "
-            "(status = 'indexed' AND indexed_at >= coalesce((SELECT min(queued_at) "
-            "FROM index_jobs WHERE task_id = :job), '9999')))",
-            {"task": task_id, "error": error, "item": item_id, "job": job_task_id},
+            "(status = 'indexed' AND indexed_at >= coalesce((SELECT "
+            "min(coalesce(queued_at, started_at)) FROM index_jobs WHERE task_id = :job), "
+            "'9999')))",
+            {
+                "status": str(status),
+                "task": task_id,
+                "error": error,
+                "item": item_id,
+                "job": job_task_id,
+            },
         )
         return db.conn.changes() > 0
 
