@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import uuid
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,16 @@ def _send(
     batch_id: int | None = None,
     countdown: float | None = None,
     structure_only: bool = False,
+    kind: str | None = None,
 ) -> str:
-    item = get_item(db, item_id, content=False)
+    """`kind`: the item's kind as the caller read it (a batch, in `_sizes`): the item may have
+    been deleted since, and its task goes all the same (its run reports it refused, and the
+    batch counts it); without it, an unknown item is ItemNotFound and nothing is sent."""
+    if kind is None:
+        item = get_item(db, item_id, content=False)
+        kind, title = item.kind, item.title
+    else:
+        title = _first_title(db, [item_id])
     task_id = str(uuid.uuid4())
     record_queued(db, task_id, name, item_id, batch_id, reason)
     kwargs: dict[str, Any] = {"reason": reason}
@@ -63,7 +71,7 @@ def _send(
         kwargs["batch_id"] = batch_id
     if structure_only:
         kwargs["structure_only"] = True
-    shown = {"kind": item.kind, "title": item.title[:60], "reason": reason}
+    shown = {"kind": kind, "title": title[:60], "reason": reason}
     if batch_id is not None:
         shown["batch"] = batch_id
     app = app or _default_app()
@@ -176,9 +184,12 @@ def send_batch(
     """A batch (three consecutive failures abort it): its id and the task ids. Its items go in
     groups (`plan_groups`) of at most `group_size` (default: KIDX_TASKS__GROUP_SIZE), one
     `kidx.index_group` task a group, their texts sharing embedding requests; a group of one is
-    the item's own task, and a group size of 1 sends one task an item."""
+    the item's own task, and a group size of 1 sends one task an item. An item a host deletes
+    while the batch is being sent is sent all the same (its run reports it refused, which the
+    batch counts); a send that fails part-way aborts the batch with the cause, then raises (the
+    items not sent would never be counted, and the batch would stay running for good)."""
     ids = list(dict.fromkeys(item_ids))
-    sizes = _sizes(db, ids)
+    sizes, kinds = _sizes(db, ids)
     batch_id = create_batch(db, kind, len(ids))
     app = app or _default_app()
     kidx_settings = getattr(app, "kidx_settings", None)
@@ -187,14 +198,26 @@ def send_batch(
     processes = kidx_settings.tasks.concurrency if kidx_settings else 1
     reason = reason or kind
     sent: list[str] = []
+    groups = plan_groups(sizes, group_size, processes)
     try:
-        for g in plan_groups(sizes, group_size, processes):
+        for g in groups:
             if len(g) > 1:
                 sent.append(send_group(db, app, g, batch_id, reason))
             else:
-                sent.append(enqueue(db, g[0], app=app, reason=reason, batch_id=batch_id))
-    except BrokerUnavailable as e:  # what was sent ends skipped, for `kidx retry --failed`
-        abort_batch(db, batch_id, f"the broker did not take its tasks: {e}")
+                name = TASK_FOR_KIND[kinds[g[0]]]
+                sent.append(
+                    _send(db, app, name, g[0], reason=reason, batch_id=batch_id, kind=kinds[g[0]])
+                )
+    except BaseException as e:
+        # The items not sent would never be counted: the batch would stay running for good.
+        # It ends aborted, with why (what was sent ends skipped, for `kidx retry --failed`).
+        if isinstance(e, BrokerUnavailable):
+            why = f"the broker did not take its tasks: {e}"
+        else:
+            cause = " ".join(f"{type(e).__name__}: {e}".split())
+            why = f"sending stopped after {len(sent)} of {len(groups)} tasks ({cause})"
+        with suppress(Exception):  # a database that refuses this too: the cause is raised
+            abort_batch(db, batch_id, why)
         raise
     return batch_id, sent
 
@@ -221,15 +244,16 @@ def plan_groups(sizes: dict[int, int], group_size: int, processes: int) -> list[
     return [sorted(m, key=order.__getitem__) for m in members if m]
 
 
-def _sizes(db: Database, ids: list[int]) -> dict[int, int]:
-    """Each item's text size (at least 1: a file not read yet counts as one), in `ids` order;
-    ItemNotFound for an unknown id."""
-    found: dict[int, int] = {}
+def _sizes(db: Database, ids: list[int]) -> tuple[dict[int, int], dict[int, str]]:
+    """Each item's text size (at least 1: a file not read yet counts as one), in `ids` order,
+    and its kind; ItemNotFound for an unknown id."""
+    found: dict[int, tuple[int, str]] = {}
     for start in range(0, len(ids), 500):
         part = ids[start : start + 500]
         found.update(
-            db.all(
-                f"SELECT id, length(content) FROM knowledge_items WHERE id IN "
+            (item_id, (size, kind))
+            for item_id, size, kind in db.all(
+                f"SELECT id, length(content), kind FROM knowledge_items WHERE id IN "
                 f"({','.join('?' * len(part))})",
                 part,
             )
@@ -237,7 +261,22 @@ def _sizes(db: Database, ids: list[int]) -> dict[int, int]:
     for i in ids:
         if i not in found:
             raise ItemNotFound(i)
-    return {i: max(1, found[i] or 0) for i in ids}
+    return {i: max(1, found[i][0] or 0) for i in ids}, {i: found[i][1] for i in ids}
+
+
+# Flower's title for a task whose items were all deleted after the batch listed them
+GONE = "(deleted)"
+
+
+def _first_title(db: Database, item_ids: list[int]) -> str:
+    """The title of the first of these items that still exists (a host may delete one while
+    its batch is being sent), else a placeholder: only Flower shows it."""
+    for item_id in item_ids:
+        try:
+            return get_item(db, item_id, content=False).title
+        except ItemNotFound:
+            continue
+    return GONE
 
 
 def send_group(
@@ -254,7 +293,7 @@ def send_group(
     record_queued_many(
         db, [(group_job_id(task_id, i), i) for i in item_ids], GROUP, batch_id, reason
     )
-    first = get_item(db, item_ids[0], content=False).title
+    first = _first_title(db, item_ids)
     shown = {"items": len(item_ids), "first": first[:60], "reason": reason, "batch": batch_id}
     kwargs: dict[str, Any] = {"reason": reason, "batch_id": batch_id}
     if structure_only:
