@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from worker.store.db import Database
 from worker.store.fts import sync_fts
 from worker.store.items import NOW
+from worker.store.jobs import batch_outcome
 from worker.store.removal import remove_leftovers
 from worker.store.repair import repair_vectors
 from worker.store.vec import set_meta, sound
@@ -105,13 +106,23 @@ def queued_jobs(db: Database, *, older_than: float) -> list[str]:
 
 def mark_lost(db: Database, job_ids: list[str]) -> None:
     """Jobs whose task the broker no longer holds: failed, so that their items are not taken
-    for busy and the sweep sends them again (a run that starts after all resets its row)."""
+    for busy and the sweep sends them again (a run that starts after all resets its row).
+
+    A lost job of a batch counts in it as skipped, in the same transaction: it never ran, and
+    its item goes again in the sweep's own batch, so its batch would otherwise wait for it for
+    good. A broker's loss says nothing of the provider: it does not count towards aborting the
+    batch. Its row is then `counted`, so a run that starts after all is not counted twice."""
     with db.atomic():
-        db.executemany(
-            f"UPDATE index_jobs SET state = 'failed', finished_at = {NOW}, error = ? "
-            "WHERE task_id = ? AND attempt = 0 AND state = 'queued'",
-            [(LOST, job_id) for job_id in job_ids],
-        )
+        for job_id in job_ids:
+            rows = db.all(
+                f"UPDATE index_jobs SET state = 'failed', finished_at = {NOW}, error = ? "
+                "WHERE task_id = ? AND attempt = 0 AND state = 'queued' RETURNING batch_id",
+                (LOST, job_id),
+            )
+            for (batch_id,) in rows:
+                if batch_id is not None:
+                    # (abort_after: a skip never aborts a batch)
+                    batch_outcome(db, batch_id, "skipped", LOST, abort_after=0, job=(job_id, 0))
 
 
 def reconcile(
