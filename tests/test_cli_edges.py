@@ -99,6 +99,7 @@ def test_with_stderr_closed_a_command_runs_and_its_output_is_whole(offline, tmp_
     """`kidx ... 2>&-`: Python gives no sys.stderr; the command still runs (its log lines go
     nowhere, its file log still gets them), and the database is intact."""
     args = ("add", "note", "--title", "e", "--text", "closed stderr", "--inline")
+    (tmp_path / "data").mkdir()  # (one that is not there is not made for the log)
     env = offline.env | {"KIDX_LOG_LEVEL": "info", "KIDX_DATA_DIR": str(tmp_path / "data")}
     result = subprocess.run(
         ["sh", "-c", 'exec "$0" "$@" 2>&-', str(KIDX), *args],
