@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from worker.chunking import MAX_CHUNK_SIZE, chunk_structure
 from worker.chunking.base import MIN_CHUNK_SIZE, OVERLAP_SIZE, TARGET_CHUNK_SIZE
 from worker.chunking.markdown import scan, section_ends
-from worker.chunking.structure import WINDOW_SHARE
+from worker.chunking.structure import _FENCE_START, WINDOW_SHARE, _Plan
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "rustbook"
 
@@ -262,6 +262,79 @@ def test_a_long_sentence_is_cut_at_a_word_boundary():
     for c in chunks:
         assert c.content.startswith("averyordinaryword")
         assert c.content.endswith("averyordinaryword")
+
+
+fence_ish_text = st.lists(
+    st.sampled_from([*list("ab .\n\r\t `~#"), "```", "~~~", "  ```x", "\n```\n", "word "]),
+    max_size=400,
+).map("".join)
+
+
+def _splits_a_fence_like_line_by_search(plan, p: int) -> bool:
+    """The straightforward version: search back for the line's start (quadratic over a text
+    without line ends, but obviously right)."""
+    line_start = plan.text.rfind("\n", 0, p) + 1
+    return bool(_FENCE_START.match(plan.text, line_start) or _FENCE_START.match(plan.text, p))
+
+
+@PROPS
+@given(fence_ish_text)
+def test_fence_like_line_lookup_agrees_with_a_search_back_at_every_position(text):
+    plan = _Plan(text, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, OVERLAP_SIZE, 100, TARGET_CHUNK_SIZE)
+    for p in range(len(text) + 1):
+        assert plan._splits_a_fence_like_line(p) == _splits_a_fence_like_line_by_search(plan, p)
+
+
+@PROPS
+@given(st.one_of(markdown, raw_text, fence_ish_text), small_bounds)
+def test_chunks_are_those_of_the_search_back_version(text, bounds):
+    fast = chunk_structure(text, **bounds)
+    original = _Plan._splits_a_fence_like_line
+    _Plan._splits_a_fence_like_line = _splits_a_fence_like_line_by_search
+    try:
+        slow = chunk_structure(text, **bounds)
+    finally:
+        _Plan._splits_a_fence_like_line = original
+    assert fast == slow
+
+
+class _CountingStr(str):
+    """A text that counts the characters its own searches (find, rfind, index) may visit."""
+
+    visited = 0
+
+    def _count(self, args) -> None:
+        start = args[1] if len(args) > 1 and args[1] is not None else 0
+        end = args[2] if len(args) > 2 and args[2] is not None else len(self)
+        _CountingStr.visited += max(0, min(end, len(self)) - max(start, 0))
+
+    def find(self, *args):
+        self._count(args)
+        return super().find(*args)
+
+    def rfind(self, *args):
+        self._count(args)
+        return super().rfind(*args)
+
+    def index(self, *args):
+        self._count(args)
+        return super().index(*args)
+
+    def rindex(self, *args):
+        self._count(args)
+        return super().rindex(*args)
+
+
+@pytest.mark.parametrize("unit", ["word ", "A sentence. ", "line of text\r"])
+def test_text_without_line_ends_is_searched_a_bounded_number_of_times(unit):
+    # Every candidate cut used to search back to the text's start for its line's start: the
+    # work grew with the square of the length (5 MB of sentences: half a minute, 50 MB past the
+    # task's time limit). Measured as characters searched, not as time.
+    text = _CountingStr(unit * (200_000 // len(unit)))
+    _CountingStr.visited = 0
+    chunks = chunk_structure(text)
+    assert len(chunks) > 100
+    assert _CountingStr.visited <= 4 * len(text)
 
 
 def test_one_enormous_word_is_cut_hard_and_still_covered():

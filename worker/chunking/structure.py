@@ -65,6 +65,7 @@ SLACK_SHARE = 1 / 3
 of where an even split would cut: paragraph breaks first, sizes near the target second."""
 
 _FENCE_START = re.compile(r"[ \t]*(?:`{3}|~{3})")
+_FENCE_LIKE_LINE = re.compile(r"^[ \t]*(?:`{3}|~{3})[^\n]*", re.M)
 _SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+")
 _LINE_END = re.compile(r"\n")
 _SPACE = re.compile(r"\s+")
@@ -99,6 +100,16 @@ def _break_strengths(text: str, breaks: list[int]) -> dict[int, float]:
         }
 
 
+def _fence_like_lines(text: str) -> tuple[list[int], list[int]]:
+    """Start and end (the `\n` or the text's end) of every line that opens like a fence."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for m in _FENCE_LIKE_LINE.finditer(text):
+        starts.append(m.start())
+        ends.append(m.end())
+    return starts, ends
+
+
 class _Plan:
     """Candidates, cuts and parts for one text."""
 
@@ -126,6 +137,7 @@ class _Plan:
         self.big_fences = [f for f in lay.fences if f.end - f.start > big]
         self.small_fences = [(f.start, f.end) for f in lay.fences if f.end - f.start <= big]
         self.fitting = self._fitting_sections()
+        self._fence_lines: tuple[list[int], list[int]] | None = None
 
     # -- cuts -------------------------------------------------------------------------------
 
@@ -254,9 +266,18 @@ class _Plan:
         return self.text[p - 1] == "\n" or not self._splits_a_fence_like_line(p)
 
     def _splits_a_fence_like_line(self, p: int) -> bool:
-        """A cut inside a line must not leave either half looking like a fence's opening."""
-        line_start = self.text.rfind("\n", 0, p) + 1
-        return bool(_FENCE_START.match(self.text, line_start) or _FENCE_START.match(self.text, p))
+        """A cut inside a line must not leave either half looking like a fence's opening.
+
+        The lines that open like a fence are found once (`_fence_like_lines`) and looked up by
+        bisection: searching back from every candidate for its line's start went to the start
+        of the text on text without line ends, quadratic in its length (5 MB of sentences took
+        half a minute). Line ends are `\n` only, as for the scanner (a lone `\r` is not one).
+        """
+        if self._fence_lines is None:
+            self._fence_lines = _fence_like_lines(self.text)
+        starts, ends = self._fence_lines
+        k = bisect_right(starts, p) - 1
+        return (k >= 0 and p <= ends[k]) or bool(_FENCE_START.match(self.text, p))
 
     def _inside_small_fence(self, p: int) -> bool:
         fences = self.small_fences
