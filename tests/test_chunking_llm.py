@@ -249,6 +249,30 @@ def test_summaries_are_trimmed_or_dropped_and_sizes_repaired(db, embedder, chat,
     assert len(small) <= 2  # tiny chunks were merged into neighbours
 
 
+def test_a_lone_surrogate_in_a_summary_is_replaced_not_a_failed_item(db, embedder, chat, standin):
+    # The model's JSON escapes a lone surrogate ("\\ud800"): it parses, but it cannot be
+    # encoded as UTF-8, so storing or embedding the chunk failed the item, and the cached
+    # answer failed every later run too.
+    text = corpus_text("ch04-03-slices.md")
+    windows = windows_of(text, 6000)
+    standin.chat.script = [
+        lambda units: {"chunks": [{"start": 1, "end": len(units), "summary": "about \ud800 it"}]}
+    ] * len(windows)
+    item = add_item(db, kind="note", title="Slices", content=text)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    assert result.status == "indexed" and result.chunk_method == "llm" and result.fallback is None
+    chunks = rows(db, item)
+    assert_exact_and_covering(text, chunks)
+    assert all(c["has_vector"] for c in chunks)
+    assert {c["summary"] for c in chunks} == {"about \ufffd it"}
+    cached = SqliteBoundaryCache(db).get(chat.model_id, windows[0].key)
+    assert cached is not None and cached[0][2] == "about \ufffd it"
+    assert standin.chat.requests == len(windows)
+    again = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    assert again.status == "indexed" and again.chunk_method == "llm"
+    assert standin.chat.requests == len(windows)  # the cached answer is used as it is
+
+
 def test_units_cover_the_text_and_keep_fences_whole():
     text = corpus_text(CHAPTER)
     units = units_of(text, 0, len(text))
@@ -279,6 +303,9 @@ JUNK_ROWS: dict[str, Callable[[int], str | bytes]] = {
     "decreasing": lambda n: json.dumps([[2, n, "b"], [1, 1, "a"]]),
     "a gap": lambda n: json.dumps([[1, 1, "a"], [3, n, "b"]]),
     "huge list": lambda n: json.dumps([[i, i, None] for i in range(1, 100_001)]),
+    # An older version cached a summary with a lone surrogate: JSON escapes it, but it cannot
+    # be stored or embedded, so the row stays a miss (the model is asked again).
+    "a lone surrogate summary": lambda n: json.dumps([[1, n, "about \ud800 things"]]),
 }
 
 

@@ -38,6 +38,7 @@ MERGE_UNDER = 150  # a chunk this short is merged into a neighbour
 SINGLE_CHUNK_UNDER = 500  # a text this short may be one chunk: nothing to split
 SUMMARY_MAX = 200
 _SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -210,9 +211,12 @@ def _words(text: str, window: Window, start: int, end: int) -> list[str]:
 
 
 def _summary(value: Any) -> str | None:
+    """The model's summary, its white space collapsed, cut to `SUMMARY_MAX`; lone surrogates
+    (a JSON answer may escape one, `"\\ud800"`) replaced by U+FFFD: they cannot be encoded as
+    UTF-8, so the chunk could be neither stored nor embedded."""
     if not isinstance(value, str):
         return None
-    value = " ".join(value.split())
+    value = " ".join(_LONE_SURROGATE.sub("\ufffd", value).split())
     if len(value) > SUMMARY_MAX:
         cut = value.rfind(" ", 0, SUMMARY_MAX)
         value = value[: cut if cut > SUMMARY_MAX // 2 else SUMMARY_MAX].rstrip(" ,.;:")
@@ -277,6 +281,11 @@ def _cached(text: str, window: Window, llm: LLMChunker) -> list[tuple[int, int, 
         return None
     try:
         answer = {"chunks": [{"start": s, "end": e, "summary": summary} for s, e, summary in value]}
+        if any(
+            isinstance(c["summary"], str) and _LONE_SURROGATE.search(c["summary"])
+            for c in answer["chunks"]
+        ):
+            return None  # an older version cached a summary it could not store: ask again
         return validate(answer, text, window)
     except (BadAnswer, TypeError, ValueError):  # out of range, unordered, not (s, e, summary)
         return None
