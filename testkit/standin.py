@@ -155,6 +155,9 @@ class StandIn:
     ``chaos_faults`` counts them by kind.
 
     ``chat`` answers POST /v1/chat/completions, with its own switches and counters.
+
+    ``raw_answer`` (status, headers, body), when set, answers every POST as it is, before
+    anything else and uncounted: a broken, compressed or hostile body a switch cannot make.
     """
 
     # switches
@@ -174,6 +177,7 @@ class StandIn:
     chaos_seed: int
     chaos_delay: float
     chaos_retry_after: float | str
+    raw_answer: tuple[int, dict[str, str], bytes] | None
     # counters
     requests: int
     texts: list[str]
@@ -286,6 +290,7 @@ class StandIn:
             self.chaos_delay = 2.0
             self.chaos_retry_after = 1
             self._chaos_rng = None
+            self.raw_answer = None
             self.chaos_faults = dict.fromkeys(CHAOS_KINDS, 0)
             self.requests = 0
             self.texts = []
@@ -543,6 +548,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(_error_reply(404, f"Unknown path {path}", code="not_found"))
             return
         headers = {name.lower(): value for name, value in self.headers.items()}
+        raw_answer = self._standin.raw_answer
+        if raw_answer is not None:
+            status, extra, body = raw_answer
+            self._send(_Reply(status, body, headers=extra))
+            return
         try:
             if path == CHAT_PATH:
                 answer = self._standin.chat.answer(raw, headers)

@@ -14,6 +14,8 @@ import json
 import os
 import socket
 import time
+import tracemalloc
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -988,3 +990,43 @@ def test_real_key_never_appears_in_exception_messages(
     assert len(messages) > 3 * len(faults)
     leaks = [m for m in messages if KEY in m or "Bearer" in m or "not-for-logs" in m]
     assert leaks == []
+
+
+def _gzip(data: bytes) -> bytes:
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    return packer.compress(data) + packer.flush()
+
+
+def test_real_compressed_answers_are_read_within_a_bound(
+    standin: StandIn, real: Callable[..., OpenAIEmbeddings]
+) -> None:
+    """httpx inflated every layer of `gzip, gzip` whole: ~500 bytes of answer took 200 MB and
+    more before a size was looked at. Now at most the bound is unpacked, and past it the
+    answer is a BadAnswer, not an out-of-memory."""
+    model = real(max_retries=0)
+    model.http.max_answer_bytes = 1_000_000
+    payload = {"data": [{"index": 0, "embedding": vector_for("a", DIMS)}]}
+    standin.raw_answer = (200, {"Content-Encoding": "gzip"}, _gzip(json.dumps(payload).encode()))
+    np.testing.assert_array_equal(model.embed(["a"]), expected(["a"], DIMS))  # gzip is fine
+
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    bomb = b"".join(packer.compress(bytes(1 << 20)) for _ in range(200)) + packer.flush()
+    cases = [
+        ("gzip, gzip", _gzip(bomb), "compressed more than once"),
+        ("gzip", bomb, "over the size limit of 1000000 bytes"),
+        ("br", b"...", "content coding 'br' is not supported"),
+    ]
+    for coding, body, match in cases:
+        standin.raw_answer = (200, {"Content-Encoding": coding}, body)
+        tracemalloc.start()
+        try:
+            with pytest.raises(BadAnswer, match=match):
+                model.embed(["a"])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 20 * 2**20, f"{coding}: {peak / 2**20:.0f} MB to refuse a 200 MB bomb"
+    # an error answer that is a bomb: refused unread, the status still said
+    standin.raw_answer = (400, {"Content-Encoding": "gzip"}, bomb)
+    with pytest.raises(ProviderHTTPError, match=r"HTTP 400$"):
+        model.embed(["a"])

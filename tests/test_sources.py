@@ -15,8 +15,11 @@ import struct
 import subprocess
 import sys
 import threading
+import tracemalloc
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
+from functools import cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -484,6 +487,21 @@ def test_a_small_compressed_document_with_a_huge_text_is_refused(root: Path) -> 
 
 # -- a real HTTP server on 127.0.0.1 ----------------------------------------------------------
 
+BOMB_MB = 200
+
+
+def gzipped(data: bytes, wbits: int = 31) -> bytes:
+    packer = zlib.compressobj(9, zlib.DEFLATED, wbits)
+    return packer.compress(data) + packer.flush()
+
+
+@cache
+def gzip_bomb() -> bytes:
+    """BOMB_MB of zeros, gzipped: about 200 KB."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    block = bytes(1 << 20)
+    return b"".join(packer.compress(block) for _ in range(BOMB_MB)) + packer.flush()
+
 
 class Site:
     """The routes the URL tests fetch, and what the server saw."""
@@ -564,6 +582,25 @@ def make_handler(site: Site) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Content-Length", str(LIMIT * 100))
                 self.end_headers()
                 self.wfile.write(b"only a little")
+            elif path.startswith("/coded/"):
+                coding, body = {
+                    "gzip-twice": ("gzip, gzip", gzipped(gzip_bomb())),  # ~500 bytes sent
+                    "gzip-bomb": ("gzip", gzip_bomb()),
+                    "gzip": ("gzip", gzipped(b"Caf\xc3\xa9 au lait")),
+                    "deflate": ("deflate", gzipped(b"zlib-wrapped deflate", 15)),
+                    "raw-deflate": ("deflate", gzipped(b"raw deflate", -15)),
+                    "zstd": ("zstd", b"(zstd bytes)"),
+                    "broken": ("gzip", b"\x1f\x8b not really gzip"),
+                }[path.removeprefix("/coded/")]
+                if path.endswith("bomb"):  # no Content-Length to refuse it by: read until closed
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Encoding", coding)
+                    self.end_headers()
+                    with contextlib.suppress(OSError):  # the client hangs up early
+                        self.wfile.write(body)
+                else:
+                    self.reply(200, body, "text/plain", {"Content-Encoding": coding})
             elif path == "/stream-big":
                 self.stream()
             elif path == "/slow":
@@ -825,6 +862,41 @@ def test_body_over_the_size_limit_stops_the_download(site: Site) -> None:
     )
     assert site.stream_done.wait(10)
     assert not site.stream_completed  # the client hung up long before the 64 MB were sent
+
+
+@pytest.mark.parametrize(
+    ("path", "match"),
+    [
+        ("gzip-twice", r"compressed more than once \(Content-Encoding: gzip, gzip\)"),
+        ("gzip-bomb", f"over the size limit of {LIMIT} bytes"),
+    ],
+)
+def test_a_compression_bomb_is_refused_without_unpacking_it(
+    site: Site, path: str, match: str
+) -> None:
+    """A gzip of gzip (500 bytes) or a gzip (200 KB, no length given) of 200 MB: httpx
+    inflated every layer of what it read whole before the size check saw a byte (+400 MB
+    for the first); now no more than the limit is ever unpacked."""
+    gzip_bomb()  # built before measuring
+    tracemalloc.start()
+    try:
+        refused(match, lambda: fetch_url(f"{site.base}/coded/{path}", ALLOWED))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 * 2**20, f"{peak / 2**20:.0f} MB allocated to refuse a {BOMB_MB} MB bomb"
+
+
+def test_content_codings_read_and_refused(site: Site) -> None:
+    def text(path: str) -> str:
+        return fetch_url(f"{site.base}/coded/{path}", ALLOWED).text
+
+    assert text("gzip") == "Caf\xe9 au lait"
+    assert text("deflate") == "zlib-wrapped deflate"
+    assert text("raw-deflate") == "raw deflate"
+    refused("content coding 'zstd' is not supported", lambda: text("zstd"))
+    refused("the gzip body could not be decoded", lambda: text("broken"))
+    assert {h.get("Accept-Encoding") for h in site.headers} == {"gzip, deflate"}
 
 
 def test_declared_length_over_the_limit_is_refused_before_reading(site: Site) -> None:

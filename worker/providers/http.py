@@ -5,6 +5,10 @@ and full jitter, honouring `Retry-After` when it is within the cap; a longer wai
 holding a worker: it raises `RetryLater` with `retry_after` set, for the task queue to retry
 later. Never retries 400/401/403 or a 429 that says the quota is exhausted. The API key never
 reaches a message, even when the server quotes it back.
+
+Bodies are read raw and decompressed here (`read_body`), never by httpx: httpx inflates each
+layer of `Content-Encoding: gzip, gzip` in full, so a few hundred bytes could become gigabytes
+before any size check saw them. Here no more than the limit (+1 byte) is ever produced.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import math
 import random
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 from urllib.request import getproxies
@@ -32,6 +37,104 @@ log = get_logger("kidx.providers")
 RETRYABLE = frozenset({408, 409, 429, 500, 502, 503, 504})
 PER_INPUT = frozenset({400, 413, 422})  # may concern one input only: worth trying alone
 USER_AGENT = "kidx/0.1 (+https://github.com/kidx)"
+ACCEPT_ENCODING = "gzip, deflate"  # what `read_body` decodes (httpx would also offer zstd)
+MAX_ANSWER_BYTES = 64 * 1024 * 1024  # a provider's answer, decompressed; over it: BadAnswer
+MAX_ERROR_BYTES = 1024 * 1024  # an error answer is read this far, for its message
+
+
+class BodyRefused(ValueError):
+    """A body not read: over the size limit, in a content coding not accepted, or broken."""
+
+
+class _Inflater:
+    """One gzip or deflate coding, decompressed a bounded amount at a time."""
+
+    def __init__(self, coding: str) -> None:
+        self.coding = coding
+        self.started = False
+        self._wbits = zlib.MAX_WBITS | 16 if coding == "gzip" else zlib.MAX_WBITS
+        self._d = zlib.decompressobj(self._wbits)
+
+    def decode(self, data: bytes, cap: int) -> bytes:
+        """At most `cap` bytes of what `data` decompresses to (exactly `cap`: there is more)."""
+        out: list[bytes] = []
+        size = 0
+        while data and size < cap:
+            if self._d.eof:  # another gzip member may follow; anything else is ignored
+                if self.coding != "gzip" or not data.startswith(b"\x1f\x8b"):
+                    break
+                self._d = zlib.decompressobj(self._wbits)
+            try:
+                piece = self._d.decompress(data, cap - size)
+            except zlib.error as e:
+                if self.coding == "deflate" and not self.started:
+                    # "deflate" is meant as zlib-wrapped, but some servers send it raw
+                    self.started = True
+                    self._wbits = -zlib.MAX_WBITS
+                    self._d = zlib.decompressobj(self._wbits)
+                    continue
+                raise BodyRefused(f"the {self.coding} body could not be decoded ({e})") from None
+            self.started = True
+            out.append(piece)
+            size += len(piece)
+            data = self._d.unused_data if self._d.eof else self._d.unconsumed_tail
+        return b"".join(out)
+
+    def flush(self, cap: int) -> bytes:
+        try:
+            return self._d.flush(cap) if not self._d.eof else b""
+        except zlib.error as e:
+            raise BodyRefused(f"the {self.coding} body could not be decoded ({e})") from None
+
+
+def read_body(response: httpx.Response, limit: int) -> bytes:
+    """A streamed response's body, decoded, refused (`BodyRefused`) as soon as it would pass
+    `limit` bytes, raw or decoded: no more than `limit` + 1 bytes are ever decompressed. One
+    content coding at most, gzip or deflate (a coding applied twice only serves to hide a
+    bomb). A response already read in memory (a mock transport's) is only measured."""
+    try:
+        content = response.content
+    except httpx.ResponseNotRead:
+        pass
+    else:
+        if len(content) > limit:
+            raise BodyRefused(f"over the size limit of {limit} bytes")
+        return content
+    codings = [
+        c.strip().lower()
+        for c in response.headers.get_list("content-encoding", split_commas=True)
+        if c.strip() and c.strip().lower() != "identity"
+    ]
+    if len(codings) > 1:
+        raise BodyRefused(
+            f"the body is compressed more than once (Content-Encoding: {', '.join(codings)}); "
+            "only one content coding is accepted"
+        )
+    coding = {"x-gzip": "gzip"}.get(codings[0], codings[0]) if codings else ""
+    if coding not in ("", "gzip", "deflate"):
+        raise BodyRefused(
+            f"content coding {coding[:40]!r} is not supported (only gzip and deflate)"
+        )
+    inflater = _Inflater(coding) if coding else None
+    parts: list[bytes] = []
+    size = raw_size = 0
+    over = f"over the size limit of {limit} bytes"
+    for raw in response.iter_raw():
+        raw_size += len(raw)
+        if raw_size > limit:
+            raise BodyRefused(over)
+        part = inflater.decode(raw, limit - size + 1) if inflater else raw
+        size += len(part)
+        if size > limit:
+            raise BodyRefused(over)
+        parts.append(part)
+    if inflater is not None:
+        part = inflater.flush(limit - size + 1)
+        size += len(part)
+        if size > limit:
+            raise BodyRefused(over)
+        parts.append(part)
+    return b"".join(parts)
 
 
 class ProviderHTTPError(PermanentProviderError):
@@ -76,19 +179,20 @@ def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float
     return max(0.0, wait) if math.isfinite(wait) else None
 
 
-def _error_detail(response: httpx.Response) -> tuple[str, str]:
+def _error_detail(data: bytes) -> tuple[str, str]:
     """The server's error code and message, from an OpenAI-style body if there is one."""
+    text = data.decode("utf-8", "replace")
     try:
-        body = response.json()
+        body = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return "", " ".join(response.text.split())[:200]
+        return "", " ".join(text.split())[:200]
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict):
         code = str(err.get("code") or err.get("type") or "")
         return code, " ".join(str(err.get("message") or "").split())[:200]
     if isinstance(err, str):
         return "", err[:200]
-    return "", " ".join(response.text.split())[:200]
+    return "", " ".join(text.split())[:200]
 
 
 class JSONClient:
@@ -103,12 +207,14 @@ class JSONClient:
         client: httpx.Client | None = None,
         sleep: Callable[[float], None] = time.sleep,
         rand: Callable[[], float] = random.random,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         self.settings = settings
+        self.max_answer_bytes = max_answer_bytes
         self.sleep = sleep
         self._rand = rand
         self._prefix = log_prefix
-        headers = {"User-Agent": USER_AGENT}
+        headers = {"User-Agent": USER_AGENT, "Accept-Encoding": ACCEPT_ENCODING}
         self._key = settings.api_key.get_secret_value() if settings.api_key else ""
         if self._key:
             headers["Authorization"] = f"Bearer {self._key}"
@@ -132,8 +238,17 @@ class JSONClient:
         for attempt in range(attempts):
             wait = None
             try:
-                with net.deadline(s.timeout):  # in all: a server trickling bytes included
-                    response = self.client.post(path, json=body)
+                with (
+                    net.deadline(s.timeout),  # in all: a server trickling bytes included
+                    self.client.stream("POST", path, json=body) as response,
+                ):
+                    ok = response.status_code == 200
+                    try:
+                        data = read_body(response, self.max_answer_bytes if ok else MAX_ERROR_BYTES)
+                    except BodyRefused as e:
+                        if ok:
+                            raise BadAnswer(f"{self.where}: the answer was refused: {e}") from None
+                        data = b""  # an error answer too big to show: its status says enough
             except httpx.ConnectTimeout:
                 cause = f"connect timed out after {s.connect_timeout:g}s"
             except httpx.TimeoutException:
@@ -141,12 +256,12 @@ class JSONClient:
             except httpx.TransportError as e:
                 cause = f"connection failed ({type(e).__name__}: {e})"
             else:
-                if response.status_code == 200:
+                if ok:
                     try:
-                        return response.json()
+                        return json.loads(data)
                     except (json.JSONDecodeError, UnicodeDecodeError):
                         raise BadAnswer(f"{self.where}: the answer is not JSON") from None
-                code, message = _error_detail(response)
+                code, message = _error_detail(data)
                 cause = f"HTTP {response.status_code}" + (f" {code}" if code else "")
                 cause += f": {message}" if message else ""
                 if self._key:  # a server may echo the key back, in its message or its code

@@ -16,6 +16,7 @@ from worker.errors import BadAnswer
 from worker.log import KI_EMBED, get_logger
 from worker.providers.base import EmbeddingModel, Hooks
 from worker.providers.http import (  # noqa: F401 - re-exported for callers and tests
+    MAX_ANSWER_BYTES,
     PER_INPUT,
     RETRYABLE,
     USER_AGENT,
@@ -51,6 +52,8 @@ class OpenAIEmbeddings(EmbeddingModel):
             client=client,
             sleep=self.hooks.sleep,
             rand=rand,
+            # a batch of float vectors may be big (2048 x 16000 dimensions as JSON numbers)
+            max_answer_bytes=max(MAX_ANSWER_BYTES, self.batch_size * (dimensions or 16000) * 24),
         )
         self._where = self.http.where
         # base64: a quarter of the bytes of a JSON list of floats, decoded without parsing

@@ -8,7 +8,10 @@ Why it looks the way it does:
 * The connection goes to the address that was checked (the URL's host replaced by the IP, the
   original `Host` header and TLS server name), so a second DNS answer cannot rebind the host to
   an internal address between the check and the request.
-* The size limit holds while streaming; the content type must be on the allow-list.
+* The size limit holds while streaming, on the body as it comes and as it decompresses: the
+  body is read raw and inflated here a bounded amount at a time (`read_body`), one content
+  coding at most (httpx inflated `gzip, gzip` layer by layer, whole, before any check);
+  the content type must be on the allow-list.
 * Refusals are `InvalidInput` (retrying cannot help); timeouts, connection errors, 408, 429 and
   5xx are `SourceUnavailable` (a later retry may work).
 """
@@ -26,6 +29,7 @@ import httpx
 
 from worker import net
 from worker.errors import InvalidInput, SourceUnavailable
+from worker.providers.http import ACCEPT_ENCODING, BodyRefused, read_body
 from worker.settings import UrlSettings
 from worker.sources.files import (
     check_text_size,
@@ -169,20 +173,16 @@ def _status(url: httpx.URL, response: httpx.Response) -> None:
 
 
 def _body(url: httpx.URL, response: httpx.Response, settings: UrlSettings) -> bytes:
-    """The body, refused as soon as it passes the size limit (the time allowed is the
-    fetch's deadline, which every read honours)."""
+    """The body, decompressed, refused as soon as it passes the size limit sent or unpacked
+    (the time allowed is the fetch's deadline, which every read honours)."""
     limit = settings.max_bytes
     declared = response.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise InvalidInput(f"{url}: over the size limit of {limit} bytes ({declared} declared)")
-    parts: list[bytes] = []
-    size = 0
-    for part in response.iter_bytes():
-        size += len(part)
-        if size > limit:
-            raise InvalidInput(f"{url}: over the size limit of {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
+    try:
+        return read_body(response, limit)
+    except BodyRefused as e:
+        raise InvalidInput(f"{url}: {e}") from None
 
 
 def _to_text(
@@ -251,7 +251,7 @@ def fetch_url(
     resolve = resolve or system_resolve
     timeout = httpx.Timeout(settings.timeout, connect=settings.connect_timeout)
     accept = ", ".join(settings.content_types) + ", */*;q=0.1"
-    headers = {"User-Agent": user_agent, "Accept": accept}
+    headers = {"User-Agent": user_agent, "Accept": accept, "Accept-Encoding": ACCEPT_ENCODING}
     own = client is None
     http = client or httpx.Client(
         timeout=timeout,
