@@ -16,6 +16,7 @@ from worker.chunking.base import (
 )
 from worker.chunking.llm import ChunkingFailed, LLMChunker, chunk_llm
 from worker.chunking.structure import chunk_structure
+from worker.errors import Cancelled
 
 __all__ = [
     "MAX_CHUNK_SIZE",
@@ -54,5 +55,11 @@ def chunk(
             return Chunking(chunk_llm(text, llm), ChunkMethod.LLM)
         except ChunkingFailed as e:
             fallback = str(e)
+        except Cancelled:
+            raise
+        except Exception as e:
+            # A bug or an answer not foreseen: the seed says an unusable answer falls back to
+            # structure; it must not fail the item, every run, told as a bug.
+            fallback = f"the LLM chunker failed unexpectedly: {type(e).__name__}: {str(e)[:200]}"
         return Chunking(chunk_structure(text, previous=previous), ChunkMethod.STRUCTURE, fallback)
     return Chunking(chunk_structure(text, previous=previous), ChunkMethod.STRUCTURE)

@@ -87,6 +87,8 @@ class ChatModel:
             message = choice["message"]
         except (KeyError, IndexError, TypeError):
             raise BadAnswer(f"{where}: the answer has no choices[0].message") from None
+        if not isinstance(choice, dict) or not isinstance(message, dict):
+            raise BadAnswer(f"{where}: choices[0].message in the answer is not an object")
         if message.get("refusal"):
             raise Refused(f"{where}: the model refused: {str(message['refusal'])[:200]}")
         if choice.get("finish_reason") == "length":
@@ -98,6 +100,10 @@ class ChatModel:
             return json.loads(content)
         except json.JSONDecodeError as e:
             raise BadAnswer(f"{where}: the answer is not JSON ({e.msg} at {e.pos})") from None
+        except ValueError as e:  # a number past Python's digit limit, a lone surrogate, ...
+            raise BadAnswer(f"{where}: the answer is not usable JSON ({str(e)[:100]})") from None
+        except RecursionError:
+            raise BadAnswer(f"{where}: the answer's JSON nests too deeply") from None
 
     def close(self) -> None:
         self.http.close()

@@ -184,7 +184,7 @@ def _error_detail(data: bytes) -> tuple[str, str]:
     text = data.decode("utf-8", "replace")
     try:
         body = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, too deep, too long a number
         return "", " ".join(text.split())[:200]
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict):
@@ -259,8 +259,10 @@ class JSONClient:
                 if ok:
                     try:
                         return json.loads(data)
-                    except (json.JSONDecodeError, UnicodeDecodeError):
+                    except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
                         raise BadAnswer(f"{self.where}: the answer is not JSON") from None
+                    except RecursionError:
+                        raise BadAnswer(f"{self.where}: the answer nests too deeply") from None
                 code, message = _error_detail(data)
                 cause = f"HTTP {response.status_code}" + (f" {code}" if code else "")
                 cause += f": {message}" if message else ""
