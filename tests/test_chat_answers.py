@@ -17,7 +17,7 @@ import pytest
 from testkit.standin import StandIn
 from worker.chunking import ChunkMethod, LLMChunker, chunk, chunk_structure
 from worker.errors import Cancelled
-from worker.providers.chat import ChatModel
+from worker.providers.chat import ChatModel, Refused
 from worker.settings import ChunkSettings
 
 TEXT = "# Title\n\n" + "\n\n".join(f"Paragraph {i}. " + "word " * 60 for i in range(20))
@@ -112,3 +112,23 @@ def test_any_error_from_the_llm_chunker_falls_back_with_the_reason() -> None:
 def test_a_cancellation_is_not_a_fallback(error: BaseException) -> None:
     with pytest.raises(type(error)):
         chunk(TEXT, llm=LLMChunker(Broken(error)))
+
+
+def test_a_refusal_quoting_the_key_across_the_cut_is_masked(standin: StandIn) -> None:
+    """The refusal was cut to 200 characters and never masked: the key could show."""
+    key = "sk-proj-SECRETSECRETSECRETSECRET0123456789"
+    model = ChatModel(
+        ChunkSettings(
+            model="standin-chat", base_url=standin.base_url, api_key=key, max_retries=0, timeout=5
+        )
+    )
+    refusal = "I cannot do that; " + "y" * 160 + f" (your key is {key})"
+    assert refusal.index(key) < 200 < refusal.index(key) + len(key)
+    standin.chat.refusal = refusal
+    try:
+        with pytest.raises(Refused) as info:
+            model.complete_json([{"role": "user", "content": "x"}], schema={}, name="n")
+    finally:
+        model.close()
+    assert "***" in str(info.value)
+    assert not any(key[:n] in str(info.value) for n in range(8, len(key) + 1))

@@ -1030,3 +1030,28 @@ def test_real_compressed_answers_are_read_within_a_bound(
     standin.raw_answer = (400, {"Content-Encoding": "gzip"}, bomb)
     with pytest.raises(ProviderHTTPError, match=r"HTTP 400$"):
         model.embed(["a"])
+
+
+def _leaked_prefix(secret: str, messages: list[str]) -> str | None:
+    """The longest start of `secret`, 8 characters or more, found in any of `messages`."""
+    for n in range(len(secret), 7, -1):
+        if any(secret[:n] in m for m in messages):
+            return secret[:n]
+    return None
+
+
+@pytest.mark.parametrize("where", ["message", "body"])
+def test_real_key_echoed_across_the_200_character_cut_is_masked(
+    standin: StandIn, real: Callable[..., OpenAIEmbeddings], where: str
+) -> None:
+    """The server's text was cut to 200 characters before the key was masked: a key
+    crossing the cut kept its first part in the message (and in logs and the item)."""
+    model = real(max_retries=0)
+    text = "Incorrect API key provided; " + "x" * 138 + f" the key you sent was {KEY}."
+    assert text.index(KEY) < 200 < text.index(KEY) + len(KEY)
+    body = json.dumps({"error": {"message": text}}) if where == "message" else text
+    standin.raw_answer = (401, {}, body.encode())
+    with pytest.raises(ProviderHTTPError) as info:
+        model.embed(["a"])
+    assert "***" in str(info.value)
+    assert _leaked_prefix(KEY, _messages(info.value)) is None

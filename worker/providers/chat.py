@@ -90,7 +90,8 @@ class ChatModel:
         if not isinstance(choice, dict) or not isinstance(message, dict):
             raise BadAnswer(f"{where}: choices[0].message in the answer is not an object")
         if message.get("refusal"):
-            raise Refused(f"{where}: the model refused: {str(message['refusal'])[:200]}")
+            refusal = self.http.shown(str(message["refusal"]))  # the key masked, then cut
+            raise Refused(f"{where}: the model refused: {refusal}")
         if choice.get("finish_reason") == "length":
             raise BadAnswer(f"{where}: the answer was cut off by the length limit")
         content = message.get("content")

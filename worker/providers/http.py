@@ -4,7 +4,7 @@ Retries what may pass (408, 409, 429, 5xx, timeouts, connection errors) with exp
 and full jitter, honouring `Retry-After` when it is within the cap; a longer wait is not spent
 holding a worker: it raises `RetryLater` with `retry_after` set, for the task queue to retry
 later. Never retries 400/401/403 or a 429 that says the quota is exhausted. The API key never
-reaches a message, even when the server quotes it back.
+reaches a message, even when the server quotes it back (it is masked before any text is cut).
 
 Bodies are read raw and decompressed here (`read_body`), never by httpx: httpx inflates each
 layer of `Content-Encoding: gzip, gzip` in full, so a few hundred bytes could become gigabytes
@@ -40,6 +40,7 @@ USER_AGENT = "kidx/0.1 (+https://github.com/kidx)"
 ACCEPT_ENCODING = "gzip, deflate"  # what `read_body` decodes (httpx would also offer zstd)
 MAX_ANSWER_BYTES = 64 * 1024 * 1024  # a provider's answer, decompressed; over it: BadAnswer
 MAX_ERROR_BYTES = 1024 * 1024  # an error answer is read this far, for its message
+DETAIL_CHARS = 200  # what is shown of a server's own text
 
 
 class BodyRefused(ValueError):
@@ -137,6 +138,15 @@ def read_body(response: httpx.Response, limit: int) -> bytes:
     return b"".join(parts)
 
 
+def shorten(text: str, secret: str = "", limit: int = DETAIL_CHARS) -> str:
+    """`text` on one line, `secret` masked, then cut to `limit` characters: cut first, a
+    secret crossing the cut would keep its first part."""
+    text = " ".join(text.split())
+    if secret:
+        text = text.replace(secret, "***")
+    return text[:limit]
+
+
 class ProviderHTTPError(PermanentProviderError):
     """A permanent HTTP refusal; `per_input` when it may concern one text of the batch."""
 
@@ -179,20 +189,21 @@ def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float
     return max(0.0, wait) if math.isfinite(wait) else None
 
 
-def _error_detail(data: bytes) -> tuple[str, str]:
-    """The server's error code and message, from an OpenAI-style body if there is one."""
+def _error_detail(data: bytes, secret: str = "") -> tuple[str, str]:
+    """The server's error code and message, from an OpenAI-style body if there is one, with
+    `secret` masked (before either is shortened)."""
     text = data.decode("utf-8", "replace")
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):  # not JSON, not UTF-8, too deep, too long a number
-        return "", " ".join(text.split())[:200]
+        return "", shorten(text, secret)
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict):
-        code = str(err.get("code") or err.get("type") or "")
-        return code, " ".join(str(err.get("message") or "").split())[:200]
+        code = shorten(str(err.get("code") or err.get("type") or ""), secret)
+        return code, shorten(str(err.get("message") or ""), secret)
     if isinstance(err, str):
-        return "", err[:200]
-    return "", " ".join(text.split())[:200]
+        return "", shorten(err, secret)
+    return "", shorten(text, secret)
 
 
 class JSONClient:
@@ -263,11 +274,10 @@ class JSONClient:
                         raise BadAnswer(f"{self.where}: the answer is not JSON") from None
                     except RecursionError:
                         raise BadAnswer(f"{self.where}: the answer nests too deeply") from None
-                code, message = _error_detail(data)
+                # a server may echo the key back, in its message or its code: masked first
+                code, message = _error_detail(data, self._key)
                 cause = f"HTTP {response.status_code}" + (f" {code}" if code else "")
                 cause += f": {message}" if message else ""
-                if self._key:  # a server may echo the key back, in its message or its code
-                    cause = cause.replace(self._key, "***")
                 quota = response.status_code == 429 and "insufficient_quota" in (code + message)
                 if response.status_code not in RETRYABLE or quota:
                     raise ProviderHTTPError(f"{self.where}: {cause}", status=response.status_code)
@@ -288,6 +298,10 @@ class JSONClient:
                 )
                 self.sleep(wait)
         raise RetryLater(f"{self.where}: {cause} (after {attempts} attempts)", retry_after=wait)
+
+    def shown(self, text: str) -> str:
+        """A server's text as it may be shown: the key masked, then cut (`shorten`)."""
+        return shorten(text, self._key)
 
     def close(self) -> None:
         self.client.close()
