@@ -69,26 +69,31 @@ def _bom(data: bytes) -> tuple[str, int] | None:
 
 
 def _codec(label: str | None) -> str | None:
-    """A Python codec for a charset label, or None when Python does not know it."""
+    """A Python text codec for a charset label, or None when Python does not know it as one:
+    `base64`, `hex`, `rot13` and the like are codecs too, but bytes.decode refuses them
+    (LookupError), so a page naming one is read as one naming an unknown charset."""
     if not label:
         return None
     label = _LABEL_ALIASES.get(label.strip().lower(), label.strip())
     try:
-        return codecs.lookup(label).name
+        info = codecs.lookup(label)
     except LookupError:
         return None
+    return info.name if getattr(info, "_is_text_encoding", True) else None
 
 
 def _decode(data: bytes, encoding: str, name: object) -> str:
+    label = "UTF-8" if encoding in ("utf-8", "utf_8") else encoding
     try:
         return data.decode(encoding)
     except UnicodeDecodeError as e:
-        label = "UTF-8" if encoding in ("utf-8", "utf_8") else encoding
         raise _refuse(
             name,
             f"is not {label} text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
             "convert it to UTF-8",
         ) from None
+    except (UnicodeError, LookupError) as e:  # a text codec that fails otherwise (idna)
+        raise _refuse(name, f"is not {label} text ({e}); convert it to UTF-8") from None
 
 
 def decode_text(data: bytes, name: object, charset: str | None = None) -> str:
