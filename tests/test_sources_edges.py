@@ -1,21 +1,25 @@
 """Files and URLs at their edges (audit): charsets that name codecs which are not text
-encodings."""
+encodings, DOCX tables whose cells span absurdly many columns."""
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
 
+import docx
 import pytest
+from docx.oxml import parse_xml
 
 from worker.errors import InvalidInput
 from worker.settings import FilesSettings, UrlSettings
-from worker.sources.files import decode_text, read_file
+from worker.sources.files import _cell, decode_text, docx_to_markdown, read_file
 from worker.sources.urls import fetch_url
 
+W = "http://schemas.openxmlformats.org/wordprocessingml/2006/main"
 NON_TEXT_CODECS = ["base64", "hex", "rot13", "zlib"]
 PAGE = """<!doctype html><html><head><meta charset="{charset}"><title>Ownership</title></head>
 <body><article><h1>Ownership</h1>
@@ -99,3 +103,69 @@ def test_a_content_type_charset_naming_a_non_text_codec_is_read_as_utf8(
     for path in ("/html", "/meta"):
         text = fetch_url(f"{pages}{path}", settings).text
         assert "Café" in text and "third approach" in text
+
+
+# -- DOCX tables -----------------------------------------------------------------------------
+
+
+def _span(table, row: int, col: int, n: int) -> None:
+    """Cell `col` of row `row` (as in the XML: no spans counted) spans `n` grid columns."""
+    tc = table.rows[row]._tr.tc_lst[col]
+    tc.get_or_add_tcPr().append(parse_xml(f'<w:gridSpan xmlns:w="{W}" w:val="{n}"/>'))
+
+
+def _saved(document) -> bytes:
+    buf = io.BytesIO()
+    document.save(buf)
+    return buf.getvalue()
+
+
+def _markdown(data: bytes, limit: int = 50_000_000) -> str:
+    return docx_to_markdown(data, "t.docx", limit=limit, max_xml=20_000_000)
+
+
+def test_a_huge_grid_span_counts_at_most_the_tables_columns() -> None:
+    # python-docx gives a cell once per column it spans: a gridSpan of a million made a
+    # million copies of the cell per row (a 36 KB file held a worker for 106 s).
+    document = docx.Document()
+    document.add_paragraph("Intro paragraph.")
+    table = document.add_table(rows=3, cols=3)
+    for r, row in enumerate(table.rows):
+        for c, cell in enumerate(row.cells):
+            cell.text = f"r{r}c{c}"
+    _span(table, 0, 0, 20_000)
+    _span(table, 2, 1, 5_000)
+    text = _markdown(_saved(document))
+    assert text.splitlines()[2:] == [
+        "| r0c0 | r0c0 | r0c0 | r0c1 | r0c2 |",
+        "| --- | --- | --- | --- | --- |",
+        "| r1c0 | r1c1 | r1c2 |",
+        "| r2c0 | r2c1 | r2c1 | r2c1 | r2c2 |",
+    ]
+
+
+def test_a_table_row_over_the_text_limit_is_refused_as_it_is_read() -> None:
+    document = docx.Document()
+    table = document.add_table(rows=2, cols=40)
+    table.cell(0, 0).text = "word " * 2_000
+    _span(table, 0, 0, 5_000)  # capped at 40 columns: some 400 000 characters
+    with pytest.raises(InvalidInput, match=r"t\.docx: the text extracted is over the size limit"):
+        _markdown(_saved(document), limit=300_000)
+    assert _markdown(_saved(document), limit=500_000).count("word") == 40 * 2_000
+
+
+def test_merged_cells_give_the_markdown_python_docx_rows_give() -> None:
+    document = docx.Document()
+    table = document.add_table(rows=4, cols=4)
+    for r, row in enumerate(table.rows):
+        for c, cell in enumerate(row.cells):
+            cell.text = f"v{r}{c} | x"
+    table.cell(0, 0).merge(table.cell(0, 2))  # a horizontal span
+    table.cell(1, 1).merge(table.cell(3, 1))  # a vertical one
+    table.cell(2, 2).merge(table.cell(3, 3))  # both
+    data = _saved(document)
+    loaded = docx.Document(io.BytesIO(data)).tables[0]
+    rows = ["| " + " | ".join(_cell(c.text) for c in r.cells) + " |" for r in loaded.rows]
+    rows.insert(1, "|" + " --- |" * (rows[0].count(" | ") + 1))
+    assert _markdown(data) == "\n".join(rows)
+    assert "| v00 \\| x v01 \\| x v02 \\| x | v00 \\| x v01 \\| x v02 \\| x |" in _markdown(data)
