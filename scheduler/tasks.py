@@ -21,7 +21,14 @@ from tasks.runtime import Runtime, runtime
 from worker.app import EMBED_MEMORIES, RECONCILE, RETRY_SWEEP
 from worker.indexers.memories import memories_missing
 from worker.log import get_logger
-from worker.reconcile import due_retries, mark_lost, queued_jobs, reconcile, record_sweep
+from worker.reconcile import (
+    due_retries,
+    mark_lost,
+    mark_overrun,
+    queued_jobs,
+    reconcile,
+    record_sweep,
+)
 
 log = get_logger("kidx.scheduler")
 
@@ -50,6 +57,7 @@ def _reconcile(self: Task, rt: Runtime) -> dict[str, Any]:
     settings = rt.settings
     model = rt.embedder.model_id if rt.embedder is not None else settings.embedding.model
     lost = _lost_jobs(rt, self.app.conf.task_default_queue)
+    overrun = mark_overrun(rt.db, settings.tasks.time_limit + settings.tasks.lock_ttl)
     drift = reconcile(
         rt.db,
         model=model,
@@ -74,6 +82,7 @@ def _reconcile(self: Task, rt: Runtime) -> dict[str, Any]:
         "batch_id": batch_id,
         "memories_to_embed": memories,
         "lost": lost,
+        "overrun": overrun,
     }
     record_sweep(rt.db, "reconcile", summary)
     log.info("reconcile sweep", **summary)

@@ -23,7 +23,7 @@ from tasks.producer import send_batch
 from tasks.runtime import Runtime
 from worker.app import create_app
 from worker.log import Redact
-from worker.reconcile import LOST
+from worker.reconcile import LOST, mark_overrun
 from worker.settings import load_settings
 from worker.sources import Reader
 from worker.store.items import add_item
@@ -103,3 +103,49 @@ def test_a_batch_whose_tasks_the_broker_lost_ends_and_counts_each_once(rt: Runti
     record_starts(db, [(late, int(late.rsplit(":", 1)[1]))], GROUP, batch_id, "reindex")
     batch_outcome(db, batch_id, "failed", "late", abort_after=1, job=(late, 0))
     assert get_batch(db, batch_id) == batch
+
+
+def test_a_run_killed_at_the_hard_time_limit_ends_failed_in_its_batch_and_its_item(
+    rt: Runtime,
+) -> None:
+    """Celery kills a run at the hard time limit and tells kidx nothing: its rows stayed
+    `started` and its items `indexing`, taken for busy until the visibility timeout (an hour),
+    then sent again on every sweep, and its batch never ended. Past the time limit and the
+    lock's TTL, the sweep ends them failed: the row, the item (an attempt more, for the retry
+    sweep's backoff) and its count in the batch (a refusal: no abort); a run still young, or an
+    item another run has taken since, is left alone."""
+    db = rt.db
+    ids = [add_item(db, kind="note", title=f"n{i}", content="Words. " * 60) for i in range(3)]
+    batch_id, _ = send_batch(db, ids, app=rt.app)  # type: ignore[attr-defined]
+    jobs = db.all("SELECT task_id, item_id FROM index_jobs ORDER BY item_id")
+    record_starts(db, jobs, GROUP, batch_id, "reindex")
+    for job_id, item_id in jobs:
+        run = job_id.split(":", 1)[0]
+        db.execute(
+            "UPDATE item_index_state SET status = 'indexing', last_task_id = ? WHERE item_id = ?",
+            ("another-run" if item_id == ids[1] else run, item_id),
+        )
+    limit = rt.settings.tasks.time_limit + rt.settings.tasks.lock_ttl
+    db.execute(
+        "UPDATE index_jobs SET started_at = datetime('now', ?) WHERE item_id != ?",
+        (f"-{limit + 5} seconds", ids[2]),
+    )
+
+    summary = _reconcile(SimpleNamespace(app=rt.app), rt)  # type: ignore[arg-type]
+
+    assert summary["overrun"] == 2
+    states = {r[0]: r[1:] for r in db.all("SELECT item_id, status, attempts FROM item_index_state")}
+    assert states[ids[0]] == ("failed", 1)  # killed: failed, for the retry sweep
+    assert states[ids[1]] == ("indexing", 0)  # another run's since
+    assert states[ids[2]] == ("indexing", 0)  # still within the limit
+    rows = dict(
+        db.all(
+            f"SELECT item_id, state FROM index_jobs WHERE task_id IN ({','.join('?' * len(jobs))})",
+            [j for j, _ in jobs],
+        )
+    )
+    assert rows == {ids[0]: "failed", ids[1]: "failed", ids[2]: "started"}
+    batch = get_batch(db, batch_id)
+    assert batch is not None
+    assert (batch["state"], batch["failed"], batch["consecutive_failures"]) == ("running", 2, 0)
+    assert mark_overrun(db, limit) == 0  # once

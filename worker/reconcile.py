@@ -125,6 +125,40 @@ def mark_lost(db: Database, job_ids: list[str]) -> None:
                     batch_outcome(db, batch_id, "skipped", LOST, abort_after=0, job=(job_id, 0))
 
 
+OVERRUN = "ran past the hard time limit: killed, or its worker died (a redelivery may still run it)"
+
+
+def mark_overrun(db: Database, run_limit: float) -> int:
+    """Runs recorded as started longer ago than any run can last (`run_limit`: the hard time
+    limit and the item lock's TTL): Celery kills a run at the hard limit without a word to
+    kidx, and a worker may die. Their rows end failed, counted in their batch (as a refusal:
+    the item's own, no step towards aborting), and their items, if that run still marks them
+    `indexing`, end failed (an attempt more): the retry sweep then takes them with its backoff,
+    where they were taken for busy until the visibility timeout, then sent again on every
+    sweep. A redelivery that starts after all resets its row. How many rows."""
+    with db.atomic():
+        rows = db.all(
+            f"UPDATE index_jobs SET state = 'failed', finished_at = {NOW}, error = ? "
+            "WHERE state = 'started' AND "
+            "(julianday('now') - julianday(started_at)) * 86400 >= ? "
+            "RETURNING task_id, attempt, item_id, batch_id",
+            (OVERRUN, run_limit),
+        )
+        for job_id, attempt, item_id, batch_id in rows:
+            run = str(job_id).split(":", 1)[0]  # a group's item row: `<task id>:<item id>`
+            db.execute(
+                f"UPDATE item_index_state SET status = 'failed', last_error = ?, "
+                f"attempts = attempts + 1, updated_at = {NOW} "
+                "WHERE item_id = ? AND status = 'indexing' AND last_task_id = ?",
+                (OVERRUN, item_id, run),
+            )
+            if batch_id is not None:
+                batch_outcome(
+                    db, batch_id, "refused", OVERRUN, abort_after=0, job=(job_id, attempt)
+                )
+    return len(rows)
+
+
 def reconcile(
     db: Database,
     *,
