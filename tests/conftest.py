@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import zlib
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +172,48 @@ class FakeEmbedder(EmbeddingModel):
         self.calls.append(list(texts))
         rng = [np.random.default_rng(zlib.crc32(t.encode())) for t in texts]
         return np.stack([r.standard_normal(self.dimensions) for r in rng]).astype(np.float32)
+
+
+# -- a page server for URL sources --
+
+
+class Pages:
+    """A page server on 127.0.0.1: path -> (status, content type, body); counts requests."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, tuple[int, str, bytes]] = {}
+        self.hits: dict[str, int] = {}
+        pages = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                pages.hits[self.path] = pages.hits.get(self.path, 0) + 1
+                status, ctype, body = pages.routes.get(self.path, (404, "text/plain", b"no"))
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture
+def pages() -> Iterator[Pages]:
+    p = Pages()
+    yield p
+    p.close()
 
 
 # -- the fault suite (tests/test_faults_*.py): its figures at the end of the run --

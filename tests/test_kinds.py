@@ -6,9 +6,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -54,45 +51,6 @@ have ownership.</p><h2>String Slices</h2><p>A string slice is a reference to par
 and it looks like this: a range within brackets that says where the slice starts and ends. Range
 indices must occur at valid UTF-8 character boundaries.</p></article>
 <footer>FOOTER-TEXT Copyright 2026</footer></body></html>"""
-
-
-class Pages:
-    """A page server on 127.0.0.1: path -> (status, content type, body); counts requests."""
-
-    def __init__(self) -> None:
-        self.routes: dict[str, tuple[int, str, bytes]] = {}
-        self.hits: dict[str, int] = {}
-        pages = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                pages.hits[self.path] = pages.hits.get(self.path, 0) + 1
-                status, ctype, body = pages.routes.get(self.path, (404, "text/plain", b"no"))
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
-
-
-@pytest.fixture
-def pages() -> Iterator[Pages]:
-    p = Pages()
-    yield p
-    p.close()
 
 
 @pytest.fixture

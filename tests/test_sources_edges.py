@@ -4,16 +4,13 @@ encodings, DOCX tables whose cells span absurdly many columns."""
 from __future__ import annotations
 
 import io
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import ClassVar
 
 import docx
 import pytest
 from docx.oxml import parse_xml
 
+from conftest import Pages
 from worker.errors import InvalidInput
 from worker.settings import FilesSettings, UrlSettings
 from worker.sources.files import _cell, decode_text, docx_to_markdown, read_file
@@ -61,47 +58,19 @@ def test_a_text_codec_that_fails_other_than_on_a_byte_is_refused_clearly() -> No
         decode_text(b"abc", "page", "undefined")
 
 
-class _Pages(BaseHTTPRequestHandler):
-    routes: ClassVar[dict[str, tuple[str, bytes]]] = {}
-
-    def do_GET(self) -> None:
-        ctype, body = self.routes[self.path]
-        self.send_response(200)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def pages() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Pages)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
-
 @pytest.mark.parametrize("charset", NON_TEXT_CODECS)
 def test_a_content_type_charset_naming_a_non_text_codec_is_read_as_utf8(
-    pages: str, charset: str
+    pages: Pages, charset: str
 ) -> None:
-    _Pages.routes = {
-        "/plain": (f"text/plain; charset={charset}", "Café au lait".encode()),
-        "/html": (f"text/html; charset={charset}", PAGE.format(charset="utf-8").encode()),
-        "/meta": ("text/html", PAGE.format(charset=charset).encode()),
+    pages.routes = {
+        "/plain": (200, f"text/plain; charset={charset}", "Café au lait".encode()),
+        "/html": (200, f"text/html; charset={charset}", PAGE.format(charset="utf-8").encode()),
+        "/meta": (200, "text/html", PAGE.format(charset=charset).encode()),
     }
     settings = UrlSettings(allow_hosts=["127.0.0.1"], timeout=5)
-    assert fetch_url(f"{pages}/plain", settings).text == "Café au lait"
+    assert fetch_url(f"{pages.url}/plain", settings).text == "Café au lait"
     for path in ("/html", "/meta"):
-        text = fetch_url(f"{pages}{path}", settings).text
+        text = fetch_url(f"{pages.url}{path}", settings).text
         assert "Café" in text and "third approach" in text
 
 
