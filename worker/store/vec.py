@@ -111,16 +111,9 @@ def resolve_dimensions(db: Database, embedding: EmbeddingSettings) -> Resolution
     if embedding.provider == "none":
         return _kept_dimensions(db, embedding)
     where = "model = :model" + (" AND dimensions = :dims" if embedding.dimensions else "")
-    union = " UNION ALL ".join(
-        f"SELECT dimensions, created_at FROM {table} WHERE {where} AND {_SOUND_ROW}"
-        for table in EMBEDDING_TABLES
-    )
-    row = db.one(
-        f"SELECT dimensions FROM ({union}) ORDER BY created_at DESC LIMIT 1",
-        {"model": embedding.model, "dims": embedding.dimensions},
-    )
-    if row is not None:
-        return Resolution(int(row[0]), "embedding row")
+    latest = _latest_dimensions(db, where, {"model": embedding.model, "dims": embedding.dimensions})
+    if latest is not None:
+        return Resolution(latest, "embedding row")
     known = embedding.model_dimensions()
     if known:
         return Resolution(known, "model")
@@ -131,14 +124,20 @@ def _kept_dimensions(db: Database, embedding: EmbeddingSettings) -> Resolution:
     declared = [d for d in vec_table_dimensions(db).values() if d]
     if declared:
         return Resolution(max(declared, key=declared.count), "vec tables")
+    latest = _latest_dimensions(db, "1", {})
+    if latest is not None:
+        return Resolution(latest, "embedding row")
+    return Resolution(embedding.dimensions or DEFAULT_DIMENSIONS, "setting")
+
+
+def _latest_dimensions(db: Database, where: str, params: dict[str, object]) -> int | None:
+    """The dimension of the most recent sound embedding row, of any table, matching `where`."""
     union = " UNION ALL ".join(
-        f"SELECT dimensions, created_at FROM {table} WHERE {_SOUND_ROW}"
+        f"SELECT dimensions, created_at FROM {table} WHERE {where} AND {_SOUND_ROW}"
         for table in EMBEDDING_TABLES
     )
-    row = db.one(f"SELECT dimensions FROM ({union}) ORDER BY created_at DESC LIMIT 1")
-    if row is not None:
-        return Resolution(int(row[0]), "embedding row")
-    return Resolution(embedding.dimensions or DEFAULT_DIMENSIONS, "setting")
+    row = db.one(f"SELECT dimensions FROM ({union}) ORDER BY created_at DESC LIMIT 1", params)
+    return None if row is None else int(row[0])
 
 
 def vec_table_dimensions(db: Database) -> dict[str, int | None]:
