@@ -119,28 +119,27 @@ def read_body(response: httpx.Response, limit: int) -> bytes:
     inflater = _Inflater(coding) if coding else None
     parts: list[bytes] = []
     size = raw_size = 0
-    over = f"over the size limit of {limit} bytes"
+
+    def take(part: bytes) -> None:
+        nonlocal size
+        size += len(part)
+        if size > limit:
+            raise BodyRefused(f"over the size limit of {limit} bytes")
+        parts.append(part)
+
     for raw in response.iter_raw():
         raw_size += len(raw)
         if raw_size > limit:
-            raise BodyRefused(over)
-        part = inflater.decode(raw, limit - size + 1) if inflater else raw
-        size += len(part)
-        if size > limit:
-            raise BodyRefused(over)
-        parts.append(part)
+            raise BodyRefused(f"over the size limit of {limit} bytes")
+        take(inflater.decode(raw, limit - size + 1) if inflater else raw)
     if inflater is not None:
-        part = inflater.flush(limit - size + 1)
-        size += len(part)
-        if size > limit:
-            raise BodyRefused(over)
-        parts.append(part)
+        take(inflater.flush(limit - size + 1))
     return b"".join(parts)
 
 
 def shorten(text: str, secret: str = "", limit: int = DETAIL_CHARS) -> str:
-    """`text` on one line, `secret` masked, then cut to `limit` characters: cut first, a
-    secret crossing the cut would keep its first part."""
+    """`text` on one line, `secret` masked, then cut to `limit` characters (cut before the
+    masking, a secret crossing the cut would keep its first part)."""
     text = " ".join(text.split())
     if secret:
         text = text.replace(secret, "***")
