@@ -18,7 +18,7 @@ from pathlib import Path
 import apsw
 import click
 
-from ops.cli.base import Ctx, cli, command, sqlite_problem
+from ops.cli.base import Ctx, cli, command, sqlite_detail, sqlite_problem
 from worker.errors import InvalidInput, StoreError
 
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -102,27 +102,14 @@ def _open_source(source: Path, dest: Path, busy_timeout_ms: int) -> apsw.Connect
             src.close()
         if isinstance(e, apsw.CantOpenError):
             problem = (
-                f"cannot open the database {source}{_detail(e)}: check that it, its folder and "
-                "its -wal and -shm files are readable (a database in WAL mode also needs its "
-                "folder writable, or its -shm present: a read-only mount refuses that)"
+                f"cannot open the database {source}{sqlite_detail(e)}: check that it, its "
+                "folder and its -wal and -shm files are readable (a database in WAL mode also "
+                "needs its folder writable, or its -shm present: a read-only mount refuses that)"
             )
         else:
-            problem = _problem(e, source)
+            problem = sqlite_problem(e, source)
         raise StoreError(f"backup failed, nothing written to {dest}: {problem}") from None
     return src
-
-
-def _detail(e: apsw.Error) -> str:
-    """apsw's text in parentheses, unless it is the empty "not an error" that SQLite reports
-    for a connection whose own last call succeeded."""
-    text = str(e).strip()
-    return "" if text.lower() in ("", "not an error") else f" ({text})"
-
-
-def _problem(e: apsw.Error, path: Path) -> str:
-    """`sqlite_problem`, without apsw's text when that says nothing ("not an error")."""
-    problem = sqlite_problem(e, path)
-    return problem if _detail(e) else problem.replace(f" ({e})", "")
 
 
 def _copy(src: apsw.Connection, partial: Path) -> list[tuple[str, ...]]:
@@ -170,7 +157,7 @@ def backup(ctx: Ctx, dest: Path, force: bool) -> None:
         partial.replace(dest)
     except apsw.Error as e:
         _remove_with_side_files(partial)
-        problem = _problem(e, source if _is_source_error(e) else dest)
+        problem = sqlite_problem(e, source if _is_source_error(e) else dest)
         raise StoreError(f"backup failed, nothing written to {dest}: {problem}") from None
     except BaseException:
         _remove_with_side_files(partial)

@@ -282,22 +282,30 @@ def configure_cli_logging(settings: Settings, verbose: bool) -> None:
     )
 
 
+def sqlite_detail(e: apsw.Error) -> str:
+    """apsw's text in parentheses, unless it is the empty "not an error" that SQLite reports
+    for a connection whose own last call succeeded."""
+    text = str(e).strip()
+    return "" if text.lower() in ("", "not an error") else f" ({text})"
+
+
 def sqlite_problem(e: apsw.Error, path: str | Path) -> str:
     """What SQLite's error means for the user, naming the file: apsw's own text ("attempt to
     write a readonly database") says neither which file nor what to do."""
+    detail = sqlite_detail(e)
     if isinstance(e, apsw.ReadOnlyError):
-        return f"{path} is read-only ({e}): kidx needs to write to it and to its folder"
+        return f"{path} is read-only{detail}: kidx needs to write to it and to its folder"
     if isinstance(e, apsw.BusyError):
         return (
-            f"{path} is locked: another process holds the write lock ({e}); try again "
+            f"{path} is locked: another process holds the write lock{detail}; try again "
             "(KIDX_BUSY_TIMEOUT_MS is how long kidx waits)"
         )
     if isinstance(e, apsw.NotADBError | apsw.CorruptError):
-        return f"{path} is not a database, or is corrupt ({e})"
+        return f"{path} is not a database, or is corrupt{detail}"
     if isinstance(e, apsw.FullError):
-        return f"the disk holding {path} is full ({e})"
+        return f"the disk holding {path} is full{detail}"
     if isinstance(e, apsw.CantOpenError):
-        return f"cannot open {path} ({e}): check that it and its folder exist and are readable"
+        return f"cannot open {path}{detail}: check that it and its folder exist and are readable"
     return f"database {path}: {type(e).__name__}: {e}"
 
 
