@@ -139,13 +139,20 @@ def _chunk_row(plan: Plan, i: int) -> tuple[Any, ...]:
 MAX_ROWID = 2**63 - 1
 
 
+def _first_free_above(db: Database, n: int) -> int | None:
+    """The first of n ids above the highest chunk's, or None when SQLite's largest rowid
+    leaves no room for them."""
+    top = db.scalar("SELECT max(id) FROM note_chunks") or 0
+    return top + 1 if top <= MAX_ROWID - n else None
+
+
 def _new_chunk_ids(db: Database, n: int) -> list[int]:
     """Ids for n new chunks: above the highest, or, when a host's row holds an id so high
     that there is no room (SQLite's largest rowid), free ones at random, as SQLite itself then
     picks them."""
-    top = db.scalar("SELECT max(id) FROM note_chunks") or 0
-    if top <= MAX_ROWID - n:
-        return list(range(top + 1, top + 1 + n))
+    first = _first_free_above(db, n)
+    if first is not None:
+        return list(range(first, first + n))
     ids: set[int] = set()
     while len(ids) < n:
         candidate = random.randrange(1, MAX_ROWID)
@@ -251,9 +258,10 @@ def write_new_notes(db: Database, items: Sequence[tuple[int, Planned]], model: s
     if not new:
         return []
     dims = db.dimensions
-    first = next_id = (db.scalar("SELECT max(id) FROM note_chunks") or 0) + 1
-    if first + sum(len(p.plan.chunks) for _, p in new) > MAX_ROWID:
+    first = _first_free_above(db, sum(len(p.plan.chunks) for _, p in new))
+    if first is None:
         raise StoreError("no room above the highest chunk id: the items go one by one")
+    next_id = first
     chunks, vectors, wholes, keywords = [], [], [], []
     for item_id, planned in new:
         plan, parts = planned.plan, planned.keyword_parts
