@@ -71,9 +71,7 @@ def _restore(
             present.add(key)
     missing = [(k, v) for k, v in rows if k not in present]
     for key, vector in missing:
-        db.execute(
-            f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, {t.value()})", (key, vector)
-        )
+        db.execute(t.insert(), (key, vector))
     if missing:
         report.restored[t.name] = report.restored.get(t.name, 0) + len(missing)
 
@@ -97,10 +95,7 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
     if restore:
         missing = truth.keys() - mirrored
         for key in missing:
-            db.execute(
-                f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, {t.value()})",
-                (key, truth[key]),
-            )
+            db.execute(t.insert(), (key, truth[key]))
         if missing:
             report.restored[t.name] = len(missing)
 
@@ -129,9 +124,7 @@ def _verify(db: Database, t: VecTable, dims: int, report: RepairReport, n: int) 
     wrong = [(key, vector) for key, vector, same in rows if not same]
     for key, vector in wrong:
         db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
-        db.execute(
-            f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, {t.value()})", (key, vector)
-        )
+        db.execute(t.insert(), (key, vector))
     if wrong:
         report.replaced[t.name] = len(wrong)
     if len(rows) < n:  # the end: the next sweep starts again from the first key

@@ -50,6 +50,10 @@ class VecTable:
         """The SQL that turns a float32 blob into this table's element."""
         return f"vec_quantize_binary({expr})" if self.element == "bit" else expr
 
+    def insert(self) -> str:
+        """INSERT of one (key, float32 blob) row, the blob made this table's element."""
+        return f"INSERT INTO {self.name}({self.key}, embedding) VALUES (?, {self.value()})"
+
 
 VEC_TABLES = (
     VecTable("vec_note_embeddings", "item_id", "note_embeddings", "item_id"),
@@ -243,7 +247,7 @@ def vec_replace(db: Database, table: str, key: int, vector: bytes) -> None:
 def vec_insert(db: Database, table: str, rows: list[tuple[int, bytes]]) -> None:
     """Insert (key, float32 blob) rows into a float table and its mirrors (keys not there)."""
     for t in (VEC[table], *MIRRORS[table]):
-        db.executemany(f"INSERT INTO {t.name}({t.key}, embedding) VALUES (?, {t.value()})", rows)
+        db.executemany(t.insert(), rows)
 
 
 def vec_delete(db: Database, table: str, keys: list[int]) -> None:
