@@ -35,10 +35,12 @@ log = get_logger("kidx.tasks")
 @shared_task(name=GROUP, bind=True, throws=(IndexFailed,))
 def index_group(
     self: Task,
-    item_ids: list[int],
+    item_ids: list[int] | None = None,
     reason: str | None = None,
     batch_id: int | None = None,
     structure_only: bool = False,
+    *extra: Any,
+    **unknown: Any,
 ) -> dict[str, Any]:
     """Index a bulk run's items together."""
     started = time.monotonic()
@@ -50,7 +52,7 @@ def index_group(
             shown = repr(item_ids)[:80]
             raise IndexFailed(f"the item ids must be a list of 64-bit integers, not {shown}")
         rt = runtime(self.app)
-        problem = bad_arguments(rt, item_ids[0], reason, batch_id, structure_only)
+        problem = bad_arguments(rt, item_ids[0], reason, batch_id, structure_only, extra, unknown)
         if problem is not None:  # its job rows say so, without what cannot be stored
             batch_id, reason = None, stored_reason(reason)
         run = GroupRun(

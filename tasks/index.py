@@ -33,27 +33,32 @@ log = get_logger("kidx.tasks")
 @shared_task(name=NOTE, bind=True, throws=(IndexFailed,))
 def generate_embedding(
     self: Task,
-    item_id: int,
+    item_id: int | None = None,
     reason: str | None = None,
     batch_id: int | None = None,
     structure_only: bool = False,
+    *extra: Any,
+    **unknown: Any,
 ) -> dict[str, Any]:
     """Index a note."""
-    return start(self, item_id, reason, batch_id, structure_only, frozenset({"note"}))
+    return start(
+        self, item_id, reason, batch_id, structure_only, frozenset({"note"}), extra, unknown
+    )
 
 
 @shared_task(name=KNOWLEDGE_ITEM, bind=True, throws=(IndexFailed,))
 def generate_knowledge_item_embedding(
     self: Task,
-    item_id: int,
+    item_id: int | None = None,
     reason: str | None = None,
     batch_id: int | None = None,
     structure_only: bool = False,
+    *extra: Any,
+    **unknown: Any,
 ) -> dict[str, Any]:
     """Index a file, URL or code item."""
-    return start(
-        self, item_id, reason, batch_id, structure_only, frozenset({"file", "url", "code"})
-    )
+    kinds = frozenset({"file", "url", "code"})
+    return start(self, item_id, reason, batch_id, structure_only, kinds, extra, unknown)
 
 
 class SingleRun(Run):
@@ -107,6 +112,8 @@ def start(
     batch_id: int | None,
     structure_only: bool,
     kinds: frozenset[str],
+    extra: tuple[Any, ...] = (),
+    unknown: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     started = time.monotonic()
     task_id, attempt = str(task.request.id), int(task.request.retries or 0)
@@ -117,7 +124,7 @@ def start(
     cancellation.reset()
     try:
         rt = runtime(task.app)
-        problem = bad_arguments(rt, item_id, reason, batch_id, structure_only)
+        problem = bad_arguments(rt, item_id, reason, batch_id, structure_only, extra, unknown)
         if problem is not None:  # recorded without what cannot be stored (a batch that is not one)
             batch_id, reason = None, stored_reason(reason)
         record_start(

@@ -415,12 +415,24 @@ def stored_reason(reason: object) -> str | None:
 
 
 def bad_arguments(
-    rt: Runtime, item_id: object, reason: object, batch_id: object, structure_only: object
+    rt: Runtime,
+    item_id: object,
+    reason: object,
+    batch_id: object,
+    structure_only: object,
+    extra: tuple[Any, ...] = (),
+    unknown: dict[str, Any] | None = None,
 ) -> str | None:
     """What is wrong with a task's arguments (a host may send anything a JSON message
-    holds), in one line; None when they are fine."""
+    holds), in one line; None when they are fine. Arguments the task does not take are
+    refused here, not by Python's TypeError, so that the run still gets its job row."""
     if not valid_id(item_id):
         return f"the item id must be a 64-bit integer, not {item_id!r:.60}"
+    if extra:
+        return f"the task takes at most 4 arguments, not {4 + len(extra)}"
+    if unknown:
+        names = ", ".join(repr(name) for name in sorted(unknown))
+        return f"unknown task argument {names:.120}"
     if reason is not None and not isinstance(reason, str):
         return f"reason must be a string, not {reason!r:.60}"
     if isinstance(reason, str) and (at := not_utf8(reason)) is not None:

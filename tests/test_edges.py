@@ -534,6 +534,9 @@ def test_a_huge_title_is_cut_in_what_the_embedder_gets_never_where_stored(edge: 
         # could not be written and the task crashed without one.
         ({"reason": "edit \ud800"}, "reason must be UTF-8 text"),
         ({"structure_only": "yes"}, "structure_only must be true or false"),
+        # Python's TypeError would fail these before the run is recorded: no job row.
+        ({"colour": "red", "item": 3}, "unknown task argument 'colour', 'item'"),
+        ({"args": ["why", None, False, "extra"]}, "the task takes at most 4 arguments, not 5"),
     ],
     ids=[
         "unknown-batch",
@@ -542,13 +545,17 @@ def test_a_huge_title_is_cut_in_what_the_embedder_gets_never_where_stored(edge: 
         "dict-reason",
         "surrogate-reason",
         "text-flag",
+        "unknown-argument",
+        "extra-argument",
     ],
 )
 def test_junk_task_arguments_get_a_one_line_refusal_and_a_job_row(
     edge: Edge, kwargs: dict[str, Any], words: str
 ) -> None:
     item = edge.note(f"Junk {words}", "A note sent with junk arguments.")
-    for name, args in ((NOTE, [item]), (GROUP, [[item, item]])):
+    kwargs = dict(kwargs)
+    more = kwargs.pop("args", [])
+    for name, args in ((NOTE, [item, *more]), (GROUP, [[item, item], *more])):
         result = edge.app.send_task(name, args=args, kwargs=kwargs)
         value = result.get(timeout=60, propagate=False)
         assert result.state == "FAILURE" and words in str(value) and "\n" not in str(value)

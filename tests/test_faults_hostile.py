@@ -204,10 +204,10 @@ def hostile_cases(s: FaultStack, root: Path) -> list[Case]:
     task("an item id past 64 bits", must + str(2**70), "GenerateEmbedding", 2**70)
     task("a fractional item id", must + "1.5", "GenerateEmbedding", 1.5)
     task("a boolean item id", must + "True", "GenerateEmbedding", True)
-    task("no item id", "item_id", "GenerateEmbedding")
+    task("no item id", must + "None", "GenerateEmbedding")
     task(
         "an unknown task argument",
-        "unexpected keyword argument 'colour'",
+        "unknown task argument 'colour'",
         "GenerateEmbedding",
         cases[0].item,
         colour="red",
