@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker.chunking.code import TARGET_SIZE, CodeChunk, chunk_code
+from worker.chunking.code import _BLANK_LINE, TARGET_SIZE, CodeChunk, _split, _trim, chunk_code
 from worker.errors import InvalidInput
 from worker.settings import FilesSettings
 from worker.sources.code import CODE_SUFFIXES, list_code_files, read_code
@@ -517,3 +517,40 @@ def test_properties_over_arbitrary_text(text: str, max_size: int, path: str) -> 
 @given(st.lists(st.one_of(python_like, st.text(max_size=50)), max_size=3).map("\r\n".join))
 def test_properties_with_carriage_returns(text: str) -> None:
     check_chunks(text, chunk_code(text, "cr.py", max_size=120), 120)
+
+
+def split_by_trimming(text: str, s: int, e: int, max_size: int) -> list[tuple[int, int]]:
+    """`_split` as it was: the rest trimmed with `_trim` after each cut (a copy of the whole rest
+    each time: quadratic on a long block, 15 MB of short lines took 24 s; but obviously right)."""
+    parts: list[tuple[int, int]] = []
+    s, e = _trim(text, s, e)
+    while s < e:
+        if e - s <= max_size:
+            parts.append((s, e))
+            break
+        limit, cut = s + max_size, -1
+        for m in _BLANK_LINE.finditer(text, s + max_size // 2, limit):
+            cut = m.start()
+        if cut <= s:
+            cut = text.rfind("\n", s + 1, limit + 1)
+        if cut <= s:
+            cut = limit
+        a, b = _trim(text, s, cut)
+        if a < b:
+            parts.append((a, b))
+        s, e = _trim(text, cut, e)
+    return parts
+
+
+@PROPS
+@given(
+    st.lists(st.sampled_from(["x = 1", "", "  ", "\t  y", "  # c", "z" * 30, " \x0c"]), max_size=80)
+    .map("\n".join)
+    .flatmap(lambda t: st.tuples(st.just(t), st.integers(0, len(t)), st.integers(0, len(t)))),
+    st.integers(1, 60),
+)
+def test_splitting_a_long_block_cuts_where_trimming_the_rest_each_time_did(
+    case: tuple[str, int, int], max_size: int
+) -> None:
+    text, s, e = case
+    assert _split(text, s, e, max_size) == split_by_trimming(text, s, e, max_size)

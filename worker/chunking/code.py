@@ -37,6 +37,7 @@ PYTHON_SUFFIXES = (".py", ".pyi")
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _BLOCK_START = re.compile(r"\n[^\S\n]*\n(?=\S)")
 _BLANK_LINE = re.compile(r"\n[^\S\n]*(?=\n)")
+_NON_BLANK = re.compile(r"\S")
 
 Span = tuple[int, int]
 
@@ -79,6 +80,17 @@ def _trim(text: str, s: int, e: int) -> Span:
     return (s if line_start < 0 else line_start + 1), s + len(kept)
 
 
+def _skip_blank(text: str, s: int, e: int) -> int:
+    """Where the rest of `text[s:e]` starts once `_trim` would have dropped its leading white
+    space (its end is already trimmed); `e` when only white space is left. Not `_trim` itself:
+    it copies the whole rest, once per cut, which made a long block quadratic."""
+    first = _NON_BLANK.search(text, s, e)
+    if first is None:
+        return e
+    line_start = text.rfind("\n", s, first.start())
+    return s if line_start < 0 else line_start + 1
+
+
 def _split(text: str, s: int, e: int, max_size: int) -> list[Span]:
     """Whole lines packed up to `max_size`, cut at a blank line when one lies in the second half
     of the window; a line longer than `max_size` is cut hard."""
@@ -99,7 +111,7 @@ def _split(text: str, s: int, e: int, max_size: int) -> list[Span]:
         a, b = _trim(text, s, cut)
         if a < b:
             parts.append((a, b))
-        s, e = _trim(text, cut, e)
+        s = _skip_blank(text, cut, e)
     return parts
 
 
