@@ -30,7 +30,7 @@ from worker.indexers import IndexOptions
 from worker.indexers.memories import add_memory, embed_memories
 from worker.reconcile import reconcile
 from worker.retrieval import search_chunks
-from worker.settings import FilesSettings
+from worker.settings import FilesSettings, SearchSettings
 from worker.sources import Reader
 from worker.store import connect, vec_table_dimensions
 from worker.store.items import add_item, get_state, list_chunks, update_content
@@ -395,4 +395,37 @@ def test_an_item_whose_kind_a_host_changed_keeps_nothing_of_the_other_kind(
         assert db.scalar("SELECT count(*) FROM code_chunks WHERE item_id = ?", (note,)) == 0
         assert leftovers(db) == {} and mirror_problems(db) == [] and keyword_rows_problems(db) == []
     assert integrity(db) == "ok"
+    db.close()
+
+
+@pytest.mark.parametrize("dims", [100, 96, 7])
+def test_any_dimension_gets_its_bits_and_two_pass_search(tmp_path, standin, dims):
+    """sqlite-vec quantizes whole bytes only (a `bit[100]` table took no row: indexing failed,
+    and a reconnect after vectors written without the mirror failed every command), and
+    worker.hamming reads only whole 64-bit words (96: the first pass went through vec0's KNN,
+    which was handed the bits as floats and failed every search past `exact_below`)."""
+    fake = FakeEmbedder(dimensions=dims)
+    db = indexed(tmp_path / f"d{dims}.db", standin, fake, dimensions=dims)
+    assert set(vec_table_dimensions(db).values()) == {dims} and mirror_problems(db) == []
+    bits = dict(db.all("SELECT chunk_id, embedding FROM vec_chunk_bits"))
+    floats = db.all("SELECT chunk_id, vector FROM note_chunk_embeddings")
+    assert len(bits) == len(floats) > 20
+    for key, vector in floats:  # the signs, zero-padded to whole bytes, as numpy packs them
+        signs = np.frombuffer(vector, dtype="<f4") > 0
+        padded = np.concatenate([signs, np.zeros(-dims % 8, dtype=bool)])
+        assert bytes(bits[key]) == np.packbits(padded, bitorder="little").tobytes()
+    db.close()
+    db = connect(tmp_path / f"d{dims}.db", embedding=standin_settings(standin, dimensions=dims))
+    assert set(vec_table_dimensions(db).values()) == {dims}  # no rebuild on opening
+    two_pass = SearchSettings(exact_below=0, oversample=40)  # every chunk a candidate
+    for query in ("ownership and borrowing", "trait objects", "Box<T> on the heap"):
+        exact = search_chunks(db, query, fake, k=5, mode="vector")
+        quick = search_chunks(db, query, fake, k=5, mode="vector", tuning=two_pass)
+        assert quick.via == "vec" and [h.chunk_id for h in quick.hits] == [
+            h.chunk_id for h in exact.hits
+        ]
+    key = next(iter(bits))
+    db.execute("DELETE FROM vec_chunk_bits WHERE chunk_id = ?", (key,))
+    assert repair_vectors(db, dims).restored == {"vec_chunk_bits": 1}
+    assert mirror_problems(db) == []
     db.close()

@@ -320,7 +320,7 @@ def _two_pass(
     rescored exactly by cosine over their float vectors; more candidates until n pass (live,
     this model, the filter) or the table has no more. None past TWO_PASS_MAX candidates."""
     blob = np.asarray(vector, dtype="<f4").tobytes()
-    query_bits = bytes(db.scalar("SELECT vec_quantize_binary(?)", (blob,)))
+    query_bits = bytes(db.scalar(f"SELECT {VEC['vec_chunk_bits'].value('?1')}", (blob,)))
 
     def attempt(fetch: int) -> tuple[list[tuple[int, float]], bool] | None:
         candidates = nearest_bits(db, "vec_chunk_bits", query_bits, fetch)
@@ -330,7 +330,8 @@ def _two_pass(
             candidates = [
                 int(r[0])
                 for r in db.all(
-                    "SELECT chunk_id FROM vec_chunk_bits WHERE embedding MATCH ? AND k = ?",
+                    "SELECT chunk_id FROM vec_chunk_bits WHERE embedding MATCH vec_bit(?) "
+                    "AND k = ?",
                     (query_bits, fetch),
                 )
             ]

@@ -43,16 +43,30 @@ class VecTable:
 
     def column(self, dimensions: int) -> str:
         if self.element == "bit":
-            return f"embedding bit[{dimensions}]"  # hamming distance
+            return f"embedding bit[{bit_width(dimensions)}]"  # hamming distance
         return f"embedding float[{dimensions}] distance_metric=cosine"
 
-    def value(self, expr: str = "?") -> str:
-        """The SQL that turns a float32 blob into this table's element."""
-        return f"vec_quantize_binary({expr})" if self.element == "bit" else expr
+    def value(self, expr: str) -> str:
+        """The SQL that turns a float32 blob (`expr`, evaluated up to three times: a column
+        or a numbered parameter) into this table's element. sqlite-vec quantizes only whole
+        bytes: a vector of a dimension that is not a multiple of 8 is padded with zero floats
+        first, which quantize to 0 in every row and query alike (distances unchanged)."""
+        if self.element != "bit":
+            return expr
+        return (
+            f"vec_quantize_binary(CASE WHEN length({expr}) % 32 = 0 THEN {expr} "
+            f"ELSE CAST({expr} || zeroblob(32 - length({expr}) % 32) AS BLOB) END)"
+        )
 
     def insert(self) -> str:
         """INSERT of one (key, float32 blob) row, the blob made this table's element."""
-        return f"INSERT INTO {self.name}({self.key}, embedding) VALUES (?, {self.value()})"
+        return f"INSERT INTO {self.name}({self.key}, embedding) VALUES (?1, {self.value('?2')})"
+
+
+def bit_width(dimensions: int) -> int:
+    """The bits a quantized vector of `dimensions` takes in a `bit[N]` column: sqlite-vec
+    needs N divisible by 8 (a model may have any dimension: OpenAI's `dimensions=100`)."""
+    return -(-dimensions // 8) * 8
 
 
 VEC_TABLES = (
@@ -154,6 +168,10 @@ def vec_table_dimensions(db: Database) -> dict[str, int | None]:
     ):
         m = _DIM.search(sql or "")
         result[name] = int(m.group(1)) if m else None
+    for t in VEC_TABLES:  # a quantized table has its float table's dimension, in whole bytes
+        floats = result.get(t.mirrors or "")
+        if t.mirrors and floats and result[t.name] == bit_width(floats):
+            result[t.name] = floats
     return result
 
 
