@@ -380,7 +380,7 @@ def test_memory_and_code_search_refuse_what_chunk_search_refuses(db, embedder, w
     find = search_memories if which == "memories" else search_code
     with pytest.raises(InvalidInput, match="k must be an integer from 1 to 1000"):
         find(db, "tea", embedder, k=k)
-    with pytest.raises(InvalidInput, match="the query is empty"):
+    with pytest.raises(InvalidInput, match="the query must be a string, not NoneType"):
         find(db, None, embedder, k=3)  # type: ignore[arg-type]
 
 

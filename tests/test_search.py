@@ -38,6 +38,7 @@ from worker.store import connect
 from worker.store.fts import _row, chunk_parts, identifier_parts, keyword_query, keyword_row
 from worker.store.items import add_item, list_chunks, update_content
 from worker.store.removal import delete_items
+from worker.store.vec import vec_replace
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ["ch04-01-what-is-ownership.md", "ch08-03-hash-maps.md", "ch15-01-box.md"]
@@ -779,3 +780,134 @@ def test_the_fallback_holds_its_vectors_until_the_database_changes(notes_db, fak
         assert seen.hits[0].title == "New" and seen.hits[0].score == pytest.approx(1.0, abs=1e-5)
     finally:
         no_vec.close()
+
+
+# -- the search audit of 2026-12-03 ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "words"),
+    [
+        ({"kinds": "note"}, "kinds must be a list"),  # was read a letter at a time
+        ({"item_ids": 7}, "item_ids must be a list"),
+        ({"source_prefix": 5}, "the source prefix must be a string"),
+        ({"source_prefix": b"/docs"}, "the source prefix must be a string"),
+        ({"source_prefix": "/docs/\ud800"}, "not UTF-8 text"),
+    ],
+)
+def test_filters_of_the_wrong_type_are_refused_when_made(given, words):
+    with pytest.raises(InvalidInput, match=words):
+        Filters(**given)
+
+
+def test_filters_of_none_are_no_filter_and_a_query_of_bytes_is_named(notes_db, fake):
+    db, _ = notes_db
+    assert Filters(kinds=None, item_ids=None) == Filters()  # type: ignore[arg-type]
+    assert Filters(kinds=["note"], item_ids=[1]).kinds == ("note",)
+    with pytest.raises(InvalidInput, match="the query must be a string, not bytes"):
+        search_chunks(db, b"ownership", fake)  # type: ignore[arg-type]
+
+
+def test_a_source_a_host_wrote_as_a_blob_matches_its_prefix(notes_db, fake):
+    db, ids = notes_db
+    first, second, third = ids.values()
+    host(
+        db.path,
+        (
+            "UPDATE knowledge_items SET source = CAST(? AS BLOB) WHERE id = ?",
+            ["/docs/café.md", first],
+        ),
+        ("UPDATE knowledge_items SET source = ? WHERE id = ?", ["/docs/text.md", second]),
+        ("UPDATE knowledge_items SET source = ? WHERE id = ?", ["/elsewhere/x.md", third]),
+    )
+    assert db.scalar("SELECT typeof(source) FROM knowledge_items WHERE id = ?", (first,)) == "blob"
+    for mode in ("vector", "keyword", "hybrid"):
+        hits = search_chunks(
+            db, "the value", fake, k=100, mode=mode, filters=Filters(source_prefix="/docs/")
+        ).hits
+        assert {h.item_id for h in hits} == {first, second}, mode
+
+
+def test_the_first_hybrid_hits_are_the_same_whatever_k(notes_db, fake):
+    """The fusion scores a fixed depth of each side: with k past a quarter of it, a chunk deep
+    in one list gained score it had not at a small k, and the first hits changed order."""
+    db, _ = notes_db
+    queries = [
+        "ownership",
+        "hash map entry",
+        "Box pointer heap",
+        "the value is moved",
+        "String from",
+        "insert or update",
+        "recursive types",
+        "scope drop",
+        "borrow a reference",
+        "iterate keys",
+    ]
+    for query in queries:
+        small = search_chunks(db, query, fake, k=5).hits
+        large = search_chunks(db, query, fake, k=60).hits[:5]
+        assert [(h.chunk_id, h.score) for h in small] == [(h.chunk_id, h.score) for h in large]
+
+
+def test_tied_vectors_come_back_lowest_id_first_on_the_vec_path(notes_db, fake):
+    """sqlite-vec cuts its k rows anywhere in a tie (many copies of a boilerplate paragraph):
+    the vec path fetches past the tie, so it gives what the exact path gives."""
+    db, _ = notes_db
+    query = "the same paragraph everywhere"
+    vector = fake.embed([query])[0].astype("<f4").tobytes()
+    twins = [r[0] for r in db.all("SELECT chunk_id FROM note_chunk_embeddings ORDER BY chunk_id")]
+    twins = twins[::2][:60]
+    for chunk_id in twins:
+        db.execute(
+            "UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = ?", (vector, chunk_id)
+        )
+        vec_replace(db, "vec_chunk_embeddings", chunk_id, vector)
+    found = search_chunks(db, query, fake, k=3, mode="vector")
+    assert found.via == "vec" and [h.chunk_id for h in found.hits] == twins[:3]
+    only = Filters(item_ids=tuple(ids for (ids,) in db.all("SELECT id FROM knowledge_items")))
+    exact = search_chunks(db, query, fake, k=3, mode="vector", filters=only)  # the exact path
+    assert [h.chunk_id for h in exact.hits] == twins[:3]
+
+
+def test_an_item_a_host_turned_into_code_or_a_note_leaves_the_other_search(notes_db, fake):
+    """Its chunks of the other kind stay until the sweep re-indexes it: they are not the other
+    search's to show (plain search never returns code)."""
+    db, ids = notes_db
+    code = add_item(
+        db, kind="code", title="x.py", content="", source=str(ROOT / "worker" / "errors.py")
+    )
+    reader = Reader(FilesSettings(roots=[ROOT / "worker"]))
+    index_item(db, code, embedder=fake, options=IndexOptions(reader=reader))
+    assert search_code(db, "StoreError", fake, k=3)[0]
+    turned = ids[CHAPTERS[0]]
+    host(
+        db.path,
+        ("UPDATE knowledge_items SET kind = 'code' WHERE id = ?", [turned]),
+        ("UPDATE knowledge_items SET kind = 'note' WHERE id = ?", [code]),
+    )
+    for mode in ("vector", "keyword", "hybrid"):
+        hits = search_chunks(db, "ownership", fake, k=50, mode=mode).hits
+        assert hits and turned not in {h.item_id for h in hits}, mode
+    assert search_code(db, "StoreError", fake, k=3)[0] == []
+
+
+def test_a_chunk_has_an_embedding_only_of_the_index_dimension(db_path, emb_settings, fake):
+    """After a switch of model and dimension the old vectors stay until the item is indexed
+    again; the chunk list said `has_embedding` for them, while no search could find them."""
+    db = connect(db_path, embedding=emb_settings)
+    item = add_item(db, kind="note", title="n", content=corpus_text(CHAPTERS[2]))
+    index_item(db, item, embedder=fake)
+    assert {c["has_embedding"] for c in list_chunks(db, item)} == {True}
+    first = db.scalar("SELECT min(chunk_id) FROM note_chunk_embeddings")
+    db.execute(
+        "UPDATE note_chunk_embeddings SET vector = substr(hex(vector), 1, 4 * dimensions) "
+        "WHERE chunk_id = ?",
+        (first,),
+    )
+    assert [c["has_embedding"] for c in list_chunks(db, item)].count(False) == 1  # a host's row
+    db.close()
+    wide = emb_settings.model_copy(update={"dimensions": DIMS * 2, "model": "wide"})
+    db = connect(db_path, embedding=wide)
+    assert {c["has_embedding"] for c in list_chunks(db, item)} == {False}
+    db.close()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,8 +49,10 @@ from worker.store.vec import VEC, sound, vec_table_dimensions
 
 SNIPPET = 160
 MAX_K = 1000
-# Hybrid: each side's candidate list is at least this deep, whatever k, so that a chunk's fused
-# score (and so one item's best chunk) does not depend on k.
+# Hybrid: each side's candidate list is at least this deep, and the fusion scores this many of
+# each, whatever k, so that a chunk's fused score (and so one item's best chunk, and the order
+# of the first hits) does not depend on k; deeper candidates (k over a quarter of it) are
+# ordered by their best rank after the scored ones.
 HYBRID_DEPTH = 40
 # Reciprocal rank fusion: rank r in a list scores weight / (RRF_K + r). Measured on the Chroma
 # chunking benchmark (bench/retrieval.py, all-MiniLM-L6-v2, top 5): keyword search alone beats
@@ -77,13 +79,34 @@ class Mode(enum.StrEnum):
 @dataclass(frozen=True)
 class Filters:
     """Which chunks a search may return: of these kinds, of these items, whose item's source
-    starts with this prefix (a folder, a site). Empty means no restriction."""
+    starts with this prefix (a folder, a site). Empty (or None) means no restriction: any
+    prose item, never code (an item a host turned into code keeps its prose chunks until the
+    sweep re-indexes it, and they are not prose search's to show)."""
 
     kinds: tuple[str, ...] = ()
     item_ids: tuple[int, ...] = ()
     source_prefix: str | None = None
 
     def __post_init__(self) -> None:
+        # A caller in any language may pass anything: a string for a list would be read a
+        # letter at a time, bytes for the prefix would never match.
+        for name in ("kinds", "item_ids"):
+            value = getattr(self, name)
+            if value is None:
+                value = ()
+            if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+                raise InvalidInput(f"{name} must be a list, not {value!r:.60}")
+            object.__setattr__(self, name, tuple(value))
+        prefix = self.source_prefix
+        if prefix is not None and not isinstance(prefix, str):
+            raise InvalidInput(f"the source prefix must be a string, not {prefix!r:.60}")
+        if prefix is not None and not prefix.isascii():
+            try:
+                prefix.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidInput(
+                    "the source prefix is not UTF-8 text (a lone surrogate)"
+                ) from None
         for kind in self.kinds:
             if kind not in PROSE_KINDS:
                 raise InvalidInput(
@@ -102,15 +125,14 @@ class Filters:
 
     def where(self) -> tuple[str, list[Any]]:
         """SQL conditions over `c` (note_chunks) and `i` (knowledge_items), and their values."""
-        sql, params = "", []
-        if self.kinds:
-            sql += f" AND i.kind IN ({','.join('?' * len(self.kinds))})"
-            params += list(self.kinds)
+        kinds = self.kinds or PROSE_KINDS
+        sql = f" AND i.kind IN ({','.join('?' * len(kinds))})"
+        params: list[Any] = list(kinds)
         if self.item_ids:  # one value, however many ids (SQLite binds 32,766 at most)
             sql += " AND c.item_id IN (SELECT value FROM json_each(?))"
             params.append(json.dumps(list(self.item_ids)))
-        if self.source_prefix:
-            sql += " AND substr(i.source, 1, ?) = ?"
+        if self.source_prefix:  # a host's source may be a BLOB of the same UTF-8 bytes
+            sql += " AND substr(CAST(i.source AS TEXT), 1, ?) = ?"
             params += [len(self.source_prefix), self.source_prefix]
         return sql, params
 
@@ -150,7 +172,9 @@ class ChunkSearch:
 def check_query(query: object, k: object) -> None:
     """Every search's arguments, as a caller in any language may send them: a non-empty
     string, and k from 1 to MAX_K (k=-1 would slice all hits but the last)."""
-    if not isinstance(query, str) or not query.strip():
+    if not isinstance(query, str):
+        raise InvalidInput(f"the query must be a string, not {type(query).__name__}")
+    if not query.strip():
         raise InvalidInput("the query is empty")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
         raise InvalidInput(f"k must be an integer from 1 to {MAX_K}, not {k!r}")
@@ -200,7 +224,7 @@ def search_chunks(
 
     # Candidates: the n best chunks of each side (hybrid: more than k, for the fusion). One hit
     # per item: the same lists, longer until they hold k items or all there is.
-    depth = n = k if mode != Mode.HYBRID else max(4 * k, HYBRID_DEPTH)
+    n = k if mode != Mode.HYBRID else max(4 * k, HYBRID_DEPTH)
     while True:
         ranked: list[tuple[list[int], str]] = []  # chunk ids best first, and their path
         scores: dict[int, float] = {}
@@ -223,7 +247,7 @@ def search_chunks(
                 scores = {c: -s for c, s in found_kw}
             more |= len(found_kw) == n
         if len(ranked) > 1:
-            order, scores, paths = fuse(ranked, depth)
+            order, scores, paths = fuse(ranked, HYBRID_DEPTH)
         else:
             order = ranked[0][0] if ranked else []
             paths = {c: ranked[0][1] for c in order}
@@ -375,6 +399,13 @@ def _best(rows: Sequence[tuple[int, float]], n: int) -> list[tuple[int, float]]:
     return sorted(rows, key=lambda r: (r[1], r[0]))[:n]
 
 
+def _past_ties(rows: Sequence[tuple[Any, ...]], found: list[tuple[int, float]]) -> bool:
+    """Whether the fetched rows reach past the n-th best's distance: sqlite-vec cuts its k
+    rows anywhere in a tie, and rows of the same distance left out may have lower ids (the
+    order every other path gives: many copies of a boilerplate paragraph)."""
+    return max(r[1] for r in rows) > found[-1][1]
+
+
 def _knn(
     db: Database, vector: np.ndarray, n: int, model: str, filters: Filters
 ) -> list[tuple[int, float]] | None:
@@ -393,7 +424,7 @@ def _knn(
             (model, *params, blob, fetch),
         )
         found = _best([(c, d) for c, d, ok in rows if ok], n)
-        return found, len(found) >= n or len(rows) < fetch
+        return found, len(rows) < fetch or (len(found) >= n and _past_ties(rows, found))
 
     return widening(max(n + n // 8, 32), KNN_MAX, attempt)  # a few more: some may not pass
 

@@ -141,6 +141,7 @@ def search_code(
                 r[0]
                 for r in db.all(
                     f"SELECT f.rowid FROM {CODE.name} f JOIN code_chunks c ON c.id = f.rowid "
+                    "JOIN knowledge_items i ON i.id = c.item_id AND i.kind = 'code' "
                     f"WHERE {CODE.name} MATCH ? ORDER BY bm25({CODE.name}), f.rowid LIMIT ?",
                     (match, depth),
                 )
@@ -149,16 +150,21 @@ def search_code(
             damaged = f"{CODE.name} is damaged (the sweep rebuilds it): no keyword hit"
             reason = f"{reason}; {damaged}" if reason else damaged
     if keyword:
-        order, fused, paths = fuse([([c for c, _ in found], via), (keyword, "fts")], depth)
+        # Scored to a fixed depth, as prose search does: the order of the first hits
+        # does not depend on k.
+        order, fused, paths = fuse([([c for c, _ in found], via), (keyword, "fts")], CANDIDATES)
         served = f"{via}+fts" if found else "fts"
     else:
         order, fused, paths = [c for c, _ in found], similarity, {c: via for c in similarity}
         served = via
     hits = []
-    for chunk_id in order[:k]:
-        row = db.one(
-            "SELECT item_id, CAST(path AS BLOB), start_line, end_line, CAST(content AS BLOB) "
-            "FROM code_chunks WHERE id = ?",
+    for chunk_id in order:
+        if len(hits) == k:
+            break
+        row = db.one(  # an item a host turned into a note keeps these until the sweep
+            "SELECT c.item_id, CAST(c.path AS BLOB), c.start_line, c.end_line, "
+            "CAST(c.content AS BLOB) FROM code_chunks c "
+            "JOIN knowledge_items i ON i.id = c.item_id AND i.kind = 'code' WHERE c.id = ?",
             (chunk_id,),
         )
         if row is not None:

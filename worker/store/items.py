@@ -10,6 +10,7 @@ from worker.chunking.base import ChunkMethod, text_hash
 from worker.errors import InvalidInput, ItemNotFound
 from worker.store.db import Database
 from worker.store.text import NotText, shown, strict
+from worker.store.vec import sound
 
 NOW = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
 
@@ -226,22 +227,33 @@ def list_states(db: Database) -> list[dict[str, Any]]:
     )
 
 
+# The chunk's embedding row (`e`, LEFT JOINed) holds a vector of the index's dimension
+# (`:dims`; any, on a bare connection that knows none).
+_USABLE = f"e.chunk_id IS NOT NULL AND (:dims IS NULL OR e.dimensions = :dims) AND {sound('e')}"
+
+
+def _dimensions(db: Database) -> int | None:
+    return db.resolution.dimensions if db.resolution is not None else None
+
+
 def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
     """What a chunk list shows (a UI's NoteChunkDto): index, method, has_embedding, summary,
     offsets, length. A code item's chunks (`code_chunks`) in the same shape: structural, with
     their place (`path:first-last` line) as the summary and no character offsets, since they
-    are stored by line."""
+    are stored by line. `has_embedding`: a vector search can find it, i.e. its vector is one
+    of the index's dimension (not one left from before a model switch, nor a host's row kidx
+    cannot read)."""
     if get_item(db, item_id, content=False).kind == "code":
         return _code_chunks(db, item_id)
     rows = db.dicts(
         "SELECT c.chunk_index, CAST(c.method AS BLOB) AS chunk_method, "
-        "(e.chunk_id IS NOT NULL) AS has_embedding, CAST(c.summary AS BLOB) AS summary, "
+        f"({_USABLE}) AS has_embedding, CAST(c.summary AS BLOB) AS summary, "
         "c.start_offset, c.end_offset, "
         # Not length(content): SQLite's length() stops at a NUL character.
         "c.end_offset - c.start_offset AS length FROM note_chunks c "
         "LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id "
-        "WHERE c.item_id = ? ORDER BY c.chunk_index",
-        (item_id,),
+        "WHERE c.item_id = :item ORDER BY c.chunk_index",
+        {"item": item_id, "dims": _dimensions(db)},
     )
     for row in rows:  # a host's bytes are shown, never raised (worker.store.text)
         row["has_embedding"] = bool(row["has_embedding"])
@@ -252,11 +264,11 @@ def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
 
 def _code_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
     rows = db.all(
-        "SELECT c.chunk_index, (e.chunk_id IS NOT NULL), CAST(c.path AS BLOB), c.start_line, "
+        f"SELECT c.chunk_index, ({_USABLE}), CAST(c.path AS BLOB), c.start_line, "
         "c.end_line, CAST(c.content AS BLOB) FROM code_chunks c "
         "LEFT JOIN code_chunk_embeddings e ON e.chunk_id = c.id "
-        "WHERE c.item_id = ? ORDER BY c.chunk_index",
-        (item_id,),
+        "WHERE c.item_id = :item ORDER BY c.chunk_index",
+        {"item": item_id, "dims": _dimensions(db)},
     )
     return [
         {
