@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Literal
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from pydantic import (
     BaseModel,
@@ -63,6 +63,17 @@ class _Section(BaseModel):
     compares false with everything, so every bound check on it passes)."""
 
     model_config = ConfigDict(allow_inf_nan=False)
+
+
+def _url_secrets(url: str) -> list[str]:
+    """A URL's password, as written and percent-decoded (what a client sends, and a server
+    may quote back). The user is not one: masked everywhere, a user `kidx` would cut the
+    word out of every line (and `safe_url` hides it wherever kidx shows a URL)."""
+    try:
+        password = urlsplit(url).password or ""
+    except ValueError:  # does not parse: nothing to take from it
+        return []
+    return list(dict.fromkeys(v for v in (password, unquote(password)) if v))
 
 
 def _ordered_backoff(first: float, cap: float, name: str) -> None:
@@ -378,17 +389,14 @@ class Settings(BaseSettings):
 
     def secrets(self) -> list[str]:
         """Every secret value, so that logging can redact them wherever they appear: the
-        API keys, Flower's password, and the passwords in the broker and backend URLs."""
+        API keys, Flower's password, and the passwords in the broker, backend and provider
+        URLs (as written and percent-decoded)."""
         values = [self.embedding.api_key, self.chunk.api_key, self.flower.password]
         found = [s.get_secret_value() for s in values if s and s.get_secret_value()]
-        for url in (self.broker_url, self.backend_url):
-            try:
-                password = urlsplit(url).password
-            except ValueError:  # a backend URL that does not parse: nothing to take from it
-                password = None
-            if password:
-                found.append(password)
-        return found
+        urls = (self.broker_url, self.backend_url, self.embedding.base_url, self.chunk.base_url)
+        for url in urls:
+            found.extend(_url_secrets(url))
+        return list(dict.fromkeys(found))
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -3,8 +3,9 @@
 Retries what may pass (408, 409, 429, 5xx, timeouts, connection errors) with exponential backoff
 and full jitter, honouring `Retry-After` when it is within the cap; a longer wait is not spent
 holding a worker: it raises `RetryLater` with `retry_after` set, for the task queue to retry
-later. Never retries 400/401/403 or a 429 that says the quota is exhausted. The API key never
-reaches a message, even when the server quotes it back (it is masked before any text is cut).
+later. Never retries 400/401/403 or a 429 that says the quota is exhausted. The API key and a
+password in the base URL never reach a message, even when the server quotes them back (they are
+masked before any text is cut); the base URL is shown without its user:password@ (`safe_url`).
 
 Bodies are read raw and decompressed here (`read_body`), never by httpx: httpx inflates each
 layer of `Content-Encoding: gzip, gzip` in full, so a few hundred bytes could become gigabytes
@@ -13,6 +14,7 @@ before any size check saw them. Here no more than the limit (+1 byte) is ever pr
 
 from __future__ import annotations
 
+import base64
 import datetime
 import email.utils
 import json
@@ -20,8 +22,9 @@ import math
 import random
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 from urllib.request import getproxies
 
 import httpx
@@ -137,13 +140,43 @@ def read_body(response: httpx.Response, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def shorten(text: str, secret: str = "", limit: int = DETAIL_CHARS) -> str:
-    """`text` on one line, `secret` masked, then cut to `limit` characters (cut before the
-    masking, a secret crossing the cut would keep its first part)."""
-    text = " ".join(text.split())
-    if secret:
+def safe_url(url: str) -> str:
+    """The URL with any credentials in it masked: what may be shown, stored and logged."""
+    try:
+        parts = urlsplit(url)
+        if "@" not in parts.netloc:
+            return url
+        return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+    except ValueError:
+        return "(a URL that does not parse)" if "@" in url else url
+
+
+def mask(text: str, secrets: Sequence[str]) -> str:
+    """`text` with each of `secrets` replaced by ***, the longest first (one may hold another)."""
+    for secret in sorted(filter(None, secrets), key=len, reverse=True):
         text = text.replace(secret, "***")
-    return text[:limit]
+    return text
+
+
+def shorten(text: str, secrets: Sequence[str] = (), limit: int = DETAIL_CHARS) -> str:
+    """`text` on one line, `secrets` masked, then cut to `limit` characters (cut before the
+    masking, a secret crossing the cut would keep its first part)."""
+    return mask(" ".join(text.split()), secrets)[:limit]
+
+
+def _credentials(settings: HTTPProviderSettings) -> list[str]:
+    """What a server could quote back that gives access: the API key, and the base URL's
+    password as written, decoded, and as the basic-auth token httpx sends for it."""
+    found = [settings.api_key.get_secret_value()] if settings.api_key else []
+    try:
+        parts = urlsplit(settings.base_url)
+        user, password = parts.username or "", parts.password or ""
+    except ValueError:
+        return found
+    if password:
+        pair = f"{unquote(user)}:{unquote(password)}".encode()
+        found += [password, unquote(password), base64.b64encode(pair).decode("ascii")]
+    return [s for s in found if s]
 
 
 class ProviderHTTPError(PermanentProviderError):
@@ -188,21 +221,21 @@ def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float
     return max(0.0, wait) if math.isfinite(wait) else None
 
 
-def _error_detail(data: bytes, secret: str = "") -> tuple[str, str]:
+def _error_detail(data: bytes, secrets: Sequence[str] = ()) -> tuple[str, str]:
     """The server's error code and message, from an OpenAI-style body if there is one, with
-    `secret` masked (before either is shortened)."""
+    `secrets` masked (before either is shortened)."""
     text = data.decode("utf-8", "replace")
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):  # not JSON, not UTF-8, too deep, too long a number
-        return "", shorten(text, secret)
+        return "", shorten(text, secrets)
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict):
-        code = shorten(str(err.get("code") or err.get("type") or ""), secret)
-        return code, shorten(str(err.get("message") or ""), secret)
+        code = shorten(str(err.get("code") or err.get("type") or ""), secrets)
+        return code, shorten(str(err.get("message") or ""), secrets)
     if isinstance(err, str):
-        return "", shorten(err, secret)
-    return "", shorten(text, secret)
+        return "", shorten(err, secrets)
+    return "", shorten(text, secrets)
 
 
 class JSONClient:
@@ -238,7 +271,9 @@ class JSONClient:
             # timeouts), else with the deadline in all.
             transport=None if getproxies() else net.DeadlineTransport(trust_env=True),
         )
-        self.where = f"{model} at {settings.base_url}"
+        # shown in errors (stored, shown by Flower) and logs: never the URL's user:password@
+        self.where = f"{model} at {safe_url(settings.base_url)}"
+        self._secrets = _credentials(settings)
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
         s = self.settings
@@ -263,8 +298,8 @@ class JSONClient:
                 cause = f"connect timed out after {s.connect_timeout:g}s"
             except httpx.TimeoutException:
                 cause = f"timed out after {s.timeout:g}s"
-            except httpx.TransportError as e:
-                cause = f"connection failed ({type(e).__name__}: {e})"
+            except httpx.TransportError as e:  # its text may quote a header or the URL
+                cause = mask(f"connection failed ({type(e).__name__}: {e})", self._secrets)
             else:
                 if ok:
                     try:
@@ -274,7 +309,7 @@ class JSONClient:
                     except RecursionError:
                         raise BadAnswer(f"{self.where}: the answer nests too deeply") from None
                 # a server may echo the key back, in its message or its code: masked first
-                code, message = _error_detail(data, self._key)
+                code, message = _error_detail(data, self._secrets)
                 cause = f"HTTP {response.status_code}" + (f" {code}" if code else "")
                 cause += f": {message}" if message else ""
                 quota = response.status_code == 429 and "insufficient_quota" in (code + message)
@@ -299,8 +334,8 @@ class JSONClient:
         raise RetryLater(f"{self.where}: {cause} (after {attempts} attempts)", retry_after=wait)
 
     def shown(self, text: str) -> str:
-        """A server's text as it may be shown: the key masked, then cut (`shorten`)."""
-        return shorten(text, self._key)
+        """A server's text as it may be shown: the credentials masked, then cut (`shorten`)."""
+        return shorten(text, self._secrets)
 
     def close(self) -> None:
         self.client.close()

@@ -23,13 +23,12 @@ import ipaddress
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from worker import net
 from worker.errors import InvalidInput, SourceUnavailable
-from worker.providers.http import ACCEPT_ENCODING, BodyRefused, read_body
+from worker.providers.http import ACCEPT_ENCODING, BodyRefused, read_body, safe_url
 from worker.settings import UrlSettings
 from worker.sources.files import (
     check_text_size,
@@ -311,14 +310,3 @@ def fetch_url(
         stack.close()
         if own:
             http.close()
-
-
-def safe_url(url: str) -> str:
-    """The URL with any credentials in it masked: what may be shown, stored and logged."""
-    try:
-        parts = urlsplit(url)
-        if "@" not in parts.netloc:
-            return url
-        return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
-    except ValueError:
-        return "(a URL that does not parse)" if "@" in url else url
