@@ -1,4 +1,5 @@
-"""A password in a provider's base URL reaches no log, stored error or stream."""
+"""A password in a provider's base URL reaches no log, stored error or stream; settings that
+would be accepted and then silently never work are refused at start, naming the variable."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ from tasks.index import SingleRun
 from tasks.run import IndexFailed
 from tasks.runtime import build_runtime
 from worker.app import create_app
+from worker.errors import ConfigError, InvalidInput
 from worker.providers.http import ProviderHTTPError
 from worker.providers.openai import OpenAIEmbeddings
-from worker.settings import EmbeddingSettings, load_settings
+from worker.settings import EmbeddingSettings, UrlSettings, load_settings
+from worker.sources.urls import _Policy
 from worker.store.items import add_item
 from worker.store.jobs import record_start
 
@@ -194,3 +197,141 @@ def test_the_secrets_include_each_provider_base_url_password():
     )
     assert {"emb%40pass1", "emb@pass1", "chunk-pass-2"} <= set(settings.secrets())
     assert "u" not in settings.secrets()  # a user is no secret: masked, it would cut words
+
+
+# -- settings refused at start ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ("10.0.0.0/33", "bad prefix length"),
+        ("http://127.0.0.1:8080", "has a scheme"),
+        ("127.0.0.1:8080", "has a port"),
+        ("not a host!", "has a space"),
+        ("internal.example/docs", "has a path"),
+        ("*.internal.example", "wildcard"),
+        ("bad_host!", "not a host name"),
+        ("127.1", "IP address in full"),
+    ],
+)
+def test_an_allow_hosts_entry_no_url_could_match_is_refused(monkeypatch, entry, why):
+    monkeypatch.setenv("KIDX_URLS__ALLOW_HOSTS", f"localhost,{entry}")
+    with pytest.raises(ConfigError, match="KIDX_URLS__ALLOW_HOSTS") as e:
+        load_settings()
+    assert repr(entry) in str(e.value) and why in str(e.value)
+    with pytest.raises(InvalidInput, match="KIDX_URLS__ALLOW_HOSTS"):  # unvalidated settings
+        _Policy(UrlSettings.model_construct(allow_hosts=[entry]))
+
+
+def test_allow_hosts_entries_are_kept_as_fetches_match_them(monkeypatch):
+    given = " 10.0.0.5/8, [::1], 192.168.1.7, Internal.Example., bücher.example, my_service"
+    monkeypatch.setenv("KIDX_URLS__ALLOW_HOSTS", given)
+    urls = load_settings().urls
+    assert urls.allow_hosts == [
+        "10.0.0.0/8",
+        "::1/128",
+        "192.168.1.7/32",
+        "internal.example",
+        "xn--bcher-kva.example",
+        "my_service",
+    ]
+    policy = _Policy(urls)
+    no_dns = lambda host, port: ["10.1.2.3"]  # noqa: E731
+    assert policy.check("10.200.0.1", 80, no_dns) == ["10.200.0.1"]
+    assert policy.check("internal.example", 80, no_dns) == ["10.1.2.3"]
+
+
+def test_model_names_are_stripped_and_blank_means_unset(monkeypatch):
+    monkeypatch.setenv("KIDX_CHUNK__MODEL", "   ")
+    monkeypatch.setenv("KIDX_EMBEDDING__MODEL", "  ")
+    settings = load_settings()
+    assert settings.chunk.model == ""  # structural chunking, not a model named "   "
+    assert settings.embedding.model == "all-MiniLM-L6-v2"  # the provider's default
+    monkeypatch.setenv("KIDX_CHUNK__MODEL", " llama3.1 ")
+    monkeypatch.setenv("KIDX_EMBEDDING__MODEL", "\tnomic-embed-text\n")
+    settings = load_settings()
+    assert (settings.chunk.model, settings.embedding.model) == ("llama3.1", "nomic-embed-text")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://",
+        "http://:8080/v1",
+        "http://127.0.0.1:0/v1",
+        "http://127.0.0.1:99999/v1",
+        "http://127.0.0.1:port/v1",
+        "http://127.0.0.1 /v1",
+        "http://u:pw-in-msg@127.0.0.1/v1?api-key=x",  # the query would swallow /embeddings
+        "http://127.0.0.1/v1#top",
+    ],
+)
+def test_a_base_url_httpx_could_not_use_is_refused_without_showing_it(url):
+    with pytest.raises(ConfigError, match="KIDX_CHUNK__BASE_URL") as e:
+        load_settings(chunk={"model": "m", "base_url": url})
+    assert "pw-in-msg" not in str(e.value)
+
+
+def test_a_base_url_with_spaces_or_slashes_around_it_is_taken_trimmed():
+    chunk = load_settings(chunk={"base_url": " http://127.0.0.1:11434/v1/ \n"}).chunk
+    assert chunk.base_url == "http://127.0.0.1:11434/v1"
+
+
+def test_an_api_key_is_stripped_and_one_no_header_can_carry_is_refused():
+    """A key file's newline made every request fail as a connection error quoting the key."""
+    key = load_settings(embedding={"api_key": " sk-abc123\n"}).embedding.api_key
+    assert key is not None and key.get_secret_value() == "sk-abc123"
+    assert load_settings(embedding={"api_key": "  "}).embedding.api_key is None
+    for bad in ("sk-abc 123", "sk-äbc123"):
+        with pytest.raises(ConfigError, match="KIDX_EMBEDDING__API_KEY") as e:
+            load_settings(embedding={"api_key": bad})
+        assert bad not in str(e.value)
+
+
+def test_a_key_and_base_url_credentials_together_are_refused():
+    """httpx sends the URL's user:password@ as basic auth, in place of the Bearer key."""
+    with pytest.raises(ConfigError, match=r"KIDX_EMBEDDING: .*one or the other") as e:
+        load_settings(embedding={"api_key": "sk-k1", "base_url": "http://bob:pw-x1@proxy/v1"})
+    assert "pw-x1" not in str(e.value) and "sk-k1" not in str(e.value)
+
+
+def test_a_misspelt_variable_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv("KIDX_EMBEDDING__PROVIDR", "openai")
+    with pytest.raises(ConfigError, match="KIDX_EMBEDDING__PROVIDR: no such setting"):
+        load_settings()
+    monkeypatch.delenv("KIDX_EMBEDDING__PROVIDR")
+    monkeypatch.setenv("KIDX_EMBEDING__MODEL", "nomic-embed-text")
+    with pytest.raises(ConfigError, match="KIDX_EMBEDING__MODEL: no such settings group"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "variable"),
+    [
+        ({"urls": {"content_types": "text/html,text/*"}}, "KIDX_URLS__CONTENT_TYPES"),
+        ({"urls": {"content_types": "text/html; charset=utf-8"}}, "KIDX_URLS__CONTENT_TYPES"),
+        ({"metrics": {"address": "http://0.0.0.0"}}, "KIDX_METRICS__ADDRESS"),
+        ({"metrics": {"address": "127.0.0.1:9808"}}, "KIDX_METRICS__ADDRESS"),
+        ({"flower": {"address": "0.0.0.0:5555"}}, "KIDX_FLOWER__ADDRESS"),
+        ({"files": {"roots": "/srv/docs,docs"}}, "KIDX_FILES__ROOTS"),
+        ({"result_backend": "redis://127.0.0.1:99999/1"}, "KIDX_RESULT_BACKEND"),
+        ({"result_backend": "notaurl"}, "KIDX_RESULT_BACKEND"),
+    ],
+)
+def test_other_values_that_would_silently_never_work_are_refused(overrides, variable):
+    with pytest.raises(ConfigError, match=variable):
+        load_settings(**overrides)
+
+
+def test_the_values_those_checks_take():
+    settings = load_settings(
+        urls={"content_types": " Text/HTML ,application/pdf"},
+        metrics={"address": "[::1]"},
+        flower={"address": ""},
+        files={"roots": "~/docs,/srv/docs"},
+        result_backend="db+sqlite:///results.db",
+    )
+    assert settings.urls.content_types == ["text/html", "application/pdf"]
+    assert (settings.metrics.address, settings.flower.address) == ("::1", "")
+    assert settings.files.roots == [Path("~/docs"), Path("/srv/docs")]

@@ -6,6 +6,9 @@ name, never on the hundredth task.
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -62,7 +65,88 @@ class _Section(BaseModel):
     """A group of settings: no float is inf or nan (an infinite timeout waits forever, a nan
     compares false with everything, so every bound check on it passes)."""
 
-    model_config = ConfigDict(allow_inf_nan=False)
+    # extra="forbid": a misspelt variable of the group (KIDX_EMBEDDING__PROVIDR) is refused,
+    # not silently ignored while the default it meant to replace stays in force
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
+_MEDIA_TYPE = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]*/[a-z0-9][a-z0-9!#$&^_.+-]*")
+
+
+def _host_name(value: str) -> str:
+    """`value` as a host name as URLs carry it (lower case, IDNA, no final dot), or ValueError:
+    a name that is not one (a port, a path, a space, `*`) would never equal a URL's host."""
+    name = value.strip().lower().rstrip(".")
+    if not name.isascii():
+        try:
+            import idna  # httpx's own: URLs' hosts are compared in this form
+
+            name = idna.encode(name, uts46=True).decode("ascii")
+        except (ImportError, UnicodeError, ValueError):
+            raise ValueError("is not a valid host name") from None
+    labels = name.split(".")
+    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        raise ValueError("is not a host name (letters, digits, '-', '_' and dots)")
+    if labels[-1].isdigit():
+        raise ValueError("is neither a host name nor an IP address in full (a.b.c.d)")
+    return name
+
+
+def allowed_host(entry: str) -> Network | str:
+    """One `KIDX_URLS__ALLOW_HOSTS` entry: an IP network (an address is a /32 or /128; an IPv6
+    one may be in brackets) or a host name; ValueError for anything else, which no fetched
+    URL's host would ever match (`10.0.0.0/33`, `127.0.0.1:8080`, `http://host`)."""
+    text = entry.strip()
+    bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    try:
+        return ipaddress.ip_network(bare, strict=False)
+    except ValueError:
+        pass
+    problems = [
+        ("://" in text, "has a scheme"),
+        ("/" in text, "has a path or a bad prefix length"),
+        (":" in text, "has a port (or is not an IP address)"),
+        (any(c.isspace() for c in text), "has a space"),
+        ("*" in text, "has a wildcard: name each host"),
+    ]
+    why = next((reason for found, reason in problems if found), "")
+    try:
+        if why:
+            raise ValueError(why)
+        return _host_name(text)
+    except ValueError as e:
+        raise ValueError(
+            f"entry {text!r} {e}: give a host name (internal.example), an IP address or a "
+            "CIDR range (10.0.0.0/8, fd00::/8), without scheme, port or path"
+        ) from None
+
+
+def _listen_address(value: str) -> str:
+    """An address to listen on: an IP address (IPv6 without brackets), a host name, or empty
+    (every interface); anything else would fail only when the server binds."""
+    text = value.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    if not text:
+        return ""
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        pass
+    try:
+        return _host_name(text)
+    except ValueError:
+        raise ValueError(
+            "must be an IP address (127.0.0.1, ::1) or a host name, without scheme or port"
+        ) from None
+
+
+def _stripped(value: object) -> object:
+    """Names given with spaces around them (`KIDX_CHUNK__MODEL='   '`): the spaces are never
+    part of a model's name; empty after stripping means unset."""
+    return value.strip() if isinstance(value, str) else value
 
 
 def _url_secrets(url: str) -> list[str]:
@@ -74,6 +158,28 @@ def _url_secrets(url: str) -> list[str]:
     except ValueError:  # does not parse: nothing to take from it
         return []
     return list(dict.fromkeys(v for v in (password, unquote(password)) if v))
+
+
+def _redis_url(v: str, example: str) -> str:
+    """What Celery (kombu) and redis-py would refuse only when the first task is sent."""
+    try:
+        parts = urlsplit(v)
+    except ValueError:
+        raise ValueError(f"must be a redis:// URL {example}: it does not parse") from None
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(f"must be a redis:// or rediss:// URL {example}")
+    if not parts.hostname:
+        raise ValueError(f"must name the Redis host, {example}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError(f"must have a port from 1 to 65535, {example}")
+    db = parse_qs(parts.query).get("db", [parts.path.strip("/") or "0"])[0]
+    if not (db.isascii() and db.isdigit()):
+        raise ValueError(f"must end with a database number (/0, /1, ...), {example}")
+    return v
 
 
 def _ordered_backoff(first: float, cap: float, name: str) -> None:
@@ -107,13 +213,61 @@ class HTTPProviderSettings(_Section):
     @field_validator("base_url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("must be an http(s) URL such as http://127.0.0.1:11434/v1")
+        """What httpx would take and then never reach (the value is not echoed: it may hold a
+        password): a query string swallows the path kidx appends (`/v1?k=x` + `/embeddings`
+        is `/v1` with the query `k=x/embeddings`)."""
+        example = "such as http://127.0.0.1:11434/v1"
+        v = v.strip()
+        try:
+            parts = urlsplit(v)
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"must be an http(s) URL {example}: it does not parse") from None
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"must be an http(s) URL {example}")
+        if any(c.isspace() for c in v):
+            raise ValueError(f"must not contain spaces, {example}")
+        if not parts.hostname or port == 0:
+            raise ValueError(f"must name a host (and a port from 1 to 65535), {example}")
+        if parts.query or parts.fragment or v.endswith(("?", "#")):
+            raise ValueError(
+                f"must not have a query string or fragment (?, #), {example}: kidx appends "
+                "/embeddings or /chat/completions to the path, and a query would swallow it"
+            )
         return v.rstrip("/")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _key(cls, v: object) -> object:
+        """Spaces or a newline around a key (a key file's last line) made every request fail
+        as a connection error, with the key quoted in it; empty after stripping: no key."""
+        if isinstance(v, SecretStr):
+            v = v.get_secret_value()
+        if isinstance(v, str):
+            v = v.strip()
+            if not v:
+                return None
+            if not all(" " < c <= "~" for c in v):
+                raise ValueError(
+                    "must be printable ASCII without spaces: it is sent in an HTTP header"
+                )
+        return v
 
     @model_validator(mode="after")
     def _backoff_capped(self) -> HTTPProviderSettings:
         _ordered_backoff(self.backoff, self.backoff_max, "backoff")
+        return self
+
+    @model_validator(mode="after")
+    def _one_credential(self) -> HTTPProviderSettings:
+        """httpx turns a base URL's user:password@ into basic auth, which replaces the API
+        key's Authorization header: the key would silently never be sent."""
+        parts = urlsplit(self.base_url)
+        if self.api_key is not None and (parts.username or parts.password):
+            raise ValueError(
+                "the base URL's user:password@ is sent as basic auth, in place of the API key: "
+                "give one or the other"
+            )
         return self
 
 
@@ -130,6 +284,8 @@ class EmbeddingSettings(HTTPProviderSettings):
     # Characters of the title, heading path and summary put before each chunk's text for the
     # embedder (the stored title is never cut): a huge title must not ride on every chunk.
     context_chars: int = Field(default=300, ge=20, le=20_000)
+
+    _model = field_validator("model", mode="before")(_stripped)
 
     @model_validator(mode="after")
     def _default_model(self) -> EmbeddingSettings:
@@ -163,6 +319,8 @@ class ChunkSettings(HTTPProviderSettings):
     timeout: float = Field(default=60.0, gt=0)
     max_retries: int = Field(default=2, ge=0, le=20)
     window: int = Field(default=6000, ge=1000, le=100_000)  # characters shown per request
+
+    _model = field_validator("model", mode="before")(_stripped)
 
 
 class TaskSettings(_Section):
@@ -245,6 +403,9 @@ class MetricsSettings(_Section):
     port: int = Field(default=9808, ge=0, lt=65536)
     address: str = "127.0.0.1"
 
+    # a bad one only made the worker log "metrics endpoint not started" and run on without
+    _address = field_validator("address")(_listen_address)
+
 
 class FlowerSettings(_Section):
     """Flower, the Tasks page (`KIDX_FLOWER__*`)."""
@@ -253,6 +414,8 @@ class FlowerSettings(_Section):
     password: SecretStr | None = None
     address: str = "127.0.0.1"
     port: int = Field(default=5555, gt=0, lt=65536)
+
+    _address = field_validator("address")(_listen_address)
 
     @field_validator("user")
     @classmethod
@@ -281,6 +444,16 @@ class FilesSettings(_Section):
 
     _split = field_validator("roots", mode="before")(_split_list)
 
+    @field_validator("roots")
+    @classmethod
+    def _absolute(cls, v: list[Path]) -> list[Path]:
+        """A relative root would be resolved against each process's own working directory:
+        the CLI's and a worker's differ, and the worker would refuse what the CLI accepted."""
+        for root in v:
+            if not root.expanduser().is_absolute():
+                raise ValueError(f"{str(root)!r} must be an absolute path (or ~/...)")
+        return v
+
 
 class UrlSettings(_Section):
     """URL fetching (`KIDX_URLS__*`); loopback and private ranges only when allowed here."""
@@ -302,6 +475,27 @@ class UrlSettings(_Section):
     )
 
     _split = field_validator("allow_hosts", "content_types", mode="before")(_split_list)
+
+    @field_validator("allow_hosts")
+    @classmethod
+    def _hosts(cls, v: list[str]) -> list[str]:
+        """Each entry as `worker.sources.urls` will match it; one it could never match (it
+        took it for a host name) is refused, not left to refuse every fetch it meant to allow."""
+        return [str(allowed_host(entry)) for entry in v]
+
+    @field_validator("content_types")
+    @classmethod
+    def _types(cls, v: list[str]) -> list[str]:
+        """Compared whole with a response's media type: a wildcard (`text/*`) or a parameter
+        (`text/html; charset=utf-8`) would never equal one."""
+        types = [t.strip().lower() for t in v]
+        for t in types:
+            if not _MEDIA_TYPE.fullmatch(t):
+                raise ValueError(
+                    f"entry {t!r} is not a media type such as text/html (no wildcard, no "
+                    "parameters)"
+                )
+        return types
 
 
 class Settings(BaseSettings):
@@ -362,25 +556,24 @@ class Settings(BaseSettings):
     @field_validator("broker_url")
     @classmethod
     def _broker(cls, v: str) -> str:
-        """What Celery (kombu) and redis-py would refuse only when the first task is sent."""
-        example = "such as redis://127.0.0.1:6379/0"
+        return _redis_url(v, "such as redis://127.0.0.1:6379/0")
+
+    @field_validator("result_backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        """A Redis backend is checked as the broker is (Celery found a bad port or database
+        number only when a result was first stored); another Celery backend must be a URL."""
+        example = "such as redis://127.0.0.1:6379/1"
+        if not v:
+            return v
         try:
-            parts = urlsplit(v)
+            scheme = urlsplit(v).scheme
         except ValueError:
-            raise ValueError(f"must be a redis:// URL {example}: it does not parse") from None
-        if parts.scheme not in ("redis", "rediss"):
-            raise ValueError(f"must be a redis:// or rediss:// URL {example}")
-        if not parts.hostname:
-            raise ValueError(f"must name the Redis host, {example}")
-        try:
-            port = parts.port
-        except ValueError:
-            port = 0
-        if port == 0:
-            raise ValueError(f"must have a port from 1 to 65535, {example}")
-        db = parse_qs(parts.query).get("db", [parts.path.strip("/") or "0"])[0]
-        if not (db.isascii() and db.isdigit()):
-            raise ValueError(f"must end with a database number (/0, /1, ...), {example}")
+            raise ValueError(f"must be a URL {example}: it does not parse") from None
+        if scheme in ("redis", "rediss"):
+            return _redis_url(v, example)
+        if not scheme or "://" not in v:
+            raise ValueError(f"must be a URL {example}")
         return v
 
     @property
@@ -399,6 +592,24 @@ class Settings(BaseSettings):
         return list(dict.fromkeys(found))
 
 
+def _unknown_groups() -> list[str]:
+    """`KIDX_X__Y` variables whose `X` is no settings group (KIDX_EMBEDING__MODEL):
+    pydantic-settings ignores them, and the setting meant keeps its default. (A misspelt name
+    within a group is refused by the group's extra="forbid".)"""
+    groups = {
+        name.upper()
+        for name, field in Settings.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, _Section)
+    }
+    return [
+        f"{var}: no such settings group (there are KIDX_{'__, KIDX_'.join(sorted(groups))}__)"
+        for var in sorted(os.environ)
+        if var.upper().startswith("KIDX_")
+        and "__" in var[5:]
+        and var[5:].split("__")[0].upper() not in groups
+    ]
+
+
 def load_settings(**overrides: object) -> Settings:
     """Build the settings, turning a validation error, or a settings group's variable that is
     not JSON (`KIDX_EMBEDDING='{"provider":1'`), into one readable ConfigError."""
@@ -406,6 +617,8 @@ def load_settings(**overrides: object) -> Settings:
 
     from pydantic_settings import SettingsError
 
+    if unknown := _unknown_groups():
+        raise ConfigError("invalid settings: " + "; ".join(unknown))
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
     except SettingsError as e:
@@ -420,5 +633,6 @@ def load_settings(**overrides: object) -> Settings:
         problems = []
         for err in e.errors():
             name = "KIDX_" + "__".join(str(p).upper() for p in err["loc"])
-            problems.append(f"{name}: {err['msg']}")
+            why = "no such setting" if err["type"] == "extra_forbidden" else err["msg"]
+            problems.append(f"{name}: {why}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None

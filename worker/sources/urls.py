@@ -29,7 +29,7 @@ import httpx
 from worker import net
 from worker.errors import InvalidInput, SourceUnavailable
 from worker.providers.http import ACCEPT_ENCODING, BodyRefused, read_body, safe_url
-from worker.settings import UrlSettings
+from worker.settings import UrlSettings, allowed_host
 from worker.sources.files import (
     check_text_size,
     decode_html,
@@ -90,17 +90,22 @@ def _public(ip: IPAddress) -> bool:
 
 
 class _Policy:
-    """`allow_hosts` split into host names and networks."""
+    """`allow_hosts` split into host names and networks, each entry read as the settings
+    validated it (`allowed_host`): an entry that is neither is refused here too, never taken
+    for a host name that no URL has (settings built without validation: `model_construct`)."""
 
     def __init__(self, settings: UrlSettings) -> None:
         self.names: set[str] = set()
         self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
         for entry in settings.allow_hosts:
-            entry = entry.strip().strip("[]").lower()
             try:
-                self.networks.append(ipaddress.ip_network(entry, strict=False))
-            except ValueError:
-                self.names.add(entry.rstrip("."))
+                allowed = allowed_host(entry)
+            except ValueError as e:
+                raise InvalidInput(f"KIDX_URLS__ALLOW_HOSTS: {e}") from None
+            if isinstance(allowed, str):
+                self.names.add(allowed)
+            else:
+                self.networks.append(allowed)
 
     def allowed(self, ip: IPAddress) -> bool:
         return any(ip.version == net.version and ip in net for net in self.networks)
