@@ -12,8 +12,15 @@ from collections.abc import Callable
 
 import apsw
 
-from worker.embedding import EmbedQueue, FailureCounter, Requests, check, none_embedded
-from worker.errors import Cancelled, IndexAborted, KidxError, PermanentProviderError, StoreError
+from worker.embedding import EmbedQueue, Plan, PlanFailures, Requests, abort_of, check
+from worker.errors import (
+    Cancelled,
+    IndexAborted,
+    KidxError,
+    PermanentProviderError,
+    StoreError,
+    TransientProviderError,
+)
 from worker.indexers import IndexOptions
 from worker.log import KI_EMBED, get_logger
 from worker.pipeline import (
@@ -67,12 +74,15 @@ def index_items(
     Each item is written as soon as its vectors are back, in a savepoint of its own (the items
     ready together share one write transaction; one that fails rolls back alone), and has its
     own outcome, passed to `on_done` when known (inside that transaction: the caller's records
-    commit with the item): a result, or the KidxError index_item() would have raised. The
-    provider failing N times in a row (or refusing outright) ends the run: items with every
-    vector are written, the others, and those not yet read, get that IndexAborted. Past
-    `deadline` (time.monotonic()) no further item is started: those have no outcome, for the
-    caller to send again. Anything else (Cancelled, a time limit, a bug)
-    propagates, after each item read and not written is marked cancelled or failed."""
+    commit with the item): a result, or the KidxError index_item() would have raised. An
+    item's vectors failing N times in a row abort that item alone (as a run of one would),
+    whoever shared its requests. The provider's requests failing N times in a row (or a
+    refusal outright), or N items getting not one vector before any text was embedded (it
+    refuses every text), end the run: items with every vector are written, the others, and
+    those not yet read, get that IndexAborted. Past `deadline` (time.monotonic()) no further
+    item is started: those have no outcome, for the caller to send again. Anything else
+    (Cancelled, a time limit, a bug) propagates, after each item read and not written is
+    marked cancelled or failed."""
     options = options or IndexOptions()
     task_id, cancel = options.task_id, options.cancel
     # A run of one looks for orphan vec rows in its item's write (its result counts them);
@@ -81,6 +91,27 @@ def index_items(
     out: dict[int, IndexResult | KidxError] = {}
     works: list[Work] = []  # read and chunked, not yet written
     written: list[int] = []
+    limit = options.max_consecutive_failures
+    unembedded = 0  # items that asked for vectors and got not one
+    refusing: IndexAborted | None = None  # set when the provider takes no text at all
+
+    def count_vectors(plan: Plan) -> None:
+        """A provider that refuses each text alone (a 400 for every input) is not down as
+        the request count sees it: once N items got not one vector while the run has had no
+        text embedded at all, it stops (else every item costs N requests and fails alike).
+        An item refused among others that are embedded never stops it: its vectors, and its
+        abort, are its own."""
+        nonlocal unembedded, refusing
+        if not plan.failed or len(plan.vectors) > len(plan.reuse):
+            return
+        unembedded += 1
+        assert queue is not None
+        if unembedded >= limit and queue.embedded == 0 and refusing is None:
+            refusing = IndexAborted(
+                f"the provider embedded no text of {unembedded} items, last: {plan.last_error}",
+                transient=isinstance(plan.last_error, TransientProviderError),
+                retry_after=getattr(plan.last_error, "retry_after", None),
+            )
 
     def done(item_id: int, outcome: IndexResult | KidxError) -> None:
         out[item_id] = outcome
@@ -99,6 +130,8 @@ def index_items(
         if not ready and not fresh:  # (always so without a provider: every item skipped)
             return None
         assert embedder is not None
+        for w in ready:
+            count_vectors(w.plan)
         indexed: list[tuple[Work, IndexResult]] = []
         halt: KidxError | None = None
         try:
@@ -124,8 +157,8 @@ def index_items(
                     writing = False
                     try:
                         with recorded_outcome(db, w.item.id, task_id, w.started, w.log):
-                            if (nothing := none_embedded(w.plan)) is not None:
-                                raise nothing
+                            if (aborted := abort_of(w.plan)) is not None:
+                                raise aborted  # its own: N failed in a row, or not one
                             check(cancel)
                             writing = True
                             result = write_item(db, w, embedder.model_id, options, orphans=alone)
@@ -186,11 +219,21 @@ def index_items(
 
     queue = None
     if embedder is not None:
-        counter = FailureCounter(options.max_consecutive_failures, log.bind(task_id=task_id))
-        requests = Requests(options.max_consecutive_failures, options.streak)
-        queue = EmbedQueue(embedder, cancel, counter, requests)
+        failures = PlanFailures(limit, log.bind(task_id=task_id))
+        queue = EmbedQueue(embedder, cancel, failures, Requests(limit, options.streak))
     stop: KidxError | None = None
     halted = False  # stopped by the database refusing writes, not by the provider
+
+    def advance() -> None:
+        """Send the next batch, and write what is ready; `stop` says when the run must."""
+        nonlocal stop, halted
+        assert queue is not None
+        queue.send()
+        if (halt := write_ready()) is not None:
+            stop, halted = halt, True
+        elif refusing is not None:
+            stop = refusing
+
     try:
         for position, item_id in enumerate(item_ids):
             if deadline is not None and position and time.monotonic() > deadline:
@@ -214,17 +257,13 @@ def index_items(
             queue.add(w.plan)
             try:
                 while stop is None and queue.full():  # what was read meanwhile is written
-                    queue.send()
-                    stop = write_ready()
-                    halted = stop is not None
+                    advance()
             except (IndexAborted, PermanentProviderError) as e:
                 stop = e
         if queue is not None and stop is None:
             try:
                 while stop is None and queue.todo:
-                    queue.send()
-                    stop = write_ready()
-                    halted = stop is not None
+                    advance()
                 if stop is None:
                     queue.wait()
             except (IndexAborted, PermanentProviderError) as e:
@@ -232,12 +271,12 @@ def index_items(
         if stop is None:
             write_ready()
         else:  # what has every vector is written (unless the database refused writes); the
-            # rest keeps its previous index
+            # rest keeps its previous index, with its own abort if it has one
             for w in [w for w in works if halted or w.plan.waiting or w.plan.failed]:
                 works.remove(w)
                 try:
                     with recorded_outcome(db, w.item.id, task_id, w.started, w.log):
-                        raise stop
+                        raise w.plan.aborted or stop
                 except KidxError as e:
                     done(w.item.id, e)
             if not halted:

@@ -1,9 +1,10 @@
 """Embedding what is not reused, shared by every kind of item: batches, a failing batch retried
 text by text (one bad input costs one vector, not the batch), and two failure counts, each of
-which aborts the run at three in a row (with the cause and whether a retry may help): failed
-vectors (an input the provider refuses, a vec write), and failed provider requests, a
-`Streak` that the runs of a batch share (tasks/ keeps it in Redis), so that a dead provider
-stops the whole batch after three requests, not three a run."""
+which aborts at three in a row (with the cause and whether a retry may help): failed vectors
+(an input the provider refuses), counted for each item (`Plan`) on its own, so that one bad
+document aborts itself and never the items whose texts shared its requests; and failed
+provider requests, a `Streak` that the runs of a batch share (tasks/ keeps it in Redis), so
+that a dead provider stops the whole batch after three requests, not three a run."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class Plan:
     last_error: ProviderError | None = None
     item_id: int | None = None  # named in the failure log lines of a batch spanning items
     waiting: int = 0  # texts queued or in flight (EmbedQueue, on the caller's thread)
+    in_a_row: int = 0  # its vectors that failed in a row (the embedding thread's)
+    aborted: IndexAborted | None = None  # N failed in a row: its other texts are not sent
 
     def done(self) -> bool:
         """Whether every chunk has its vector or its failure."""
@@ -99,6 +102,20 @@ class Requests:
             raise self._abort(str(error), error)
 
 
+def too_many(limit: int, cause: str, error: Exception | None) -> IndexAborted:
+    """The abort of `limit` vectors failed in a row; transient when the last one was."""
+    return IndexAborted(
+        f"{limit} consecutive vector failures, last: {cause}",
+        transient=isinstance(error, TransientProviderError),
+        retry_after=getattr(error, "retry_after", None),
+    )
+
+
+def _log_failed(log_: Any, chunk_index: int, cause: str, item_id: int | None) -> None:
+    where = {"chunk_index": chunk_index} | ({"item_id": item_id} if item_id is not None else {})
+    log_.warning(f"{KI_EMBED} vector failed", **where, reason=cause)
+
+
 class FailureCounter:
     """Counts vector failures; the third in a row aborts the run."""
 
@@ -119,14 +136,31 @@ class FailureCounter:
         item_id: int | None = None,
     ) -> None:
         self.in_a_row += 1
-        where = {"chunk_index": chunk_index} | ({"item_id": item_id} if item_id is not None else {})
-        self.log.warning(f"{KI_EMBED} vector failed", **where, reason=cause)
+        _log_failed(self.log, chunk_index, cause, item_id)
         if self.in_a_row >= self.limit:
-            raise IndexAborted(
-                f"{self.limit} consecutive vector failures, last: {cause}",
-                transient=isinstance(error, TransientProviderError),
-                retry_after=getattr(error, "retry_after", None),
-            )
+            raise too_many(self.limit, cause, error)
+
+
+class PlanFailures:
+    """Vector failures counted for each plan on its own: the Nth in a row of one plan aborts
+    that plan (`Plan.aborted`; its texts not yet sent are dropped), not the requests' other
+    plans. A run of many items shares its requests: one count for all made a bad document
+    abort every item not yet written, in every run it was part of. Used on the embedding
+    thread only."""
+
+    def __init__(self, limit: int, log_: Any) -> None:
+        self.limit, self.log = limit, log_
+
+    def ok(self, plan: Plan) -> None:
+        plan.in_a_row = 0
+
+    def fail(self, plan: Plan, i: int, error: ProviderError) -> None:
+        plan.failed[i] = str(error)
+        plan.last_error = error
+        plan.in_a_row += 1
+        _log_failed(self.log, plan.chunks[i].index, str(error), plan.item_id)
+        if plan.in_a_row >= self.limit and plan.aborted is None:
+            plan.aborted = too_many(self.limit, str(error), error)
 
 
 def check(cancel: CancelCheck | None) -> None:
@@ -140,19 +174,21 @@ class EmbedQueue:
     that did both in turn would leave the provider idle while it works, and wait on it
     otherwise). A plan is only read by the caller: its `waiting` count is kept here, on the
     caller's thread, and it is ready once every text it queued has come back, as a vector or a
-    failure. One request at a time keeps the failure count in order (three in a row abort).
-    `cancel` is called from that thread too: it must be thread-safe (CancelToken is)."""
+    failure, or was dropped (the plan aborted). One request at a time keeps each plan's failure
+    count in order (three in a row abort that plan). `cancel` is called from that thread too:
+    it must be thread-safe (CancelToken is)."""
 
     def __init__(
         self,
         embedder: EmbeddingModel,
         cancel: CancelCheck | None,
-        counter: FailureCounter,
+        failures: PlanFailures,
         requests: Requests | None = None,
     ) -> None:
-        self.embedder, self.cancel, self.counter = embedder, cancel, counter
-        self.requests = requests or Requests(counter.limit)
+        self.embedder, self.cancel, self.failures = embedder, cancel, failures
+        self.requests = requests or Requests(failures.limit)
         self.todo: deque[tuple[Plan, int]] = deque()
+        self.embedded = 0  # texts that came back as a vector
         self._inflight: tuple[Future[None], list[tuple[Plan, int]]] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kidx-embed")
 
@@ -169,23 +205,35 @@ class EmbedQueue:
         """Send the next batch (up to the batch size), once the request in flight is back.
         Raises what a request raised (IndexAborted, PermanentProviderError) and Cancelled."""
         check(self.cancel)
-        batch = [self.todo.popleft() for _ in range(min(self.embedder.batch_size, len(self.todo)))]
-        self.wait()
+        self.wait()  # first: a plan that request aborted has no text in the next
+        if not self.todo:
+            return
         self.requests.before()  # the batch's provider is down: nothing more is sent
+        batch = [self.todo.popleft() for _ in range(min(self.embedder.batch_size, len(self.todo)))]
         future = self._pool.submit(
-            embed_batch, batch, self.embedder, self.cancel, self.counter, self.requests
+            embed_batch, batch, self.embedder, self.cancel, self.failures, self.requests
         )
         self._inflight = (future, batch)
 
     def wait(self) -> None:
-        """Wait for the request in flight, if any; its plans' texts are then back."""
+        """Wait for the request in flight, if any; its plans' texts are then back, and the
+        queued texts of a plan it aborted are dropped."""
         if self._inflight is None:
             return
         future, batch = self._inflight
         self._inflight = None
         future.result()
-        for p, _ in batch:
+        for p, i in batch:
             p.waiting -= 1
+            self.embedded += i in p.vectors
+        if any(p.aborted is not None for p, _ in batch):
+            kept: deque[tuple[Plan, int]] = deque()
+            for p, i in self.todo:
+                if p.aborted is None:
+                    kept.append((p, i))
+                else:
+                    p.waiting -= 1
+            self.todo = kept
 
     def close(self) -> None:
         """Stop sending; a request still in flight ends on its own (nobody reads its plans)."""
@@ -197,12 +245,13 @@ def embed_batch(
     batch: Sequence[tuple[Plan, int]],
     embedder: EmbeddingModel,
     cancel: CancelCheck | None,
-    counter: FailureCounter,
+    failures: PlanFailures,
     requests: Requests,
 ) -> None:
     """One request of up to the batch size; a failing batch is retried text by text, so that
-    one bad input costs one vector, not the batch. Raises IndexAborted (N failed vectors or
-    requests in a row) and PermanentProviderError (refused as a whole)."""
+    one bad input costs one vector, not the batch. A plan whose vectors fail N times in a row
+    is aborted (`Plan.aborted`), the others go on. Raises IndexAborted (N failed requests in a
+    row) and PermanentProviderError (refused as a whole)."""
     check(cancel)
     try:
         vectors = embedder.embed_checked([p.input_of(i) for p, i in batch])
@@ -210,16 +259,19 @@ def embed_batch(
         requests.failed(e)
         if isinstance(e, PermanentProviderError) and not e.per_input:
             raise
-        _one_by_one(batch, embedder, cancel, counter, requests, e)
+        _one_by_one(batch, embedder, cancel, failures, requests, e)
     else:
         for (p, i), vector in zip(batch, vectors, strict=True):
             p.vectors[i] = to_blob(vector)
+            failures.ok(p)
         requests.ok()
-        counter.ok()
 
 
-def none_embedded(p: Plan) -> IndexAborted | None:
-    """Why a plan must not be written: texts were to be embedded and not one came back."""
+def abort_of(p: Plan) -> IndexAborted | None:
+    """Why a plan must not be written: N of its vectors failed in a row, or texts were to be
+    embedded and not one came back."""
+    if p.aborted is not None:
+        return p.aborted
     if not p.failed or len(p.failed) != len(p.chunks) - len(p.reuse):
         return None
     return IndexAborted(
@@ -233,14 +285,16 @@ def _one_by_one(
     batch: Sequence[tuple[Plan, int]],
     embedder: EmbeddingModel,
     cancel: CancelCheck | None,
-    counter: FailureCounter,
+    failures: PlanFailures,
     requests: Requests,
     error: ProviderError,
 ) -> None:
     if len(batch) == 1:
-        _failed(*batch[0], counter, error)
+        failures.fail(*batch[0], error)
         return
     for p, i in batch:
+        if p.aborted is not None:
+            continue  # aborted earlier in this batch: its other texts are not sent
         check(cancel)
         requests.before()
         try:
@@ -249,14 +303,8 @@ def _one_by_one(
             requests.failed(e)
             if isinstance(e, PermanentProviderError) and not e.per_input:
                 raise
-            _failed(p, i, counter, e)
+            failures.fail(p, i, e)
         else:
             p.vectors[i] = to_blob(vectors[0])
             requests.ok()
-            counter.ok()
-
-
-def _failed(plan: Plan, i: int, counter: FailureCounter, error: ProviderError) -> None:
-    plan.failed[i] = str(error)
-    plan.last_error = error
-    counter.fail(plan.chunks[i].index, str(error), error, item_id=plan.item_id)
+            failures.ok(p)
