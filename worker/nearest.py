@@ -5,6 +5,7 @@ each on their own (note search, with its one-hit-per-item merge, is `worker.retr
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -123,14 +124,49 @@ def _unit(vector: np.ndarray) -> np.ndarray:
 
 @dataclass
 class _Held:
-    version: tuple[int, int]
+    version: tuple[int, ...]  # Database.change_version() when read
     keys: np.ndarray
     units: np.ndarray  # the vectors at unit length (a zero vector stays zero)
+    nbytes: int  # what it holds, its cache key's parameters included
 
 
-_HELD: weakref.WeakKeyDictionary[Database, dict[tuple[Any, ...], _Held]] = (
-    weakref.WeakKeyDictionary()
-)
+class _Holding(OrderedDict[tuple[Any, ...], _Held]):
+    """What one connection's exact searches read, by their SQL and parameters, the least
+    recently used first, all of one change_version (a change leaves none valid), within one
+    budget for the connection however many filters its searches use: with a budget for each,
+    300 searches with different item ids held 82 MB on a 1 MB setting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def fresh(self, version: tuple[int, ...]) -> _Holding:
+        """Itself, emptied if what it holds is of another version."""
+        if self and next(reversed(self.values())).version != version:
+            self.clear()
+            self.nbytes = 0
+        return self
+
+    def use(self, key: tuple[Any, ...]) -> _Held | None:
+        """The entry held for `key`, now the most recently used."""
+        entry = self.get(key)
+        if entry is not None:
+            self.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple[Any, ...], entry: _Held, budget: int) -> None:
+        """Hold `entry`, dropping the least recently used until all fit in `budget` bytes."""
+        if key in self:
+            self.nbytes -= self.pop(key).nbytes
+        if entry.nbytes > budget:
+            return
+        while self and self.nbytes + entry.nbytes > budget:
+            self.nbytes -= self.popitem(last=False)[1].nbytes
+        self[key] = entry
+        self.nbytes += entry.nbytes
+
+
+_HELD: weakref.WeakKeyDictionary[Database, _Holding] = weakref.WeakKeyDictionary()
 
 
 def exact_nearest(
@@ -149,23 +185,27 @@ def exact_nearest(
     `nearest`. Vectors are read a block at a time into one matrix and scored with one product
     (memory stays bounded; a Python loop per row made this 46x numpy at 100k rows).
 
-    `hold_mb`: a search process may keep what it read, up to this many MB, for its next searches
-    until the database changes (`Database.change_version`): reading is most of the cost (SQLite
-    hands over 100k 1.5 KB blobs in ~200 ms, 30x the product itself), so a process that searches
-    repeatedly without sqlite-vec pays it once a change."""
+    `hold_mb`: a search process may keep what it read, up to this many MB for all its searches
+    on `db` (the least recently used go first), for its next searches until the database
+    changes (`Database.change_version`): reading is most of the cost (SQLite hands over 100k
+    1.5 KB blobs in ~200 ms, 30x the product itself), so a process that searches repeatedly
+    without sqlite-vec pays it once a change."""
     dims = len(vector)
     unit = _unit(vector)
-    version = db.change_version() if hold_mb else (0, 0)
+    budget = hold_mb * 1_000_000
     key = (sql, tuple(before), model, dims)
-    held = _HELD.get(db, {}).get(key) if hold_mb else None
-    if held is not None and held.version == version:
-        return _top(held.keys, 1.0 - _dot(held.units, unit), k)
+    version = db.change_version() if hold_mb else ()  # before reading: see the end
+    held = _HELD.setdefault(db, _Holding()).fresh(version) if hold_mb else None
+    entry = held.use(key) if held is not None else None
+    if entry is not None:
+        return _top(entry.keys, 1.0 - _dot(entry.units, unit), k)
     paged = sql.replace("SELECT ", "SELECT r.rowid, ", 1)
     keys = np.empty(0, dtype=np.int64)
     dist = np.empty(0, dtype=np.float32)
-    kept_keys: list[np.ndarray] | None = [] if hold_mb else None
+    # the key's parameters count too: a filter's list of ids can outweigh its few vectors
+    size = len(sql) + sum(len(p) if isinstance(p, str | bytes) else 8 for p in before)
+    kept_keys: list[np.ndarray] | None = [] if held is not None else None
     kept_units: list[np.ndarray] = []
-    budget = hold_mb * 1_000_000
     last = -1
     while True:
         rows = db.all(paged, (*before, model, dims, last, BLOCK))
@@ -176,8 +216,8 @@ def exact_nearest(
         block_keys = np.fromiter((r[1] for r in rows), np.int64, len(rows))
         units = unit_rows(matrix)
         if kept_keys is not None:
-            budget -= units.nbytes + block_keys.nbytes
-            if budget < 0:
+            size += units.nbytes + block_keys.nbytes
+            if size > budget:
                 kept_keys = None  # too many to hold: this search only
                 kept_units.clear()
             else:
@@ -188,10 +228,12 @@ def exact_nearest(
         if len(keys) > k + BLOCK:  # keep the k best and their ties: no other can win
             keep = dist <= np.partition(dist, k - 1)[k - 1]
             keys, dist = keys[keep], dist[keep]
-    if kept_keys is not None:
+    if held is not None and kept_keys is not None:
         all_keys = np.concatenate(kept_keys) if kept_keys else np.empty(0, dtype=np.int64)
         all_units = np.concatenate(kept_units) if kept_units else np.empty((0, dims), np.float32)
-        _HELD.setdefault(db, {})[key] = _Held(version, all_keys, all_units)
+        # Held under the version read before: a commit by another connection between two
+        # blocks moves it, so what mixes two states is never used.
+        held.put(key, _Held(version, all_keys, all_units, size), budget)
     return _top(keys, dist, k)
 
 
