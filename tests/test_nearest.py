@@ -1,5 +1,6 @@
-"""The in-memory search paths (worker.nearest) against a real SQLite file with sqlite-vec: what
-a search process holds between searches (one budget a connection)."""
+"""The in-memory search paths (worker.nearest, worker.hamming) against a real SQLite file with
+sqlite-vec: what a search process holds between searches (one budget a connection, nothing of a
+rolled-back write)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,15 @@ from worker.settings import SearchSettings
 from worker.store import connect
 from worker.store.db import Database
 from worker.store.items import add_item
+from worker.store.removal import delete_items
 
 CHAPTERS = ["ch04-01-what-is-ownership.md", "ch08-03-hash-maps.md", "ch15-01-box.md"]
+TWO_PASSES = SearchSettings(exact_below=0, oversample=2)
 FRESH = SearchSettings(fallback_hold_mb=0)  # nothing held: reads the rows every time
+
+
+class Rollback(Exception):
+    """Raised inside a unit of work to roll it back."""
 
 
 @pytest.fixture
@@ -92,3 +99,70 @@ def test_a_change_lets_go_of_everything_held_before_it(notes_db, no_vec, fake):
     index_item(db, add_item(db, kind="note", title="New", content="A later note."), embedder=fake)
     search_chunks(no_vec, "heap", fake, k=3, mode="vector")
     assert len(nearest._HELD[no_vec]) == 1
+
+
+# -- nothing of a rolled-back write is held --------------------------------------------------------
+
+
+def test_change_version_moves_when_a_transaction_or_a_savepoint_rolls_back(db):
+    """A rollback restores rows but moves neither PRAGMA data_version nor total_changes."""
+    first = db.change_version()
+    with pytest.raises(Rollback), db.atomic():
+        db.execute("INSERT INTO memories(content) VALUES ('gone')")
+        inside = db.change_version()
+        raise Rollback
+    assert db.change_version() not in (first, inside)
+    with db.atomic():
+        db.execute("INSERT INTO memories(content) VALUES ('kept')")
+        with pytest.raises(Rollback), db.atomic():
+            db.execute("INSERT INTO memories(content) VALUES ('gone')")
+            inside = db.change_version()
+            raise Rollback
+        assert db.change_version() != inside
+    db.execute("BEGIN")  # a rollback that does not go through atomic(): SQLite's hook sees it
+    db.execute("INSERT INTO memories(content) VALUES ('gone')")
+    inside = db.change_version()
+    db.execute("ROLLBACK")
+    assert db.change_version() != inside
+    assert [r[0] for r in db.all("SELECT content FROM memories")] == ["kept"]
+
+
+def test_a_rolled_back_transaction_leaves_nothing_held_for_the_next_search(no_vec, fake):
+    with pytest.raises(Rollback), no_vec.atomic():
+        ghost = add_item(no_vec, kind="note", title="Ghost", content="A note rolled back.")
+        index_item(no_vec, ghost, embedder=fake)
+        query = fake.calls[-1][0]
+        inside = search_chunks(no_vec, query, fake, k=3, mode="vector")
+        assert inside.hits[0].item_id == ghost  # held with the ghost
+        raise Rollback
+    after = search_chunks(no_vec, query, fake, k=3, mode="vector")
+    assert ghost not in [h.item_id for h in after.hits] and len(after.hits) == 3
+    assert chunk_ids(after) == chunk_ids(
+        search_chunks(no_vec, query, fake, k=3, tuning=FRESH, mode="vector")
+    )
+
+
+def test_a_rolled_back_savepoint_leaves_nothing_held_for_the_rest_of_its_transaction(no_vec, fake):
+    with no_vec.atomic():
+        with pytest.raises(Rollback), no_vec.atomic():
+            ghost = add_item(no_vec, kind="note", title="Ghost", content="A unit rolled back.")
+            index_item(no_vec, ghost, embedder=fake)
+            query = fake.calls[-1][0]
+            inside = search_chunks(no_vec, query, fake, k=3, mode="vector")
+            assert inside.hits[0].item_id == ghost
+            raise Rollback
+        after = search_chunks(no_vec, query, fake, k=3, mode="vector")
+        assert ghost not in [h.item_id for h in after.hits] and len(after.hits) == 3
+
+
+def test_the_bits_held_for_two_passes_come_back_with_a_rolled_back_delete(notes_db, fake):
+    db, _ids = notes_db
+    before = search_chunks(db, "borrowing", fake, k=5, mode="vector", tuning=TWO_PASSES)
+    target = before.hits[0].item_id
+    with pytest.raises(Rollback), db.atomic():
+        delete_items(db, [target])  # its chunks' bits go from vec_chunk_bits
+        inside = search_chunks(db, "borrowing", fake, k=5, mode="vector", tuning=TWO_PASSES)
+        assert target not in [h.item_id for h in inside.hits]  # the bits are held without them
+        raise Rollback
+    after = search_chunks(db, "borrowing", fake, k=5, mode="vector", tuning=TWO_PASSES)
+    assert chunk_ids(after) == chunk_ids(before)

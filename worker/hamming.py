@@ -31,7 +31,7 @@ _FAR = np.int32(1 << 30)
 
 @dataclass
 class _Bits:
-    version: tuple[int, int]
+    version: tuple[int, ...]  # Database.change_version() when read
     ids: np.ndarray  # int64, one per slot
     words: np.ndarray  # uint64, (words per vector, slots): a column a word, for speed
     valid: np.ndarray  # bool, one per slot

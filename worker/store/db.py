@@ -51,6 +51,16 @@ def _sha256(value: bytes | None) -> str | None:
     return None if value is None else hashlib.sha256(value).hexdigest()
 
 
+class _Counter:
+    """A count that is also a callback (a connection's rollback hook)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> None:
+        self.n += 1
+
+
 class Database:
     """One SQLite connection with the project's settings and small query helpers."""
 
@@ -96,6 +106,12 @@ class Database:
         self._on_commit: list[tuple[int, Callable[[], None]]] = []  # (depth, what)
         self._busy_since = 0.0
         self.resolution: Resolution | None = None
+        # Rollbacks on this connection, counted for `change_version`: a rollback restores rows
+        # but moves neither data_version nor total_changes. SQLite's hook sees every rollback
+        # of a whole transaction (ours, a failed COMMIT's, its own on SQLITE_FULL), not a
+        # savepoint's: `_undo` counts those.
+        self._rollbacks = _Counter()  # not a bound method: the hook would keep self alive
+        self.conn.set_rollback_hook(self._rollbacks)
 
     def _busy(self, prior_calls: int) -> bool:
         """Wait for another writer's lock, polling every fraction of a millisecond at first.
@@ -170,11 +186,15 @@ class Database:
             self._instance = str(value)[:64]  # a host may have written anything there
         return self._instance
 
-    def change_version(self) -> tuple[int, int]:
+    def change_version(self) -> tuple[int, int, int]:
         """Moves whenever the database changes: another connection's commit (`PRAGMA
-        data_version`) or this connection's own writes. What a reader keeps is valid while it
-        stays the same."""
-        return int(self.scalar("PRAGMA data_version")), int(self.conn.total_changes())
+        data_version`), this connection's own writes, or its rollback of them (of a transaction
+        or a savepoint). What a reader keeps is valid while it stays the same."""
+        return (
+            int(self.scalar("PRAGMA data_version")),
+            int(self.conn.total_changes()),
+            self._rollbacks.n,
+        )
 
     def dicts(self, sql: str, params: Params = ()) -> list[dict[str, Any]]:
         cur = self.conn.cursor()
@@ -268,6 +288,7 @@ class Database:
     def _undo(self) -> None:
         """Roll back the unit that failed (a savepoint, or the whole transaction), unless
         SQLite has already rolled the transaction back; the first error is the one raised."""
+        self._rollbacks()  # SQLite's rollback hook does not see a savepoint's
         if self.conn.get_autocommit():
             return
         try:
