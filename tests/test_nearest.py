@@ -1,6 +1,6 @@
 """The in-memory search paths (worker.nearest, worker.hamming) against a real SQLite file with
 sqlite-vec: what a search process holds between searches (one budget a connection, nothing of a
-rolled-back write)."""
+rolled-back write), and ties by id on every path."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from conftest import FakeEmbedder, corpus_text
 from worker import nearest
 from worker.bulk import index_item
+from worker.indexers.memories import add_memory, search_memories
 from worker.retrieval import Filters, search_chunks
 from worker.settings import SearchSettings
 from worker.store import connect
@@ -166,3 +167,28 @@ def test_the_bits_held_for_two_passes_come_back_with_a_rolled_back_delete(notes_
         raise Rollback
     after = search_chunks(db, "borrowing", fake, k=5, mode="vector", tuning=TWO_PASSES)
     assert chunk_ids(after) == chunk_ids(before)
+
+
+# -- ties by id on every path ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("twins", [6, 40])
+def test_twins_come_back_by_id_on_the_vec_path_and_the_fallback_alike(
+    db, fake, emb_settings, twins
+):
+    """The same memory saved several times: sqlite-vec returned the twins highest id first, the
+    fallback lowest first; and with more twins than its first fetch (32 rows), sqlite-vec's cut
+    left the lowest ids out."""
+    for i in range(5):
+        add_memory(db, f"filler memory {i}", fake)
+    same = [add_memory(db, "the user likes rust", fake) for _ in range(twins)]
+    no_vec = connect(db.path, embedding=emb_settings, vec=False)
+    try:
+        for k in (3, 6):
+            found, via, _ = search_memories(db, "the user likes rust", fake, k=k)
+            exact, fallback, _ = search_memories(no_vec, "the user likes rust", fake, k=k)
+            assert (via, fallback) == ("vec", "fallback")
+            assert [m.memory_id for m in found] == same[:k]
+            assert [m.memory_id for m in exact] == same[:k]
+    finally:
+        no_vec.close()

@@ -83,11 +83,15 @@ def nearest(
                 f"SELECT v.{table.key}, {NO_DIRECTION}, r.{table.source_key} IS NOT NULL FROM "
                 f"(SELECT {table.key}, distance FROM {table.name} WHERE embedding MATCH ? AND "
                 f"k = ?) v LEFT JOIN ({table.source} r {live}) ON r.{table.source_key} = "
-                f"v.{table.key} AND r.model = ? ORDER BY 2",
+                f"v.{table.key} AND r.model = ? ORDER BY 2, 1",
                 (q.tobytes(), fetch, model),
             )
-            found = [(int(key), float(d)) for key, d, ok in rows if ok]
-            return found[:k], len(found) >= k or len(rows) < fetch
+            found = [(int(key), float(d)) for key, d, ok in rows if ok][:k]
+            # sqlite-vec cuts its `fetch` rows anywhere in a tie (twins: the same text twice),
+            # and a left-out twin may have a lower key, the one every other path puts first:
+            # enough only once the rows reach past the k-th distance, or the table ends.
+            past = len(found) >= k and (not found or rows[-1][1] > found[-1][1])
+            return found, past or len(rows) < fetch
 
         found = widening(max(2 * k, 32), KNN_MAX, attempt)
         if found is not None:
