@@ -1,14 +1,18 @@
 """The in-memory search paths (worker.nearest, worker.hamming) against a real SQLite file with
 sqlite-vec: what a search process holds between searches (one budget a connection, nothing of a
-rolled-back write), and ties by id on every path."""
+rolled-back write), ties by id on every path, and vectors without a direction (NaN, zeros) that
+a host wrote."""
 
 from __future__ import annotations
 
+import math
+import zlib
 from typing import Any
 
+import numpy as np
 import pytest
 
-from conftest import FakeEmbedder, corpus_text
+from conftest import DIMS, FakeEmbedder, corpus_text
 from worker import nearest
 from worker.bulk import index_item
 from worker.indexers.memories import add_memory, search_memories
@@ -18,6 +22,7 @@ from worker.store import connect
 from worker.store.db import Database
 from worker.store.items import add_item
 from worker.store.removal import delete_items
+from worker.store.vec import vec_replace
 
 CHAPTERS = ["ch04-01-what-is-ownership.md", "ch08-03-hash-maps.md", "ch15-01-box.md"]
 TWO_PASSES = SearchSettings(exact_below=0, oversample=2)
@@ -192,3 +197,91 @@ def test_twins_come_back_by_id_on_the_vec_path_and_the_fallback_alike(
             assert [m.memory_id for m in exact] == same[:k]
     finally:
         no_vec.close()
+
+
+# -- vectors without a direction -------------------------------------------------------------------
+
+
+def test_rows_of_nan_or_infinity_are_at_distance_one():
+    matrix = np.array(
+        [[np.nan] * 4, [np.inf, 0, 0, 0], [0.0] * 4, [1.0, 0, 0, 0], [1, np.nan, 0, 0]],
+        dtype=np.float32,
+    )
+    with np.errstate(invalid="ignore"):
+        got = nearest.distances(matrix, np.array([1.0, 0, 0, 0], dtype=np.float32))
+    assert got.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
+
+
+def test_chunk_vectors_of_nan_a_host_wrote_score_zero_on_every_path(db, fake, emb_settings):
+    """8 of 12 chunk vectors NaN: the exact path (filtered, or without sqlite-vec) found
+    nothing (NaN as the k-th best drops every row), two passes ranked them first with score
+    NaN. Every path now gives the same ten: those nearer than distance 1, then the NaN rows by
+    id, with score 0."""
+    for n in range(12):
+        item = add_item(db, kind="note", title=f"n{n}", content=f"alpha note number {n}.\n")
+        index_item(db, item, embedder=fake)
+    nan = np.full(DIMS, np.nan, dtype="<f4").tobytes()
+    chunks = [r[0] for r in db.all("SELECT id FROM note_chunks ORDER BY id")]
+    for chunk in chunks[:8]:  # the relational row and its vec0 mirror alike
+        db.execute("UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = ?", (nan, chunk))
+        vec_replace(db, "vec_chunk_embeddings", chunk, nan)
+    no_vec = connect(db.path, embedding=emb_settings, vec=False)
+    try:
+        paths = {
+            "vec0": search_chunks(db, "alpha", fake, k=10, mode="vector"),
+            "filtered exact": search_chunks(
+                db, "alpha", fake, k=10, mode="vector", filters=Filters(kinds=("note",))
+            ),
+            "fallback": search_chunks(no_vec, "alpha", fake, k=10, mode="vector"),
+            "fallback, held": search_chunks(no_vec, "alpha", fake, k=10, mode="vector"),
+            "two passes": search_chunks(db, "alpha", fake, k=10, mode="vector", tuning=TWO_PASSES),
+        }
+    finally:
+        no_vec.close()
+    want = chunk_ids(paths["vec0"])
+    # three of the four others are nearer than no direction at all, the fourth is farther
+    assert want[3:] == chunks[:7] and not set(want[:3]) & set(chunks[:8])
+    for name, result in paths.items():
+        assert chunk_ids(result) == want, name
+        assert all(math.isfinite(h.score) for h in result.hits), name
+        assert [h.score for h in result.hits[3:]] == [0.0] * 7, name
+        assert all(h.score > 0 for h in result.hits[:3]), name
+
+
+class Placed(FakeEmbedder):
+    """Vectors by the text's first word: the query along one axis, `near N` close to it (the
+    smaller N, the closer), anything else along another axis."""
+
+    def embed_batch(self, texts: list[str]) -> np.ndarray:
+        out = np.zeros((len(texts), self.dimensions), dtype=np.float32)
+        for row, text in zip(out, texts, strict=True):
+            word, _, rest = text.partition(" ")
+            if word == "query":
+                row[0] = 1.0
+            elif word == "near":
+                row[0], row[1] = 1.0, 0.01 * int(rest)
+            else:
+                row[2], row[3 + zlib.crc32(text.encode()) % (self.dimensions - 3)] = 1.0, 0.5
+        return out
+
+
+@pytest.mark.parametrize("poison", ["nan", "zeros"])
+def test_one_memory_without_a_direction_never_makes_the_vec_path_answer_wrongly(db, poison):
+    """sqlite-vec's cosine distance to a vector of NaN or zeros is NaN, and its KNN then takes
+    that row, met first, for the nearest of its 1,024-row chunk, and drops the chunk's better
+    rows when it merges the next chunk: the nearest memories never came back. A table holding
+    such a vector is searched exactly, with the row at distance 1."""
+    placed = Placed()
+    bad = add_memory(db, "the memory a host spoils", placed)  # the first slot of vec0's chunk
+    near = [add_memory(db, f"near {n}", placed) for n in range(1, 11)]
+    for n in range(1100):  # into a second chunk of vec0
+        add_memory(db, f"far {n}", placed)
+    vector = np.full(DIMS, np.nan if poison == "nan" else 0.0, dtype="<f4").tobytes()
+    db.execute("UPDATE memory_embeddings SET vector = ? WHERE memory_id = ?", (vector, bad))
+    vec_replace(db, "vec_memories", bad, vector)
+    found, via, reason = search_memories(db, "query", placed, k=3)
+    assert [m.memory_id for m in found] == near[:3]
+    assert via == "fallback" and "without a direction" in str(reason)
+    # distance 1, the first of the rows at 1 (the far ones, at a right angle) by its id
+    eleven, _, _ = search_memories(db, "query", placed, k=11)
+    assert [m.memory_id for m in eleven] == [*near, bad] and eleven[-1].score == 0.0

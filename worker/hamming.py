@@ -62,6 +62,16 @@ def nearest_bits(db: Database, table: str, query_bits: bytes, fetch: int) -> lis
     return ids[distance[top] < _FAR].tolist()
 
 
+def known_layout(db: Database, table: str) -> bool:
+    """Whether vec0 table `table` keeps its vectors as sqlite-vec 0.1 does (one vector column):
+    its shadow tables are read directly only then."""
+    for part, sql in _SHADOW.items():
+        have = db.scalar("SELECT sql FROM sqlite_master WHERE name = ?", (f"{table}_{part}",))
+        if have != sql.format(t=table):
+            return False
+    return True
+
+
 def _load(db: Database, table: str, nbytes: int) -> _Bits | None:
     if nbytes % 8:
         return None  # dimensions not a multiple of 64: vec0's KNN serves
@@ -69,10 +79,8 @@ def _load(db: Database, table: str, nbytes: int) -> _Bits | None:
     cached = _CACHE.get(db, {}).get(table)
     if cached is not None and cached.version == version:
         return cached
-    for part, sql in _SHADOW.items():
-        have = db.scalar("SELECT sql FROM sqlite_master WHERE name = ?", (f"{table}_{part}",))
-        if have != sql.format(t=table):
-            return None
+    if not known_layout(db, table):
+        return None
     rows = db.all(
         f'SELECT c.size, c.validity, c.rowids, v.vectors FROM "{table}_chunks" c '
         f'JOIN "{table}_vector_chunks00" v ON v.rowid = c.chunk_id ORDER BY c.chunk_id'

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from worker import hamming
 from worker.store.db import Database
 from worker.store.vec import VecTable, sound, vec_table_dimensions
 
@@ -63,8 +64,50 @@ def widening(first: int, limit: int, attempt: Callable[[int], tuple[T, bool] | N
         fetch = min(fetch * 4, limit)
 
 
+_UNDIRECTED: weakref.WeakKeyDictionary[Database, dict[str, tuple[tuple[int, ...], bool]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def undirected(db: Database, table: str) -> bool:
+    """Whether vec0 table `table` holds a vector without a direction (zeros, NaN, infinite, or
+    too large or small to square in float32), which a host may write. sqlite-vec's cosine
+    distance to one is NaN, and its KNN then ranks every query wrongly, not only that row: it
+    takes a NaN it meets first in a chunk for the nearest, and merging chunks then leaves the
+    better rows behind it out (one such row among 2,048 made k=1 answer a row at distance 0.84
+    where one at 0.005 was). Read from the table's own storage (worker.hamming's layout; False
+    for another), once a change of the database: about the cost of one KNN."""
+    version = db.change_version()
+    cached = _UNDIRECTED.get(db, {}).get(table)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    found = False
+    if hamming.known_layout(db, table):
+        cursor = db.execute(
+            f'SELECT c.size, c.validity, v.vectors FROM "{table}_chunks" c '
+            f'JOIN "{table}_vector_chunks00" v ON v.rowid = c.chunk_id'
+        )
+        try:
+            for size, validity, vectors in cursor:  # a chunk at a time: 1.5 MB at 384 dims
+                if not size or len(validity) * 8 != size or len(vectors) % (4 * size):
+                    continue  # not the layout after all: vec0 serves as before
+                matrix = np.frombuffer(vectors, dtype="<f4").reshape(size, -1)
+                valid = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")
+                with np.errstate(over="ignore", invalid="ignore"):
+                    squares = np.einsum("ij,ij->i", matrix, matrix)  # float32, as sqlite-vec
+                    directed = np.isfinite(squares) & (squares > 0)
+                if (valid.astype(bool) & ~directed).any():
+                    found = True
+                    break
+        finally:
+            cursor.close()
+    _UNDIRECTED.setdefault(db, {})[table] = (version, found)
+    return found
+
+
 # sqlite-vec's distance to a vector of zeros (a host's row) is NULL: 1, as the exact path
-# scores it (a zero row stays zero, its dot product 0), rather than a crash of the search.
+# scores it (a zero row stays zero, its dot product 0), rather than a crash of the search. (Its
+# KNN misranks the other rows too while the table holds one: see `undirected`.)
 NO_DIRECTION = "ifnull(v.distance, 1.0)"
 
 
@@ -76,6 +119,8 @@ def nearest(
     q = np.asarray(vector, dtype="<f4")
     live = LIVE.get(table.name, "")
     reason = unavailable(db, table, len(q))
+    if reason is None and undirected(db, table.name):
+        reason = f"{table.name} holds a vector without a direction, which sqlite-vec misranks"
     if reason is None:
 
         def attempt(fetch: int) -> tuple[list[tuple[int, float]], bool]:
@@ -118,7 +163,19 @@ def unit_rows(matrix: np.ndarray) -> np.ndarray:
 
 def distances(matrix: np.ndarray, vector: np.ndarray) -> np.ndarray:
     """Cosine distance of each row to `vector`, as sqlite-vec computes it (a zero row: 1)."""
-    return 1.0 - _dot(unit_rows(matrix), _unit(vector))
+    return _distances(unit_rows(matrix), _unit(vector))
+
+
+def _distances(units: np.ndarray, unit: np.ndarray) -> np.ndarray:
+    """1 - each row's dot product with `unit`, and 1 where that is not a number: a row a host
+    wrote with NaN or infinite values has no direction, like a zero row (sqlite-vec's NULL
+    distance, NO_DIRECTION), rather than NaN, which drops every row from a top-k (any
+    comparison with it is false) or ranks first in a sort."""
+    dist = 1.0 - _dot(units, unit)
+    bad = ~np.isfinite(dist)
+    if bad.any():
+        dist[bad] = 1.0
+    return dist
 
 
 def _unit(vector: np.ndarray) -> np.ndarray:
@@ -202,7 +259,7 @@ def exact_nearest(
     held = _HELD.setdefault(db, _Holding()).fresh(version) if hold_mb else None
     entry = held.use(key) if held is not None else None
     if entry is not None:
-        return _top(entry.keys, 1.0 - _dot(entry.units, unit), k)
+        return _top(entry.keys, _distances(entry.units, unit), k)
     paged = sql.replace("SELECT ", "SELECT r.rowid, ", 1)
     keys = np.empty(0, dtype=np.int64)
     dist = np.empty(0, dtype=np.float32)
@@ -228,7 +285,7 @@ def exact_nearest(
                 kept_keys.append(block_keys)
                 kept_units.append(units)
         keys = np.concatenate([keys, block_keys])
-        dist = np.concatenate([dist, (1.0 - _dot(units, unit)).astype(np.float32)])
+        dist = np.concatenate([dist, _distances(units, unit).astype(np.float32)])
         if len(keys) > k + BLOCK:  # keep the k best and their ties: no other can win
             keep = dist <= np.partition(dist, k - 1)[k - 1]
             keys, dist = keys[keep], dist[keep]
