@@ -1,6 +1,7 @@
 """One item's failed vectors are its own: a document the provider refuses fails alone, whoever
-shared its embedding requests (a bulk run, a group task, a batch). A real SQLite file with
-sqlite-vec and the HTTP stand-in; the batch through a real prefork worker."""
+shared its embedding requests (a bulk run, a group task, a batch), and an edit whose new chunks
+are refused keeps the rest of its index. A real SQLite file with sqlite-vec and the HTTP
+stand-in; the batch through a real prefork worker."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 
 from stack import Stack, running_stack
 from tasks.producer import send_batch
-from worker.bulk import index_items
+from worker.bulk import index_item, index_items
+from worker.chunking import chunk_structure
 from worker.errors import IndexAborted
-from worker.store.items import add_item, get_state
+from worker.store.items import add_item, get_state, update_content
 from worker.store.jobs import get_batch
 
 
@@ -100,6 +102,48 @@ def test_a_provider_refusing_every_text_stops_a_bulk_run_after_three_items(db, e
     assert db.scalar("SELECT count(*) FROM note_chunks") == 0
     # The run stopped: the last items were never read, nor their texts sent.
     assert not any("r11word" in t for r in sent(standin) for t in r)
+
+
+# -- an edit (the item keeps what a single run gives it) ------------------------------------
+
+
+def test_an_edit_whose_one_new_chunk_is_refused_is_written_partial(db, embedder, standin):
+    item = add_item(db, kind="note", title="Edited", content=sections("doc", 10))
+    assert index_item(db, item, embedder=embedder).status == "indexed"
+    # One paragraph edited; the provider refuses it: the item is written, that chunk bare.
+    previous = db.all(
+        "SELECT start_offset, content FROM note_chunks WHERE item_id = ? ORDER BY chunk_index",
+        (item,),
+    )
+    edited = sections("doc", 10, poisoned={4})
+    update_content(db, item, edited)
+    standin.poison = "POISON"
+    result = index_item(db, item, embedder=embedder)
+    assert (result.status, result.embedded, result.failed) == ("partial", 0, 1)
+    assert result.reused == result.chunks - 1 >= 8 and "HTTP 400" in (result.error or "")
+    state = get_state(db, item)
+    assert state["status"] == "partial"
+    assert state["last_error"].startswith(f"1 of {result.chunks} chunks have no vector")
+    rows = chunks(db, item)  # the new version, the refused chunk without a vector
+    assert [c for _, c, _ in rows] == [
+        c.content for c in chunk_structure(edited, previous=previous)
+    ]
+    assert [("POISON" in c, has) for _, c, has in rows if "POISON" in c or not has] == [
+        (True, False)
+    ]
+    assert vec_rows(db, item) == result.chunks - 1
+    # Once the provider takes it, the next run embeds that chunk alone.
+    standin.poison = None
+    standin.texts.clear()
+    assert index_item(db, item, embedder=embedder).status == "indexed"
+    assert len(standin.texts) == 1 and "POISON" in standin.texts[0]
+    # Three new chunks refused in a row still abort the edit, the previous index intact.
+    before = chunks(db, item)
+    update_content(db, item, sections("doc", 10, poisoned={1, 2, 3, 4}))
+    standin.poison = "POISON"
+    with pytest.raises(IndexAborted, match="3 consecutive vector failures"):
+        index_item(db, item, embedder=embedder)
+    assert chunks(db, item) == before and get_state(db, item)["status"] == "failed"
 
 
 # -- a batch through a real worker (`kidx reindex`: groups of `kidx.index_group`) -----------

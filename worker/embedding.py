@@ -268,11 +268,13 @@ def embed_batch(
 
 
 def abort_of(p: Plan) -> IndexAborted | None:
-    """Why a plan must not be written: N of its vectors failed in a row, or texts were to be
-    embedded and not one came back."""
+    """Why a plan must not be written: N of its vectors failed in a row, or it would be
+    written without a single vector (none reused, not one embedded). Otherwise its failed
+    chunks are written without a vector and the item is `partial`: an edit whose one new
+    chunk is refused keeps the rest, as the same text indexed anew would."""
     if p.aborted is not None:
         return p.aborted
-    if not p.failed or len(p.failed) != len(p.chunks) - len(p.reuse):
+    if not p.failed or p.vectors:
         return None
     return IndexAborted(
         f"no chunk could be embedded: {next(iter(p.failed.values()))}",

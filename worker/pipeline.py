@@ -8,8 +8,10 @@ The rules:
 * Embedding happens outside any transaction; the write is one short transaction: chunks,
   relational vectors, vec rows (DELETE + INSERT), the whole-item vector for single-chunk content
   (removed when the content grows), repair of the mirror, the index state.
-* A failing vector is logged and counted; three in a row abort the item with its previous index
-  intact. An isolated failure leaves that chunk without a vector and the item `partial`.
+* A failing vector is logged and counted, for its item alone (items sharing requests never count
+  each other's); three in a row abort the item with its previous index intact. An isolated
+  failure leaves that chunk without a vector and the item `partial` (an edit's new chunk too:
+  the rest keeps its vectors); only an item that would have no vector at all fails instead.
 * Cancellation rolls back, leaves the previous index, marks the item `cancelled`, propagates.
 
 Every kind of item goes the same way, through its kind's indexer (`worker.indexers`): plan
