@@ -560,6 +560,24 @@ def test_a_failed_vec_write_leaves_that_chunk_unmirrored_and_the_item_partial(db
     assert [r[0] for r in unmirrored] == [at]
 
 
+def test_a_failed_vec_write_names_its_cause_in_the_state_and_the_result(db, embedder):
+    """The log had the cause; the item's state said only "vec write failed", and the result
+    (the task's, on the Tasks page) had no error at all."""
+    text = "\n\n".join(
+        f"## Part {j}\n\n" + " ".join(f"{'VECFAULT' if j == 2 else 'plain'}{k}" for k in range(40))
+        for j in range(4)
+    )
+    fail_vec_writes_of(db, "VECFAULT")
+    item = add_item(db, kind="note", title="Mirror", content=text)
+    result = index_item(db, item, embedder=embedder)
+    assert (result.status, result.chunks, result.failed) == ("partial", 4, 1)
+    assert result.error == "vec write: injected vec write failure"
+    state = get_state(db, item)
+    assert (
+        state["last_error"] == "1 of 4 chunks have no vector: vec write: injected vec write failure"
+    )
+
+
 def test_three_failed_vec_writes_in_a_row_roll_the_item_back(db, embedder):
     item = add_item(db, kind="note", title="Traits", content=corpus_text(CHAPTER))
     index_item(db, item, embedder=embedder)

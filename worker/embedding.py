@@ -40,6 +40,8 @@ class Plan:
     reuse: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     vectors: dict[int, bytes] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
+    # stored vectors whose vec row could not be written, and why (the indexer's write)
+    unmirrored: dict[int, str] = field(default_factory=dict)
     last_error: ProviderError | None = None
     item_id: int | None = None  # named in the failure log lines of a batch spanning items
     waiting: int = 0  # texts queued or in flight (EmbedQueue, on the caller's thread)
@@ -49,6 +51,10 @@ class Plan:
     def done(self) -> bool:
         """Whether every chunk has its vector or its failure."""
         return len(self.vectors) + len(self.failed) >= len(self.chunks)
+
+    def first_failure(self) -> str | None:
+        """Why the first vector that failed did: its embedding, else its vec write."""
+        return next(iter(self.failed.values()), None) or next(iter(self.unmirrored.values()), None)
 
 
 class Streak:

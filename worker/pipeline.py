@@ -293,7 +293,7 @@ def _result(w: Work, model: str, dims: int, failed: int, repaired: int) -> Index
         model=model,
         duration_ms=w.elapsed(),
         repaired=repaired,
-        error=next(iter(plan.failed.values()), None),
+        error=plan.first_failure() if failed else None,
         fallback=w.planned.fallback,
     )
 
@@ -324,7 +324,7 @@ def _record_all(
         plan, planned = w.plan, w.planned
         notes = []
         if failed:
-            first = next(iter(plan.failed.values()), "vec write failed")
+            first = plan.first_failure() or "vec write failed"
             notes.append(f"{failed} of {planned.chunk_count} chunks have no vector: {first}")
         if planned.fallback:
             notes.append(f"LLM chunking fell back to structure: {planned.fallback}")

@@ -83,7 +83,7 @@ class Indexer(ABC):
     ) -> tuple[int, int]:
         """Write the chunks and vectors in the caller's transaction, repairing the item's
         mirror (`orphans`: and looking for orphan vec rows); (rows repaired, vec writes that
-        failed)."""
+        failed). Why each failed goes in `plan.unmirrored`, for the item's state and result."""
 
     def write_new(
         self, db: Database, items: Sequence[tuple[Item, Planned]], model: str

@@ -177,7 +177,8 @@ def write_notes(
     orphans: bool = True,
 ) -> tuple[int, int]:
     """Write an item's chunks and vectors in the caller's transaction: (vec rows repaired, vec
-    writes that failed). Three failed vec writes in a row raise IndexAborted (rolled back).
+    writes that failed; why each failed goes in `plan.unmirrored`, for the item's state and
+    result). Three failed vec writes in a row raise IndexAborted (rolled back).
     `orphans=False`: the caller looks for orphan vec rows itself (repair_vectors)."""
     counter = FailureCounter(limit, ilog)
     vec_failed = 0
@@ -221,7 +222,8 @@ def write_notes(
         if mirror:
             vec_delete(db, "vec_chunk_embeddings", bare)
     if mirror and vectors:
-        vec_failed = _mirror_chunks(db, vectors, plan, ids, counter)
+        plan.unmirrored = _mirror_chunks(db, vectors, plan, ids, counter)
+        vec_failed = len(plan.unmirrored)
     _write_whole_item(db, item_id, plan, model, dims, mirror)
     fts_write_item(db, NOTES, item_id, current)
     report = repair_vectors(db, dims, item_id=item_id, orphans=orphans, kept=set(keep.values()))
@@ -299,27 +301,29 @@ def _mirror_chunks(
     plan: Plan,
     ids: dict[int, int],
     counter: FailureCounter,
-) -> int:
+) -> dict[int, str]:
     """The new chunks' vec rows (DELETE + INSERT: a stray row may hold an id), all at once;
     when that fails, row by row, each failure counted (three in a row abort). Returns the
-    rows that failed."""
+    rows that failed, by chunk (its position in the plan), with why: the item's state and
+    result name the cause, as they do an embedding's."""
     try:
         with db.atomic():
             vec_delete(db, "vec_chunk_embeddings", [chunk_id for chunk_id, _ in vectors])
             vec_insert(db, "vec_chunk_embeddings", vectors)
         counter.ok()
-        return 0
+        return {}
     except apsw.Error:
         pass
-    index_of = {chunk_id: plan.chunks[i].index for i, chunk_id in ids.items()}
-    failed = 0
+    position = {chunk_id: i for i, chunk_id in ids.items()}
+    failed: dict[int, str] = {}
     for chunk_id, vector in vectors:
         try:
             with db.atomic():
                 vec_replace(db, "vec_chunk_embeddings", chunk_id, vector)
         except apsw.Error as e:
-            failed += 1
-            counter.fail(index_of[chunk_id], f"vec write: {e}")
+            i = position[chunk_id]
+            failed[i] = f"vec write: {e}"
+            counter.fail(plan.chunks[i].index, failed[i])
         else:
             counter.ok()
     return failed
