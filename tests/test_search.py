@@ -911,3 +911,49 @@ def test_a_chunk_has_an_embedding_only_of_the_index_dimension(db_path, emb_setti
     db = connect(db_path, embedding=wide)
     assert {c["has_embedding"] for c in list_chunks(db, item)} == {False}
     db.close()
+
+
+def test_a_search_reads_one_snapshot_whatever_commits_meanwhile(
+    db, fake, emb_settings, monkeypatch
+):
+    """Ranking and reading the ranked rows were separate statements: an item deleted and
+    another indexed between them (new chunks take the freed ids) paired A's score with B's
+    text. The commit is made, deterministically, right before the rows are read."""
+    first = add_item(db, kind="note", title="A", content="alpha alpha alpha about apples.\n")
+    index_item(db, first, embedder=fake)
+    other = connect(db.path, embedding=emb_settings)
+    load = retrieval._load
+
+    def racing_load(*args: Any, **kwargs: Any) -> Any:
+        other.execute("DELETE FROM knowledge_items WHERE id = ?", (first,))
+        second = add_item(other, kind="note", title="B", content="zebra crossing, nothing.\n")
+        index_item(other, second, embedder=fake)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(retrieval, "_load", racing_load)
+    hits = search_chunks(db, "alpha", fake, k=5, mode="keyword").hits
+    assert [(h.title, "alpha" in h.content) for h in hits] == [("A", True)]  # as ranked
+    monkeypatch.setattr(retrieval, "_load", load)
+    assert [h.title for h in search_chunks(db, "zebra", fake, k=5, mode="keyword").hits] == ["B"]
+    other.close()
+
+
+@pytest.mark.parametrize("bad", ["nan", "zeros"])
+def test_a_vec_row_without_a_direction_leaves_chunk_search_to_the_exact_path(notes_db, fake, bad):
+    """sqlite-vec's KNN ranks every query wrongly once its table holds a NaN or zero vector (a
+    host's): such a table is searched exactly, with the reason, and the right chunk is first."""
+    db, _ = notes_db
+    keys = [r[0] for r in db.all("SELECT chunk_id FROM note_chunk_embeddings ORDER BY chunk_id")]
+    value = np.full(DIMS, np.nan if bad == "nan" else 0.0, dtype="<f4").tobytes()
+    for key in keys[:: max(1, len(keys) // 8)]:  # a few, spread over the table
+        vec_replace(db, "vec_chunk_embeddings", key, value)
+    target = keys[-3]
+    text = db.scalar("SELECT content FROM note_chunks WHERE id = ?", (target,))
+    vector = db.scalar("SELECT vector FROM note_chunk_embeddings WHERE chunk_id = ?", (target,))
+    query = "a query whose vector is that chunk's"
+    fake.embed_batch = lambda texts: np.stack(  # type: ignore[method-assign]
+        [np.frombuffer(vector, dtype="<f4")] * len(texts)
+    )
+    found = search_chunks(db, query, fake, k=3, mode="vector")
+    assert found.hits[0].chunk_id == target and found.hits[0].content == text
+    assert found.via == "fallback" and "no direction" in (found.reason or "")

@@ -38,6 +38,7 @@ from worker.nearest import (
     distances,
     exact_nearest,
     unavailable,
+    undirected,
     widening,
 )
 from worker.providers.base import EmbeddingModel
@@ -222,6 +223,22 @@ def search_chunks(
                 "not searched by vector"
             )
 
+    with db.reading():  # one snapshot from ranking to the rows read
+        return _search(db, vector, match, embedder, k, mode, filters, per_item, tuning, notes)
+
+
+def _search(
+    db: Database,
+    vector: np.ndarray | None,
+    match: str | None,
+    embedder: EmbeddingModel | None,
+    k: int,
+    mode: Mode,
+    filters: Filters,
+    per_item: bool,
+    tuning: SearchSettings,
+    notes: list[str],
+) -> ChunkSearch:
     # Candidates: the n best chunks of each side (hybrid: more than k, for the fusion). One hit
     # per item: the same lists, longer until they hold k items or all there is.
     n = k if mode != Mode.HYBRID else max(4 * k, HYBRID_DEPTH)
@@ -320,6 +337,9 @@ def _vector(
         if _quantized(db, len(vector), tuning):
             found = _two_pass(db, vector, n, model, filters, tuning.oversample)
         if found is None:
+            if undirected(db, "vec_chunk_embeddings"):
+                reason = "a vec row has no direction (a host's: zeros or NaN), sqlite-vec misranks"
+                return _exact(db, vector, n, model, filters, tuning), "fallback", reason
             found = _knn(db, vector, n, model, filters)
         if found is not None:
             return found, "vec", None

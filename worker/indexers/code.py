@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import apsw
+import numpy as np
 
 from worker.chunking import ChunkMethod
 from worker.chunking.code import chunk_code
@@ -128,10 +129,16 @@ def search_code(
     identifier is what code search is asked most. `score`: the cosine similarity when only
     the vector side serves, else the fused score; the paths that served, joined by `+`."""
     check_query(query, k)
+    vector = embedder.embed([query])[0]
+    with db.reading():  # one snapshot from ranking to the rows read (retrieval's reason)
+        return _search_code(db, query, vector, embedder.model_id, k)
+
+
+def _search_code(
+    db: Database, query: str, vector: np.ndarray, model: str, k: int
+) -> tuple[list[CodeHit], str, str | None]:
     depth = max(k, CANDIDATES)
-    found, via, reason = nearest(
-        db, VEC["vec_work_code_chunks"], embedder.embed([query])[0], depth, embedder.model_id
-    )
+    found, via, reason = nearest(db, VEC["vec_work_code_chunks"], vector, depth, model)
     similarity = {chunk_id: round(1 - distance, 6) for chunk_id, distance in found}
     match = keyword_query(query)
     keyword: list[int] = []

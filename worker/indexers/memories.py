@@ -82,16 +82,17 @@ class Memories(Indexer):
         self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10
     ) -> tuple[list[MemoryHit], str, str | None]:
         check_query(query, k)
-        found, via, reason = nearest(
-            db, VEC["vec_memories"], embedder.embed([query])[0], k, embedder.model_id
-        )
+        vector = embedder.embed([query])[0]
         hits = []
-        for memory_id, distance in found:
-            content = db.scalar(
-                "SELECT CAST(content AS BLOB) FROM memories WHERE id = ?", (memory_id,)
-            )
-            if content is not None:  # bytes a host wrote are shown, not raised (store.text)
-                hits.append(MemoryHit(memory_id, round(1.0 - distance, 6), shown(content), via))
+        with db.reading():  # one snapshot from ranking to the rows read (retrieval's reason)
+            found, via, reason = nearest(db, VEC["vec_memories"], vector, k, embedder.model_id)
+            for memory_id, distance in found:
+                content = db.scalar(
+                    "SELECT CAST(content AS BLOB) FROM memories WHERE id = ?", (memory_id,)
+                )
+                if content is not None:  # a host's bytes are shown, not raised (store.text)
+                    score = round(1.0 - distance, 6)
+                    hits.append(MemoryHit(memory_id, score, shown(content), via))
         return hits, via, reason
 
 

@@ -245,6 +245,22 @@ class Database:
             self._on_commit = [(min(d, self._depth), w) for d, w in self._on_commit]
 
     @contextmanager
+    def reading(self) -> Iterator[Database]:
+        """One snapshot for several reads: a search ranks chunks, then reads the rows it
+        ranked, and a commit in between (an item deleted, its chunk ids given to another's
+        new chunks) would pair one chunk's score with another's text. A deferred read
+        transaction; in WAL mode writers go on. Inside a transaction: that one."""
+        if self._depth or not self.conn.get_autocommit():
+            yield self
+            return
+        self.execute("BEGIN")
+        try:
+            yield self
+        finally:
+            if not self.conn.get_autocommit():
+                self.execute("COMMIT")  # nothing written: it only ends the snapshot
+
+    @contextmanager
     def committing(self) -> Iterator[Database]:
         """A write transaction that commits even when an exception passes through it: each
         unit of work in it is an `atomic()` savepoint that rolls back alone, so only units that
