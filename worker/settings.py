@@ -392,8 +392,9 @@ class SearchSettings(_Section):
 
     oversample: int = Field(default=300, ge=1, le=10_000)
     exact_below: int = Field(default=50_000, ge=0)
-    # Without sqlite-vec (or during a model switch): MB of unit vectors a search process keeps
-    # between exact searches until the database changes (worker.nearest.exact_nearest); 0: none.
+    # Without sqlite-vec (or during a model switch, or a filtered search): MB of unit vectors a
+    # connection keeps between exact searches until the database changes, all its searches
+    # together, the least recently used let go first (worker.nearest.exact_nearest); 0: none.
     fallback_hold_mb: int = Field(default=256, ge=0)
 
 
