@@ -123,7 +123,9 @@ def _log_failed(log_: Any, chunk_index: int, cause: str, item_id: int | None) ->
 
 
 class FailureCounter:
-    """Counts vector failures; the third in a row aborts the run."""
+    """Counts the vector failures of one thing, the third in a row aborting it: an item's vec
+    writes (worker.indexers.prose), a memory run's refused texts. An embedding run of items
+    counts each item's apart (`PlanFailures`)."""
 
     def __init__(self, limit: int, log_: object) -> None:
         self.limit = limit
