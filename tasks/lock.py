@@ -6,12 +6,17 @@ more. The request is written *before* trying the lock and read *after* releasing
 made while a run is under way is never lost. A process killed while holding the lock leaves it
 to expire with its TTL; the same task, redelivered, recognises its own stale lock (the token
 starts with the task id) and takes it over at once.
+
+Renewal survives Redis blips: only LockError (the lock is no longer this run's) loses it; a
+connection error is tried again within a second, and the lock counts as lost only once its TTL
+has passed without a renewal.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -31,6 +36,9 @@ if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
 end
 return 0
 """
+
+# A failed renewal is tried again this soon (or at the next tick, if sooner).
+RENEW_RETRY = 1.0
 
 
 def lock_key(space: str, item_id: int) -> str:
@@ -91,6 +99,7 @@ class ItemLock:
         self.lock: Lock = client.lock(self.key, timeout=ttl, thread_local=False)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        self._renewed = 0.0  # monotonic time of the last renewal (or of the acquire)
         self.lost = False
 
     def request_rerun(self, pipe: redis.client.Pipeline | None = None) -> None:
@@ -103,9 +112,15 @@ class ItemLock:
         """Whether a re-run was requested (and clear the request)."""
         return self.client.getdel(rerun_key(self.space, self.item_id)) is not None
 
+    @property
+    def interval(self) -> float:
+        """How often a holder renews the lock."""
+        return self.ttl / 3
+
     def acquire(self, *, renew: bool = True) -> bool:
         """Take the lock; `renew=False`: the caller extends it (LockSet: one thread for all)."""
         token = f"{self.task_id}:{uuid.uuid4().hex}"
+        self._renewed = time.monotonic()  # before the request: the TTL runs from no later
         if not self.lock.acquire(blocking=False, token=token):
             stale = self.client.eval(_TAKE_OVER, 1, self.key, f"{self.task_id}:")
             if not stale or not self.lock.acquire(blocking=False, token=token):
@@ -122,24 +137,52 @@ class ItemLock:
         return True
 
     def extend(self) -> bool:
-        """Renew the TTL; False (logged) when the lock is lost: the run goes on."""
+        """Renew the TTL; whether it was renewed now. A LockError means the lock is no longer
+        this run's (expired, taken): `lost`, logged, and the run goes on. A Redis error
+        leaves it held, to be renewed at the next try; `lost` only once the TTL has passed
+        since the last renewal, when the key has expired and another run may hold it."""
+        if self.lost:
+            return False
+        tried = time.monotonic()
         try:
             self.lock.extend(self.ttl, replace_ttl=True)
-            return True
-        except (LockError, redis.RedisError) as e:
-            self.lost = True
-            log.warning(
-                "item lock lost while running",
-                item_id=self.item_id,
-                task_id=self.task_id,
-                reason=str(e),
-            )
+        except LockError as e:
+            self._lose(str(e))
             return False
+        except redis.RedisError as e:
+            if tried - self._renewed >= self.ttl:
+                self._lose(f"not renewed within its TTL: {e}")
+            else:
+                log.warning(
+                    "could not renew the item lock; trying again",
+                    item_id=self.item_id,
+                    task_id=self.task_id,
+                    reason=str(e),
+                )
+            return False
+        self._renewed = tried
+        return True
+
+    def _lose(self, reason: str) -> None:
+        self.lost = True
+        log.warning(
+            "item lock lost while running",
+            item_id=self.item_id,
+            task_id=self.task_id,
+            reason=reason,
+        )
+
+    def next_renewal(self, renewed: bool) -> float:
+        """Seconds to the next renewal: the interval, or sooner after a failed one."""
+        return self.interval if renewed else min(self.interval, RENEW_RETRY)
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            if not self.extend():
+        wait = self.interval
+        while not self._stop.wait(wait):
+            renewed = self.extend()
+            if self.lost:
                 return
+            wait = self.next_renewal(renewed)
 
     def release(self) -> None:
         self._stop.set()
@@ -177,6 +220,7 @@ class LockSet:
         """(items locked, items busy): a busy item gets a re-run request, as a single run's.
         Each item's request is written before its lock is tried, as ItemLock does."""
         tokens = [f"{self.task_id}:{uuid.uuid4().hex}" for _ in self.locks]
+        now = time.monotonic()
         pipe = self.client.pipeline(transaction=False)
         for lock in self.locks:
             lock.request_rerun(pipe)
@@ -187,6 +231,7 @@ class LockSet:
         for lock, token, ok in zip(self.locks, tokens, taken, strict=True):
             if ok:  # as redis-py's Lock.acquire records its token, for release and extend
                 lock.lock.local.token = self.client.get_encoder().encode(token)
+                lock._renewed = now
                 self.held.append(lock)
             elif lock.acquire(renew=False):  # a stale lock of this task's earlier run
                 self.held.append(lock)
@@ -201,10 +246,11 @@ class LockSet:
         return [lock.item_id for lock in self.held], busy
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            for lock in list(self.held):
-                if not lock.lost:
-                    lock.extend()
+        interval = self.ttl / 3
+        wait = interval
+        while not self._stop.wait(wait):
+            renewed = [lock.extend() for lock in list(self.held) if not lock.lost]
+            wait = interval if all(renewed) else min(interval, RENEW_RETRY)
 
     def take_reruns(self) -> list[int]:
         """The held items someone asked to run again since the lock was taken (the requests
