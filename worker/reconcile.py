@@ -57,6 +57,12 @@ FINDINGS = {
              OR i.content_hash != s.indexed_hash)""",
     "pending": """SELECT i.id FROM knowledge_items i LEFT JOIN item_index_state s
         ON s.item_id = i.id WHERE coalesce(s.status, 'pending') IN ('pending', 'partial')""",
+    # A cancelled run took the place of the `pending` an edit or a rename left (any kind: a
+    # file's text or a title is in no hash), or its item was never indexed: the item has
+    # changed since its index was written (schema migrations 3 and 10 move `updated_at`).
+    "cancelled_stale": """SELECT i.id FROM knowledge_items i JOIN item_index_state s
+        ON s.item_id = i.id WHERE s.status = 'cancelled'
+        AND (s.indexed_at IS NULL OR i.updated_at > s.indexed_at)""",
     # (a vector a host wrote that kidx cannot read counts as none: `sound`)
     "without_vectors": f"""SELECT DISTINCT c.item_id FROM note_chunks c
         LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id

@@ -353,6 +353,26 @@ END;
     )
 )
 
+# A host's change of kind, source or title (migration 8) also moves the item's `updated_at`:
+# the reconcile sweep tells by it that a `cancelled` item's index is older than the item (the
+# run that a rename sent was cancelled, and `cancelled` had replaced the `pending` the
+# rename left), whatever its kind; a content change moved it already (migration 3).
+MIGRATIONS.append(
+    (
+        10,
+        f"""
+DROP TRIGGER IF EXISTS knowledge_items_origin_changed;
+CREATE TRIGGER knowledge_items_origin_changed
+AFTER UPDATE OF kind, source, title ON knowledge_items
+WHEN new.kind IS NOT old.kind OR new.source IS NOT old.source OR new.title IS NOT old.title
+BEGIN
+    UPDATE knowledge_items SET updated_at = {_NOW} WHERE id = new.id;
+    UPDATE item_index_state SET status = 'pending', updated_at = {_NOW} WHERE item_id = new.id;
+END;
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
