@@ -3,9 +3,14 @@
 A task that finds its item locked does not wait (that would hold a worker slot): it leaves a
 re-run request and ends `coalesced`; the holder sees the request after its run and runs once
 more. The request is written *before* trying the lock and read *after* releasing it, so one
-made while a run is under way is never lost. A process killed while holding the lock leaves it
-to expire with its TTL; the same task, redelivered, recognises its own stale lock (the token
-starts with the task id) and takes it over at once.
+made while a run is under way is never lost.
+
+A lock's token names its holder: the task id, the host, the process id and that process's start
+time. A process killed while holding the lock leaves it to expire with its TTL; the same task,
+redelivered, takes its own lock over at once only when the holder is provably gone: its process
+has ended (same host), or the key has gone unrenewed for two renew intervals (a live holder
+renews it every third of the TTL). A second delivery of a task whose first is still running
+(at-least-once delivery) finds a live holder and ends `coalesced`, as with any other holder.
 
 Renewal survives Redis blips: only LockError (the lock is no longer this run's) loses it; a
 connection error is tried again within a second, and the lock counts as lost only once its TTL
@@ -15,10 +20,13 @@ has passed without a renewal.
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import redis
 from redis.exceptions import LockError
@@ -28,17 +36,85 @@ from worker.log import get_logger
 
 log = get_logger("kidx.tasks")
 
-# Delete KEYS[1] if its value starts with ARGV[1] (a previous run of the same task).
+# Delete KEYS[1] if it still holds the token ARGV[1] (read and judged stale by the caller), and
+# either its holder's process is gone (ARGV[2] == '1') or its remaining TTL is still under
+# ARGV[3] ms: checked here, atomically, so that a holder renewing meanwhile keeps its lock.
 _TAKE_OVER = """
-local v = redis.call('get', KEYS[1])
-if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
-  return redis.call('del', KEYS[1])
+if redis.call('get', KEYS[1]) ~= ARGV[1] then
+  return 0
 end
-return 0
+if ARGV[2] ~= '1' then
+  local left = redis.call('pttl', KEYS[1])
+  if left < 0 or left >= tonumber(ARGV[3]) then
+    return 0
+  end
+end
+return redis.call('del', KEYS[1])
 """
 
 # A failed renewal is tried again this soon (or at the next tick, if sooner).
 RENEW_RETRY = 1.0
+
+_me: tuple[int, str] | None = None  # (pid, holder) of this process: a fork has its own
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first), or None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[-1].split()
+
+
+def _host() -> str:
+    """This host, as a token names it: containers sharing a host name (host networking) do not
+    share a pid namespace, so its id goes with the name."""
+    name = socket.gethostname()
+    with contextlib.suppress(OSError):
+        name += "/" + os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    return name.replace(":", "_")
+
+
+def holder() -> str:
+    """This process as a lock token names it: `host:pid:start` (the start time tells a reused
+    pid from the holder's; empty where /proc is not there)."""
+    global _me
+    pid = os.getpid()
+    if _me is None or _me[0] != pid:
+        fields = _stat(pid)
+        start = fields[19] if fields and len(fields) > 19 else ""
+        _me = (pid, f"{_host()}:{pid}:{start}")
+    return _me[1]
+
+
+def make_token(task_id: str) -> str:
+    return f"{task_id}:{holder()}:{uuid.uuid4().hex}"
+
+
+def holder_gone(token: str, task_id: str) -> bool:
+    """Whether `token` is one of `task_id`'s and the process holding it has ended: on this
+    host, the pid is no more, a zombie, or another process's (its start time differs).
+    False when that cannot be known (another host, a token of another form)."""
+    parts = token.rsplit(":", 4)
+    if len(parts) != 5 or parts[0] != task_id or parts[1] != _host():
+        return False
+    try:
+        pid = int(parts[2])
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        return False  # this very process: a run of it holds the lock
+    fields = _stat(pid)
+    if fields is None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False  # alive, another user's
+        return False
+    return fields[0] in ("Z", "X") or (bool(parts[3]) and fields[19] != parts[3])
 
 
 def lock_key(space: str, item_id: int) -> str:
@@ -119,14 +195,14 @@ class ItemLock:
 
     def acquire(self, *, renew: bool = True) -> bool:
         """Take the lock; `renew=False`: the caller extends it (LockSet: one thread for all)."""
-        token = f"{self.task_id}:{uuid.uuid4().hex}"
+        token = make_token(self.task_id)
         self._renewed = time.monotonic()  # before the request: the TTL runs from no later
         if not self.lock.acquire(blocking=False, token=token):
-            stale = self.client.eval(_TAKE_OVER, 1, self.key, f"{self.task_id}:")
-            if not stale or not self.lock.acquire(blocking=False, token=token):
+            why = self._take_over()
+            if why is None or not self.lock.acquire(blocking=False, token=token):
                 return False
             log.warning(
-                "took over the lock of an earlier run of this task (its process died)",
+                f"took over the lock of an earlier run of this task ({why})",
                 item_id=self.item_id,
                 task_id=self.task_id,
             )
@@ -135,6 +211,29 @@ class ItemLock:
             self._renewer = threading.Thread(target=self._renew, daemon=True, name="kidx-lock")
             self._renewer.start()
         return True
+
+    def _take_over(self) -> str | None:
+        """Delete the lock if an earlier run of this task holds it and is provably gone; why,
+        or None (a live holder, another task's, or the lock changed meanwhile). A live holder
+        is a second delivery's first run, still going: taking its lock would have both index
+        the item at once, and the older read could write last."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.get(self.key)
+        pipe.pttl(self.key)
+        value, left = pipe.execute()
+        if value is None:
+            return None
+        token = value.decode() if isinstance(value, bytes) else str(value)
+        if token.rsplit(":", 4)[0] != self.task_id:
+            return None
+        gone = holder_gone(token, self.task_id)
+        # Unrenewed for two intervals: its TTL is below one (a renewal resets it to the TTL).
+        floor = int(self.ttl * 1000 - 2 * self.interval * 1000)
+        if not gone and not 0 <= left < floor:
+            return None
+        if not self.client.eval(_TAKE_OVER, 1, self.key, token, "1" if gone else "0", floor):
+            return None
+        return "its process has ended" if gone else "it was no longer renewed"
 
     def extend(self) -> bool:
         """Renew the TTL; whether it was renewed now. A LockError means the lock is no longer
@@ -219,7 +318,7 @@ class LockSet:
     def acquire(self) -> tuple[list[int], list[int]]:
         """(items locked, items busy): a busy item gets a re-run request, as a single run's.
         Each item's request is written before its lock is tried, as ItemLock does."""
-        tokens = [f"{self.task_id}:{uuid.uuid4().hex}" for _ in self.locks]
+        tokens = [make_token(self.task_id) for _ in self.locks]
         now = time.monotonic()
         pipe = self.client.pipeline(transaction=False)
         for lock in self.locks:

@@ -1,18 +1,27 @@
 """The item lock (tasks/lock.py) under the faults it must survive: a Redis blip while it is
-renewed. In this process, against the real Redis (this test process's database,
-tests/stack.py)."""
+renewed, a second delivery of a task whose first still runs, the holder's process killed. The
+lock's own cases run in this process against the real Redis (this test process's database,
+tests/stack.py); the rest against the real stack: a prefork worker, the HTTP stand-in, a real
+SQLite file."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from stack import broker_url, wait_for
+from stack import ROOT, Stack, broker_url, running_stack, wait_for
+from tasks import KNOWLEDGE_ITEM
 from tasks.lock import ItemLock, LockSet, lock_key
+from worker.store.items import add_item
 
 
 class Blippy(redis.Redis):
@@ -93,3 +102,127 @@ def test_a_lock_taken_by_another_is_lost_at_once(client: Blippy) -> None:
     finally:
         lock.release()
     assert client.get(lock_key(SPACE, 3)) == b"another-run:token"  # not released: not ours
+
+
+HOLD = """
+import sys, redis
+from tasks.lock import ItemLock
+lock = ItemLock(redis.Redis.from_url(sys.argv[1]), sys.argv[2], 4, sys.argv[3], ttl=30)
+assert lock.acquire()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def holder(task_id: str) -> subprocess.Popen[str]:
+    """Another process holding item 4's lock for `task_id` (a pool process running it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, broker_url(), SPACE, task_id],
+        cwd=str(ROOT),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_live_run_of_the_same_task_keeps_its_lock_and_a_dead_ones_is_taken_over(
+    client: Blippy,
+) -> None:
+    """A second delivery of a task (at-least-once delivery) took over the lock of its first,
+    still running: both indexed the item at once. Only a holder provably gone is taken over:
+    its process has ended (killed: a zombie not yet reaped counts as ended)."""
+    task_id = str(uuid.uuid4())
+    proc = holder(task_id)
+    try:
+        second = ItemLock(client, SPACE, 4, task_id, ttl=30)
+        assert not second.acquire()  # alive: the second delivery ends coalesced
+        os.kill(proc.pid, signal.SIGKILL)
+        wait_for(
+            lambda: Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] == "Z",
+            10,
+            "the holder to die",
+        )
+        assert second.acquire()  # gone: taken over at once, not after the TTL
+        second.release()
+    finally:
+        proc.kill()
+        proc.wait(10)
+    other = holder("another-task")
+    try:
+        os.kill(other.pid, signal.SIGKILL)
+        other.wait(10)
+        assert not ItemLock(client, SPACE, 4, task_id, ttl=30).acquire()  # not this task's
+    finally:
+        other.kill()
+
+
+def test_a_lock_of_the_same_task_from_elsewhere_is_taken_over_once_no_longer_renewed(
+    client: Blippy,
+) -> None:
+    """A holder on another host cannot be looked at: its lock is taken over once it has gone
+    unrenewed for two renew intervals (a third of the TTL left), never while it is renewed."""
+    task_id = str(uuid.uuid4())
+    key = lock_key(SPACE, 5)
+    token = f"{task_id}:elsewhere/1:123:456:{uuid.uuid4().hex}"
+    client.set(key, token, px=25_000)  # renewed lately
+    assert not ItemLock(client, SPACE, 5, task_id, ttl=30).acquire()
+    client.set(key, token, px=5_000)  # two renewals missed
+    lock = ItemLock(client, SPACE, 5, task_id, ttl=30)
+    assert lock.acquire()
+    lock.release()
+
+
+# -- against the stack ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("locks")
+    (tmp / "docs").mkdir()
+    env = {"KIDX_FILES__ROOTS": str(tmp / "docs")}
+    with running_stack(tmp, lambda t, si: Stack(t, si, env=env)) as s:
+        yield s
+
+
+def sections(tag: str, n: int) -> str:
+    words = " ".join(f"{tag}word{k}" for k in range(100))
+    return "\n\n".join(f"## {tag} part {j}\n\n{words}." for j in range(n))
+
+
+@pytest.mark.stack
+def test_a_second_delivery_of_a_running_task_is_coalesced_and_the_edit_indexed(
+    stack: Stack,
+) -> None:
+    """The same task delivered again while its first delivery runs (kombu restoring unacked
+    messages, a host resending the id): the second ends coalesced, the first runs the item
+    once more, and the file's edit made between the two reads is what the index holds."""
+    stack.standin.reset()
+    path = stack.tmp / "docs" / "guide.md"
+    path.write_text("# Guide\n\n" + sections("old", 2))
+    item = add_item(stack.db, kind="file", title="Guide", content="", source=str(path))
+    stack.standin.delay = 2.0
+    task_id = str(uuid.uuid4())
+    stack.app.send_task(KNOWLEDGE_ITEM, args=[item], task_id=task_id)
+    wait_for(lambda: stack.standin.requests >= 1, 30, "the first delivery at the provider")
+    path.write_text("# Guide\n\nThe new version two of the guide.")
+    stack.app.send_task(KNOWLEDGE_ITEM, args=[item], task_id=task_id)  # delivered again
+    wait_for(
+        lambda: (
+            "coalesced: the item" in stack.worker.log or "took over the lock" in stack.worker.log
+        ),
+        30,
+        "the second delivery to meet the lock",
+    )
+    stack.standin.delay = 0.0
+    assert "took over the lock" not in stack.worker.log
+    done = f"{KNOWLEDGE_ITEM}[{task_id}] succeeded"
+    wait_for(lambda: stack.worker.log.count(done) >= 2, 60, "both deliveries to end")
+    chunks = [
+        r[0] for r in stack.db.all("SELECT content FROM note_chunks WHERE item_id = ?", (item,))
+    ]
+    assert chunks and all("version two" in c for c in chunks), chunks
+    assert stack.state(item)["status"] == "indexed"
+    assert not stack.redis.exists(lock_key(stack.db.instance(), item))
