@@ -351,16 +351,15 @@ class LockSet:
             renewed = [lock.extend() for lock in list(self.held) if not lock.lost]
             wait = interval if all(renewed) else min(interval, RENEW_RETRY)
 
-    def take_reruns(self) -> list[int]:
-        """The held items someone asked to run again since the lock was taken (the requests
-        are cleared: this run covers them)."""
+    def take_reruns(self) -> dict[int, str]:
+        """The held items someone asked to run again since the lock was taken, each with the
+        id of the task that asked (the requests are cleared: this run covers them)."""
         if not self.held:
-            return []
+            return {}
         pipe = self.client.pipeline(transaction=False)
         for lock in self.held:
             pipe.getdel(rerun_key(self.space, lock.item_id))
-        asked = pipe.execute()
-        return [lock.item_id for lock, a in zip(self.held, asked, strict=True) if a is not None]
+        return _requests(self.held, pipe.execute())
 
     def release_one(self, item_id: int) -> None:
         """Let one item go before the others (a run of its own is coming for it)."""
@@ -370,14 +369,15 @@ class LockSet:
                 lock.release()
                 return
 
-    def release(self) -> list[int]:
-        """Release every lock held; returns the items whose re-run was asked for meanwhile
-        (read after the release, as ItemLock's caller does)."""
+    def release(self) -> dict[int, str]:
+        """Release every lock held; returns the items whose re-run was asked for meanwhile,
+        each with the id of the task that asked (read after the release, as ItemLock's caller
+        does)."""
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join(timeout=5)
         if not self.held:
-            return []
+            return {}
         pipe = self.client.pipeline(transaction=False)
         for lock in self.held:
             lock.lock.lua_release(keys=[lock.lock.name], args=[lock.lock.local.token], client=pipe)
@@ -393,5 +393,13 @@ class LockSet:
         pipe = self.client.pipeline(transaction=False)
         for lock in self.held:
             pipe.getdel(rerun_key(self.space, lock.item_id))
-        asked = pipe.execute()
-        return [lock.item_id for lock, a in zip(self.held, asked, strict=True) if a is not None]
+        return _requests(self.held, pipe.execute())
+
+
+def _requests(locks: list[ItemLock], asked: list[bytes | None]) -> dict[int, str]:
+    """item -> the task id that asked for its re-run (a request's value), for those asked."""
+    return {
+        lock.item_id: a.decode(errors="replace") if isinstance(a, bytes) else str(a)
+        for lock, a in zip(locks, asked, strict=True)
+        if a is not None
+    }

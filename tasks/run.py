@@ -93,6 +93,10 @@ class Run:
             else BatchStreak(rt.redis, streak_key(rt.db.instance(), batch_id)),
         )
         self.locks: LockSet | None = None
+        # re-runs other tasks asked of this run (item -> the task that asked) and not served
+        # yet: `owed`, taken while the locks are held; `unserved`, every one left at the end
+        self.owed: dict[int, str] = {}
+        self.unserved: dict[int, str] = {}
         self.abort_reason: str | None = None
         self.ended: dict[int, str] = {}  # item -> its job state
         self.results: dict[int, dict[str, Any]] = {}  # item -> its result, in order
@@ -151,6 +155,7 @@ class Run:
             asked = self._under_locks([i for i in self.ids if i not in self.ended])
             self._send_on([i for i in self.ids if i not in self.ended])
             for item_id in asked:  # asked for again after its re-run: a run of its own
+                self.unserved.pop(item_id, None)
                 if changed(self.rt, item_id):
                     follow = enqueue(self.rt.db, item_id, app=self.task.app, reason="changed")
                     log.info(
@@ -159,6 +164,7 @@ class Run:
                         next=follow,
                     )
         except (Cancelled, SoftTimeLimitExceeded) as e:
+            self._send_unserved()
             if isinstance(e, SoftTimeLimitExceeded) and not TERMINATED.is_set():
                 limit = f"ran over the soft time limit of {self.settings.tasks.soft_time_limit} s"
                 log.error(f"{KI_EMBED} failed", items=self._open(), reason=limit)
@@ -167,6 +173,7 @@ class Run:
                 raise IndexFailed(self.failure()) from None
             self._revoked()
         except Exception as e:  # a bug, or the database refusing: each open item names it
+            self._send_unserved()
             for item_id in self._open():
                 self._failed(item_id, self.line(item_id, f"{type(e).__name__}: {e}"), "error")
             log.exception(f"{KI_EMBED} the run failed", reason=f"{type(e).__name__}: {e}")
@@ -178,12 +185,15 @@ class Run:
             raise IndexFailed(self.failure())
         return self.result()
 
-    def _under_locks(self, ids: list[int]) -> list[int]:
-        """Index the items under their locks; those asked for again after their re-run."""
+    def _under_locks(self, ids: list[int]) -> dict[int, str]:
+        """Index the items under their locks; those asked for again after their re-run (item ->
+        the task that asked). However the run ends, the requests it did not serve are kept
+        (`unserved`): a task that ended `coalesced` trusted this run with its item."""
         locks = self.locks = LockSet(
             self.rt.redis, self.rt.db.instance(), ids, self.task_id, self.settings.tasks.lock_ttl
         )
         held, busy = locks.acquire()
+        asked: dict[int, str] = {}
         try:
             for item_id in busy:
                 log.info(
@@ -194,16 +204,47 @@ class Run:
                 self.results[item_id] = {"item_id": item_id, "status": "coalesced"}
             with self.rt.scope.running(self.token):
                 self._index(held)
-                again = [i for i in locks.take_reruns() if self._indexed(i)]
-                again = [i for i in again if changed(self.rt, i)]
+                taken = locks.take_reruns()
+                again = [i for i in taken if self._indexed(i) and changed(self.rt, i)]
+                self.owed = {i: taken[i] for i in again}
                 if again:  # edited while it ran, and asked for: once more, under the lock
                     log.info(
                         f"{KI_EMBED} changed while it was indexed: once more", items=len(again)
                     )
                     self._index(again)
         finally:
-            asked = locks.release()
+            try:
+                asked = locks.release()
+            finally:
+                self.unserved = {**self.owed, **asked}
         return asked
+
+    def _send_unserved(self) -> None:
+        """The run ends early (cancelled, failed): send again, each as a run of its own, the
+        items other tasks asked it to run once more, which it now will not. A request of this
+        task's own (a second delivery of it) goes with this run: a cancel of it covers both."""
+        unserved, self.unserved, self.owed = self.unserved, {}, {}
+        for item_id, asker in unserved.items():
+            if asker == self.task_id:
+                continue
+            try:
+                if not changed(self.rt, item_id):
+                    continue
+                follow = enqueue(self.rt.db, item_id, app=self.task.app, reason="changed")
+            except (apsw.Error, KidxError) as e:
+                log.error(
+                    "could not send again an item another task asked to run once more",
+                    item_id=item_id,
+                    asked_by=asker,
+                    reason=f"{type(e).__name__}: {e}",
+                )
+                continue
+            log.info(
+                f"{KI_EMBED} asked for by another task while the run went on: sent again",
+                item_id=item_id,
+                asked_by=asker,
+                next=follow,
+            )
 
     def _index(self, ids: list[int]) -> None:
         deadline = self.started + self.settings.tasks.soft_time_limit / 2
@@ -255,6 +296,7 @@ class Run:
     def _done(self, item_id: int, outcome: IndexResult | KidxError) -> None:
         """An item's outcome, recorded at once (progress shows while the run goes on)."""
         self.failures.pop(item_id, None)  # an item reported again (its write did not commit)
+        self.owed.pop(item_id, None)  # its re-run has an outcome: the request is served
         if isinstance(outcome, IndexResult):
             result = outcome.as_dict()
             if outcome.status == "skipped":  # no provider configured: nothing was written

@@ -1,8 +1,8 @@
 """The item lock (tasks/lock.py) under the faults it must survive: a Redis blip while it is
-renewed, a second delivery of a task whose first still runs, the holder's process killed. The
-lock's own cases run in this process against the real Redis (this test process's database,
-tests/stack.py); the rest against the real stack: a prefork worker, the HTTP stand-in, a real
-SQLite file."""
+renewed, a second delivery of a task whose first still runs, the holder's process killed, and a
+run cancelled while other tasks wait on it (their re-run requests). The lock's own cases run in
+this process against the real Redis (this test process's database, tests/stack.py); the rest
+against the real stack: a prefork worker, the HTTP stand-in, a real SQLite file."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ import redis
 from stack import ROOT, Stack, broker_url, running_stack, wait_for
 from tasks import KNOWLEDGE_ITEM
 from tasks.lock import ItemLock, LockSet, lock_key
-from worker.store.items import add_item
+from tasks.producer import enqueue
+from worker.chunking import text_hash
+from worker.store.items import add_item, update_content
 
 
 class Blippy(redis.Redis):
@@ -75,7 +77,7 @@ def test_a_redis_blip_while_renewing_does_not_lose_the_lock(client: Blippy) -> N
         assert (held, busy) == ([], [1])  # still this run's
     finally:
         asked = locks.release()
-    assert list(asked) == [1]  # the other task's request
+    assert asked == {1: "task-b"}  # the other task's request, and who made it
 
 
 def test_renewal_gives_up_only_when_the_ttl_has_passed(client: Blippy) -> None:
@@ -226,3 +228,34 @@ def test_a_second_delivery_of_a_running_task_is_coalesced_and_the_edit_indexed(
     assert chunks and all("version two" in c for c in chunks), chunks
     assert stack.state(item)["status"] == "indexed"
     assert not stack.redis.exists(lock_key(stack.db.instance(), item))
+
+
+@pytest.mark.stack
+def test_a_cancelled_run_sends_again_the_items_other_tasks_asked_it_to_rerun(
+    stack: Stack,
+) -> None:
+    """A task found its item being indexed and ended coalesced, trusting the running task to
+    run it once more; that task was then cancelled, and the request went with it: the edit
+    was never indexed. The cancelled run sends the item again, as a run of its own."""
+    stack.standin.reset()
+    item = stack.note("Edited", sections("first", 2))
+    stack.app.AsyncResult(enqueue(stack.db, item, app=stack.app)).get(timeout=60)
+    update_content(stack.db, item, sections("second", 2))
+    stack.standin.delay = 2.0
+    running = enqueue(stack.db, item, app=stack.app, reason="reindex")
+    wait_for(lambda: stack.standin.requests >= 3, 30, "the run at the provider")
+    edit = sections("third", 2)
+    update_content(stack.db, item, edit)
+    host = enqueue(stack.db, item, app=stack.app, reason="host edit")
+    assert stack.app.AsyncResult(host).get(timeout=30)["status"] == "coalesced"
+    out = stack.kidx("cancel", running)  # meant for that run, not for the host's task
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: stack.app.AsyncResult(running).state == "REVOKED", 30, "the run revoked")
+    again = stack.db.all(
+        "SELECT task_id FROM index_jobs WHERE item_id = ? AND reason = 'changed'", (item,)
+    )
+    assert len(again) == 1  # sent before the run ended revoked
+    stack.standin.delay = 0.0
+    stack.app.AsyncResult(again[0][0]).get(timeout=60)
+    indexed = "SELECT status, indexed_hash FROM item_index_state WHERE item_id = ?"
+    assert stack.db.one(indexed, (item,)) == ("indexed", text_hash(edit))
