@@ -23,7 +23,16 @@ from celery import Task, shared_task
 from tasks import GROUP
 from tasks import cancel as cancellation
 from tasks.producer import enqueue
-from tasks.run import IndexFailed, Run, backoff, bad_arguments, stored_reason, valid_id
+from tasks.run import (
+    BUSY,
+    IndexFailed,
+    Run,
+    backoff,
+    bad_arguments,
+    retry_busy,
+    stored_reason,
+    valid_id,
+)
 from tasks.runtime import runtime
 from worker.errors import IndexAborted, KidxError
 from worker.log import KI_EMBED, get_logger
@@ -65,7 +74,10 @@ def index_group(
             started=started,
         )
         jobs = [(run.job(i)[0], i) for i in run.ids]
-        record_starts(rt.db, jobs, GROUP, batch_id, stored_reason(reason))
+        try:
+            record_starts(rt.db, jobs, GROUP, batch_id, stored_reason(reason))
+        except BUSY as e:  # locked past the busy timeout: nothing recorded, tried again later
+            retry_busy(self, rt, e)
         if problem is not None:
             log.error(f"{KI_EMBED} refused", reason=problem)
             for item_id in run.ids:

@@ -21,7 +21,16 @@ from celery.signals import worker_process_init, worker_process_shutdown
 
 from tasks import KNOWLEDGE_ITEM, NOTE
 from tasks import cancel as cancellation
-from tasks.run import IndexFailed, Run, backoff, bad_arguments, stored_reason, valid_id
+from tasks.run import (
+    BUSY,
+    IndexFailed,
+    Run,
+    backoff,
+    bad_arguments,
+    retry_busy,
+    stored_reason,
+    valid_id,
+)
 from tasks.runtime import close_runtime, runtime
 from worker.errors import IndexAborted
 from worker.log import KI_EMBED, get_logger
@@ -127,15 +136,18 @@ def start(
         problem = bad_arguments(rt, item_id, reason, batch_id, structure_only, extra, unknown)
         if problem is not None:  # recorded without what cannot be stored (a batch that is not one)
             batch_id, reason = None, stored_reason(reason)
-        record_start(
-            rt.db,
-            task_id,
-            attempt,
-            task.name,
-            item_id if valid else None,
-            batch_id,
-            stored_reason(reason),
-        )
+        try:
+            record_start(
+                rt.db,
+                task_id,
+                attempt,
+                task.name,
+                item_id if valid else None,
+                batch_id,
+                stored_reason(reason),
+            )
+        except BUSY as e:  # locked past the busy timeout: nothing recorded, tried again later
+            retry_busy(task, rt, e)
         run = SingleRun(
             task,
             rt,

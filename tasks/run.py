@@ -18,7 +18,7 @@ import contextlib
 import math
 import random
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import apsw
 from celery import Task
@@ -48,6 +48,11 @@ from worker.store.jobs import (
 )
 
 log = get_logger("kidx.tasks")
+
+# The database locked past its busy timeout: a transient refusal, waited for again.
+BUSY = (apsw.BusyError, apsw.LockedError)
+# How many times an item's end is tried when the database is locked (each waits the timeout).
+BUSY_TRIES = 3
 
 
 class IndexFailed(Exception):
@@ -272,24 +277,47 @@ class Run:
     ) -> None:
         """An item's run ends: its job row and its count in the batch, in one transaction
         (the write's own transaction, when the item was just written: if that does not commit,
-        the item ends again, failed). A database that refuses (a full disk) is logged: the
-        task's result still says what happened."""
-        try:
-            with self.rt.db.atomic():
-                record_end(self.rt.db, *self.job(item_id), state, self.took(), error)
-                if self.batch_id is not None and outcome is not None:
-                    batch_outcome(
-                        self.rt.db,
-                        self.batch_id,
-                        outcome,
-                        error,
-                        abort_after=self.settings.tasks.batch_abort_after,
-                        job=self.job(item_id),
+        the item ends again, failed). A database locked past the busy timeout (a host's long
+        transaction) is waited for again, `BUSY_TRIES` times in all: a row left `started`
+        would be ended failed by the overrun sweep, and its item counted twice. A database
+        that refuses (a full disk), or stays locked, is logged: the task's result still says
+        what happened."""
+        for tried in range(1, BUSY_TRIES + 1):
+            try:
+                with self.rt.db.atomic():
+                    record_end(self.rt.db, *self.job(item_id), state, self.took(), error)
+                    if self.batch_id is not None and outcome is not None:
+                        batch_outcome(
+                            self.rt.db,
+                            self.batch_id,
+                            outcome,
+                            error,
+                            abort_after=self.settings.tasks.batch_abort_after,
+                            job=self.job(item_id),
+                        )
+                break
+            except BUSY as e:
+                # (inside the caller's transaction, its own outcome decides: not tried again)
+                if tried == BUSY_TRIES or self.rt.db.conn.in_transaction:
+                    log.error(
+                        "could not record an item's end",
+                        item_id=item_id,
+                        reason=f"{type(e).__name__}: {e}",
+                        tries=tried,
                     )
-        except (apsw.Error, KidxError) as e:
-            log.error(
-                "could not record an item's end", item_id=item_id, reason=f"{type(e).__name__}: {e}"
-            )
+                    break
+                log.warning(
+                    "could not record an item's end yet (the database is locked): trying again",
+                    item_id=item_id,
+                    reason=f"{type(e).__name__}: {e}",
+                )
+            except (apsw.Error, KidxError) as e:
+                log.error(
+                    "could not record an item's end",
+                    item_id=item_id,
+                    reason=f"{type(e).__name__}: {e}",
+                )
+                break
         metrics.run(self.task.name, str(state), why)
         self.ended[item_id] = str(state)
 
@@ -508,6 +536,30 @@ def backoff(rt: Runtime, attempt: int, retry_after: float | None) -> float:
     delay = min(t.retry_backoff_max, t.retry_backoff * 2.0**exponent) * random.uniform(0.5, 1.5)
     asked = 0.0 if retry_after is None or math.isnan(retry_after) else retry_after
     return min(longest_countdown(t), max(delay, asked, 0.0))
+
+
+def retry_busy(task: Task, rt: Runtime, error: Exception) -> NoReturn:
+    """The database stayed locked past the busy timeout as the run was to be recorded (a
+    host's long transaction, a rebuild): nothing was written, so the task goes again later,
+    as Celery's retry (with the backoff, up to `max_retries`), rather than fail unrecorded
+    with its job row left `queued` and its batch waiting."""
+    attempt = int(task.request.retries or 0)
+    message = f"the database was locked when the run started ({type(error).__name__}: {error})"
+    if attempt >= rt.settings.tasks.max_retries:
+        log.error(f"{KI_EMBED} failed", reason=message, retries=attempt)
+        raise IndexFailed(f"{message}; no retries left") from None
+    countdown = backoff(rt, attempt, None)
+    log.warning(f"{KI_EMBED} not started: tried again later", reason=message, countdown=countdown)
+    request = task.request
+    shown = {
+        k: v for k in ("argsrepr", "kwargsrepr") if (v := getattr(request, k, None)) is not None
+    }
+    raise task.retry(
+        exc=IndexFailed(message),
+        countdown=countdown,
+        max_retries=rt.settings.tasks.max_retries,
+        **shown,
+    )
 
 
 def changed(rt: Runtime, item_id: int) -> bool:

@@ -6,28 +6,39 @@ the real Redis of this test process (tests/stack.py) as the broker, no worker.""
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import apsw
 import pytest
 import redis
 
 from conftest import FakeEmbedder
+from faultkit import fault_stack, log_lines
 from scheduler.tasks import _reconcile
-from stack import broker_url, flush
-from tasks import GROUP
+from stack import broker_url, flush, wait_for
+from tasks import GROUP, NOTE
 from tasks.broker import live_task_ids
 from tasks.cancel import RunScope
-from tasks.producer import send_batch
+from tasks.producer import enqueue, send_batch
 from tasks.runtime import Runtime
 from worker.app import create_app
 from worker.log import Redact
-from worker.reconcile import LOST, mark_overrun
+from worker.reconcile import LOST, SUPERSEDED, mark_overrun
 from worker.settings import load_settings
 from worker.sources import Reader
 from worker.store.items import add_item
-from worker.store.jobs import batch_outcome, get_batch, record_starts
+from worker.store.jobs import (
+    JobState,
+    batch_outcome,
+    create_batch,
+    get_batch,
+    record_end,
+    record_queued_many,
+    record_starts,
+)
 
 
 @pytest.fixture
@@ -149,3 +160,132 @@ def test_a_run_killed_at_the_hard_time_limit_ends_failed_in_its_batch_and_its_it
     assert batch is not None
     assert (batch["state"], batch["failed"], batch["consecutive_failures"]) == ("running", 2, 0)
     assert mark_overrun(db, limit) == 0  # once
+
+
+def test_an_attempt_a_later_attempt_superseded_is_no_overrun(rt: Runtime) -> None:
+    """An attempt asked for a retry but the database (locked past its busy timeout) did not
+    take its end: its row stayed `started`, and the overrun sweep ended it failed and counted
+    the item a second time in its batch (ok 2 + failed 1 in a batch of 2). A later attempt of
+    the same task supersedes it: it ends `retry`, not counted again."""
+    db = rt.db
+    item = add_item(db, kind="note", title="n", content="Words. " * 60)
+    batch_id, (task_id,) = send_batch(db, [item], app=rt.app, group_size=1)  # type: ignore[attr-defined]
+    record_starts(db, [(task_id, item)], NOTE, batch_id, "reindex")  # its end never recorded
+    record_starts(db, [(task_id, item)], NOTE, batch_id, "reindex", attempt=1)
+    batch_outcome(db, batch_id, "ok", None, abort_after=3, job=(task_id, 1))
+    record_end(db, task_id, 1, JobState.SUCCESS, 10)
+    limit = rt.settings.tasks.time_limit + rt.settings.tasks.lock_ttl
+    db.execute(
+        "UPDATE index_jobs SET started_at = datetime('now', ?) WHERE attempt = 0",
+        (f"-{limit + 5} seconds",),
+    )
+    assert mark_overrun(db, limit) == 0
+    assert db.all(
+        "SELECT attempt, state, counted, error FROM index_jobs WHERE task_id = ? ORDER BY attempt",
+        (task_id,),
+    ) == [(0, "retry", 0, SUPERSEDED), (1, "success", 1, None)]
+    batch = get_batch(db, batch_id)
+    assert batch is not None
+    assert (batch["state"], batch["ok"], batch["failed"]) == ("done", 1, 0)
+
+
+# -- the database locked past its busy timeout, against the stack -----------------------------
+
+BUSY = {"KIDX_BUSY_TIMEOUT_MS": "1000", "KIDX_TASKS__MAX_RETRIES": "5"}
+
+
+def job_rows(db: Any, task_id: str) -> list[tuple[Any, ...]]:
+    return db.all(
+        "SELECT attempt, state, counted FROM index_jobs WHERE task_id = ? ORDER BY attempt",
+        (task_id,),
+    )
+
+
+@pytest.mark.stack
+def test_an_items_end_the_locked_database_refused_is_recorded_when_it_frees(tmp_path) -> None:
+    """A host holds the write lock past the busy timeout while a task writes: the write fails
+    and the task retries, but recording that attempt's end failed too and was never tried
+    again: the row stayed `started`, for the overrun sweep to count a second time."""
+    with fault_stack(tmp_path, concurrency=1, env=BUSY) as s:
+        a, b = (s.note(f"Busy {n}", f"# Busy {n}\n\n" + "alpha beta. " * 50) for n in range(2))
+        s.standin.delay = 1.0
+        batch_id, tasks = send_batch(s.db, [a, b], app=s.app, group_size=1)
+        started = "SELECT task_id FROM index_jobs WHERE task_id IN (?, ?) AND state = 'started'"
+        first = wait_for(lambda: s.db.scalar(started, tasks), 30, "a task to start")
+        wait_for(lambda: s.standin.requests >= 1, 30, "the task at the provider")
+        host = apsw.Connection(str(tmp_path / "kidx.db"))
+        try:
+            host.execute("BEGIN IMMEDIATE")  # the host holds the write lock ...
+            wait_for(lambda: "could not record an item's end" in s.logs, 40, "a refused record")
+            host.execute("COMMIT")  # ... and lets go
+        finally:
+            host.close()
+        s.standin.delay = 0.0
+        for task_id in tasks:
+            wait_for(lambda t=task_id: job_rows(s.db, t)[-1][1] == "success", 60, "success")
+        rows = job_rows(s.db, first)
+        assert rows[0] == (0, "retry", 1) and rows[-1][1:] == ("success", 1), rows
+        assert not s.db.scalar("SELECT count(*) FROM index_jobs WHERE state = 'started'")
+        batch = get_batch(s.db, batch_id)
+        assert batch is not None
+        assert (batch["state"], batch["ok"], batch["failed"], batch["skipped"]) == (
+            "done",
+            2,
+            0,
+            0,
+        )
+
+
+@pytest.mark.stack
+def test_a_task_that_meets_the_database_locked_at_its_start_is_retried(tmp_path) -> None:
+    """Locked when a task starts: `record_start` raised a raw BusyError, the task failed with
+    no retry, its row stayed `queued` and its batch `running`. It is retried (a single task
+    and a group), and the batch counts each item once."""
+    with fault_stack(tmp_path, concurrency=1, env=BUSY) as s:
+        single, *grouped = (
+            s.note(f"Start {n}", f"# Start {n}\n\n" + "gamma. " * 50) for n in range(3)
+        )
+        batch_id = create_batch(s.db, "reindex", 3)
+        one = enqueue(s.db, single, app=s.app, batch_id=batch_id, reason="reindex", countdown=2)
+        group = str(uuid.uuid4())
+        record_queued_many(s.db, [(f"{group}:{i}", i) for i in grouped], GROUP, batch_id, "x")
+        s.app.send_task(
+            GROUP, args=[grouped], kwargs={"batch_id": batch_id}, task_id=group, countdown=2
+        )
+        host = apsw.Connection(str(tmp_path / "kidx.db"))
+        try:
+            host.execute("BEGIN IMMEDIATE")  # held while the tasks start
+            assert not s.db.scalar("SELECT count(*) FROM index_jobs WHERE state != 'queued'")
+            results = [s.app.AsyncResult(t) for t in (one, group)]
+
+            def retried() -> set[str]:
+                return {
+                    line.get("task_id", "")
+                    for line in log_lines(s.logs)
+                    if "not started: tried again later" in line.get("event", "")
+                }
+
+            wait_for(
+                lambda: {one, group} <= retried() or "FAILURE" in [r.state for r in results],
+                30,
+                "both tasks to meet the lock",
+            )
+            assert {one, group} <= retried()
+            assert "FAILURE" not in [r.state for r in results]
+            host.execute("COMMIT")
+        finally:
+            host.close()
+        assert results[0].get(timeout=60)["status"] == "indexed"
+        assert results[1].get(timeout=60)["indexed"] == 2
+        rows = job_rows(s.db, one)
+        assert rows[0] == (0, "retry", 0) and rows[-1][1:] == ("success", 1), rows
+        for i in grouped:
+            assert job_rows(s.db, f"{group}:{i}") == [(0, "success", 1)]
+        batch = get_batch(s.db, batch_id)
+        assert batch is not None
+        assert (batch["state"], batch["ok"], batch["failed"], batch["skipped"]) == (
+            "done",
+            3,
+            0,
+            0,
+        )

@@ -132,6 +132,7 @@ def mark_lost(db: Database, job_ids: list[str]) -> None:
 
 
 OVERRUN = "ran past the hard time limit: killed, or its worker died (a redelivery may still run it)"
+SUPERSEDED = "its end was not recorded (the database was locked); a later attempt ran"
 
 
 def mark_overrun(db: Database, run_limit: float) -> int:
@@ -141,14 +142,28 @@ def mark_overrun(db: Database, run_limit: float) -> int:
     the item's own, no step towards aborting), and their items, if that run still marks them
     `indexing`, end failed (an attempt more): the retry sweep then takes them with its backoff,
     where they were taken for busy until the visibility timeout, then sent again on every
-    sweep. A redelivery that starts after all resets its row. How many rows."""
+    sweep. A redelivery that starts after all resets its row. How many rows.
+
+    A row a later attempt of the same task has superseded is not an overrun: that attempt
+    ran because this one asked for a retry, whose end the database (locked past its busy
+    timeout) did not take. It ends `retry`, as it did, and is not counted again."""
+    age = "(julianday('now') - julianday(started_at)) * 86400 >= :limit"
+    later = (
+        "EXISTS (SELECT 1 FROM index_jobs k WHERE k.task_id = index_jobs.task_id "
+        "AND k.attempt > index_jobs.attempt)"
+    )
     with db.atomic():
+        db.execute(
+            f"UPDATE index_jobs SET state = 'retry', finished_at = {NOW}, "
+            "error = coalesce(error, :superseded) "
+            f"WHERE state = 'started' AND {age} AND {later}",
+            {"superseded": SUPERSEDED, "limit": run_limit},
+        )
         rows = db.all(
-            f"UPDATE index_jobs SET state = 'failed', finished_at = {NOW}, error = ? "
-            "WHERE state = 'started' AND "
-            "(julianday('now') - julianday(started_at)) * 86400 >= ? "
+            f"UPDATE index_jobs SET state = 'failed', finished_at = {NOW}, error = :error "
+            f"WHERE state = 'started' AND {age} "
             "RETURNING task_id, attempt, item_id, batch_id",
-            (OVERRUN, run_limit),
+            {"error": OVERRUN, "limit": run_limit},
         )
         for job_id, attempt, item_id, batch_id in rows:
             run = str(job_id).split(":", 1)[0]  # a group's item row: `<task id>:<item id>`

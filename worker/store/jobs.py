@@ -87,6 +87,9 @@ def forget_queued(db: Database, task_ids: list[str]) -> None:
         )
 
 
+NOT_STARTED = "not started (the database was locked): run again as attempt"
+
+
 def record_start(
     db: Database,
     task_id: str,
@@ -110,8 +113,10 @@ def record_starts(
     attempt: int = 0,
 ) -> None:
     """Runs start (a group's: one row for each (job id, item id)), in one transaction; a row
-    met again after a redelivery is reset."""
+    met again after a redelivery is reset; an earlier attempt that never started ends
+    (`_close_unstarted`)."""
     with db.atomic():
+        _close_unstarted(db, [job_id for job_id, _ in runs], attempt)
         db.executemany(
             "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
             f"reason, started_at) VALUES (?, ?, ?, ?, ?, 'started', ?, {NOW}) "
@@ -119,6 +124,18 @@ def record_starts(
             "started_at = excluded.started_at, finished_at = NULL, duration_ms = NULL, "
             "error = NULL",
             [(job_id, attempt, task_name, item_id, batch_id, reason) for job_id, item_id in runs],
+        )
+
+
+def _close_unstarted(db: Database, job_ids: list[str], attempt: int) -> None:
+    """Attempts before `attempt` still `queued` never started (the database was locked when
+    they were to: `tasks.run.retry_busy`): they end `retry`, not counted, so that no sweep
+    takes them for lost."""
+    if attempt > 0:
+        db.executemany(
+            f"UPDATE index_jobs SET state = 'retry', finished_at = {NOW}, "
+            "error = coalesce(error, ?) WHERE task_id = ? AND attempt < ? AND state = 'queued'",
+            [(f"{NOT_STARTED} {attempt}", job_id, attempt) for job_id in job_ids],
         )
 
 
