@@ -2,6 +2,11 @@
 worker/pipeline.py say, with the texts of several items in shared embedding requests, one
 request in flight while the next items are read and chunked and the finished ones written, and
 the written items sharing a write transaction (a savepoint each). `index_item` is a run of one.
+
+Each item is fenced (`worker.store.items.Claim`): its state is read before its text, its
+`indexing` mark is made only while that state is unchanged, and its write (or its failure)
+only while the mark is still this run's. A run whose lock expired while its process was
+stopped never writes its older text over the index another run made meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from worker.embedding import EmbedQueue, Plan, PlanFailures, Requests, abort_of,
 from worker.errors import (
     Cancelled,
     IndexAborted,
+    ItemNotFound,
     KidxError,
     PermanentProviderError,
     StoreError,
@@ -24,11 +30,14 @@ from worker.errors import (
 from worker.indexers import IndexOptions
 from worker.log import KI_EMBED, get_logger
 from worker.pipeline import (
+    COALESCED,
+    TAKEN_LOG,
     IndexResult,
     Work,
-    log_indexed,
+    log_written,
     new_and_whole,
     prepare_item,
+    record_cancelled,
     record_failure,
     recorded_outcome,
     store_failure,
@@ -37,10 +46,14 @@ from worker.pipeline import (
 )
 from worker.providers.base import EmbeddingModel
 from worker.store.db import Database
-from worker.store.items import Status, get_item, set_state, set_states
+from worker.store.items import Claim, claim_items, get_item, read_claim
 from worker.store.repair import repair_orphans
 
 log = get_logger("kidx.pipeline")
+
+# How many times a run reads an item that other runs keep taking between its read and its
+# mark before it leaves the item to them (`coalesced`).
+MAX_READS = 3
 
 
 def index_item(
@@ -82,14 +95,45 @@ def index_items(
     those not yet read, get that IndexAborted. Past `deadline` (time.monotonic()) no further
     item is started: those have no outcome, for the caller to send again. Anything else
     (Cancelled, a time limit, a bug) propagates, after each item read and not written is
-    marked cancelled or failed."""
+    marked cancelled or failed.
+
+    An item another run has taken since this run read it is not written, nor its failure
+    recorded: its result is `coalesced` (the other run's index stands). One taken between its
+    read and its `indexing` mark is read again (which run read the newer text is not known
+    then), in a pass of its own after the others, `MAX_READS` times at most."""
     options = options or IndexOptions()
+    out: dict[int, IndexResult | KidxError] = {}
+    ids = item_ids
+    for reads in range(1, MAX_READS + 1):
+        again = _index_pass(
+            db, ids, embedder, options, out, on_done, deadline, last=reads == MAX_READS
+        )
+        if not again:
+            break
+        ids, deadline = again, None  # (started already: read again whatever the time)
+    return out
+
+
+def _index_pass(
+    db: Database,
+    item_ids: list[int],
+    embedder: EmbeddingModel | None,
+    options: IndexOptions,
+    out: dict[int, IndexResult | KidxError],
+    on_done: Callable[[int, IndexResult | KidxError], None] | None,
+    deadline: float | None,
+    *,
+    last: bool,
+) -> list[int]:
+    """`index_items`' run over `item_ids`, their outcomes into `out`: the items to read
+    again, taken by another run between their read and their mark (`last`: none, they end
+    `coalesced`)."""
     task_id, cancel = options.task_id, options.cancel
     # A run of one looks for orphan vec rows in its item's write (its result counts them);
     # a run of many, once at the end rather than once an item.
     alone = len(item_ids) == 1
-    out: dict[int, IndexResult | KidxError] = {}
     works: list[Work] = []  # read and chunked, not yet written
+    again: list[Work] = []  # taken between their read and their mark
     written: list[int] = []
     limit = options.max_consecutive_failures
     unembedded = 0  # items that asked for vectors and got not one
@@ -132,14 +176,20 @@ def index_items(
         assert embedder is not None
         for w in ready:
             count_vectors(w.plan)
-        indexed: list[tuple[Work, IndexResult]] = []
+        indexed: list[tuple[Work, IndexResult]] = []  # written, or coalesced
         halt: KidxError | None = None
+        read: dict[int, Claim] = {id(w): w.claim for w in fresh}  # again if no commit
         try:
             with db.committing():
                 if fresh:
-                    set_states(
-                        db, [w.item.id for w in fresh], status=Status.INDEXING, last_task_id=task_id
-                    )
+                    held = claim_items(db, [(w.item.id, w.claim) for w in fresh], task_id)
+                    for w in fresh:
+                        if w.item.id in held:
+                            w.claim, w.marked = held[w.item.id], True
+                        else:  # taken since it was read: read again, after the others
+                            works.remove(w)
+                            again.append(w)
+                    ready = [w for w in ready if w.marked]
                 try:
                     together = _new_items(ready)
                 except apsw.Error as e:  # the transaction went with it: the cause is reported
@@ -156,7 +206,7 @@ def index_items(
                     works.remove(w)
                     writing = False
                     try:
-                        with recorded_outcome(db, w.item.id, task_id, w.started, w.log):
+                        with recorded_outcome(db, w.item.id, task_id, w.started, w.log, w.claim):
                             if (aborted := abort_of(w.plan)) is not None:
                                 raise aborted  # its own: N failed in a row, or not one
                             check(cancel)
@@ -170,6 +220,8 @@ def index_items(
                         indexed.append((w, result))
                         done(w.item.id, result)
         except (apsw.Error, StoreError) as e:
+            for w in fresh:  # their marks went with the transaction
+                w.claim, w.marked = read[id(w)], False
             # The cause, when an item met it first (a full disk), rather than its echo ("the
             # transaction was rolled back").
             halt = halt or (store_failure(e) if isinstance(e, apsw.Error) else e)
@@ -184,16 +236,15 @@ def index_items(
                 if w in works:
                     works.remove(w)
                 try:  # its state and the caller's records, again: they were rolled back
-                    with recorded_outcome(db, w.item.id, task_id, w.started, w.log):
+                    with recorded_outcome(db, w.item.id, task_id, w.started, w.log, w.claim):
                         raise halt
                 except KidxError as e:
                     done(w.item.id, e)
             return halt
-        for w in fresh:
-            w.marked = True
         for w, result in indexed:
-            written.append(w.item.id)
-            log_indexed(w, result)
+            if result.status != COALESCED:
+                written.append(w.item.id)
+            log_written(w, result)
         return halt
 
     def _new_items(ready: list[Work]) -> list[tuple[Work, IndexResult]]:
@@ -242,10 +293,14 @@ def index_items(
             ilog = log.bind(item_id=item_id, task_id=task_id)
             try:
                 item = get_item(db, item_id, content=False)
-                with recorded_outcome(db, item_id, task_id, started, ilog):
+                # before its text: a run that takes the item after this reads its text later
+                claim = read_claim(db, item_id)
+                if claim is None:
+                    raise ItemNotFound(item_id)
+                with recorded_outcome(db, item_id, task_id, started, ilog, claim):
                     if stop is not None:  # the provider or the database is down: stop reading
                         raise stop
-                    w = prepare_item(db, item, embedder, options, started, ilog, mark=False)
+                    w = prepare_item(db, item, embedder, options, started, ilog, claim=claim)
             except KidxError as e:
                 done(item_id, e)
                 continue
@@ -275,7 +330,7 @@ def index_items(
             for w in [w for w in works if halted or w.plan.waiting or w.plan.failed]:
                 works.remove(w)
                 try:
-                    with recorded_outcome(db, w.item.id, task_id, w.started, w.log):
+                    with recorded_outcome(db, w.item.id, task_id, w.started, w.log, w.claim):
                         raise w.plan.aborted or stop
                 except KidxError as e:
                     done(w.item.id, e)
@@ -287,17 +342,17 @@ def index_items(
                 # Recorded if the database lets us (a full disk may not): the cause is raised.
                 with contextlib.suppress(apsw.Error, StoreError):
                     # Ctrl-C on an inline run is the user cancelling it, as a revoke is
+                    # (not over the state of a run that has taken the item since)
                     if isinstance(e, Cancelled | KeyboardInterrupt):
-                        set_state(
-                            db,
-                            w.item.id,
-                            status=Status.CANCELLED,
-                            last_task_id=task_id,
-                            duration_ms=w.elapsed(),
-                        )
+                        record_cancelled(db, w.item.id, task_id, w.elapsed(), claim=w.claim)
                     else:
                         record_failure(
-                            db, w.item.id, f"{type(e).__name__}: {e}", task_id, w.elapsed()
+                            db,
+                            w.item.id,
+                            f"{type(e).__name__}: {e}",
+                            task_id,
+                            w.elapsed(),
+                            claim=w.claim,
                         )
         raise
     finally:
@@ -311,4 +366,32 @@ def index_items(
                 task_id=task_id,
                 orphans_deleted=repaired.orphans_deleted,
             )
-    return out
+    return _taken_since_read([w for w in again if w.item.id not in out], stop, last, done)
+
+
+def _taken_since_read(
+    works: list[Work],
+    stop: KidxError | None,
+    last: bool,
+    done: Callable[[int, IndexResult | KidxError], None],
+) -> list[int]:
+    """Items another run took between this run's read and its mark: read again (the ids),
+    unless the run stopped (the provider or the database is down: the cause is their outcome,
+    their state left to that run, for the caller to send them again) or they were read
+    `MAX_READS` times (`coalesced`: other runs keep taking them)."""
+    if stop is None and not last:
+        return [w.item.id for w in works]
+    for w in works:
+        if stop is not None:
+            w.log.info(f"{KI_EMBED} taken by another run since it was read", outcome=str(stop))
+            stopped = stop
+            if isinstance(stop, PermanentProviderError):  # as `recorded_outcome` says it
+                stopped = IndexAborted(str(stop))
+            done(w.item.id, stopped)
+        else:
+            reason = f"{TAKEN_LOG}, each of the {MAX_READS} times it read it: nothing written"
+            w.log.info(f"{KI_EMBED} coalesced: not written", reason=reason)
+            done(
+                w.item.id, IndexResult(w.item.id, COALESCED, duration_ms=w.elapsed(), error=reason)
+            )
+    return []

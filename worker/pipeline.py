@@ -13,6 +13,12 @@ The rules:
   failure leaves that chunk without a vector and the item `partial` (an edit's new chunk too:
   the rest keeps its vectors); only an item that would have no vector at all fails instead.
 * Cancellation rolls back, leaves the previous index, marks the item `cancelled`, propagates.
+* Fenced: a run writes nothing of an item (chunks, state, a failure) once another run has
+  started on it since this run read it (`Claim`): a run whose lock expired while its process
+  was stopped must not put its older text over the newer index. Its result is `coalesced`
+  (a failure stays its own outcome, not the item's state). Taken between its read and its
+  `indexing` mark, the item is read again instead (`worker.bulk`): which of the two runs read
+  the newer text is not known then.
 
 Every kind of item goes the same way, through its kind's indexer (`worker.indexers`): plan
 (chunk, match vectors made before), embed what is missing, write. These are the steps;
@@ -48,10 +54,12 @@ from worker.store.db import Database
 from worker.store.items import (
     CREATE_STATE,
     NOW,
+    Claim,
     Item,
     Status,
     get_item,
     origin_unchanged,
+    read_claim,
     set_state,
 )
 from worker.store.removal import remove_other_kind
@@ -59,6 +67,8 @@ from worker.store.removal import remove_other_kind
 log = get_logger("kidx.pipeline")
 
 NO_PROVIDER = "no embedding provider configured (KIDX_EMBEDDING__PROVIDER=none)"
+# A run's outcome for an item another run has taken (`Claim.taken`): nothing written.
+COALESCED = "coalesced"
 
 
 @dataclass
@@ -94,7 +104,10 @@ class Work:
     planned: Planned
     started: float
     log: Any
-    marked: bool = True  # its state says `indexing` (index_items marks in its next write)
+    # The state as read before the text, then (`marked`) as this run's `indexing` mark left it
+    # (index_items marks in its next write, `claim_items`): what the run may write over.
+    claim: Claim
+    marked: bool = False
 
     @property
     def plan(self) -> Plan:
@@ -106,27 +119,33 @@ class Work:
 
 @contextmanager
 def recorded_outcome(
-    db: Database, item_id: int, task_id: str | None, started: float, ilog: Any
+    db: Database,
+    item_id: int,
+    task_id: str | None,
+    started: float,
+    ilog: Any,
+    claim: Claim | None = None,
 ) -> Iterator[None]:
     """An item's failure, recorded and logged as its outcome: the state, then the exception.
     The database refusing a write becomes a KidxError too (`store_failure`); recording the
-    failure is then attempted, never allowed to hide the cause."""
+    failure is then attempted, never allowed to hide the cause. `claim`: the state is left
+    alone if another run has taken the item since (`record_failure`)."""
 
     def elapsed() -> int:
         return int((time.monotonic() - started) * 1000)
 
+    def failed(reason: str) -> None:
+        recorded = _quietly(
+            ilog, record_failure, db, item_id, reason, task_id, elapsed(), claim=claim
+        )
+        if recorded is False:
+            ilog.info(f"{KI_EMBED} {TAKEN_LOG}; its state is not this run's", outcome=reason)
+
     try:
         yield
     except Cancelled:
-        _quietly(
-            ilog,
-            set_state,
-            db,
-            item_id,
-            status=Status.CANCELLED,
-            last_task_id=task_id,
-            duration_ms=elapsed(),
-        )
+        if _quietly(ilog, record_cancelled, db, item_id, task_id, elapsed(), claim=claim) is False:
+            ilog.info(f"{KI_EMBED} {TAKEN_LOG}; its state is not this run's", outcome="cancelled")
         ilog.info(f"{KI_EMBED} cancelled; the previous index is intact", duration_ms=elapsed())
         raise
     except ItemNotFound as e:  # deleted while it ran: nothing of it is written or recorded
@@ -134,7 +153,7 @@ def recorded_outcome(
         raise
     except apsw.Error as e:
         failure = store_failure(e)
-        _quietly(ilog, record_failure, db, item_id, str(failure), task_id, elapsed())
+        failed(str(failure))
         ilog.error(
             f"{KI_EMBED} the write failed; the previous index is intact",
             reason=str(failure),
@@ -142,7 +161,7 @@ def recorded_outcome(
         )
         raise failure from None
     except IndexAborted as e:
-        _quietly(ilog, record_failure, db, item_id, f"aborted: {e}", task_id, elapsed())
+        failed(f"aborted: {e}")
         ilog.error(
             f"{KI_EMBED} aborted; the previous index is intact",
             reason=str(e),
@@ -150,15 +169,15 @@ def recorded_outcome(
         )
         raise
     except PermanentProviderError as e:
-        _quietly(ilog, record_failure, db, item_id, str(e), task_id, elapsed())
+        failed(str(e))
         ilog.error(f"{KI_EMBED} failed", reason=str(e), duration_ms=elapsed())
         raise IndexAborted(str(e)) from e
     except KidxError as e:  # bad input: a refused file or URL, nothing to index
-        _quietly(ilog, record_failure, db, item_id, str(e), task_id, elapsed())
+        failed(str(e))
         ilog.error(f"{KI_EMBED} failed", reason=str(e), duration_ms=elapsed())
         raise
     except Exception as e:
-        _quietly(ilog, record_failure, db, item_id, f"{type(e).__name__}: {e}", task_id, elapsed())
+        failed(f"{type(e).__name__}: {e}")
         raise
 
 
@@ -172,13 +191,14 @@ def store_failure(e: apsw.Error) -> KidxError:
     return StoreError(f"the database refused the write ({cause})")
 
 
-def _quietly(ilog: Any, fn: Any, *args: Any, **kwargs: Any) -> None:
+def _quietly(ilog: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Record an outcome if the database lets us (a full disk may not): the cause of the
-    failure is what must reach the caller."""
+    failure is what must reach the caller. What `fn` returned (None when it raised)."""
     try:
-        fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     except (apsw.Error, StoreError) as e:
         ilog.error(f"{KI_EMBED} could not record the outcome", reason=f"{type(e).__name__}: {e}")
+        return None
 
 
 def prepare_item(
@@ -189,12 +209,13 @@ def prepare_item(
     started: float,
     ilog: Any,
     *,
-    mark: bool = True,
+    claim: Claim,
 ) -> Work | IndexResult:
     """Read the item, chunk it and plan its vectors (what is reused), through its kind's
     indexer; no provider call but the chunk model's. With no embedding provider the item is
-    skipped: the result says so. `mark=False`: the caller marks the item `indexing` (in its
-    next write transaction)."""
+    skipped: the result says so. `claim`: its state, read before this reads its text
+    (`read_claim`); the caller marks the item `indexing` in its next write transaction, if
+    the state is still that (`claim_items`)."""
     item_id, task_id = item.id, options.task_id
     kind = kind_of(item)
     # A note's text is loaded here, so that this frame holds the only reference and can let a
@@ -220,24 +241,26 @@ def prepare_item(
     except SourceUnavailable as e:  # a URL that may answer later: the task retries
         raise IndexAborted(str(e), transient=True) from e
     content_hash = text_hash(text)
-    if mark:
-        set_state(db, item_id, status=Status.INDEXING, last_task_id=task_id)
     planned = kind.indexer.plan(db, item, text, embedder.model_id, options, ilog)
     if kind.text_in_row:  # the chunks hold what is needed: let a big text go
         item, text = replace(item, content=""), ""
-    return Work(item, kind, text, content_hash, planned, started, ilog, marked=mark)
+    return Work(item, kind, text, content_hash, planned, started, ilog, claim)
 
 
 def write_item(
     db: Database, w: Work, model: str, options: IndexOptions, *, orphans: bool = True
 ) -> IndexResult:
-    """Write the item's chunks, vectors and state in one transaction (the only one).
+    """Write the item's chunks, vectors and state in one transaction (the only one); nothing,
+    and a `coalesced` result, if another run has taken the item since this run's claim.
     `orphans=False`: the caller looks for orphan vec rows (once for many items)."""
     dims = db.dimensions
     item, plan = w.item, w.plan
     with db.atomic():
-        if db.one("SELECT 1 FROM knowledge_items WHERE id = ?", (item.id,)) is None:
+        now = read_claim(db, item.id)
+        if now is None:
             raise ItemNotFound(item.id)  # deleted while it was read and embedded
+        if w.claim.taken(now):
+            return taken_result(w, now)
         remove_other_kind(db, [item.id], code=item.kind == "code")
         repaired, vec_failed = w.kind.indexer.write(
             db, item, w.planned, model, options, w.log, orphans=orphans
@@ -258,14 +281,25 @@ def write_new_items(
 ) -> list[tuple[Work, IndexResult]]:
     """Items indexed for the first time (`new_and_whole`), each kind's together through its
     indexer's `write_new`, with their states, in one savepoint: what `write_item` writes for
-    each, in a few statements for all. The items written, with their results; the others are
-    for `write_item`. Raises what the database raised (the savepoint rolled back)."""
+    each, in a few statements for all. The items written, with their results, and those
+    another run has taken since this run's claim, with a `coalesced` result (nothing written:
+    `write_item`'s fence, an indexed read each); the others are for `write_item`. Raises what
+    the database raised (the savepoint rolled back)."""
     dims = db.dimensions
     kinds: dict[int, list[Work]] = {}
-    for w in works:
-        kinds.setdefault(id(w.kind.indexer), []).append(w)
     written: list[tuple[Work, IndexResult]] = []
+    taken: list[tuple[Work, IndexResult]] = []
     with db.atomic():
+        free = []
+        for w in works:
+            now = read_claim(db, w.item.id)
+            if now is not None and w.claim.taken(now):
+                taken.append((w, taken_result(w, now)))
+            else:  # (a deleted item: `write_new` leaves it out, `write_item` says so)
+                free.append(w)
+        works = free
+        for w in works:
+            kinds.setdefault(id(w.kind.indexer), []).append(w)
         for code in (True, False):
             remove_other_kind(
                 db, [w.item.id for w in works if (w.item.kind == "code") == code], code=code
@@ -276,7 +310,7 @@ def write_new_items(
             )
             written += [(w, _result(w, model, dims, 0, 0)) for w in group if w.item.id in ids]
         _record_all(db, [(w, 0) for w, _ in written], model, dims, options.task_id)
-    return written
+    return written + taken
 
 
 def _result(w: Work, model: str, dims: int, failed: int, repaired: int) -> IndexResult:
@@ -296,6 +330,26 @@ def _result(w: Work, model: str, dims: int, failed: int, repaired: int) -> Index
         error=plan.first_failure() if failed else None,
         fallback=w.planned.fallback,
     )
+
+
+TAKEN_LOG = "another run has started on the item since this run read it"
+
+
+def taken_result(w: Work, now: Claim) -> IndexResult:
+    """A run's result for an item another run has taken (`Claim.taken`): nothing written, the
+    index stands as that run leaves it; `now`, the state that says so, is named."""
+    reason = f"{TAKEN_LOG} (state now {now.status}, task {now.task_id}): nothing written"
+    return IndexResult(w.item.id, COALESCED, duration_ms=w.elapsed(), error=reason)
+
+
+def log_written(w: Work, result: IndexResult) -> None:
+    """After the commit: an item written (`log_indexed`), or not, for another run had it."""
+    if result.status == COALESCED:
+        w.log.info(
+            f"{KI_EMBED} coalesced: not written", reason=result.error, duration_ms=w.elapsed()
+        )
+    else:
+        log_indexed(w, result)
 
 
 def log_indexed(w: Work, result: IndexResult) -> None:
@@ -376,10 +430,29 @@ def _record_all(
         )
 
 
+def _taken(db: Database, item_id: int, claim: Claim | None) -> bool:
+    """Whether another run has taken the item since `claim` (None: not fenced). A deleted
+    item is not taken: `set_state` writes nothing for it."""
+    if claim is None:
+        return False
+    now = read_claim(db, item_id)
+    return now is not None and claim.taken(now)
+
+
 def record_failure(
-    db: Database, item_id: int, reason: str, task_id: str | None, duration: int
-) -> None:
+    db: Database,
+    item_id: int,
+    reason: str,
+    task_id: str | None,
+    duration: int,
+    *,
+    claim: Claim | None = None,
+) -> bool:
+    """The item's state says the run failed (an attempt more), unless another run has taken
+    the item since `claim`: that run's state stands. Whether it was recorded."""
     with db.atomic():
+        if _taken(db, item_id, claim):
+            return False
         set_state(
             db,
             item_id,
@@ -391,3 +464,21 @@ def record_failure(
         db.execute(
             "UPDATE item_index_state SET attempts = attempts + 1 WHERE item_id = ?", (item_id,)
         )
+    return True
+
+
+def record_cancelled(
+    db: Database, item_id: int, task_id: str | None, duration: int, *, claim: Claim | None = None
+) -> bool:
+    """The item's state says the run was cancelled, as `record_failure` says it failed."""
+    with db.atomic():
+        if _taken(db, item_id, claim):
+            return False
+        set_state(
+            db,
+            item_id,
+            status=Status.CANCELLED,
+            last_task_id=task_id,
+            duration_ms=duration,
+        )
+    return True

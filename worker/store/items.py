@@ -50,6 +50,71 @@ def origin_unchanged(item: str, kind: str, title: str, source: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class Claim:
+    """An item's index state as a run read it, or as its own `indexing` mark left it: what
+    the run may write over (its task, status and `updated_at`; all None: no state row). A
+    run's lock may expire while its process is stopped (a VM pause, swap); another run then
+    takes the item and indexes a newer text, and the first, resumed, must not write over it.
+    The task id alone cannot tell two deliveries of one task apart: `updated_at` can."""
+
+    task_id: str | None
+    status: str | None
+    stamp: str | None
+
+    def taken(self, now: Claim) -> bool:
+        """Whether the state row, as it is `now`, says another run has started on the item
+        since this claim: another task's mark, or any write over this claim (a duplicate
+        delivery's mark, the sweep ending an overrun `failed`). A host's rename (the trigger
+        makes `pending` an item this run marked) is not one: the write records `pending`."""
+        if now.task_id != self.task_id:
+            return True
+        return now != self and not (self.status == Status.INDEXING and now.status == "pending")
+
+
+NO_ROW = Claim(None, None, None)
+
+_CLAIM = (
+    "SELECT s.last_task_id, s.status, s.updated_at FROM knowledge_items i "
+    "LEFT JOIN item_index_state s ON s.item_id = i.id WHERE i.id = ?"
+)
+
+
+def read_claim(db: Database, item_id: int) -> Claim | None:
+    """The item's state as a run reads it (before its text: a run that starts on the item
+    after this, whatever text it reads, read it later); None: the item is gone."""
+    row = db.one(_CLAIM, (item_id,))
+    return None if row is None else Claim(*row)
+
+
+def claim_items(
+    db: Database, claims: list[tuple[int, Claim]], task_id: str | None
+) -> dict[int, Claim]:
+    """Mark items `indexing` for the run `task_id`, in the caller's transaction, each only
+    while its state row is still as the run read it (`claims`): the run's own claims, by item.
+    An item left out has been taken since it was read (by another run, or anything that wrote
+    its state), or is gone: what the run read of it may be older than what that run read."""
+    held: dict[int, Claim] = {}
+    for item_id, claim in claims:
+        if claim == NO_ROW:
+            row = db.one(
+                "INSERT INTO item_index_state(item_id, status, last_task_id) "
+                "SELECT id, 'indexing', ?1 FROM knowledge_items WHERE id = ?2 "
+                "ON CONFLICT(item_id) DO NOTHING RETURNING updated_at",
+                (task_id, item_id),
+            )
+        else:
+            row = db.one(
+                f"UPDATE item_index_state SET status = 'indexing', last_task_id = ?1, "
+                f"updated_at = {NOW} WHERE item_id = ?2 AND last_task_id IS ?3 "
+                "AND status IS ?4 AND updated_at IS ?5 RETURNING updated_at",
+                (task_id, item_id, claim.task_id, claim.status, claim.stamp),
+            )
+        if row is not None:
+            held[item_id] = Claim(task_id, str(Status.INDEXING), row[0])
+    return held
+
+
 # An item's state row, created when missing: never for an item that is gone (a task still
 # running for a deleted item must not bring a row of it back).
 CREATE_STATE = (
