@@ -329,6 +329,8 @@ class Run:
             result = outcome.as_dict()
             if outcome.status == "skipped":  # no provider configured: nothing was written
                 self.end(item_id, JobState.SKIPPED, "skipped", outcome.error)
+            elif outcome.status == "coalesced":  # another run took the item: its index stands
+                self.end(item_id, JobState.COALESCED, "ok", outcome.error)
             else:
                 self.end(item_id, JobState.SUCCESS, "ok")
                 metrics.record_chunks(result)

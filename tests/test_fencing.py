@@ -393,3 +393,5 @@ def test_a_pool_process_stopped_past_its_lock_does_not_write_over_the_newer_inde
     state = db.one("SELECT status, indexed_hash FROM item_index_state WHERE item_id = ?", (item,))
     assert state == ("indexed", text_hash(TEXT2))
     assert "coalesced: not written" in stack.worker.log
+    job = db.one("SELECT state FROM index_jobs WHERE task_id = ? ORDER BY attempt DESC", (t1,))
+    assert job == ("coalesced",)  # not a success: it wrote nothing
