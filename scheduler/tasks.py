@@ -15,6 +15,7 @@ import redis
 from celery import Task, shared_task
 
 from tasks.broker import live_task_ids
+from tasks.cancel import revoked_key
 from tasks.lock import held, only_one, sweep_key
 from tasks.producer import send_batch
 from tasks.runtime import Runtime, runtime
@@ -29,6 +30,7 @@ from worker.reconcile import (
     reconcile,
     record_sweep,
 )
+from worker.store.jobs import end_discarded
 
 log = get_logger("kidx.scheduler")
 
@@ -97,7 +99,9 @@ LOST_AFTER = 120.0
 def _lost_jobs(rt: Runtime, queue: str) -> int:
     """Mark the queued jobs whose task a Redis broker no longer holds (`tasks.broker`) as
     failed, so that this sweep sends their items again rather than waiting for the visibility
-    timeout; how many. Another broker, or one too full to read, is not looked at."""
+    timeout; how many. Another broker, or one too full to read, is not looked at. A task
+    that kidx knows was revoked (`kidx:revoked:<id>`) was discarded by a worker, not lost: its
+    rows end `revoked` (its batch counts it skipped), and its item is not sent again."""
     if urlsplit(rt.settings.broker_url).scheme not in ("redis", "rediss", "unix"):
         return 0
     stale = queued_jobs(rt.db, older_than=LOST_AFTER)
@@ -110,11 +114,36 @@ def _lost_jobs(rt: Runtime, queue: str) -> int:
         return 0
     if live is None:
         return 0
-    lost = [job for job in stale if job.split(":", 1)[0] not in live]  # a group's `task:item`
+    gone = [job for job in stale if job.split(":", 1)[0] not in live]  # a group's `task:item`
+    revoked = _revoked(rt, sorted({job.split(":", 1)[0] for job in gone}))
+    if revoked is None:
+        return 0
+    for task_id in revoked:  # cancelled while queued, its discard not recorded: not lost
+        end_discarded(rt.db, task_id, 0, "cancelled")
+    if revoked:
+        log.info("tasks cancelled while queued: recorded as revoked", tasks=len(revoked))
+    lost = [job for job in gone if job.split(":", 1)[0] not in revoked]
     if lost:
         mark_lost(rt.db, lost)
         log.warning("tasks lost by the broker: their items are sent again", jobs=len(lost))
     return len(lost)
+
+
+def _revoked(rt: Runtime, task_ids: list[str]) -> set[str] | None:
+    """Which of these tasks `kidx cancel` (or a revoke through a worker) revoked: the broker no
+    longer holds them because a worker discarded them, not because they were lost; a worker
+    records that itself (`tasks.cancel`), unless its database was locked at the time."""
+    if not task_ids:
+        return set()
+    pipe = rt.redis.pipeline(transaction=False)
+    for task_id in task_ids:
+        pipe.exists(revoked_key(task_id))
+    try:
+        found = pipe.execute()
+    except redis.RedisError as e:  # unknown: none is called lost on this sweep
+        log.warning("could not read the revokes", reason=str(e))
+        return None
+    return {t for t, n in zip(task_ids, found, strict=True) if n}
 
 
 @shared_task(name=RETRY_SWEEP, bind=True)

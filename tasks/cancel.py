@@ -11,6 +11,9 @@ SIGTERM, mid-write. So:
   next step (within one provider call), rolls back, and the task marks itself REVOKED. With no
   task running, SIGTERM does what it always did.
 * The check also covers waiting: a provider's backoff sleeps on the token, not on time.sleep.
+* A task revoked while queued or reserved never reaches kidx code: Celery discards it. Its
+  `task_revoked` signal (in the worker's main process) records what its run would have: its
+  job rows end `revoked`, counted skipped in their batch, its items `cancelled`.
 """
 
 from __future__ import annotations
@@ -23,12 +26,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import apsw
 import redis
+from celery import current_app, signals
 from celery.utils.functional import maybe_list
 from celery.worker import control
 
-from worker.errors import Cancelled
+from tasks import GROUP, KNOWLEDGE_ITEM, NOTE
+from worker.errors import Cancelled, KidxError
 from worker.log import get_logger
+from worker.store.db import Database
+from worker.store.items import Status
+from worker.store.jobs import end_discarded
 
 log = get_logger("kidx.tasks")
 
@@ -158,3 +167,50 @@ def revoke(
         log.warning("could not record the revoke in Redis", task_ids=ids, reason=str(e))
     log.info("revoke received", task_ids=ids, terminate=bool(terminate))
     return _celery_revoke(state, task_id, terminate=terminate, signal=signal, **kwargs)
+
+
+# -- a task discarded before it ran -----------------------------------------------------------
+
+INDEXING_TASKS = (NOTE, KNOWLEDGE_ITEM, GROUP)
+
+
+@signals.task_revoked.connect
+def _discarded(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    **_: Any,
+) -> None:
+    """A task revoked while queued or reserved, or expired: Celery discards it in the worker's
+    main process and no kidx code runs, so its job rows would stay `queued` (its batch
+    `running`, `kidx reindex --wait` waiting) until the reconcile sweep called them lost and
+    sent the cancelled items again. Recorded here as a run that sees its revoke before the
+    start records it (`end_discarded`); an expired task's items end `failed`, for the retry
+    sweep. A terminated task was running: its run records its own revoke."""
+    name = getattr(sender, "name", None) or getattr(request, "task", None)
+    if terminated or request is None or name not in INDEXING_TASKS:
+        return
+    task_id = str(request.id)
+    attempt = 0 if name == GROUP else int(getattr(request, "retries", 0) or 0)
+    if expired:
+        error, status = "not run: its task expired before it started", Status.FAILED
+    else:
+        error, status = "cancelled", Status.CANCELLED
+    settings = getattr(getattr(sender, "app", None) or current_app, "kidx_settings", None)
+    if settings is None:
+        return
+    try:
+        # A connection of its own, not a runtime's (no providers in the main process), and
+        # not kept open: the main process forks the pool's processes.
+        db = Database(settings.db, busy_timeout_ms=settings.busy_timeout_ms, create=False)
+        try:
+            ended = end_discarded(db, task_id, attempt, error, status)
+        finally:
+            db.close()
+    except (apsw.Error, KidxError) as e:  # the reconcile sweep still finds it (`kidx:revoked`)
+        log.warning(
+            "could not record a discarded task", task_id=task_id, reason=f"{type(e).__name__}: {e}"
+        )
+        return
+    log.info("task discarded before it ran: recorded", task_id=task_id, jobs=ended, error=error)

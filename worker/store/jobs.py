@@ -11,7 +11,7 @@ import enum
 from typing import Any
 
 from worker.store.db import Database
-from worker.store.items import NOW
+from worker.store.items import NOW, Status, mark_not_run
 
 
 class JobState(enum.StrEnum):
@@ -137,6 +137,44 @@ def _close_unstarted(db: Database, job_ids: list[str], attempt: int) -> None:
             "error = coalesce(error, ?) WHERE task_id = ? AND attempt < ? AND state = 'queued'",
             [(f"{NOT_STARTED} {attempt}", job_id, attempt) for job_id in job_ids],
         )
+
+
+def end_discarded(
+    db: Database, task_id: str, attempt: int, error: str, status: Status = Status.CANCELLED
+) -> int:
+    """A task Celery discarded before it ran (revoked while queued or reserved, or expired):
+    no kidx code ran for it, so what its run would have recorded is recorded here, as a run
+    that sees its revoke before it starts does. Its rows still `queued` (a group's too,
+    `<task id>:<item id>`) end `revoked`, each counted skipped in its batch (never run: no
+    step towards aborting it), and their items are marked as items a run did not run are
+    (`mark_not_run`: `status`, unless another run has indexed them since or is indexing them
+    now). A retry discarded while it waited for its countdown has no row yet: it gets one,
+    from its previous attempt's. `attempt`: the task's retries (a group's rows: 0). How many
+    rows ended."""
+    with db.atomic():
+        if attempt > 0:
+            db.execute(
+                "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
+                f"reason, queued_at) SELECT task_id, ?, task_name, item_id, batch_id, 'queued', "
+                f"reason, {NOW} FROM index_jobs WHERE task_id = ? AND attempt = ? "
+                "ON CONFLICT(task_id, attempt) DO NOTHING",
+                (attempt, task_id, attempt - 1),
+            )
+            _close_unstarted(db, [task_id], attempt)
+        # the task's own row, or its group's rows: `<task id>:` sorts before `<task id>;`
+        rows = db.all(
+            f"UPDATE index_jobs SET state = 'revoked', finished_at = {NOW}, error = ? "
+            "WHERE attempt = ? AND state = 'queued' "
+            "AND (task_id = ? OR (task_id > ? AND task_id < ?)) "
+            "RETURNING task_id, item_id, batch_id",
+            (error, attempt, task_id, f"{task_id}:", f"{task_id};"),
+        )
+        for job_id, item_id, batch_id in rows:
+            if batch_id is not None:
+                batch_outcome(db, batch_id, "skipped", error, abort_after=0, job=(job_id, attempt))
+            if item_id is not None:
+                mark_not_run(db, item_id, task_id, job_id, error, status=status)
+    return len(rows)
 
 
 def group_job_id(task_id: str, item_id: int) -> str:
