@@ -98,7 +98,12 @@ def test_a_retry_cancelled_while_it_waits_for_its_countdown_ends_revoked(s: Faul
         kwargs={"reason": "reindex", "batch_id": batch_id},
         task_id=task_id,
         retries=1,
-        countdown=2,
+        countdown=6,  # time for the revoke to arrive first, however busy the machine
+    )
+    wait_for(
+        lambda: task_id in str(s.app.control.inspect(timeout=1).scheduled()),
+        20,
+        "the worker to hold the retry for its countdown",
     )
     cancel(s, task_id)
     wait_for(lambda: s.app.AsyncResult(task_id).state == "REVOKED", 30, "the retry discarded")
