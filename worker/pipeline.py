@@ -450,35 +450,36 @@ def record_failure(
 ) -> bool:
     """The item's state says the run failed (an attempt more), unless another run has taken
     the item since `claim`: that run's state stands. Whether it was recorded."""
-    with db.atomic():
-        if _taken(db, item_id, claim):
-            return False
-        set_state(
-            db,
-            item_id,
-            status=Status.FAILED,
-            last_error=reason,
-            last_task_id=task_id,
-            duration_ms=duration,
-        )
-        db.execute(
-            "UPDATE item_index_state SET attempts = attempts + 1 WHERE item_id = ?", (item_id,)
-        )
-    return True
+    return _record_unwritten(
+        db,
+        item_id,
+        claim,
+        attempt=True,
+        status=Status.FAILED,
+        last_error=reason,
+        last_task_id=task_id,
+        duration_ms=duration,
+    )
 
 
 def record_cancelled(
     db: Database, item_id: int, task_id: str | None, duration: int, *, claim: Claim | None = None
 ) -> bool:
     """The item's state says the run was cancelled, as `record_failure` says it failed."""
+    return _record_unwritten(
+        db, item_id, claim, status=Status.CANCELLED, last_task_id=task_id, duration_ms=duration
+    )
+
+
+def _record_unwritten(
+    db: Database, item_id: int, claim: Claim | None, *, attempt: bool = False, **state: Any
+) -> bool:
     with db.atomic():
         if _taken(db, item_id, claim):
             return False
-        set_state(
-            db,
-            item_id,
-            status=Status.CANCELLED,
-            last_task_id=task_id,
-            duration_ms=duration,
-        )
+        set_state(db, item_id, **state)
+        if attempt:
+            db.execute(
+                "UPDATE item_index_state SET attempts = attempts + 1 WHERE item_id = ?", (item_id,)
+            )
     return True
