@@ -70,10 +70,21 @@ def build_runtime(settings: Settings) -> Runtime:
         embedder=build_embedder(settings.embedding, dimensions=db.dimensions, hooks=hooks),
         chat=build_chat(settings.chunk, hooks=hooks),
         reader=Reader(settings.files, settings.urls),
-        redis=redis.Redis.from_url(settings.broker_url),
+        redis=redis_client(settings),
         scope=scope,
         redact=Redact(settings.secrets()),
         pid=os.getpid(),
+    )
+
+
+def redis_client(settings: Settings) -> redis.Redis:
+    """The tasks' Redis client (item locks, revokes, batch streaks). A Redis that accepts and
+    then never answers (a hung host, a full network buffer) must not hold a call for good: the
+    lock's renewal thread would wait in it while the lock expires under the run. A call gives
+    up within a sixth of the lock's TTL, and the renewal tries again (tasks/lock.py)."""
+    patience = max(0.5, settings.tasks.lock_ttl / 6)
+    return redis.Redis.from_url(
+        settings.broker_url, socket_timeout=patience, socket_connect_timeout=patience
     )
 
 

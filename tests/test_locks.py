@@ -106,6 +106,43 @@ def test_a_lock_taken_by_another_is_lost_at_once(client: Blippy) -> None:
     assert client.get(lock_key(SPACE, 3)) == b"another-run:token"  # not released: not ours
 
 
+def test_the_tasks_redis_client_gives_up_on_a_redis_that_never_answers(tmp_path: Path) -> None:
+    """A server that accepts and stays silent (a hung Redis): without a socket timeout a call
+    waited for good, and the lock's renewal thread with it, while the lock expired."""
+    import socket
+    import threading
+
+    from tasks.runtime import redis_client
+    from worker.settings import load_settings
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True).start()
+    url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+    settings = load_settings(db=tmp_path / "k.db", broker_url=url, tasks={"lock_ttl": 3})
+    client = redis_client(settings)
+    outcome: list[BaseException | None] = []
+
+    def ping() -> None:
+        try:
+            client.ping()
+            outcome.append(None)
+        except BaseException as e:  # what it raised is the assertion
+            outcome.append(e)
+
+    caller = threading.Thread(target=ping, daemon=True)
+    caller.start()
+    caller.join(timeout=10)  # the call gives up after 0.5 s (a sixth of the TTL)
+    try:
+        assert not caller.is_alive(), "the call still waits"
+        assert isinstance(outcome[0], redis.TimeoutError)
+    finally:
+        client.close()
+        for conn in accepted:
+            conn.close()
+        silent.close()
+
+
 HOLD = """
 import sys, redis
 from tasks.lock import ItemLock
