@@ -374,9 +374,11 @@ class StandIn:
         reply, texts = self._answer(body, parsed)
         # The answer leaves `delay` seconds after the request arrived, its own work included:
         # a provider of that latency, whatever this machine's load (stop() wakes the wait).
-        left = arrived + self.delay - time.monotonic()
-        if left > 0:
-            self._stopping.wait(left)
+        # `delay` as it is now: a test holds a request with a long one and lets it go by
+        # setting 0, when what it waits for has happened (not after a guess of the time).
+        while (left := arrived + self.delay - time.monotonic()) > 0:
+            if self._stopping.wait(min(left, 0.05)):
+                break
         if texts:
             with self._lock:
                 self.texts.extend(texts)
