@@ -502,7 +502,9 @@ def test_two_inline_runs_of_the_same_items_embed_them_once(edge: Edge) -> None:
     chunks = edge.db.scalar(
         f"SELECT count(*) FROM note_chunks WHERE item_id IN ({','.join('?' * len(items))})", items
     )
-    assert len(edge.standin.texts) == chunks  # each chunk embedded once
+    # each chunk embedded once (texts of these items only: the module's worker may still be
+    # indexing what an earlier test's sweep sent, and the stand-in counts those too)
+    assert len([t for t in edge.standin.texts if "twice" in t]) == chunks
 
 
 # -- 6. bounded embedder input --------------------------------------------------------------

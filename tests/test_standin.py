@@ -437,13 +437,18 @@ def test_command_line_serves_until_interrupted() -> None:
 
 
 def test_chaos_faults_a_seeded_share_of_requests_with_500_429_and_timeouts() -> None:
+    # The client gives up after 0.25 s, the server's timeout fault answers after 1 s: an answer
+    # that is not a fault comes within 0.25 s however busy the machine (at 0.1 s, one did not,
+    # under a full suite, and counted as a timeout the server had not made).
+    requests = 60
+
     def run(seed: int) -> list[int | str]:
         server = StandIn(dimensions=8)
-        with server, httpx.Client(base_url=server.base_url, timeout=0.1) as http:
-            server.chaos, server.chaos_seed, server.chaos_delay = 0.3, seed, 0.3
+        with server, httpx.Client(base_url=server.base_url, timeout=0.25) as http:
+            server.chaos, server.chaos_seed, server.chaos_delay = 0.3, seed, 1.0
             server.chaos_retry_after = 2
             outcomes: list[int | str] = []
-            for n in range(100):
+            for n in range(requests):
                 try:
                     response = embed(http, [f"text {n}"])
                 except httpx.ReadTimeout:
@@ -458,7 +463,7 @@ def test_chaos_faults_a_seeded_share_of_requests_with_500_429_and_timeouts() -> 
                 else:
                     assert vectors(response) == [vector_for(f"text {n}", 8)]
             faults = dict(server.chaos_faults)
-            assert server.requests == 100
+            assert server.requests == requests
             server.reset()
             assert server.chaos == 0 and set(server.chaos_faults.values()) == {0}
             assert vectors(embed(http, ["x"])) == [vector_for("x", 8)]
@@ -469,5 +474,5 @@ def test_chaos_faults_a_seeded_share_of_requests_with_500_429_and_timeouts() -> 
     first = run(seed=7)
     assert first == run(seed=7)  # the same seed, the same faults on the same requests
     assert first != run(seed=8)
-    assert 15 <= sum(1 for o in first if o != 200) <= 45  # about 30 % of 100
+    assert 9 <= sum(1 for o in first if o != 200) <= 27  # about 30 % of 60
     assert {o for o in first if o != 200} == {500, 429, "timeout"}
