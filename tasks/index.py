@@ -28,6 +28,7 @@ from tasks.run import (
     backoff,
     bad_arguments,
     retry_busy,
+    retry_task,
     stored_reason,
     valid_id,
 )
@@ -93,20 +94,7 @@ class SingleRun(Run):
     def result(self) -> dict[str, Any]:
         if self.retry is not None:
             message, countdown = self.retry
-            # What the task is about (`kwargsrepr`: kind and title) goes with the retry's
-            # message, or Flower would show the retry's bare kwargs from then on.
-            request = self.task.request
-            shown = {
-                k: v
-                for k in ("argsrepr", "kwargsrepr")
-                if (v := getattr(request, k, None)) is not None
-            }
-            raise self.task.retry(
-                exc=IndexFailed(message),
-                countdown=countdown,
-                max_retries=self.settings.tasks.max_retries,
-                **shown,
-            )
+            retry_task(self.task, message, countdown, self.settings.tasks.max_retries)
         item_id = self.ids[0]
         return {**self.results[item_id], "duration_ms": self.took()}
 

@@ -296,28 +296,23 @@ class Run:
                             job=self.job(item_id),
                         )
                 break
-            except BUSY as e:
+            except (apsw.Error, KidxError) as e:
+                reason = f"{type(e).__name__}: {e}"
                 # (inside the caller's transaction, its own outcome decides: not tried again)
-                if tried == BUSY_TRIES or self.rt.db.conn.in_transaction:
+                again = isinstance(e, BUSY) and tried < BUSY_TRIES
+                if not again or self.rt.db.conn.in_transaction:
                     log.error(
                         "could not record an item's end",
                         item_id=item_id,
-                        reason=f"{type(e).__name__}: {e}",
+                        reason=reason,
                         tries=tried,
                     )
                     break
                 log.warning(
                     "could not record an item's end yet (the database is locked): trying again",
                     item_id=item_id,
-                    reason=f"{type(e).__name__}: {e}",
+                    reason=reason,
                 )
-            except (apsw.Error, KidxError) as e:
-                log.error(
-                    "could not record an item's end",
-                    item_id=item_id,
-                    reason=f"{type(e).__name__}: {e}",
-                )
-                break
         metrics.run(self.task.name, str(state), why)
         self.ended[item_id] = str(state)
 
@@ -552,15 +547,19 @@ def retry_busy(task: Task, rt: Runtime, error: Exception) -> NoReturn:
         raise IndexFailed(f"{message}; no retries left") from None
     countdown = backoff(rt, attempt, None)
     log.warning(f"{KI_EMBED} not started: tried again later", reason=message, countdown=countdown)
+    retry_task(task, message, countdown, rt.settings.tasks.max_retries)
+
+
+def retry_task(task: Task, message: str, countdown: float, max_retries: int) -> NoReturn:
+    """Celery's retry of `task`, failing with `message` until then. What the task is about
+    (`kwargsrepr`: kind and title) goes with it, or Flower would show the retry's bare kwargs
+    from then on."""
     request = task.request
     shown = {
         k: v for k in ("argsrepr", "kwargsrepr") if (v := getattr(request, k, None)) is not None
     }
     raise task.retry(
-        exc=IndexFailed(message),
-        countdown=countdown,
-        max_retries=rt.settings.tasks.max_retries,
-        **shown,
+        exc=IndexFailed(message), countdown=countdown, max_retries=max_retries, **shown
     )
 
 
