@@ -105,6 +105,14 @@ def undirected(db: Database, table: str) -> bool:
     return found
 
 
+def past_ties(rows: Sequence[Sequence[Any]], found: list[tuple[int, float]], n: int) -> bool:
+    """Whether `found`, the n best of the (key, distance, ...) `rows` a KNN fetched, are the
+    table's n best: sqlite-vec cuts its rows anywhere in a tie (twins: the same text twice),
+    and a left-out twin may have a lower key, the one every other path puts first. Enough
+    only once the rows reach past the n-th's distance (else: fetch more, or the table ends)."""
+    return len(found) >= n and max(r[1] for r in rows) > found[-1][1]
+
+
 # sqlite-vec's distance to a vector of zeros (a host's row) is NULL: 1, as the exact path
 # scores it (a zero row stays zero, its dot product 0), rather than a crash of the search. (Its
 # KNN misranks the other rows too while the table holds one: see `undirected`.)
@@ -132,11 +140,7 @@ def nearest(
                 (q.tobytes(), fetch, model),
             )
             found = [(int(key), float(d)) for key, d, ok in rows if ok][:k]
-            # sqlite-vec cuts its `fetch` rows anywhere in a tie (twins: the same text twice),
-            # and a left-out twin may have a lower key, the one every other path puts first:
-            # enough only once the rows reach past the k-th distance, or the table ends.
-            past = len(found) >= k and (not found or rows[-1][1] > found[-1][1])
-            return found, past or len(rows) < fetch
+            return found, past_ties(rows, found, k) or len(rows) < fetch
 
         found = widening(max(2 * k, 32), KNN_MAX, attempt)
         if found is not None:

@@ -37,6 +37,7 @@ from worker.nearest import (
     NO_DIRECTION,
     distances,
     exact_nearest,
+    past_ties,
     unavailable,
     undirected,
     widening,
@@ -419,13 +420,6 @@ def _best(rows: Sequence[tuple[int, float]], n: int) -> list[tuple[int, float]]:
     return sorted(rows, key=lambda r: (r[1], r[0]))[:n]
 
 
-def _past_ties(rows: Sequence[tuple[Any, ...]], found: list[tuple[int, float]]) -> bool:
-    """Whether the fetched rows reach past the n-th best's distance: sqlite-vec cuts its k
-    rows anywhere in a tie, and rows of the same distance left out may have lower ids (the
-    order every other path gives: many copies of a boilerplate paragraph)."""
-    return max(r[1] for r in rows) > found[-1][1]
-
-
 def _knn(
     db: Database, vector: np.ndarray, n: int, model: str, filters: Filters
 ) -> list[tuple[int, float]] | None:
@@ -444,7 +438,7 @@ def _knn(
             (model, *params, blob, fetch),
         )
         found = _best([(c, d) for c, d, ok in rows if ok], n)
-        return found, len(rows) < fetch or (len(found) >= n and _past_ties(rows, found))
+        return found, len(rows) < fetch or past_ties(rows, found, n)
 
     return widening(max(n + n // 8, 32), KNN_MAX, attempt)  # a few more: some may not pass
 
