@@ -4,9 +4,10 @@ import io
 import os
 import signal
 import sys
+from typing import Any
 
 from ops.cli import backup, doctor, engine, items, queue  # noqa: F401 - register commands
-from ops.cli.base import OutputClosed, cli
+from ops.cli.base import OutputClosed, OutputFailed, cli, output_failed
 
 
 def _standard_streams() -> None:
@@ -16,7 +17,8 @@ def _standard_streams() -> None:
       descriptor when that is free (as git does), so that no file opened later (the database)
       takes descriptor 2 and gets what is written there;
     * stdout and stderr replace what their encoding cannot hold (`PYTHONIOENCODING=latin-1`
-      and a snippet's `…`) rather than fail the command.
+      and a snippet's `…`) rather than fail the command;
+    * a write that stdout refuses raises OutputFailed (`_Stdout`).
     """
     for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
         if getattr(sys, name) is not None:
@@ -35,6 +37,38 @@ def _standard_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="replace")
+    sys.stdout = _own_stdout(sys.stdout)
+
+
+class _Stdout(io.FileIO):
+    """File descriptor 1, whose write errors say they are stdout's: OutputFailed, which the
+    command's edge tells apart from a file's or the database's OSError. A closed pipe stays
+    BrokenPipeError (the reader has gone: a quiet end)."""
+
+    def write(self, data: Any) -> int | None:
+        try:
+            return super().write(data)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OutputFailed(e.errno, e.strerror) from None
+
+
+def _own_stdout(stream: Any) -> Any:
+    """`stream` (Python's stdout) as a stream of the same encoding and buffering over
+    `_Stdout`; unchanged when it is not file descriptor 1 (os.devnull in its place)."""
+    try:
+        if not isinstance(stream, io.TextIOWrapper) or stream.fileno() != 1:
+            return stream
+        stream.flush()
+    except (OSError, ValueError):
+        return stream
+    return io.TextIOWrapper(
+        io.BufferedWriter(_Stdout(1, "w", closefd=False)),
+        encoding=stream.encoding,
+        errors=stream.errors,
+        line_buffering=stream.line_buffering,
+    )
 
 
 def _end_quietly() -> None:
@@ -61,3 +95,5 @@ def main() -> None:
             sys.stdout.flush()  # what is still buffered: a closed pipe shows here too
     except (OutputClosed, BrokenPipeError):
         _end_quietly()
+    except OutputFailed as e:  # outside a command: --help, --version
+        output_failed(e)

@@ -6,9 +6,12 @@ go to stderr either way). Exceptions become one-line messages here, never traceb
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -32,8 +35,18 @@ from worker.settings import Settings, load_settings
 ID = click.IntRange(-(2**63), 2**63 - 1)
 BATCH = click.IntRange(1, 2**63 - 1)
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+class _Console(Console):
+    """rich's Console, but a closed pipe is the command's edge to judge (`command`): rich's
+    own handling ends the process with status 1 and no word, where a reader that has gone
+    (`kidx status | head -1`) is SIGPIPE's quiet end, as with every other write."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
+out = _Console(highlight=False, soft_wrap=True)
+err = _Console(stderr=True, highlight=False, soft_wrap=True)
 
 # Columns of free text, which wrap (fold) rather than push a table past the terminal's width;
 # every other cell is shown whole.
@@ -86,6 +99,25 @@ class Seconds(click.ParamType):
 class OutputClosed(Exception):
     """stdout is a pipe whose reader has gone (`kidx status | head -1`): the command ends
     quietly (`ops.cli.main`), as git does, with no error line."""
+
+
+class OutputFailed(OSError):
+    """stdout refused a write (`> /dev/full`, a full disk, an I/O error): raised by the
+    console script's stdout (`ops.cli.main`) in place of the bare OSError, which would read
+    as the database's or a source file's ("No space left on device": was the note added?)."""
+
+
+def output_failed(e: OutputFailed, done: str | None = None) -> NoReturn:
+    """One line on stderr and status 1, as `echo hi > /dev/full` does; `done`: what the
+    command had already done (`item 7 was added`), which its lost output would have said.
+    What is still buffered for stdout goes to os.devnull: the interpreter's last flush would
+    fail again, with a traceback."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    after = f" ({done})" if done else ""
+    fail(f"write error on stdout: {e.strerror or e}{after}")
 
 
 def stdout_closed() -> bool:
@@ -141,6 +173,9 @@ class Ctx:
         self.settings = settings
         self.json = as_json
         self.redact = Redact(settings.secrets())
+        # What the command has done that its output reports (`item 7 was added`): said on
+        # stderr should stdout refuse the output (`output_failed`).
+        self.done: str | None = None
 
     def store(self, *, create: bool = False) -> Any:
         """The database, which must exist: a mistyped --db or KIDX_DB is one line ("no database
@@ -352,13 +387,17 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
         def run(db_path: Path | None, as_json: bool, verbose: bool, **kwargs: Any) -> None:
             redact = None
             settings: Settings | None = None
+            ctx: Ctx | None = None
             try:
                 check_utf8({"db_path": db_path, **kwargs})
                 fit_width()
                 settings = load_settings(**({"db": db_path} if db_path else {}))
                 redact = Redact(settings.secrets())
                 configure_cli_logging(settings, verbose)
-                fn(Ctx(settings, as_json), **kwargs)
+                ctx = Ctx(settings, as_json)
+                fn(ctx, **kwargs)
+            except OutputFailed as e:
+                output_failed(e, ctx.done if ctx is not None else None)
             except ConfigError as e:
                 fail(str(e), 2, redact)
             except (KidxError, Cancelled) as e:

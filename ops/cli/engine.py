@@ -77,6 +77,7 @@ def add_note(ctx: Ctx, title: str, text: str | None, file: Path | None, inline: 
     with ctx.store(create=True) as db:
         item_id = add_item(db, kind="note", title=title, content=content)
         results = index_inline(ctx, db, [item_id]) if inline else []
+    ctx.done = f"item {item_id} was added"
     ctx.emit({"id": item_id, "index": results or None}, lambda: out.print(item_id))
     for r in results:
         if r["status"] == "failed":
@@ -114,6 +115,7 @@ def update(ctx: Ctx, item: int, text: str | None, file: Path | None, title: str 
             )
         else:
             update_content(db, item, content, title=title)
+    ctx.done = f"item {item} was updated"
     ctx.emit({"id": item, "updated": True}, lambda: out.print(f"item {item} updated"))
 
 
@@ -126,6 +128,7 @@ def delete(ctx: Ctx, items: tuple[int, ...]) -> None:
 
     with ctx.store() as db:
         deleted = delete_items(db, items)
+    ctx.done = "deleted " + " ".join(map(str, deleted))
     ctx.emit({"deleted": deleted}, lambda: out.print("deleted " + " ".join(map(str, deleted))))
 
 

@@ -40,6 +40,9 @@ def _report(
         for item_id in ids:
             click.echo(item_id)
 
+    shown = " ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
+    ctx.done = f"item {shown} was added" if len(ids) == 1 else f"items {shown} were added"
+
     ctx.emit({"ids": ids, "results": results} | ({"skipped": skipped} if skipped else {}), human)
     failed = [r for r in results if r.get("status") == "failed"]
     for r in failed:
@@ -128,4 +131,5 @@ def add_memory(ctx: Ctx, text: str) -> None:
             memory_id = store_memory(db, text, embedder)
         finally:
             embedder.close()
+    ctx.done = f"memory {memory_id} was added"
     ctx.emit({"id": memory_id}, lambda: click.echo(memory_id))
