@@ -53,29 +53,45 @@ def origin_unchanged(item: str, kind: str, title: str, source: str) -> str:
 @dataclass(frozen=True)
 class Claim:
     """An item's index state as a run read it, or as its own `indexing` mark left it: what
-    the run may write over (its task, status and `updated_at`; all None: no state row). A
+    the run may write over (its task, status and `claim` token; all None: no state row). A
     run's lock may expire while its process is stopped (a VM pause, swap); another run then
     takes the item and indexes a newer text, and the first, resumed, must not write over it.
-    The task id alone cannot tell two deliveries of one task apart: `updated_at` can."""
+    Neither the task id (a second delivery of a task has the same) nor `updated_at` (two marks
+    in one millisecond have the same) tells every two writes apart: the token does, as every
+    write of the row changes it (migration 11: kidx's writes set a new one, a trigger any
+    other write's)."""
 
     task_id: str | None
     status: str | None
-    stamp: str | None
+    token: int | bytes | None
 
     def taken(self, now: Claim) -> bool:
-        """Whether the state row, as it is `now`, says another run has started on the item
-        since this claim: another task's mark, or any write over this claim (a duplicate
-        delivery's mark, the sweep ending an overrun `failed`). A host's rename (the trigger
-        makes `pending` an item this run marked) is not one: the write records `pending`."""
-        if now.task_id != self.task_id:
-            return True
-        return now != self and not (self.status == Status.INDEXING and now.status == "pending")
+        """Whether the state row, as it is `now`, has been written since this claim: another
+        run's mark or a duplicate delivery's, the sweep ending an overrun `failed`, a host's
+        write. A host's rename (the trigger makes `pending` an item this run marked, and turns
+        the token over, `~claim`, rather than drawing one) is not one: the write records
+        `pending`."""
+        if now == self:
+            return False
+        renamed = (
+            self.status == Status.INDEXING
+            and now.status == Status.PENDING
+            and now.task_id == self.task_id
+            and isinstance(self.token, int)
+            and now.token in (self.token, ~self.token)
+        )
+        return not renamed
 
 
 NO_ROW = Claim(None, None, None)
 
+# The token as read and compared: an integer (kidx's, the trigger's) as it is, anything else a
+# host may have written there as its bytes (a TEXT that is not UTF-8 must not raise).
+TOKEN = "CASE WHEN typeof(claim) IN ('integer', 'null') THEN claim ELSE CAST(claim AS BLOB) END"
+
 _CLAIM = (
-    "SELECT s.last_task_id, s.status, s.updated_at FROM knowledge_items i "
+    "SELECT CAST(s.last_task_id AS BLOB), CAST(s.status AS BLOB), "
+    f"{TOKEN.replace('claim', 's.claim')} FROM knowledge_items i "
     "LEFT JOIN item_index_state s ON s.item_id = i.id WHERE i.id = ?"
 )
 
@@ -84,31 +100,41 @@ def read_claim(db: Database, item_id: int) -> Claim | None:
     """The item's state as a run reads it (before its text: a run that starts on the item
     after this, whatever text it reads, read it later); None: the item is gone."""
     row = db.one(_CLAIM, (item_id,))
-    return None if row is None else Claim(*row)
+    if row is None:
+        return None
+    task_id, status, token = row
+    return Claim(_text(task_id), _text(status), token)
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else shown(value)
 
 
 def claim_items(
     db: Database, claims: list[tuple[int, Claim]], task_id: str | None
 ) -> dict[int, Claim]:
     """Mark items `indexing` for the run `task_id`, in the caller's transaction, each only
-    while its state row is still as the run read it (`claims`): the run's own claims, by item.
-    An item left out has been taken since it was read (by another run, or anything that wrote
-    its state), or is gone: what the run read of it may be older than what that run read."""
+    while its state row is still as the run read it (`claims`: its token unchanged), with a
+    new token: the run's own claims, by item. An item left out has been taken since it was
+    read (by another run, or anything that wrote its state), or is gone: what the run read of
+    it may be older than what that run read."""
     held: dict[int, Claim] = {}
     for item_id, claim in claims:
         if claim == NO_ROW:
             row = db.one(
                 "INSERT INTO item_index_state(item_id, status, last_task_id) "
                 "SELECT id, 'indexing', ?1 FROM knowledge_items WHERE id = ?2 "
-                "ON CONFLICT(item_id) DO NOTHING RETURNING updated_at",
+                "ON CONFLICT(item_id) DO NOTHING RETURNING item_id",
                 (task_id, item_id),
             )
+            if row is not None:  # its token is the insert trigger's
+                row = db.one("SELECT claim FROM item_index_state WHERE item_id = ?", (item_id,))
         else:
             row = db.one(
                 f"UPDATE item_index_state SET status = 'indexing', last_task_id = ?1, "
-                f"updated_at = {NOW} WHERE item_id = ?2 AND last_task_id IS ?3 "
-                "AND status IS ?4 AND updated_at IS ?5 RETURNING updated_at",
-                (task_id, item_id, claim.task_id, claim.status, claim.stamp),
+                f"updated_at = {NOW}, claim = random() WHERE item_id = ?2 AND {TOKEN} IS ?3 "
+                "RETURNING claim",
+                (task_id, item_id, claim.token),
             )
         if row is not None:
             held[item_id] = Claim(task_id, str(Status.INDEXING), row[0])

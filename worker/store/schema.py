@@ -4,6 +4,8 @@ the resolved dimension and on the extension, so `worker.store.vec` creates them.
 
 from __future__ import annotations
 
+import re
+
 from worker.errors import StoreError
 from worker.store.db import Database
 from worker.store.fts import FTS_TABLES, create_sql
@@ -373,6 +375,45 @@ END;
     )
 )
 
+# The write fence's claim (worker.store.items.Claim): a token that every write of a state row
+# changes. `updated_at` told two marks apart only to the millisecond: a second delivery of a
+# task marking the item within the same millisecond as the first looked like the first's own
+# mark, and the stale run wrote over the newer one. kidx's marks and writes set a new token
+# themselves; any other write (a host's plain SQL, whatever it writes, `claim` included) gets
+# one from the trigger. A rename's `pending` (migration 10's trigger) turns the token over
+# (`~claim`) instead: a run that marked the item still writes it, and records `pending`.
+MIGRATIONS.append(
+    (
+        11,
+        f"""
+ALTER TABLE item_index_state ADD COLUMN claim INTEGER;
+
+CREATE TRIGGER IF NOT EXISTS item_index_state_claim_kept
+AFTER UPDATE ON item_index_state
+WHEN new.claim IS old.claim
+BEGIN
+    UPDATE item_index_state SET claim = random() WHERE item_id = new.item_id;
+END;
+
+CREATE TRIGGER IF NOT EXISTS item_index_state_inserted
+AFTER INSERT ON item_index_state
+BEGIN
+    UPDATE item_index_state SET claim = random() WHERE item_id = new.item_id;
+END;
+
+DROP TRIGGER IF EXISTS knowledge_items_origin_changed;
+CREATE TRIGGER knowledge_items_origin_changed
+AFTER UPDATE OF kind, source, title ON knowledge_items
+WHEN new.kind IS NOT old.kind OR new.source IS NOT old.source OR new.title IS NOT old.title
+BEGIN
+    UPDATE knowledge_items SET updated_at = {_NOW} WHERE id = new.id;
+    UPDATE item_index_state SET status = 'pending', updated_at = {_NOW}, claim = ~claim
+     WHERE item_id = new.id;
+END;
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
@@ -426,7 +467,8 @@ def migrate(db: Database) -> int:
                     continue
                 with db.atomic():
                     for statement in _statements(sql):
-                        db.execute(statement)
+                        if not _column_there(db, statement):
+                            db.execute(statement)
                     db.execute(
                         "INSERT INTO index_meta(key, value) VALUES ('schema_version', ?) "
                         "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
@@ -436,6 +478,20 @@ def migrate(db: Database) -> int:
         db.execute("PRAGMA legacy_alter_table = OFF")
         db.execute("PRAGMA foreign_keys = ON")
     return SCHEMA_VERSION
+
+
+_ADD_COLUMN = re.compile(r"ALTER\s+TABLE\s+(\w+)\s+ADD\s+COLUMN\s+(\w+)", re.IGNORECASE)
+
+
+def _column_there(db: Database, statement: str) -> bool:
+    """Whether `statement` adds a column the table has already: SQLite has no `ADD COLUMN IF
+    NOT EXISTS`, and a database whose recorded version is older than its tables (restored
+    from a copy, or set back by hand) runs its migrations again."""
+    m = _ADD_COLUMN.match(statement.strip())
+    if m is None:
+        return False
+    table, column = m.groups()
+    return any(row[1] == column for row in db.all(f'PRAGMA table_info("{table}")'))
 
 
 def _statements(sql: str) -> list[str]:
