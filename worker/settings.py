@@ -434,6 +434,12 @@ class FlowerSettings(_Section):
         return v
 
 
+# Defaults shared by FilesSettings and UrlSettings, and by the converters called without them.
+PDF_CONTENT_BYTES = 20_000_000
+HTML_BYTES = 10_000_000
+HTML_ELEMENTS = 100_000
+
+
 class FilesSettings(_Section):
     """Where files may be read from (`KIDX_FILES__ROOTS`, comma-separated)."""
 
@@ -442,6 +448,13 @@ class FilesSettings(_Section):
     # The XML a zipped document (DOCX) may unpack to: parsed, it takes some 40 times its size
     # in memory, and a few hundred KB of deflated XML can hold 100 MB.
     max_xml_bytes: int = Field(default=20_000_000, gt=0)
+    # What reading a PDF's text may cost, in bytes of page content unpacked (each time a page
+    # or form draws it; `worker.sources.files._PdfWork`): a few KB can ask for an hour.
+    max_pdf_content_bytes: int = Field(default=PDF_CONTENT_BYTES, gt=0)
+    # The HTML handed to trafilatura, whose time grows faster than its element count
+    # (`worker.sources.files.html_text`).
+    max_html_bytes: int = Field(default=HTML_BYTES, gt=0)
+    max_html_elements: int = Field(default=HTML_ELEMENTS, gt=0)
 
     _split = field_validator("roots", mode="before")(_split_list)
 
@@ -462,6 +475,9 @@ class UrlSettings(_Section):
     allow_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     max_bytes: int = Field(default=10_000_000, gt=0)
     max_xml_bytes: int = Field(default=20_000_000, gt=0)  # as FilesSettings.max_xml_bytes
+    max_pdf_content_bytes: int = Field(default=PDF_CONTENT_BYTES, gt=0)  # as FilesSettings'
+    max_html_bytes: int = Field(default=HTML_BYTES, gt=0)  # as FilesSettings.max_html_bytes
+    max_html_elements: int = Field(default=HTML_ELEMENTS, gt=0)  # as FilesSettings'
     max_redirects: int = Field(default=5, ge=0, le=20)
     connect_timeout: float = Field(default=5.0, gt=0)
     timeout: float = Field(default=20.0, gt=0)

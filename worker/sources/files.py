@@ -9,6 +9,7 @@ read from that path, so that neither `..` nor a symlink leads outside. Every ref
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
 import math
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.errors import InvalidInput
-from worker.settings import FilesSettings
+from worker.settings import HTML_BYTES, HTML_ELEMENTS, PDF_CONTENT_BYTES, FilesSettings
 
 TEXT_SUFFIXES = frozenset({".md", ".markdown", ".txt", ".text", ".rst"})
 HTML_SUFFIXES = frozenset({".html", ".htm", ".xhtml"})
@@ -50,6 +51,8 @@ _LABEL_ALIASES = {
 # A zipped document (DOCX) may unpack to at most this many times the size limit in all (its
 # images and other blobs, held in memory); its XML has a limit of its own (`max_xml_bytes`).
 UNPACK_RATIO = 4
+# A start tag: what trafilatura's time grows with (`html_text`).
+_START_TAG = re.compile(r"<[A-Za-z]")
 # Lines of plain text that the chunker would take for a heading or a code fence.
 _MARKDOWN_LOOKALIKE = re.compile(r"^([ \t]{0,3})(#{1,6}(?:[ \t]|$)|`{3}|~{3})", re.M)
 
@@ -139,6 +142,34 @@ def html_to_markdown(html: str) -> str | None:
     return text if text and text.strip() else None
 
 
+def html_text(
+    data: bytes,
+    name: object,
+    charset: str | None = None,
+    *,
+    max_bytes: int = HTML_BYTES,
+    max_elements: int = HTML_ELEMENTS,
+) -> str | None:
+    """An HTML document's main text as Markdown (`html_to_markdown`), refused past `max_bytes`
+    bytes or `max_elements` start tags, before trafilatura sees it. Its time grows faster
+    than the element count, not the bytes: 20 MB in 200 paragraphs took 0.6 s, 0.9 MB in
+    80,000 tiny paragraphs 13 s, a real 8.5 MB source listing of 154,000 tags 128 s and 730
+    MB resident (the whole Rust reference, 89,000 tags: 3 s). Every file and URL goes here."""
+    if len(data) > max_bytes:
+        raise _refuse(
+            name, f"{len(data)} bytes of HTML is over the limit of {max_bytes} bytes for HTML"
+        )
+    html = decode_html(data, name, charset)
+    for tags, _ in enumerate(_START_TAG.finditer(html), 1):
+        if tags > max_elements:
+            raise _refuse(
+                name,
+                f"the HTML has over {max_elements} elements, the limit for HTML (finding the "
+                "main text of more takes minutes)",
+            )
+    return html_to_markdown(html)
+
+
 class _TextBudget:
     """The characters extracted so far, refused as soon as they pass the limit: a small
     compressed file (deflated XML, a PDF's compressed streams) can hold a huge text, which
@@ -175,9 +206,110 @@ def _font_size(tm: Any, cm: Any, size: float) -> float:
     return round(size * (math.hypot(c, d) or 1.0), 1)
 
 
-def _page_runs(page: Any, budget: _TextBudget) -> tuple[str, list[tuple[float, str]]]:
-    """A page's text, and its runs of text in one font size, in order."""
-    runs: list[tuple[float, str]] = []
+# What setting up one font costs, in bytes of content read in the same time (about 0.6 ms):
+# pypdf sets up a page's fonts, and a form's, again each time it reads the page or the form.
+FONT_COST = 500
+
+
+def _resolved(obj: Any) -> Any:
+    return obj.get_object() if hasattr(obj, "get_object") else obj
+
+
+class _PdfWork:
+    """The work reading a PDF's text takes, refused once past `limit`, before the part that
+    would pass it is read. pypdf bounds each stream (75 MB unpacked, 2 million tokens), but
+    reads a page's content streams again for each page that draws them, a form's at each use
+    (up to 5,000 a page), and sets up their fonts each time: a PDF of a few KB can take an
+    hour (a stream of 1.6 million operators, 7 s to read, drawn by 500 pages). Counted in
+    bytes of content unpacked, each time it is read, and `FONT_COST` a font: the time pypdf
+    takes is about proportional (1.1 to 1.7 µs a byte, whatever the operators).
+
+    The refusal is raised again at every operator after it: pypdf logs and skips an error in
+    a form and goes on with the page."""
+
+    def __init__(self, name: object, limit: int) -> None:
+        self.name, self.limit = name, limit
+        self.used = 0
+        self.refusal: InvalidInput | None = None
+        self.resources: list[Any] = []  # the resources of the page, then of each form drawn
+
+    def charge(self, cost: int) -> None:
+        self.check()
+        self.used += cost
+        if self.used > self.limit:
+            self.refusal = _refuse(
+                self.name,
+                f"reading its text means reading over {self.limit} bytes of page content "
+                "(unpacked, each time a page or form draws it, fonts included); refused (a "
+                "decompression bomb?)",
+            )
+            raise self.refusal
+
+    def check(self) -> None:
+        if self.refusal is not None:
+            raise self.refusal
+
+    def page(self, page: Any) -> None:
+        """Charge the page's contents and fonts, before pypdf reads them."""
+        try:
+            contents = _resolved(page.get("/Contents"))
+            resources = _resolved(page.get_inherited("/Resources", None))
+        except Exception:  # damaged: pypdf says so when it reads it
+            contents = resources = None
+        streams = contents if isinstance(contents, list) else [contents]
+        self.resources = [resources]
+        self.charge(sum(self._size(s) for s in streams) + self._fonts(resources))
+
+    def before(self, operator: bytes, operands: Any, _cm: Any, _tm: Any) -> None:
+        """Before each operator: a form drawn (`Do`) is charged, its resources pushed."""
+        self.check()
+        if operator != b"Do":
+            return
+        form, resources = None, None
+        try:  # as pypdf finds it: anything but an image is read as a form
+            xobjects = _resolved(self.resources[-1].get("/XObject"))
+            form = _resolved(xobjects[operands[0]])
+            if form.get("/Subtype") not in (None, "/Image"):
+                resources = _resolved(form.get_inherited("/Resources", None))
+        except Exception:  # no such form: pypdf skips it too
+            form = None
+        if resources is not None:
+            self.charge(self._size(form) + self._fonts(resources))
+        self.resources.append(resources if resources is not None else {})
+
+    def after(self, operator: bytes, _operands: Any, _cm: Any, _tm: Any) -> None:
+        if operator == b"Do" and len(self.resources) > 1:
+            self.resources.pop()
+
+    @staticmethod
+    def _size(stream: Any) -> int:
+        """A content stream's bytes unpacked (pypdf keeps them: it does not unpack again)."""
+        try:
+            return len(_resolved(stream).get_data())
+        except Exception:  # not a stream, or damaged: pypdf says so when it reads it
+            return 0
+
+    def _fonts(self, resources: Any) -> int:
+        try:
+            fonts = _resolved(resources.get("/Font"))
+            entries = [_resolved(font) for font in fonts.values()]
+        except Exception:
+            return 0
+        cost = 0
+        for font in entries:
+            cost += FONT_COST
+            with contextlib.suppress(Exception):
+                cost += self._size(font.get("/ToUnicode"))
+        return cost
+
+
+def _page_runs(
+    page: Any, budget: _TextBudget, work: _PdfWork
+) -> tuple[str, list[tuple[float, str]]]:
+    """A page's text, and its runs of text in one font size, in order. A run's pieces are
+    joined once at the end: added to a string each time, a page of many short pieces (a
+    hundred thousand `Tj`) took time quadratic in its text."""
+    runs: list[tuple[float, list[str]]] = []
 
     def visit(text: str, cm: Any, tm: Any, _font: Any, size: float) -> None:
         if not text:
@@ -185,11 +317,16 @@ def _page_runs(page: Any, budget: _TextBudget) -> tuple[str, list[tuple[float, s
         budget.take(len(text))
         height = _font_size(tm, cm, size)
         if runs and (abs(runs[-1][0] - height) < 0.5 or not text.strip()):
-            runs[-1] = (runs[-1][0], runs[-1][1] + text)
+            runs[-1][1].append(text)
         else:
-            runs.append((height, text))
+            runs.append((height, [text]))
 
-    return page.extract_text(visitor_text=visit) or "", runs
+    work.page(page)
+    text = page.extract_text(
+        visitor_text=visit, visitor_operand_before=work.before, visitor_operand_after=work.after
+    )
+    work.check()  # a refusal pypdf swallowed (it goes on past an error in a form)
+    return text or "", [(height, "".join(pieces)) for height, pieces in runs]
 
 
 def _mark_headings(text: str, headings: dict[str, int]) -> str:
@@ -209,18 +346,20 @@ def _mark_headings(text: str, headings: dict[str, int]) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip()
 
 
-def pdf_text(data: bytes, name: object, *, limit: int) -> str:
+def pdf_text(data: bytes, name: object, *, limit: int, max_content: int = PDF_CONTENT_BYTES) -> str:
     """A PDF's text, page by page with a blank line between; lines set in a font larger than
     the body's become Markdown headings, ranked by size. Refused once the text passes `limit`
-    characters (the size limit), counted as it is extracted."""
+    characters (the size limit), counted as it is extracted, or once reading it passes
+    `max_content` bytes of page content (`_PdfWork`)."""
     import pypdf
 
     budget = _TextBudget(name, limit)
+    work = _PdfWork(name, max_content)
     try:
         reader = pypdf.PdfReader(io.BytesIO(data))
         if reader.is_encrypted and not reader.decrypt(""):
             raise _refuse(name, "the PDF is encrypted; give kidx a copy without a password")
-        pages = [_page_runs(page, budget) for page in reader.pages]
+        pages = [_page_runs(page, budget, work) for page in reader.pages]
     except InvalidInput:
         raise
     except Exception as e:  # pypdf raises many kinds on damaged files
@@ -528,13 +667,18 @@ def read_file(path: str | Path, settings: FilesSettings) -> str:
     suffix = resolved.suffix.lower()
     limit = settings.max_bytes
     if suffix == ".pdf" or (suffix not in TEXT_SUFFIXES | HTML_SUFFIXES and data[:5] == b"%PDF-"):
-        text = pdf_text(data, shown, limit=limit)
+        text = pdf_text(data, shown, limit=limit, max_content=settings.max_pdf_content_bytes)
     elif suffix == ".docx":
         text = docx_to_markdown(data, shown, limit=limit, max_xml=settings.max_xml_bytes)
     elif suffix in BINARY_SUFFIXES:
         raise _refuse(shown, f"binary or unsupported file type ({suffix})")
     elif suffix in HTML_SUFFIXES:
-        markdown = html_to_markdown(decode_html(data, shown))
+        markdown = html_text(
+            data,
+            shown,
+            max_bytes=settings.max_html_bytes,
+            max_elements=settings.max_html_elements,
+        )
         if markdown is None:
             raise _refuse(shown, "no main text could be extracted from the HTML")
         text = markdown

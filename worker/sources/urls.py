@@ -32,10 +32,9 @@ from worker.providers.http import ACCEPT_ENCODING, BodyRefused, read_body, safe_
 from worker.settings import UrlSettings, allowed_host
 from worker.sources.files import (
     check_text_size,
-    decode_html,
     decode_text,
     docx_to_markdown,
-    html_to_markdown,
+    html_text,
     pdf_text,
 )
 
@@ -197,11 +196,17 @@ def _to_text(
     limit = settings.max_bytes
     name = str(url)
     if media in HTML_TYPES:
-        text = html_to_markdown(decode_html(data, name, charset))
+        text = html_text(
+            data,
+            name,
+            charset,
+            max_bytes=settings.max_html_bytes,
+            max_elements=settings.max_html_elements,
+        )
         if text is None:
             raise InvalidInput(f"{url}: no main text could be extracted from the page")
     elif media == "application/pdf":
-        text = pdf_text(data, name, limit=limit)
+        text = pdf_text(data, name, limit=limit, max_content=settings.max_pdf_content_bytes)
     elif media == DOCX_TYPE:
         text = docx_to_markdown(data, name, limit=limit, max_xml=settings.max_xml_bytes)
     elif media.startswith("text/") or media.endswith(("/json", "+json", "/xml", "+xml")):
