@@ -40,6 +40,7 @@ from worker.pipeline import (
     record_cancelled,
     record_failure,
     recorded_outcome,
+    refuses_every_write,
     store_failure,
     write_item,
     write_new_items,
@@ -89,13 +90,14 @@ def index_items(
     own outcome, passed to `on_done` when known (inside that transaction: the caller's records
     commit with the item): a result, or the KidxError index_item() would have raised. An
     item's vectors failing N times in a row abort that item alone (as a run of one would),
-    whoever shared its requests. The provider's requests failing N times in a row (or a
-    refusal outright), or N items getting not one vector before any text was embedded (it
-    refuses every text), end the run: items with every vector are written, the others, and
-    those not yet read, get that IndexAborted. Past `deadline` (time.monotonic()) no further
-    item is started: those have no outcome, for the caller to send again. Anything else
-    (Cancelled, a time limit, a bug) propagates, after each item read and not written is
-    marked cancelled or failed.
+    whoever shared its requests; so do its vec rows failing N times in a row as it is
+    written. The provider's requests failing N times in a row (or a refusal outright), N
+    items getting not one vector before any text was embedded (it refuses every text), the
+    database refusing a write, or N items in a row aborted by their vec rows end the run:
+    items with every vector are written, the others, and those not yet read, get that
+    IndexAborted. Past `deadline` (time.monotonic()) no further item is started: those have
+    no outcome, for the caller to send again. Anything else (Cancelled, a time limit, a bug)
+    propagates, after each item read and not written is marked cancelled or failed.
 
     An item another run has taken since this run read it is not written, nor its failure
     recorded: its result is `coalesced` (the other run's index stands). One taken between its
@@ -138,6 +140,28 @@ def _index_pass(
     limit = options.max_consecutive_failures
     unembedded = 0  # items that asked for vectors and got not one
     refusing: IndexAborted | None = None  # set when the provider takes no text at all
+    unmirrored = 0  # items in a row whose write was aborted by its vec rows failing
+
+    def count_write(e: KidxError | None) -> KidxError | None:
+        """An item's write, written (None) or failed: what stops the run, if anything. The
+        database refusing the write (a full disk, read-only: `refuses_every_write`), or
+        rolling the transaction back, stops it: the next write would fail alike. An item
+        whose vec rows failed N in a row fails alone, as one whose vectors the provider
+        refused does (`PlanFailures`): the vec table refused that item's rows (a host's stray
+        row under a key it was given), not every row. N such items in a row, though, stop
+        the run: the vec table takes no row at all."""
+        nonlocal unmirrored
+        if e is None:
+            unmirrored = 0
+            return None
+        if refuses_every_write(e) or db.conn.get_autocommit():
+            return e
+        if not isinstance(e, IndexAborted):
+            return None  # the item's own (a constraint its rows broke: a StoreError)
+        unmirrored += 1
+        if unmirrored < limit:
+            return None
+        return IndexAborted(f"the vec writes of {unmirrored} items in a row failed, last: {e}")
 
     def count_vectors(plan: Plan) -> None:
         """A provider that refuses each text alone (a 400 for every input) is not down as
@@ -168,7 +192,7 @@ def _index_pass(
         read since the last one. When the transaction does not commit (a full disk, SQLite
         rolling it back), every item of it fails with the cause, reported again after the
         rollback; the cause is returned, for the run to stop: the next writes would fail too.
-        An item the database refused alone also stops the run (IndexAborted)."""
+        So is an item's write the database refused as it would any (`count_write`)."""
         ready = [w for w in works if w.plan.waiting == 0]
         fresh = [w for w in works if not w.marked]
         if not ready and not fresh:  # (always so without a provider: every item skipped)
@@ -199,6 +223,8 @@ def _index_pass(
                     works.remove(w)
                     indexed.append((w, result))
                     done(w.item.id, result)
+                    if result.status != COALESCED:
+                        count_write(None)
                 written_together = {id(w) for w, _ in together}
                 for w in ready:
                     if id(w) in written_together:
@@ -213,12 +239,14 @@ def _index_pass(
                             writing = True
                             result = write_item(db, w, embedder.model_id, options, orphans=alone)
                     except KidxError as e:
-                        if writing and isinstance(e, IndexAborted):
-                            halt = e  # the database refused the write: so it will the next
+                        if writing:
+                            halt = halt or count_write(e)
                         done(w.item.id, e)
                     else:
                         indexed.append((w, result))
                         done(w.item.id, result)
+                        if result.status != COALESCED:
+                            count_write(None)
         except (apsw.Error, StoreError) as e:
             for w in fresh:  # their marks went with the transaction
                 w.claim, w.marked = read[id(w)], False

@@ -191,6 +191,14 @@ def store_failure(e: apsw.Error) -> KidxError:
     return StoreError(f"the database refused the write ({cause})")
 
 
+def refuses_every_write(e: KidxError) -> bool:
+    """Whether an item's write failed for the database's reason, which the next write would
+    meet too (`store_failure`'s IndexAborted, the only transient one a write raises), rather
+    than the item's own: its vec rows failing N in a row (`worker.indexers.prose`) abort the
+    item alone."""
+    return isinstance(e, IndexAborted) and e.transient
+
+
 def _quietly(ilog: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Record an outcome if the database lets us (a full disk may not): the cause of the
     failure is what must reach the caller. What `fn` returned (None when it raised)."""

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+import apsw
+
+from worker.log import KI_EMBED, get_logger
 from worker.store.db import Database
 from worker.store.vec import (
     VEC_TABLES,
@@ -41,6 +44,8 @@ _ITEM_RUN_ORPHAN_TABLES = (
     "vec_chunk_bits",
 )
 _CHUNK_TABLES = ("vec_chunk_embeddings", "vec_chunk_bits")
+
+log = get_logger("kidx.store")
 
 
 @dataclass
@@ -87,17 +92,42 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
             (dims,),
         )
     }
-    orphans = mirrored - truth.keys()
-    for key in orphans:
-        db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
-    if orphans:
-        report.orphans_deleted[t.name] = len(orphans)
+    deleted = sum(_delete_orphan(db, t, key) for key in mirrored - truth.keys())
+    if deleted:
+        report.orphans_deleted[t.name] = deleted
     if restore:
         missing = truth.keys() - mirrored
         for key in missing:
             db.execute(t.insert(), (key, truth[key]))
         if missing:
             report.restored[t.name] = len(missing)
+
+
+def _delete_orphan(db: Database, t: VecTable, key: int) -> bool:
+    """Delete one orphan vec row; whether it is gone. vec0 can neither delete nor insert over
+    a key whose `_rowids` row leads to no vector (a host's row in that shadow table, "Could
+    not fetch vector data"): that row is deleted from the shadow table itself. A row that
+    still cannot be deleted is logged and left: one row never stops a repair (nor the run
+    whose orphan check it is)."""
+    try:
+        with db.atomic():
+            db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
+        return True
+    except apsw.SQLError as e:
+        shadow, chunks = f"{t.name}_rowids", f"{t.name}_chunks"
+        if db.table_exists(shadow) and db.table_exists(chunks):
+            with db.atomic():
+                stray = db.all(
+                    f'DELETE FROM "{shadow}" WHERE rowid = ? AND (chunk_id IS NULL OR '
+                    f'chunk_id NOT IN (SELECT chunk_id FROM "{chunks}")) RETURNING rowid',
+                    (key,),
+                )
+            if stray:
+                return True
+        log.warning(
+            f"{KI_EMBED} a vec row could not be deleted", table=t.name, key=key, reason=str(e)
+        )
+        return False
 
 
 # Rows of each vec table whose content a full repair compares with the relational vector, a
