@@ -92,7 +92,9 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
             (dims,),
         )
     }
-    deleted = sum(_delete_orphan(db, t, key) for key in mirrored - truth.keys())
+    deleted = 0
+    for key in mirrored - truth.keys():
+        deleted += _delete_orphan(db, t, key)
     if deleted:
         report.orphans_deleted[t.name] = deleted
     if restore:
@@ -101,33 +103,6 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
             db.execute(t.insert(), (key, truth[key]))
         if missing:
             report.restored[t.name] = len(missing)
-
-
-def _delete_orphan(db: Database, t: VecTable, key: int) -> bool:
-    """Delete one orphan vec row; whether it is gone. vec0 can neither delete nor insert over
-    a key whose `_rowids` row leads to no vector (a host's row in that shadow table, "Could
-    not fetch vector data"): that row is deleted from the shadow table itself. A row that
-    still cannot be deleted is logged and left: one row never stops a repair (nor the run
-    whose orphan check it is)."""
-    try:
-        with db.atomic():
-            db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
-        return True
-    except apsw.SQLError as e:
-        shadow, chunks = f"{t.name}_rowids", f"{t.name}_chunks"
-        if db.table_exists(shadow) and db.table_exists(chunks):
-            with db.atomic():
-                stray = db.all(
-                    f'DELETE FROM "{shadow}" WHERE rowid = ? AND (chunk_id IS NULL OR '
-                    f'chunk_id NOT IN (SELECT chunk_id FROM "{chunks}")) RETURNING rowid',
-                    (key,),
-                )
-            if stray:
-                return True
-        log.warning(
-            f"{KI_EMBED} a vec row could not be deleted", table=t.name, key=key, reason=str(e)
-        )
-        return False
 
 
 # Rows of each vec table whose content a full repair compares with the relational vector, a
@@ -228,3 +203,30 @@ def _orphans(db: Database, dimensions: int, report: RepairReport) -> None:
             )
             if mirrored > truth:
                 _sweep(db, t, dimensions, report, restore=False)
+
+
+def _delete_orphan(db: Database, t: VecTable, key: int) -> bool:
+    """Delete one orphan vec row; whether it is gone. vec0 can neither delete nor insert over
+    a key whose `_rowids` row leads to no vector (a host's row in that shadow table, "Could
+    not fetch vector data"): that row is deleted from the shadow table itself. A row that
+    still cannot be deleted is logged and left: one row never stops a repair (nor the run
+    whose orphan check it is)."""
+    try:
+        with db.atomic():
+            db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
+        return True
+    except apsw.SQLError as e:
+        shadow, chunks = f"{t.name}_rowids", f"{t.name}_chunks"
+        if db.table_exists(shadow) and db.table_exists(chunks):
+            with db.atomic():
+                stray = db.all(
+                    f'DELETE FROM "{shadow}" WHERE rowid = ? AND (chunk_id IS NULL OR '
+                    f'chunk_id NOT IN (SELECT chunk_id FROM "{chunks}")) RETURNING rowid',
+                    (key,),
+                )
+            if stray:
+                return True
+        log.warning(
+            f"{KI_EMBED} a vec row could not be deleted", table=t.name, key=key, reason=str(e)
+        )
+        return False
