@@ -20,6 +20,7 @@ from tasks.lock import held, only_one, sweep_key
 from tasks.producer import send_batch
 from tasks.runtime import Runtime, runtime
 from worker.app import EMBED_MEMORIES, RECONCILE, RETRY_SWEEP
+from worker.errors import KeyConflict
 from worker.indexers.memories import memories_missing
 from worker.log import get_logger
 from worker.reconcile import (
@@ -46,7 +47,7 @@ def alone(rt: Runtime, sweep: str) -> Iterator[bool]:
         yield only
 
 
-@shared_task(name=RECONCILE, bind=True)
+@shared_task(name=RECONCILE, bind=True, throws=(KeyConflict,))
 def reconcile_sweep(self: Task) -> dict[str, Any]:
     """Repair vec rows at once; send the items that need a run as a `reconcile` batch, and
     the memories that need a vector to `kidx.embed_memories`."""
@@ -146,7 +147,7 @@ def _revoked(rt: Runtime, task_ids: list[str]) -> set[str] | None:
     return {t for t, n in zip(task_ids, found, strict=True) if n}
 
 
-@shared_task(name=RETRY_SWEEP, bind=True)
+@shared_task(name=RETRY_SWEEP, bind=True, throws=(KeyConflict,))
 def retry_sweep(self: Task) -> dict[str, Any]:
     """Send failed items whose backoff has passed as a `retry` batch."""
     rt = runtime(self.app)

@@ -15,6 +15,11 @@ renews it every third of the TTL). A second delivery of a task whose first is st
 Renewal survives Redis blips: only LockError (the lock is no longer this run's) loses it; a
 connection error is tried again within a second, and the lock counts as lost only once its TTL
 has passed without a renewal.
+
+A host application may share the Redis database and leave a value of another type at one of
+these keys (a list at a lock key, a hash at a re-run request's). That is not a lock or a
+request kidx made, and not kidx's to delete: the item is refused (`LockSet.refused`, a
+`KeyConflict` naming the key and what to do) and nothing is written over the value.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import redis
 from redis.exceptions import LockError
 from redis.lock import Lock
 
+from worker.errors import KeyConflict
 from worker.log import get_logger
 
 log = get_logger("kidx.tasks")
@@ -51,6 +58,19 @@ if ARGV[2] ~= '1' then
 end
 return redis.call('del', KEYS[1])
 """
+
+# Ask for a re-run (KEYS[1]: the request, ARGV: the asking task, the TTL in seconds) unless the
+# key holds a value of another type, which is not kidx's to write over: a WRONGTYPE error.
+_REQUEST = """
+local kind = redis.call('type', KEYS[1]).ok
+if kind ~= 'none' and kind ~= 'string' then
+  return redis.error_reply('WRONGTYPE ' .. kind)
+end
+return redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
+"""
+
+# What a key kidx keeps a lock or a request in may hold (TYPE's answer): a string, or nothing.
+OURS = (b"string", b"none")
 
 # A failed renewal is tried again this soon (or at the next tick, if sooner).
 RENEW_RETRY = 1.0
@@ -117,6 +137,27 @@ def holder_gone(token: str, task_id: str) -> bool:
     return fields[0] in ("Z", "X") or (bool(parts[3]) and fields[19] != parts[3])
 
 
+def conflict(client: redis.Redis, key: str, kind: bytes | str) -> KeyConflict:
+    """The error for `key` holding a value of another type (`kind`, TYPE's answer): what to do,
+    in one line."""
+    kind = kind.decode() if isinstance(kind, bytes) else kind
+    db = client.connection_pool.connection_kwargs.get("db", 0)
+    return KeyConflict(
+        f"Redis key {key} holds a {kind}, not what kidx keeps there: another program wrote it, "
+        f"and kidx neither uses nor deletes it; find what wrote it, then delete the key "
+        f"(redis-cli -n {db} DEL {key})"
+    )
+
+
+def wrong_type(answer: object) -> str | None:
+    """The type named by a WRONGTYPE error among a pipeline's answers (`_REQUEST`'s `list`, or
+    Redis's own `WRONGTYPE Operation against a key ...`), or None for any other answer."""
+    if isinstance(answer, redis.ResponseError) and str(answer).startswith("WRONGTYPE"):
+        words = str(answer).split()
+        return words[1] if len(words) == 2 else "value of another type"
+    return None
+
+
 def lock_key(space: str, item_id: int) -> str:
     """`space`: the database's instance name (`Database.instance()`): item ids are per
     database, and two databases may share a Redis."""
@@ -136,9 +177,14 @@ def sweep_key(space: str, sweep: str) -> str:
 @contextlib.contextmanager
 def only_one(client: redis.Redis, key: str, ttl: float) -> Iterator[bool]:
     """Whether this process holds `key` for the block (not waited for: another holder is doing
-    the same work already); it expires after `ttl`, should the process die holding it."""
+    the same work already); it expires after `ttl`, should the process die holding it.
+    KeyConflict when the key holds a value of another type: no holder will ever release it,
+    and skipping every run as "another one is running" would hide that for good."""
     lock = client.lock(key, timeout=ttl, thread_local=False)
     if not lock.acquire(blocking=False):
+        kind = client.type(key)
+        if kind not in OURS:
+            raise conflict(client, key, kind)
         yield False
         return
     try:
@@ -153,11 +199,12 @@ def rerun_key(space: str, item_id: int) -> str:
 
 
 def held(client: redis.Redis, space: str, item_ids: list[int]) -> set[int]:
-    """Which of these items a run holds the lock of now (one round trip)."""
+    """Which of these items a run holds the lock of now (one round trip): a lock kidx takes is
+    a string; a value of another type there is none (its item's run is refused)."""
     pipe = client.pipeline(transaction=False)
     for item_id in item_ids:
-        pipe.exists(lock_key(space, item_id))
-    return {i for i, n in zip(item_ids, pipe.execute(), strict=True) if n}
+        pipe.type(lock_key(space, item_id))
+    return {i for i, kind in zip(item_ids, pipe.execute(), strict=True) if kind == b"string"}
 
 
 class ItemLock:
@@ -179,10 +226,15 @@ class ItemLock:
         self.lost = False
 
     def request_rerun(self, pipe: redis.client.Pipeline | None = None) -> None:
-        """Ask the holder for one more run (on `pipe`, when given, for LockSet)."""
-        (pipe or self.client).set(
-            rerun_key(self.space, self.item_id), self.task_id, ex=max(self.ttl * 10, 600)
-        )
+        """Ask the holder for one more run (on `pipe`, when given, for LockSet, whose answer is
+        then a WRONGTYPE error for a key holding a value of another type; else KeyConflict)."""
+        key = rerun_key(self.space, self.item_id)
+        try:
+            (pipe or self.client).eval(_REQUEST, 1, key, self.task_id, max(self.ttl * 10, 600))
+        except redis.ResponseError as e:
+            if (kind := wrong_type(e)) is None:
+                raise
+            raise conflict(self.client, key, kind) from None
 
     def take_rerun(self) -> bool:
         """Whether a re-run was requested (and clear the request)."""
@@ -218,10 +270,13 @@ class ItemLock:
         is a second delivery's first run, still going: taking its lock would have both index
         the item at once, and the older read could write last."""
         pipe = self.client.pipeline(transaction=True)
+        pipe.type(self.key)
         pipe.get(self.key)
         pipe.pttl(self.key)
-        value, left = pipe.execute()
-        if value is None:
+        kind, value, left = pipe.execute(raise_on_error=False)
+        if kind not in OURS:  # not a lock: nobody will release it, and it is not kidx's
+            raise conflict(self.client, self.key, kind)
+        if value is None or isinstance(value, Exception):
             return None
         token = value.decode() if isinstance(value, bytes) else str(value)
         if token.rsplit(":", 4)[0] != self.task_id:
@@ -239,7 +294,8 @@ class ItemLock:
         """Renew the TTL; whether it was renewed now. A LockError means the lock is no longer
         this run's (expired, taken): `lost`, logged, and the run goes on. A Redis error
         leaves it held, to be renewed at the next try; `lost` only once the TTL has passed
-        since the last renewal, when the key has expired and another run may hold it."""
+        since the last renewal, when the key has expired and another run may hold it. A value
+        of another type written over the lock (WRONGTYPE) is no lock of this run's: lost."""
         if self.lost:
             return False
         tried = time.monotonic()
@@ -249,6 +305,9 @@ class ItemLock:
             self._lose(str(e))
             return False
         except redis.RedisError as e:
+            if wrong_type(e) is not None:  # another program's value now: certainly not ours
+                self._lose(f"{self.key} now holds a value of another type ({e})")
+                return False
             if tried - self._renewed >= self.ttl:
                 self._lose(f"not renewed within its TTL: {e}")
             else:
@@ -312,34 +371,54 @@ class LockSet:
         self.task_id = task_id
         self.locks = [ItemLock(client, space, i, task_id, ttl) for i in item_ids]
         self.held: list[ItemLock] = []
+        self.refused: dict[int, str] = {}  # item -> why it cannot be locked (KeyConflict)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
     def acquire(self) -> tuple[list[int], list[int]]:
         """(items locked, items busy): a busy item gets a re-run request, as a single run's.
-        Each item's request is written before its lock is tried, as ItemLock does."""
+        Each item's request is written before its lock is tried, as ItemLock does. An item
+        whose lock or request key holds a value of another type is neither: it is `refused`
+        (item -> the KeyConflict's line), and the value is left as it is."""
         tokens = [make_token(self.task_id) for _ in self.locks]
         now = time.monotonic()
         pipe = self.client.pipeline(transaction=False)
-        for lock in self.locks:
-            lock.request_rerun(pipe)
         for lock, token in zip(self.locks, tokens, strict=True):
+            lock.request_rerun(pipe)
             pipe.set(lock.key, token, nx=True, px=self.ttl * 1000)
-        taken = pipe.execute()[len(self.locks) :]
+            pipe.type(lock.key)
+        answers = pipe.execute(raise_on_error=False)
         busy = []
-        for lock, token, ok in zip(self.locks, tokens, taken, strict=True):
-            if ok:  # as redis-py's Lock.acquire records its token, for release and extend
+        for i, (lock, token) in enumerate(zip(self.locks, tokens, strict=True)):
+            asked, ok, kind = answers[3 * i : 3 * i + 3]
+            for answer in (asked, ok, kind):  # anything but a wrong type: as before, raised
+                if isinstance(answer, Exception) and wrong_type(answer) is None:
+                    raise answer
+            if (bad := wrong_type(asked)) is not None:
+                problem = conflict(self.client, rerun_key(self.space, lock.item_id), bad)
+                if ok is True:  # taken all the same: given back at once
+                    lock.lock.lua_release(keys=[lock.key], args=[token], client=self.client)
+                self.refused[lock.item_id] = str(problem)
+            elif ok is True:  # as redis-py's Lock.acquire records its token, for release and extend
                 lock.lock.local.token = self.client.get_encoder().encode(token)
                 lock._renewed = now
                 self.held.append(lock)
-            elif lock.acquire(renew=False):  # a stale lock of this task's earlier run
-                self.held.append(lock)
+            elif kind not in OURS:
+                self.refused[lock.item_id] = str(conflict(self.client, lock.key, kind))
             else:
-                busy.append(lock.item_id)
+                try:
+                    taken = lock.acquire(renew=False)  # a stale lock of this task's earlier run
+                except KeyConflict as e:  # written there meanwhile
+                    self.refused[lock.item_id] = str(e)
+                    continue
+                if taken:
+                    self.held.append(lock)
+                else:
+                    busy.append(lock.item_id)
         pipe = self.client.pipeline(transaction=False)
         for lock in self.held:  # this run covers every request made until now
             pipe.getdel(rerun_key(self.space, lock.item_id))
-        pipe.execute()
+        _requests(self.held, pipe.execute(raise_on_error=False))
         self._renewer = threading.Thread(target=self._renew, daemon=True, name="kidx-locks")
         self._renewer.start()
         return [lock.item_id for lock in self.held], busy
@@ -393,13 +472,27 @@ class LockSet:
         pipe = self.client.pipeline(transaction=False)
         for lock in self.held:
             pipe.getdel(rerun_key(self.space, lock.item_id))
-        return _requests(self.held, pipe.execute())
+        return _requests(self.held, pipe.execute(raise_on_error=False))
 
 
-def _requests(locks: list[ItemLock], asked: list[bytes | None]) -> dict[int, str]:
-    """item -> the task id that asked for its re-run (a request's value), for those asked."""
-    return {
-        lock.item_id: a.decode(errors="replace") if isinstance(a, bytes) else str(a)
-        for lock, a in zip(locks, asked, strict=True)
-        if a is not None
-    }
+def _requests(locks: list[ItemLock], asked: list[Any]) -> dict[int, str]:
+    """item -> the task id that asked for its re-run (a request's value), for those asked. A
+    request key that another program filled with a value of another type since it was asked
+    for (a WRONGTYPE answer) is logged, left, and taken as a request from an unknown task:
+    a re-run of an item that did not change costs one look at the database, and a lost one
+    would leave an edit unindexed. Any other error is raised, after the whole answer is read."""
+    found: dict[int, str] = {}
+    for lock, a in zip(locks, asked, strict=True):
+        if isinstance(a, Exception):
+            if wrong_type(a) is None:
+                raise a
+            key = rerun_key(lock.space, lock.item_id)
+            log.error(
+                str(conflict(lock.client, key, wrong_type(a) or "value of another type")),
+                item_id=lock.item_id,
+                task_id=lock.task_id,
+            )
+            found[lock.item_id] = ""
+        elif a is not None:
+            found[lock.item_id] = a.decode(errors="replace") if isinstance(a, bytes) else str(a)
+    return found

@@ -12,6 +12,7 @@ from celery import Task, shared_task
 from tasks.lock import memories_key, only_one
 from tasks.runtime import runtime
 from worker.app import EMBED_MEMORIES
+from worker.errors import KeyConflict
 from worker.indexers.memories import embed_memories
 from worker.pipeline import NO_PROVIDER
 
@@ -19,7 +20,7 @@ from worker.pipeline import NO_PROVIDER
 RUN_LIMIT = 512
 
 
-@shared_task(name=EMBED_MEMORIES, bind=True)
+@shared_task(name=EMBED_MEMORIES, bind=True, throws=(KeyConflict,))
 def embed_memories_task(self: Task) -> dict[str, Any]:
     """Embed what memories lack a vector; what was done (`MemoryBackfill`: `embedded`,
     `left`, `refused`, `unreadable`, `error`)."""

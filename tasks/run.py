@@ -200,6 +200,8 @@ class Run:
         held, busy = locks.acquire()
         asked: dict[int, str] = {}
         try:
+            for item_id, problem in locks.refused.items():  # another program's value at a key
+                self._conflict(item_id, problem)
             for item_id in busy:
                 log.info(
                     f"{KI_EMBED} coalesced: the item is being indexed by another run",
@@ -349,10 +351,20 @@ class Run:
         self._failed(item_id, message, why)
 
     def _failed(self, item_id: int, message: str, why: str) -> None:
-        outcome = "refused" if why == "bad_input" else "failed"  # bad input: no batch abort
+        # bad input, a key another program holds: the item's own problem, no batch abort
+        outcome = "refused" if why in ("bad_input", "key_conflict") else "failed"
         self.end(item_id, JobState.FAILED, outcome, message, why=why)
         self.failures[item_id] = message
         self.results[item_id] = {"item_id": item_id, "status": "failed", "error": message}
+
+    def _conflict(self, item_id: int, problem: str) -> None:
+        """The item's lock or re-run request key holds another program's value (KeyConflict):
+        failed with that line, its state too (`kidx status` says what to do), and not counted
+        against its batch: another item's run is not the worse for it."""
+        log.error(f"{KI_EMBED} failed", item_id=item_id, reason=problem)
+        self._failed(item_id, self.line(item_id, problem), "key_conflict")
+        with contextlib.suppress(apsw.Error, KidxError):
+            mark_not_run(self.rt.db, item_id, self.task_id, self.job(item_id)[0], problem)
 
     def _skip(self, item_id: int) -> None:
         """Not run for an aborted batch (`mark_not_run`)."""

@@ -3,17 +3,21 @@ engine's `Streak`, kept in Redis): a dead provider stops the whole batch after t
 requests, plus at most the one each process already had in flight, rather than three a group.
 
 Redis not answering does not fail a run: the count is then the run's own, as with no batch.
+Nor does another program's value at the key (a string where the hash goes, a count that is no
+integer): the run counts its own, says once which key to delete, and leaves the value as it is.
 The key names the database (its `Database.instance()`) as well as the batch (batch ids are per
 database, and two kidx databases may share a Redis), and expires a day after its last change.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import redis
 
+from tasks.lock import conflict, wrong_type
 from worker.embedding import Streak
+from worker.log import get_logger
+
+log = get_logger("kidx.tasks")
 
 TTL_SECONDS = 86_400
 
@@ -28,27 +32,50 @@ class BatchStreak(Streak):
     def __init__(self, client: redis.Redis, key: str) -> None:
         super().__init__()
         self.client, self.key = client, key
+        self.foreign = False  # another program's value is at the key (said once)
+
+    def _not_ours(self, e: redis.RedisError | ValueError) -> None:
+        """Whether `e` says the key holds what kidx did not write (another type, a count that
+        is no integer): the run's own count from then on, said once (the value is not kidx's
+        to delete). Any other error is Redis not answering now: the next call tries again."""
+        kind = wrong_type(e)
+        if kind is None and "not an integer" not in str(e) and not isinstance(e, ValueError):
+            return
+        if not self.foreign:
+            self.foreign = True
+            problem = str(conflict(self.client, self.key, kind or "count that is no integer"))
+            log.error(f"{problem}; until then each run counts its own failed requests")
 
     def current(self) -> tuple[int, str]:
+        if self.foreign:
+            return super().current()
         try:
             n, cause = self.client.hmget(self.key, "n", "cause")
-        except redis.RedisError:
-            return super().current()
-        return int(n or 0), (cause or b"").decode("utf-8", "replace")
+            return int(n or 0), (cause or b"").decode("utf-8", "replace")
+        except (redis.RedisError, ValueError) as e:
+            self._not_ours(e)
+        return super().current()
 
     def failed(self, cause: str) -> int:
         mine = super().failed(cause)
+        if self.foreign:
+            return mine
         try:
             pipe = self.client.pipeline()  # MULTI/EXEC: the count and its cause together
             pipe.hincrby(self.key, "n", 1)
             pipe.hset(self.key, "cause", cause[:500])
             pipe.expire(self.key, TTL_SECONDS)
             n, _, _ = pipe.execute()
-        except redis.RedisError:
+        except redis.RedisError as e:
+            self._not_ours(e)
             return mine
         return int(n)
 
     def ok(self) -> None:
         super().ok()
-        with contextlib.suppress(redis.RedisError):  # after every request that succeeded
+        if self.foreign:
+            return
+        try:  # after every request that succeeded
             self.client.pipeline().hset(self.key, "n", 0).expire(self.key, TTL_SECONDS).execute()
+        except redis.RedisError as e:
+            self._not_ours(e)

@@ -8,6 +8,7 @@
     ├── StoreError               the database cannot do what was asked
     ├── SourceUnavailable        a URL could not be fetched now (timeout, 5xx): retry later
     ├── BrokerUnavailable        the broker did not take a task: nothing was sent
+    ├── KeyConflict              a key kidx uses in Redis holds another program's value
     ├── ProviderError            an embedding or chat provider failed
     │   ├── TransientProviderError   retrying later may help: 408/409/429/5xx, timeouts, resets
     │   └── PermanentProviderError   retrying cannot help: 400/401/403, exhausted quota
@@ -61,6 +62,11 @@ class BrokerUnavailable(KidxError):
     def __init__(self, message: str, *, item_id: int | None = None) -> None:
         super().__init__(message)
         self.item_id = item_id
+
+
+class KeyConflict(KidxError):
+    """A key kidx keeps a lock or a request in (in the broker's Redis) holds a value of another
+    type, which another program wrote: kidx neither uses nor deletes it, and says which key."""
 
 
 class ProviderError(KidxError):

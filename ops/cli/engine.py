@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import apsw
 import click
 from rich.markup import escape
 from rich.progress import (
@@ -261,6 +262,7 @@ def _locked_group(
     from worker.bulk import index_items
     from worker.indexers import IndexOptions
     from worker.pipeline import IndexResult
+    from worker.store.items import mark_not_run
 
     options = IndexOptions(
         chat=chat,
@@ -287,6 +289,10 @@ def _locked_group(
     locks = LockSet(client, db.instance(), ids, owner, ctx.settings.tasks.lock_ttl)
     held, busy = locks.acquire()
     busy_note = "being indexed by another run, which runs it once more"
+    for item_id, problem in locks.refused.items():  # another program's value at its key
+        results[item_id] = {"item_id": item_id, "status": "failed", "error": problem}
+        with contextlib.suppress(KidxError, apsw.Error):
+            mark_not_run(db, item_id, owner, owner, problem)
     for item_id in busy:
         results[item_id] = {"item_id": item_id, "status": "coalesced", "error": busy_note}
     try:
