@@ -135,12 +135,12 @@ def test_total_outage_aborts_the_batch_and_retry_failed_completes_it(tmp_path):
             assert s.db.scalar("SELECT count(*) FROM note_chunks") == 0
             # The provider returns; `kidx retry --failed` sends them all, and all are indexed.
             standin.start()
-            out = s.kidx("retry", "--failed", "--json")
+            out = s.kidx("retry", "--failed", "--wait", "--json", timeout=LONG)
             assert out.returncode == 0, out.stderr
-            sent = json.loads(out.stdout)
-            assert sorted(x["item_id"] for x in sent) == items
-            for x in sent:
-                assert s.app.AsyncResult(x["task_id"]).get(timeout=LONG)["status"] == "indexed"
+            retried = json.loads(out.stdout)
+            assert retried["kind"] == "retry" and retried["total"] == len(items), retried
+            assert retried["state"] == "done" and retried["ok"] == len(items), retried
+            assert set(statuses(s.db, items).values()) == {"indexed"}
             lost = len(not_indexed(s.db, items))
             assert lost == 0
             assert store_problems(s.db) == []

@@ -272,14 +272,22 @@ def test_a_dead_provider_stops_a_batch_within_three_failed_requests(stack):
         assert {stack.state(i)["status"] for i in ids} == {"failed"}
     out = stack.kidx("jobs", "--batch", str(batch_id))
     assert out.returncode == 0 and "aborted after 3 consecutive failures" in out.stdout
+    # `kidx retry --failed` while the provider is still down: one batch, which the same rule
+    # stops (one task an item, as it was, cost every item's run and its task retries).
+    stack.standin.reset()
+    stack.standin.fail_status = 500
+    out = stack.kidx("retry", "--failed", "--wait", "--timeout", "120", "--json", timeout=150)
+    assert out.returncode == 1, out.stderr  # the batch did not end `done`
+    retried = json.loads(out.stdout)
+    assert retried["kind"] == "retry" and retried["total"] >= len(ids), retried
+    assert retried["state"] == "aborted", retried
+    assert 3 <= len(stack.standin.bodies) <= 3 + 2
     # The provider recovers; `kidx retry --failed` indexes them all.
     stack.standin.reset()
-    out = stack.kidx("retry", "--failed", "--json")
+    out = stack.kidx("retry", "--failed", "--wait", "--timeout", "120", "--json", timeout=150)
     assert out.returncode == 0, out.stderr
-    sent = json.loads(out.stdout)
-    assert {s["item_id"] for s in sent} >= set(ids)
-    for s in sent:
-        stack.app.AsyncResult(s["task_id"]).get(timeout=120)
+    retried = json.loads(out.stdout)
+    assert retried["state"] == "done" and retried["ok"] == retried["total"] >= len(ids)
     assert {stack.state(i)["status"] for i in ids} == {"indexed"}
 
 

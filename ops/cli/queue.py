@@ -68,28 +68,40 @@ def enqueue(ctx: Ctx, items: tuple[int, ...]) -> None:
     show_sent(ctx, send_items(ctx, list(items), "enqueue"))
 
 
-@command(cli)
-@click.option("--all", "all_items", is_flag=True, required=True, help="Every item.")
-@click.option("--wait", is_flag=True, help="Show progress until the batch ends.")
-@click.option(
+WAIT = click.option("--wait", is_flag=True, help="Show progress until the batch ends.")
+TIMEOUT = click.option(
     "--timeout", type=Seconds(), default=None, help="Stop waiting after this many seconds."
 )
+
+
+@command(cli)
+@click.option("--all", "all_items", is_flag=True, required=True, help="Every item.")
+@WAIT
+@TIMEOUT
 def reindex(ctx: Ctx, all_items: bool, wait: bool, timeout: float | None) -> None:
     """Re-index every item as one batch (it aborts after consecutive failures)."""
-    from tasks.producer import send_batch
     from worker.store.items import all_item_ids
+
+    with ctx.store() as db:
+        ids = all_item_ids(db)
+    if not ids:
+        raise InvalidInput("there are no items to index")
+    _send_batch(ctx, ids, "reindex", wait, timeout)
+
+
+def _send_batch(ctx: Ctx, ids: list[int], kind: str, wait: bool, timeout: float | None) -> None:
+    """`ids` as one batch of `kind`; with `wait`, a progress bar until it ends, then its
+    summary (exit 1 unless every item was indexed)."""
+    from tasks.producer import send_batch
     from worker.store.jobs import BatchState, get_batch
 
     app = ctx.app()
     with ctx.store() as db:
-        ids = all_item_ids(db)
-        if not ids:
-            raise InvalidInput("there are no items to index")
-        batch_id, task_ids = send_batch(db, ids, app=app)
+        batch_id, task_ids = send_batch(db, ids, kind=kind, app=app)
     if not wait:
         ctx.emit(
-            {"batch_id": batch_id, "tasks": len(task_ids)},
-            lambda: click.echo(f"batch {batch_id}: {len(task_ids)} tasks sent"),
+            {"batch_id": batch_id, "items": len(ids), "tasks": len(task_ids)},
+            lambda: click.echo(f"batch {batch_id}: {len(ids)} items in {len(task_ids)} tasks sent"),
         )
         return
     if not _workers_online(app):
@@ -108,7 +120,7 @@ def reindex(ctx: Ctx, all_items: bool, wait: bool, timeout: float | None) -> Non
             transient=False,
         ) as progress,
     ):
-        bar = progress.add_task("reindex", total=len(ids), detail="")
+        bar = progress.add_task(kind, total=len(ids), detail="")
         while True:
             batch = get_batch(db, batch_id) or {}
             done = batch["ok"] + batch["failed"] + batch["skipped"]
@@ -175,23 +187,33 @@ def jobs(ctx: Ctx, failed: bool, batch_id: int | None, limit: int) -> None:
 @command(cli)
 @click.argument("items", type=ID, nargs=-1)
 @click.option("--failed", is_flag=True, help="Every item whose index is failed.")
-def retry(ctx: Ctx, items: tuple[int, ...], failed: bool) -> None:
-    """Send items again (through the queue: the lock and batch rules apply)."""
+@WAIT
+@TIMEOUT
+def retry(
+    ctx: Ctx, items: tuple[int, ...], failed: bool, wait: bool, timeout: float | None
+) -> None:
+    """Send items again as one `retry` batch, through the queue: the lock rules apply, and a
+    provider still down aborts the batch after three failed requests (not every item's run
+    and its task retries)."""
+    from worker.store.items import get_item
+
     if bool(items) == failed:
         raise InvalidInput("give item ids or --failed (not both)")
-    ids = list(items)
-    if failed:
-        with ctx.store() as db:
+    ids = list(dict.fromkeys(items))
+    with ctx.store() as db:
+        if failed:
             ids = [
                 r[0]
                 for r in db.all(
                     "SELECT item_id FROM item_index_state WHERE status = 'failed' ORDER BY item_id"
                 )
             ]
-        if not ids:
-            ctx.emit([], lambda: click.echo("no failed items"))
-            return
-    show_sent(ctx, send_items(ctx, ids, "retry"))
+        for item_id in ids:
+            get_item(db, item_id)  # unknown ids fail before anything is sent
+    if not ids:
+        ctx.emit({"batch_id": None, "items": 0, "tasks": 0}, lambda: click.echo("no failed items"))
+        return
+    _send_batch(ctx, ids, "retry", wait, timeout)
 
 
 @command(cli)
