@@ -18,6 +18,7 @@ from typing import Any
 import redis
 from celery.beat import PersistentScheduler
 
+from tasks.lock import conflict, wrong_type
 from worker.log import get_logger
 
 log = get_logger("kidx.beat")
@@ -58,14 +59,24 @@ class LeaderScheduler(PersistentScheduler):
             self.app.conf.broker_url, socket_timeout=TICK, socket_connect_timeout=TICK
         )
         self.leading: bool | None = None  # unknown until the first tick: both states are logged
+        self.foreign = False  # another program's value at the lease key (said once)
 
     def _lead(self) -> bool:
         try:
             self.redis.set(HEARTBEAT_KEY, f"{time.time():.0f} {self.identity}", ex=LEASE_TTL * 2)
             got = bool(self.redis.eval(_LEASE, 1, LEASE_KEY, self.identity, LEASE_TTL))
         except redis.RedisError as e:
-            log.warning("beat cannot reach Redis; not sending", reason=str(e))
+            if wrong_type(e) is None:
+                log.warning("beat cannot reach Redis; not sending", reason=str(e))
+            elif not self.foreign:  # not a Redis away: said once, not every tick
+                self.foreign = True
+                kind: bytes | str = wrong_type(e) or ""
+                with contextlib.suppress(redis.RedisError):
+                    kind = self.redis.type(LEASE_KEY)
+                log.error(f"{conflict(self.redis, LEASE_KEY, kind)}; beat sends nothing until then")
             got = False
+        else:
+            self.foreign = False
         if got != self.leading:
             log.info(
                 "beat leads" if got else "beat follows (another beat leads)", identity=self.identity

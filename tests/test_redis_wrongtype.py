@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import redis
 
-from stack import Stack, broker_url, running_stack
+from scheduler.beat import LEASE_KEY
+from stack import CELERY, Proc, Stack, broker_url, running_stack, wait_for
 from tasks import NOTE
 from tasks.lock import ItemLock, held, lock_key, memories_key, rerun_key, sweep_key
 from tasks.producer import enqueue, send_batch, send_group
@@ -214,6 +215,34 @@ def test_an_inline_run_names_the_key_not_an_unreachable_broker(stack: Stack) -> 
         assert stack.redis.lrange(key, 0, -1) == [b"host-data"]
     finally:
         stack.redis.delete(key)
+
+
+@pytest.mark.stack
+def test_a_list_at_the_beat_lease_is_named_not_taken_for_redis_away(stack: Stack) -> None:
+    """The lease script met WRONGTYPE and beat said, every five seconds, that it could not
+    reach Redis: the operator looked at a Redis that answered, while nothing was sent."""
+    stack.redis.rpush(LEASE_KEY, "host-data")
+    beat = Proc(
+        [*CELERY, "beat", "--loglevel=INFO", f"--schedule={stack.tmp}/beat-wrongtype.db"],
+        stack.env,
+        stack.tmp / "beat-wrongtype.log",
+    )
+    try:
+        said = wait_for(
+            lambda: [
+                line
+                for line in beat.log.splitlines()
+                if "cannot reach Redis" in line or LEASE_KEY in line
+            ],
+            30,
+            "beat to say why it does not lead",
+        )
+        assert f"{LEASE_KEY} holds a list" in said[0] and "DEL" in said[0], said[0]
+        assert "cannot reach Redis" not in beat.log
+        assert stack.redis.lrange(LEASE_KEY, 0, -1) == [b"host-data"]
+    finally:
+        beat.stop()
+        stack.redis.delete(LEASE_KEY)
 
 
 def _records(stack: Stack) -> list[dict[str, Any]]:
