@@ -213,6 +213,17 @@ def data_dirs(setting: str | Path, *paths: Path, create: bool = True) -> None:
                 fail(f"error: KIDX_DATA_DIR={setting}: cannot create {path}: {e.strerror or e}", 2)
 
 
+def redis_bind(host: str | None) -> list[str]:
+    """The addresses a Redis started for a loopback URL listens on: the URL's own (it bound
+    127.0.0.1 whatever the URL said, so `redis://[::1]:port` never answered); `localhost`
+    may resolve to either, so both (`-`: ::1 only where this host has IPv6)."""
+    if host == "::1":
+        return ["::1"]
+    if host == "localhost":
+        return ["127.0.0.1", "-::1"]
+    return ["127.0.0.1"]
+
+
 def start_redis(stack: Stack) -> None:
     if redis_answers(stack.url):
         mine = stack.pid("redis")
@@ -237,7 +248,7 @@ def start_redis(stack: Stack) -> None:
             "--daemonize",
             "yes",
             "--bind",
-            "127.0.0.1",
+            *redis_bind(parts.hostname),
             "--port",
             str(parts.port or 6379),
             "--save",
@@ -258,6 +269,7 @@ def start_redis(stack: Stack) -> None:
         stdout=subprocess.DEVNULL,
     )
     if not wait_until(lambda: redis_answers(stack.url), 10):
+        stop_one(stack, "redis")  # a daemon nobody can reach is not left behind
         fail(f"error: redis-server did not answer within 10 s:\n{stack.tail('redis')}")
     print(f"redis   started at {safe_url(stack.url)} (pid {stack.pid('redis')})")
 

@@ -256,3 +256,34 @@ def test_flower_url_brackets_an_ipv6_address(tmp_path: Path):
         server.server_close()
         thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+# -- a Redis started for an IPv6 loopback URL -----------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["[::1]", "localhost", "127.0.0.1"])
+def test_a_redis_started_for_a_loopback_url_answers_at_that_url(tmp_path: Path, host: str):
+    """`start` bound 127.0.0.1 whatever the URL named: for `redis://[::1]:port` it waited 10 s
+    for a Redis nobody could reach, failed, and left that daemon running. Each loopback URL now
+    gets a Redis that answers at it, and `stop` stops it."""
+    import redis
+
+    if host != "127.0.0.1" and not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    port = free_port()
+    for sub in ("run", "log"):
+        (tmp_path / "data" / sub).mkdir(parents=True, exist_ok=True)
+    settings = Settings(
+        data_dir=tmp_path / "data", db=tmp_path / "kidx.db", broker_url=f"redis://{host}:{port}/0"
+    )
+    stack = ops_stack.Stack(settings)
+    try:
+        ops_stack.start_redis(stack)
+        assert stack.pid("redis") is not None
+        for address in ("::1", "127.0.0.1") if host == "localhost" else (host.strip("[]"),):
+            client = redis.Redis(host=address, port=port, socket_timeout=5)
+            assert client.ping()
+            client.close()
+    finally:
+        ops_stack.stop_one(stack, "redis")
+    assert stack.pid("redis") is None
