@@ -87,6 +87,9 @@ def test_flower_credentials_that_flower_would_mangle_are_refused_at_start(flower
         ({"chunk": {"connect_timeout": float("inf")}}, "KIDX_CHUNK__CONNECT_TIMEOUT"),
         ({"urls": {"timeout": "inf"}}, "KIDX_URLS__TIMEOUT"),
         ({"scheduler": {"reconcile_every": "inf"}}, "KIDX_SCHEDULER__RECONCILE_EVERY"),
+        # beat could not schedule these: it crashed, or never sent the sweep while doctor said ok
+        ({"scheduler": {"reconcile_every": 1e15}}, "KIDX_SCHEDULER__RECONCILE_EVERY"),
+        ({"scheduler": {"retry_every": 3e11}}, "KIDX_SCHEDULER__RETRY_EVERY"),
         ({"tasks": {"retry_backoff_max": "inf"}}, "KIDX_TASKS__RETRY_BACKOFF_MAX"),
         ({"db": ""}, "KIDX_DB"),
         ({"db": "."}, "KIDX_DB"),

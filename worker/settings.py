@@ -369,8 +369,10 @@ class TaskSettings(_Section):
 class SchedulerSettings(_Section):
     """The periodic sweeps (`KIDX_SCHEDULER__*`), sent by beat."""
 
-    reconcile_every: float = Field(default=300.0, ge=1)  # seconds
-    retry_every: float = Field(default=600.0, ge=1)
+    # seconds; at most 30 days: beat cannot schedule 3e11 s (it logs "Cannot calculate the next
+    # run" every 5 s and never sends the sweep) and crashes on 1e15 (OverflowError)
+    reconcile_every: float = Field(default=300.0, ge=1, le=30 * 86400)
+    retry_every: float = Field(default=600.0, ge=1, le=30 * 86400)
     max_items: int = Field(default=500, ge=1)  # items enqueued per sweep at most
     retry_max_attempts: int = Field(default=5, ge=1)  # then a failed item waits for an admin
     retry_backoff: float = Field(default=60.0, ge=0)  # first retry after this, doubling
