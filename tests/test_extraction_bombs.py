@@ -46,9 +46,12 @@ def _stream(data: bytes, head: bytes = b"") -> bytes:
     )
 
 
-def bomb_pdf(content: bytes, pages: int = 1, forms: list[bytes] | None = None) -> bytes:
-    """A PDF of `pages` pages that all draw one content stream, `content`, in Helvetica (/F1);
-    `forms`: form XObjects /X0, /X1, ..., each able to draw the next (/X0 draws /X1 ...)."""
+def bomb_pdf(
+    content: bytes, pages: int = 1, forms: list[bytes] | None = None, fonts: int = 1
+) -> bytes:
+    """A PDF of `pages` pages that all draw one content stream, `content`, in Helvetica (/F1;
+    `fonts`: as many names /F1, /F2, ... for it in the resources); `forms`: form XObjects /X0,
+    /X1, ..., each able to draw the next (/X0 draws /X1 ...)."""
     objects: list[bytes] = []
 
     def add(body: bytes) -> int:
@@ -56,11 +59,12 @@ def bomb_pdf(content: bytes, pages: int = 1, forms: list[bytes] | None = None) -
         return len(objects)
 
     font = add(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
-    fonts = b"/Font << /F1 %d 0 R >>" % font
+    names = b" ".join(b"/F%d %d 0 R" % (n, font) for n in range(1, fonts + 1))
+    fonts_ = b"/Font %d 0 R" % add(b"<< %s >>" % names)
     xobject = b""
     for i, data in reversed(list(enumerate(forms or []))):  # the last first: each draws the next
         head = b"/Type /XObject /Subtype /Form /BBox [0 0 612 792] /Resources << %s%s >> " % (
-            fonts,
+            fonts_,
             xobject,
         )
         xobject = b" /XObject << /X%d %d 0 R >>" % (i, add(_stream(data, head)))
@@ -69,7 +73,7 @@ def bomb_pdf(content: bytes, pages: int = 1, forms: list[bytes] | None = None) -
     kids = [
         add(
             b"<< /Type /Page /Parent %d 0 R /MediaBox [0 0 612 792] /Resources << %s%s >> "
-            b"/Contents %d 0 R >>" % (tree, fonts, xobject, contents)
+            b"/Contents %d 0 R >>" % (tree, fonts_, xobject, contents)
         )
         for _ in range(pages)
     ]
@@ -104,10 +108,10 @@ def drawn_by_every_page(pages: int = 40) -> bytes:
 
 
 def drawn_form(*, nested: bool = False) -> bytes:
-    """30 pages that draw a small form 2,000 times each (1 MB of work a page: pypdf sets the
-    form up again at every use); or (`nested`) one page that draws a form once, which draws
-    the small one 4,000 times."""
-    shown = b"BT /F1 12 Tf 10 10 Td (y) Tj ET"
+    """30 pages that draw a small form 2,000 times each (0.8 s a page: pypdf sets the form up
+    again at every use); or (`nested`) one page that draws a form once, which draws the small
+    one 4,000 times."""
+    shown = b"BT /F1 12 Tf 10 10 Td (y) Tj ET\n" + b"BT () Tj ET\n" * 20
     if nested:
         return bomb_pdf(b"/X0 Do\n", 1, forms=[b"/X1 Do\n" * 4_000, shown])
     return bomb_pdf(b"/X0 Do\n" * 2_000, 30, forms=[shown])
@@ -140,6 +144,15 @@ def test_a_form_drawn_thousands_of_times_is_refused(root: Path, nested: bool):
     form and goes on with the page, which then ends: the refusal is raised again there."""
     (root / "forms.pdf").write_bytes(drawn_form(nested=nested))
     refused(REFUSED_PDF, lambda: read_file(root / "forms.pdf", limited(root)))
+
+
+def test_fonts_set_up_again_for_every_page_count_towards_the_limit(root: Path):
+    """2,000 names for one font in the resources of 40 pages (a PDF of 30 KB): pypdf sets each
+    up again for every page (0.1 s a page; 5 s with 100,000 names), whatever the page draws."""
+    bomb = bomb_pdf(b"BT /F1 12 Tf 10 10 Td (x) Tj ET", 40, fonts=2_000)
+    assert len(bomb) < 40_000
+    (root / "fonts.pdf").write_bytes(bomb)
+    refused(REFUSED_PDF, lambda: read_file(root / "fonts.pdf", limited(root)))
 
 
 def test_normal_pdfs_read_as_before_within_the_default_limit(root: Path):

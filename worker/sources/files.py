@@ -206,9 +206,11 @@ def _font_size(tm: Any, cm: Any, size: float) -> float:
     return round(size * (math.hypot(c, d) or 1.0), 1)
 
 
-# What setting up one font costs, in bytes of content read in the same time (about 0.6 ms):
-# pypdf sets up a page's fonts, and a form's, again each time it reads the page or the form.
-FONT_COST = 500
+# What reading a page or a form costs besides its content, in bytes of content read in the
+# same time: pypdf sets up its reading (0.3 ms) and each of its fonts (0.05 ms) again each
+# time it reads the page or draws the form.
+READ_COST = 250
+FONT_COST = 50
 
 
 def _resolved(obj: Any) -> Any:
@@ -221,8 +223,9 @@ class _PdfWork:
     reads a page's content streams again for each page that draws them, a form's at each use
     (up to 5,000 a page), and sets up their fonts each time: a PDF of a few KB can take an
     hour (a stream of 1.6 million operators, 7 s to read, drawn by 500 pages). Counted in
-    bytes of content unpacked, each time it is read, and `FONT_COST` a font: the time pypdf
-    takes is about proportional (1.1 to 1.7 µs a byte, whatever the operators).
+    bytes of content unpacked, each time it is read, with `READ_COST` a read and `FONT_COST`
+    a font: the time pypdf takes is about proportional (1.1 to 1.7 µs a byte, whatever the
+    operators).
 
     The refusal is raised again at every operator after it: pypdf logs and skips an error in
     a form and goes on with the page."""
@@ -258,7 +261,7 @@ class _PdfWork:
             contents = resources = None
         streams = contents if isinstance(contents, list) else [contents]
         self.resources = [resources]
-        self.charge(sum(self._size(s) for s in streams) + self._fonts(resources))
+        self.charge(READ_COST + sum(self._size(s) for s in streams) + self._fonts(resources))
 
     def before(self, operator: bytes, operands: Any, _cm: Any, _tm: Any) -> None:
         """Before each operator: a form drawn (`Do`) is charged, its resources pushed."""
@@ -274,7 +277,7 @@ class _PdfWork:
         except Exception:  # no such form: pypdf skips it too
             form = None
         if resources is not None:
-            self.charge(self._size(form) + self._fonts(resources))
+            self.charge(READ_COST + self._size(form) + self._fonts(resources))
         self.resources.append(resources if resources is not None else {})
 
     def after(self, operator: bytes, _operands: Any, _cm: Any, _tm: Any) -> None:
