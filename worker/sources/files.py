@@ -310,8 +310,8 @@ def _page_runs(
     page: Any, budget: _TextBudget, work: _PdfWork
 ) -> tuple[str, list[tuple[float, str]]]:
     """A page's text, and its runs of text in one font size, in order. A run's pieces are
-    joined once at the end: added to a string each time, a page of many short pieces (a
-    hundred thousand `Tj`) took time quadratic in its text."""
+    joined once at the end: added to a string each time, they took time quadratic in their
+    number (400,000 one-letter `Tj`: 2.6 s, against 0.03 s)."""
     runs: list[tuple[float, list[str]]] = []
 
     def visit(text: str, cm: Any, tm: Any, _font: Any, size: float) -> None:
