@@ -111,3 +111,24 @@ def test_a_reader_that_stops_after_the_first_line_of_a_long_table_ends_quietly(
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGPIPE, stderr
     assert stderr == b""
+
+
+def test_help_to_a_reader_already_gone_ends_quietly(env: dict[str, str], tmp_path: Path) -> None:
+    """`kidx --help | true`: click's own handling of the closed pipe, outside any command,
+    ended the process with status 1 and no word, where a command ends by SIGPIPE."""
+    for args in (("--help",), ("--version",), ("add", "note", "--help")):
+        read, write = os.pipe()
+        os.close(read)  # a reader that has already stopped
+        try:
+            result = subprocess.run(
+                [str(KIDX), *args],
+                env=env,
+                cwd=tmp_path / "work",
+                stdout=write,
+                stderr=subprocess.PIPE,
+                timeout=60,
+            )
+        finally:
+            os.close(write)
+        assert result.returncode == -signal.SIGPIPE, (args, result.stderr)
+        assert result.stderr == b""

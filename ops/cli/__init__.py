@@ -42,14 +42,16 @@ def _standard_streams() -> None:
 
 class _Stdout(io.FileIO):
     """File descriptor 1, whose write errors say they are stdout's: OutputFailed, which the
-    command's edge tells apart from a file's or the database's OSError. A closed pipe stays
-    BrokenPipeError (the reader has gone: a quiet end)."""
+    command's edge tells apart from a file's or the database's OSError; OutputClosed for a
+    reader that has gone (EPIPE on stdout), which is no OSError: click's own handling of one
+    (outside a command: `kidx --help | true`) would end the process with status 1, rich's
+    with status 1 too, where it ends quietly by SIGPIPE (`main`)."""
 
     def write(self, data: Any) -> int | None:
         try:
             return super().write(data)
         except BrokenPipeError:
-            raise
+            raise OutputClosed() from None
         except OSError as e:
             raise OutputFailed(e.errno, e.strerror) from None
 

@@ -38,8 +38,10 @@ BATCH = click.IntRange(1, 2**63 - 1)
 
 class _Console(Console):
     """rich's Console, but a closed pipe is the command's edge to judge (`command`): rich's
-    own handling ends the process with status 1 and no word, where a reader that has gone
-    (`kidx status | head -1`) is SIGPIPE's quiet end, as with every other write."""
+    own handling ends the process with status 1 and no word (and points stdout at os.devnull,
+    even for stderr's pipe), where a reader that has gone is SIGPIPE's quiet end. The console
+    script's stdout says OutputClosed itself (`ops.cli._Stdout`); this covers stderr, and a
+    stdout of another kind."""
 
     def on_broken_pipe(self) -> None:
         raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
@@ -398,6 +400,8 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
                 fn(ctx, **kwargs)
             except OutputFailed as e:
                 output_failed(e, ctx.done if ctx is not None else None)
+            except OutputClosed:
+                raise  # the reader of stdout has gone: a quiet end (`ops.cli.main`)
             except ConfigError as e:
                 fail(str(e), 2, redact)
             except (KidxError, Cancelled) as e:
