@@ -24,6 +24,7 @@ from worker.errors import KeyConflict
 from worker.indexers.memories import memories_missing
 from worker.log import get_logger
 from worker.reconcile import (
+    Backoff,
     due_retries,
     mark_lost,
     mark_overrun,
@@ -58,17 +59,19 @@ def reconcile_sweep(self: Task) -> dict[str, Any]:
 
 def _reconcile(self: Task, rt: Runtime) -> dict[str, Any]:
     settings = rt.settings
+    s = settings.scheduler
     model = rt.embedder.model_id if rt.embedder is not None else settings.embedding.model
     lost = _lost_jobs(rt, self.app.conf.task_default_queue)
     overrun = mark_overrun(rt.db, settings.tasks.time_limit + settings.tasks.lock_ttl)
     drift = reconcile(
         rt.db,
         model=model,
-        max_items=settings.scheduler.max_items,
+        max_items=s.max_items,
         horizon=settings.tasks.visibility_timeout,
         # an `indexing` item without its lock: its run died
         locked=lambda ids: held(rt.redis, rt.db.instance(), ids),
         provider=rt.embedder is not None,  # without one, skipped items would only be skipped again
+        backoff=Backoff(s.retry_max_attempts, s.retry_backoff, s.retry_backoff_max),
     )
     batch_id = None
     if drift.to_index:

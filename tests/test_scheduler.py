@@ -189,6 +189,30 @@ def test_a_queued_task_the_broker_lost_is_sent_again_by_the_next_sweep(stack):
     stack.db.execute("DELETE FROM index_jobs WHERE task_id = 'held-task:7'")
 
 
+def test_a_lost_task_of_an_item_that_looks_indexed_is_sent_again(stack):
+    """The sweep marked such a job failed and sent nothing: the item looked up to date, so a
+    file's changed source was never read again (nor an admin's retry run). Its item is now
+    `pending`, and the same sweep sends it."""
+    item = indexed_note(stack, "Lost again", "A note indexed once, whose next task was lost.")
+    record_queued(stack.db, "lost-again", "GenerateEmbedding", item, None, "test")
+    stack.db.execute(
+        "UPDATE index_jobs SET queued_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-300 seconds') "
+        "WHERE task_id = 'lost-again'"
+    )
+    summary = stack.sweep()
+    assert summary["lost"] == 1 and summary["found"]["pending"] >= 1, summary
+    wait_for(
+        lambda: stack.db.scalar(
+            "SELECT count(*) FROM index_jobs WHERE item_id = ? AND reason = 'reconcile' "
+            "AND state = 'success'",
+            (item,),
+        ),
+        60,
+        "the sweep's run of the item",
+    )
+    assert stack.state(item)["status"] == "indexed"
+
+
 def test_the_broker_reader_finds_queued_and_delivered_tasks_and_ignores_strangers(stack):
     queue = f"idle-{time.monotonic_ns()}"  # no worker consumes it
     plain = stack.app.send_task("kidx.nothing", queue=queue)

@@ -432,7 +432,10 @@ def _record_all(
             f"UPDATE item_index_state SET status = CASE WHEN {_SAME_ORIGIN} THEN ?1 "
             "ELSE 'pending' END, indexed_hash = ?2, chunk_method = ?3, "
             "chunk_count = ?4, model = ?5, dimensions = ?6, last_error = ?7, last_task_id = ?8, "
-            f"attempts = 0, duration_ms = ?9, updated_at = {NOW}, indexed_at = {NOW}, "
+            # a partial index is an attempt that fell short: the sweep re-sends it with the
+            # retry sweep's backoff (worker.reconcile), not on every sweep for good
+            "attempts = CASE WHEN ?1 = 'partial' THEN attempts + 1 ELSE 0 END, "
+            f"duration_ms = ?9, updated_at = {NOW}, indexed_at = {NOW}, "
             "claim = random() "
             "WHERE item_id = ?10",
             states,

@@ -50,6 +50,15 @@ UNION SELECT item_id FROM item_index_state WHERE status = 'indexing'
  AND (julianday('now') - julianday(updated_at)) * 86400 < :horizon
 """
 
+# Items that the reconcile sweep leaves to their backoff: `failed` ones are the retry sweep's
+# (with its backoff and its cap on attempts; sending them from here too bypassed both), and a
+# `partial` one waits as a failed one would before it is sent again for its missing vectors
+# (each partial outcome is an attempt). A content change or a model switch is not a retry:
+# `changed` and `other_model` send them all the same (a host's edit of a failed note makes it
+# `pending`, schema migration 12).
+RESTING_STATUSES = ("failed", "partial")
+ALWAYS_SENT = ("changed", "other_model")
+
 FINDINGS = {
     "changed": """SELECT i.id FROM knowledge_items i JOIN item_index_state s ON s.item_id = i.id
         WHERE s.status IN ('indexed', 'partial', 'cancelled') AND i.kind = 'note'
@@ -97,6 +106,21 @@ class Drift:
 LOST = "lost: the broker no longer holds this task (a Redis restart?); the sweep sends it again"
 
 
+@dataclass(frozen=True)
+class Backoff:
+    """How long a failed (or partial) item waits before it is sent again: `backoff` x
+    2^(attempts-1), at most `backoff_max`; none is sent after `max_attempts`."""
+
+    max_attempts: int
+    backoff: float
+    backoff_max: float
+
+    def due(self, attempts: int | None, waited: float) -> bool:
+        if (attempts or 0) >= self.max_attempts:
+            return False
+        return waited >= min(self.backoff_max, self.backoff * 2 ** max(0, (attempts or 1) - 1))
+
+
 def queued_jobs(db: Database, *, older_than: float) -> list[str]:
     """Job ids recorded as queued (first attempt, not started) for at least `older_than`
     seconds: those the caller may look for in the broker (`mark_lost`)."""
@@ -112,7 +136,10 @@ def queued_jobs(db: Database, *, older_than: float) -> list[str]:
 
 def mark_lost(db: Database, job_ids: list[str]) -> None:
     """Jobs whose task the broker no longer holds: failed, so that their items are not taken
-    for busy and the sweep sends them again (a run that starts after all resets its row).
+    for busy and the sweep sends them again (a run that starts after all resets its row). The
+    item is marked `pending` (unless a run holds it, it was cancelled, or no provider can run
+    it): nothing else would tell the sweep that a file's or a URL's source changed, or that
+    an admin asked for a run.
 
     A lost job of a batch counts in it as skipped, in the same transaction: it never ran, and
     its item goes again in the sweep's own batch, so its batch would otherwise wait for it for
@@ -122,10 +149,16 @@ def mark_lost(db: Database, job_ids: list[str]) -> None:
         for job_id in job_ids:
             rows = db.all(
                 f"UPDATE index_jobs SET state = 'failed', finished_at = {NOW}, error = ? "
-                "WHERE task_id = ? AND attempt = 0 AND state = 'queued' RETURNING batch_id",
+                "WHERE task_id = ? AND attempt = 0 AND state = 'queued' "
+                "RETURNING batch_id, item_id",
                 (LOST, job_id),
             )
-            for (batch_id,) in rows:
+            db.executemany(
+                f"UPDATE item_index_state SET status = 'pending', updated_at = {NOW} "
+                "WHERE item_id = ? AND status IN ('indexed', 'partial', 'failed')",
+                [(item_id,) for _, item_id in rows],
+            )
+            for batch_id, _ in rows:
                 if batch_id is not None:
                     # (abort_after: a skip never aborts a batch)
                     batch_outcome(db, batch_id, "skipped", LOST, abort_after=0, job=(job_id, 0))
@@ -188,11 +221,15 @@ def reconcile(
     horizon: float = 3600.0,
     locked: Callable[[list[int]], set[int]] | None = None,
     provider: bool = True,
+    backoff: Backoff | None = None,
 ) -> Drift:
     """Mend the mirror and list the items that need a run (at most `max_items`). `locked`:
     which of these items a run holds the lock of now; an item marked `indexing` whose lock
     is not held was left by a run that died, and is sent again (`interrupted`). `provider`:
-    whether an embedding provider is configured; `skipped` items are sent only then."""
+    whether an embedding provider is configured; `skipped` items are sent only then.
+    `backoff`: the retry sweep's, which `failed` and `partial` items keep (RESTING_STATUSES;
+    None: they are never sent for what a retry would mend). Items never tried again go first:
+    the cut at `max_items` must not hand every sweep to the same retries."""
     dims = db.dimensions
     drift = Drift()
     removed = remove_leftovers(db)  # first: their vec rows are then orphans, deleted next
@@ -211,18 +248,35 @@ def reconcile(
     running = held if locked is not None else {i for i, young in marked.items() if young}
     busy |= running
     skipped = {r[0] for r in db.all(SKIPPED)}
+    resting, retried = _resting(db, backoff)
     wanted: set[int] = set()
     for name, sql in FINDINGS.items():
-        ids = sorted({r[0] for r in db.all(sql, params)} - (set() if provider else skipped))
-        drift.found[name] = ids
-        wanted.update(ids)
+        ids = {r[0] for r in db.all(sql, params)} - (set() if provider else skipped)
+        drift.found[name] = sorted(ids if name in ALWAYS_SENT else ids - resting)
+        wanted.update(drift.found[name])
     drift.found["skipped"] = sorted(skipped) if provider else []
     wanted.update(drift.found["skipped"])
     drift.found["interrupted"] = sorted(set(marked) - running - busy)
     wanted.update(drift.found["interrupted"])
     drift.busy = len(wanted & busy)
-    drift.to_index = sorted(wanted - busy)[:max_items]
+    drift.to_index = sorted(wanted - busy, key=lambda i: (i in retried, i))[:max_items]
     return drift
+
+
+def _resting(db: Database, backoff: Backoff | None) -> tuple[set[int], set[int]]:
+    """(items the sweep leaves to their backoff, partial items whose backoff has passed)."""
+    resting, retried = set(), set()
+    rows = db.all(
+        "SELECT item_id, status, attempts, (julianday('now') - julianday(updated_at)) * 86400 "
+        f"FROM item_index_state WHERE status IN {RESTING_STATUSES}"
+    )
+    for item_id, status, attempts, waited in rows:
+        sound = type(attempts) is int and isinstance(waited, float)  # a host's bytes: resting
+        if status == "partial" and backoff is not None and sound and backoff.due(attempts, waited):
+            retried.add(item_id)
+        else:
+            resting.add(item_id)
+    return resting, retried
 
 
 def due_retries(
@@ -230,13 +284,9 @@ def due_retries(
 ) -> list[int]:
     """Failed items whose wait (backoff × 2^(attempts-1), capped) has passed, and that have
     attempts left; after the last attempt an item stays failed until an admin retries it."""
+    policy = Backoff(max_attempts, backoff, backoff_max)
     rows = _failed_rows(db, max_attempts, horizon)
-    due = []
-    for item_id, attempts, waited in rows:
-        wait = min(backoff_max, backoff * 2 ** max(0, (attempts or 1) - 1))
-        if waited >= wait:
-            due.append(item_id)
-    return due
+    return [item_id for item_id, attempts, waited in rows if policy.due(attempts, waited)]
 
 
 def _failed_rows(db: Database, max_attempts: int, horizon: float) -> list[tuple[int, int, float]]:

@@ -414,6 +414,38 @@ END;
     )
 )
 
+# What a host's plain SQL must not leave stale for good (both found by an audit):
+# - A content change of a `failed` item (the host fixed what made it fail) makes it `pending`
+#   with its attempts back at 0: the retry sweep had given up on it after its last attempt, and
+#   the reconcile sweep leaves failed items to the retry sweep's backoff.
+# - `INSERT OR REPLACE` of an item deletes the old row without its delete trigger (SQLite fires
+#   delete triggers for a REPLACE only with recursive triggers on), so the old index stayed
+#   `indexed` under the new item. An inserted item's id now has nothing of an earlier item's:
+#   chunks, vectors and state go (its vec and keyword rows become orphans the sweep removes),
+#   and the item, with no state row, is `pending`. For kidx's own inserts there is nothing to
+#   remove (AUTOINCREMENT never gives an id twice).
+MIGRATIONS.append(
+    (
+        12,
+        f"""
+DROP TRIGGER IF EXISTS knowledge_items_content_changed;
+CREATE TRIGGER knowledge_items_content_changed
+AFTER UPDATE OF content ON knowledge_items
+WHEN new.content IS NOT old.content AND new.content_hash IS old.content_hash
+BEGIN
+    UPDATE knowledge_items SET content_hash = NULL, updated_at = {_NOW} WHERE id = new.id;
+    UPDATE item_index_state SET status = 'pending', attempts = 0, updated_at = {_NOW}
+     WHERE item_id = new.id AND status = 'failed';
+END;
+
+CREATE TRIGGER IF NOT EXISTS knowledge_items_inserted
+AFTER INSERT ON knowledge_items
+BEGIN{_DEPENDANTS.replace("old.id", "new.id")}
+END;
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

@@ -1,0 +1,134 @@
+"""What the reconcile sweep finds after a host's plain SQL, and what it leaves to a backoff (an
+audit of the scheduler: each case below was found stale for good, or sent on every sweep).
+
+A real SQLite file with sqlite-vec; the host is a bare apsw connection with no kidx code and
+foreign keys off; the provider is the stand-in over HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import apsw
+import pytest
+
+from conftest import corpus_text, mirror_problems
+from worker.bulk import index_item
+from worker.reconcile import Backoff, reconcile
+from worker.retrieval import search_chunks
+from worker.store.db import Database
+from worker.store.items import add_item, get_state
+
+# As the retry sweep waits: 60 s, then doubling; five attempts.
+BACKOFF = Backoff(max_attempts=5, backoff=60.0, backoff_max=6 * 3600.0)
+
+
+@pytest.fixture
+def host(db: Database) -> Iterator[apsw.Connection]:
+    conn = apsw.Connection(str(db.path))
+    conn.execute("PRAGMA busy_timeout = 5000")
+    yield conn
+    conn.close()
+
+
+def to_index(db: Database) -> list[int]:
+    return reconcile(db, model="standin-embed", max_items=100, backoff=BACKOFF).to_index
+
+
+def set_state(host: apsw.Connection, item: int, status: str, attempts: int, age_s: float) -> None:
+    """As a run left it `age_s` ago, of the item's text as it is (so no edit to send)."""
+    host.execute(
+        "UPDATE item_index_state SET status = ?, attempts = ?, updated_at = "
+        "strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?), indexed_hash = "
+        "(SELECT content_hash FROM knowledge_items WHERE id = item_id) WHERE item_id = ?",
+        (status, attempts, f"-{age_s} seconds", item),
+    )
+
+
+def test_a_failed_note_a_host_fixes_is_pending_again_with_its_attempts_back_to_0(db, host):
+    """The retry sweep gives up after the last attempt, and the reconcile sweep leaves failed
+    items to it: a host's fix of the text was never indexed (the error even said what to fix)."""
+    item = add_item(db, kind="note", title="Broken", content="The text as it was.")
+    set_state(host, item, "failed", 5, 0)
+    assert to_index(db) == []
+    host.execute("UPDATE knowledge_items SET content = 'The text, fixed.' WHERE id = ?", (item,))
+    state = get_state(db, item)
+    assert (state["status"], db.scalar("SELECT attempts FROM item_index_state")) == ("pending", 0)
+    assert to_index(db) == [item]
+
+
+def test_an_item_a_host_replaces_loses_the_old_index_and_is_indexed_anew(db, embedder, host):
+    """`INSERT OR REPLACE` deletes the old row without its delete trigger: the old chunks stayed,
+    `indexed`, searchable under the new item, and no sweep ever sent it."""
+    item = add_item(db, kind="note", title="Zebras", content="Zebra migration across the plains.")
+    assert index_item(db, item, embedder=embedder).status == "indexed"
+    host.execute(
+        "INSERT OR REPLACE INTO knowledge_items(id, kind, title, content) "
+        "VALUES (?, 'note', 'Volcanoes', 'Lava flows from the volcano.')",
+        (item,),
+    )
+    assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
+    assert get_state(db, item) is None or get_state(db, item)["status"] == "pending"
+    assert search_chunks(db, "zebra migration", embedder, k=5).hits == []
+    drift = reconcile(db, model=embedder.model_id, max_items=100, backoff=BACKOFF)
+    assert drift.to_index == [item]
+    assert index_item(db, item, embedder=embedder).status == "indexed"
+    assert mirror_problems(db) == []
+    hits = search_chunks(db, "lava volcano", embedder, k=5).hits
+    assert [(h.item_id, h.title) for h in hits] == [(item, "Volcanoes")]
+
+
+def test_failed_items_are_left_to_the_retry_sweep(db, host):
+    """A failed item with a chunk without a vector was sent by every reconcile sweep, past
+    the retry sweep's backoff and past its last attempt."""
+    item = add_item(db, kind="note", title="Failed", content="Text.")
+    host.execute(
+        "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
+        "end_offset, embed_hash) VALUES (?, 0, 'Text.', 'structure', 0, 5, 'h')",
+        (item,),
+    )
+    for attempts, age in ((1, 3600.0), (5, 86400.0)):  # due for the retry sweep; exhausted
+        set_state(host, item, "failed", attempts, age)
+        drift = reconcile(db, model="standin-embed", max_items=100, backoff=BACKOFF)
+        assert item not in drift.to_index and item not in drift.found["without_vectors"]
+
+
+def test_a_partial_item_is_sent_again_with_the_retry_backoff_and_after_new_items(db, host):
+    """A partial item was re-sent on every sweep with no attempt counted, and, first by id,
+    took every slot of a sweep with a small `max_items` from items never indexed."""
+    partial = add_item(db, kind="note", title="Partial", content="Some text.")
+    fresh = [add_item(db, kind="note", title=f"New {n}", content="New.") for n in range(2)]
+    for item in fresh:
+        host.execute("DELETE FROM item_index_state WHERE item_id = ?", (item,))
+    set_state(host, partial, "partial", 1, 10)  # 10 s after its first partial run
+    assert to_index(db) == fresh
+    set_state(host, partial, "partial", 1, 61)  # its first wait (60 s) has passed
+    assert to_index(db) == [*fresh, partial]
+    one = reconcile(db, model="standin-embed", max_items=1, backoff=BACKOFF).to_index
+    assert one == [fresh[0]]
+    set_state(host, partial, "partial", 2, 61)  # the second wait is 120 s
+    assert partial not in to_index(db)
+    set_state(host, partial, "partial", 5, 86400)  # its attempts are spent
+    assert partial not in to_index(db)
+    # A host's garbage in the columns the backoff reads: left alone, never a crash.
+    host.execute(
+        "UPDATE item_index_state SET attempts = 'many', updated_at = x'ff' WHERE item_id = ?",
+        (partial,),
+    )
+    assert partial not in to_index(db)
+
+
+def test_each_partial_outcome_counts_an_attempt_and_a_whole_index_resets_them(
+    db, embedder, standin
+):
+    text = corpus_text("ch04-03-slices.md")
+    middle = text.index(" ", len(text) // 2)
+    item = add_item(
+        db, kind="note", title="Poisoned", content=f"{text[:middle]} POISON{text[middle:]}"
+    )
+    standin.poison = "POISON"  # one chunk of many refused
+    for n in (1, 2):
+        assert index_item(db, item, embedder=embedder).status == "partial"
+        assert db.scalar("SELECT attempts FROM item_index_state WHERE item_id = ?", (item,)) == n
+    standin.poison = None
+    assert index_item(db, item, embedder=embedder).status == "indexed"
+    assert db.scalar("SELECT attempts FROM item_index_state WHERE item_id = ?", (item,)) == 0
