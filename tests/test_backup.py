@@ -201,6 +201,18 @@ def test_force_does_not_replace_a_file_that_is_not_a_database(tmp_path: Path):
     assert precious.read_bytes() == b"PK\x03\x04 a document, not a database"
 
 
+def test_a_dest_that_ends_with_a_slash_is_refused_not_made_a_file(tmp_path: Path):
+    """`kidx backup ./bk/` wrote a file named `bk` (pathlib drops the slash)."""
+    source = tmp_path / "live.db"
+    connect(source, vec=False).close()
+    out = _backup(source, tmp_path, "bk/")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "names a directory" in out.stderr and "bk/kidx.db" in out.stderr
+    assert not (tmp_path / "bk").exists()
+    assert _backup(source, tmp_path, "bk/kidx.db").returncode == 0
+    assert (tmp_path / "bk" / "kidx.db").read_bytes().startswith(b"SQLite format 3")
+
+
 def test_what_a_killed_backup_left_goes_at_the_next_and_a_running_ones_stays(tmp_path: Path):
     """A backup SIGKILLed mid-copy leaves `.DEST.<pid>.partial` (and its -journal) beside
     DEST: the next backup to DEST removes them; a partial whose process still runs is its."""

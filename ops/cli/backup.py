@@ -127,10 +127,16 @@ def _copy(src: apsw.Connection, partial: Path) -> list[tuple[str, ...]]:
 
 
 @command(cli)
-@click.argument("dest", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("dest", type=click.Path(dir_okay=False, path_type=str))
 @click.option("--force", is_flag=True, help="Replace DEST if it exists (a SQLite file only).")
-def backup(ctx: Ctx, dest: Path, force: bool) -> None:
+def backup(ctx: Ctx, dest: str, force: bool) -> None:
     """Copy the database to DEST while it is in use (SQLite's online backup)."""
+    if dest.endswith(("/", os.sep)):  # pathlib drops the slash: `bk/` became a file named bk
+        raise InvalidInput(f"{dest} names a directory: give the backup's file name ({dest}kidx.db)")
+    _backup(ctx, Path(dest), force)
+
+
+def _backup(ctx: Ctx, dest: Path, force: bool) -> None:
     source = Path(ctx.settings.db)
     if not source.is_file():
         raise InvalidInput(f"no database at {source}")
