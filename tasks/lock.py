@@ -17,9 +17,10 @@ connection error is tried again within a second, and the lock counts as lost onl
 has passed without a renewal.
 
 A host application may share the Redis database and leave a value of another type at one of
-these keys (a list at a lock key, a hash at a re-run request's). That is not a lock or a
-request kidx made, and not kidx's to delete: the item is refused (`LockSet.refused`, a
-`KeyConflict` naming the key and what to do) and nothing is written over the value.
+these keys (a list at a lock key, a hash at a re-run request's), or a string that never expires
+at a lock key. That is not a lock or a request kidx made, and not kidx's to delete: the item
+is refused (`LockSet.refused`, a `KeyConflict` naming the key and what to do) and nothing is
+written over the value.
 """
 
 from __future__ import annotations
@@ -71,6 +72,18 @@ return redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
 
 # What a key kidx keeps a lock or a request in may hold (TYPE's answer): a string, or nothing.
 OURS = (b"string", b"none")
+
+
+def not_a_lock(kind: bytes, left: object) -> bytes | str | None:
+    """What a lock key holds, when it is provably no lock kidx took (TYPE's and PTTL's answers):
+    a value of another type, or a string that never expires (kidx's locks are always set with
+    a TTL, renewed with one); None for a lock, or nothing."""
+    if kind not in OURS:
+        return kind
+    if kind == b"string" and left == -1:
+        return "string that never expires"
+    return None
+
 
 # A failed renewal is tried again this soon (or at the next tick, if sooner).
 RENEW_RETRY = 1.0
@@ -178,13 +191,13 @@ def sweep_key(space: str, sweep: str) -> str:
 def only_one(client: redis.Redis, key: str, ttl: float) -> Iterator[bool]:
     """Whether this process holds `key` for the block (not waited for: another holder is doing
     the same work already); it expires after `ttl`, should the process die holding it.
-    KeyConflict when the key holds a value of another type: no holder will ever release it,
-    and skipping every run as "another one is running" would hide that for good."""
+    KeyConflict when the key holds what is no lock (`not_a_lock`): no holder will ever
+    release it, and skipping every run as "another one is running" would hide that for good."""
     lock = client.lock(key, timeout=ttl, thread_local=False)
     if not lock.acquire(blocking=False):
-        kind = client.type(key)
-        if kind not in OURS:
-            raise conflict(client, key, kind)
+        kind, left = client.pipeline(transaction=True).type(key).pttl(key).execute()
+        if (what := not_a_lock(kind, left)) is not None:
+            raise conflict(client, key, what)
         yield False
         return
     try:
@@ -199,12 +212,18 @@ def rerun_key(space: str, item_id: int) -> str:
 
 
 def held(client: redis.Redis, space: str, item_ids: list[int]) -> set[int]:
-    """Which of these items a run holds the lock of now (one round trip): a lock kidx takes is
-    a string; a value of another type there is none (its item's run is refused)."""
+    """Which of these items a run holds the lock of now (one round trip): what is no lock
+    (`not_a_lock`: its item's run is refused) is not held."""
     pipe = client.pipeline(transaction=False)
     for item_id in item_ids:
         pipe.type(lock_key(space, item_id))
-    return {i for i, kind in zip(item_ids, pipe.execute(), strict=True) if kind == b"string"}
+        pipe.pttl(lock_key(space, item_id))
+    answers = pipe.execute()
+    return {
+        i
+        for n, i in enumerate(item_ids)
+        if answers[2 * n] == b"string" and not_a_lock(answers[2 * n], answers[2 * n + 1]) is None
+    }
 
 
 class ItemLock:
@@ -274,8 +293,8 @@ class ItemLock:
         pipe.get(self.key)
         pipe.pttl(self.key)
         kind, value, left = pipe.execute(raise_on_error=False)
-        if kind not in OURS:  # not a lock: nobody will release it, and it is not kidx's
-            raise conflict(self.client, self.key, kind)
+        if (what := not_a_lock(kind, left)) is not None:  # nobody will release it; not kidx's
+            raise conflict(self.client, self.key, what)
         if value is None or isinstance(value, Exception):
             return None
         token = value.decode() if isinstance(value, bytes) else str(value)
@@ -378,8 +397,9 @@ class LockSet:
     def acquire(self) -> tuple[list[int], list[int]]:
         """(items locked, items busy): a busy item gets a re-run request, as a single run's.
         Each item's request is written before its lock is tried, as ItemLock does. An item
-        whose lock or request key holds a value of another type is neither: it is `refused`
-        (item -> the KeyConflict's line), and the value is left as it is."""
+        whose lock key holds what is no lock (`not_a_lock`), or whose request key a value of
+        another type, is neither: it is `refused` (item -> the KeyConflict's line), and the
+        value is left as it is."""
         tokens = [make_token(self.task_id) for _ in self.locks]
         now = time.monotonic()
         pipe = self.client.pipeline(transaction=False)
@@ -387,11 +407,12 @@ class LockSet:
             lock.request_rerun(pipe)
             pipe.set(lock.key, token, nx=True, px=self.ttl * 1000)
             pipe.type(lock.key)
+            pipe.pttl(lock.key)
         answers = pipe.execute(raise_on_error=False)
         busy = []
         for i, (lock, token) in enumerate(zip(self.locks, tokens, strict=True)):
-            asked, ok, kind = answers[3 * i : 3 * i + 3]
-            for answer in (asked, ok, kind):  # anything but a wrong type: as before, raised
+            asked, ok, kind, left = answers[4 * i : 4 * i + 4]
+            for answer in (asked, ok, kind, left):  # but a wrong type: as before, raised
                 if isinstance(answer, Exception) and wrong_type(answer) is None:
                     raise answer
             if (bad := wrong_type(asked)) is not None:
@@ -403,8 +424,8 @@ class LockSet:
                 lock.lock.local.token = self.client.get_encoder().encode(token)
                 lock._renewed = now
                 self.held.append(lock)
-            elif kind not in OURS:
-                self.refused[lock.item_id] = str(conflict(self.client, lock.key, kind))
+            elif (what := not_a_lock(kind, left)) is not None:
+                self.refused[lock.item_id] = str(conflict(self.client, lock.key, what))
             else:
                 try:
                     taken = lock.acquire(renew=False)  # a stale lock of this task's earlier run

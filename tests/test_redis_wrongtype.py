@@ -57,7 +57,8 @@ def test_a_list_at_a_lock_key_is_no_lock_a_run_holds(client: redis.Redis) -> Non
     answered yes for another program's list, for good (it has no TTL)."""
     client.rpush(lock_key(SPACE, 2), "host-data")
     client.set(lock_key(SPACE, 3), "a-token", px=30_000)
-    assert held(client, SPACE, [2, 3, 4]) == {3}
+    client.set(lock_key(SPACE, 4), "no TTL: no lock kidx took")
+    assert held(client, SPACE, [2, 3, 4, 5]) == {3}
 
 
 # -- against the stack ----------------------------------------------------------------------
@@ -86,23 +87,32 @@ def text(tag: str) -> str:
 
 
 @pytest.mark.stack
-def test_a_list_at_an_items_lock_key_fails_the_item_naming_the_key(stack: Stack) -> None:
-    """The lock's take-over check read the key with GET: WRONGTYPE, a traceback in the worker
-    log, and a job row failed with Redis's words, naming no key; the item stayed `pending`."""
+@pytest.mark.parametrize("what", ["list", "string that never expires"])
+def test_no_lock_at_an_items_lock_key_fails_the_item_naming_the_key(
+    stack: Stack, what: str
+) -> None:
+    """A list: the lock's take-over check read the key with GET: WRONGTYPE, a traceback in the
+    worker log, and a job row failed with Redis's words, naming no key; the item stayed
+    `pending`. A string with no TTL (kidx's locks always have one): every run of the item
+    ended `coalesced`, waiting for a holder that does not exist, for good."""
     item = stack.note("Locked by a host", text("hostlist"))
     key = lock_key(stack.db.instance(), item)
-    stack.redis.rpush(key, "host-data")
+    if what == "list":
+        stack.redis.rpush(key, "host-data")
+    else:
+        stack.redis.set(key, "host-data")
+    before = stack.redis.dump(key)
     try:
         task_id = enqueue(stack.db, item, app=stack.app)
         result = ended(stack, task_id)
         assert result.state == "FAILURE"
-        assert key in str(result.result) and "holds a list" in str(result.result)
+        assert key in str(result.result) and f"holds a {what}," in str(result.result)
         state, error = job(stack, task_id)
         assert state == "failed" and error is not None
         assert key in error and f"DEL {key}" in error and "\n" not in error
         row = stack.state(item)
         assert row["status"] == "failed" and key in row["last_error"]
-        assert stack.redis.lrange(key, 0, -1) == [b"host-data"]  # left as it was
+        assert stack.redis.dump(key) == before  # left as it was
         assert "Traceback" not in stack.worker.log
     finally:
         stack.redis.delete(key)
