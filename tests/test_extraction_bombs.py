@@ -21,7 +21,8 @@ from test_sources import ARTICLE, ARTICLE_HEADINGS, chapter, make_pdf, refused
 from stack import Stack, running_stack
 from tasks.producer import enqueue
 from worker.settings import FilesSettings, UrlSettings
-from worker.sources.files import html_to_markdown, pdf_text, read_file
+from worker.sources.files import html_to_markdown, read_file
+from worker.sources.pdf import pdf_text
 from worker.sources.urls import fetch_url
 from worker.store.items import add_item
 

@@ -37,7 +37,8 @@ from worker.indexers import IndexOptions
 from worker.settings import FilesSettings, UrlSettings
 from worker.sources import Reader
 from worker.sources import files as files_module
-from worker.sources.files import pdf_text, read_file
+from worker.sources.files import read_file
+from worker.sources.pdf import pdf_text
 from worker.sources.urls import Fetched, fetch_url
 from worker.store.items import add_item, get_state
 
@@ -956,9 +957,9 @@ def test_the_converters_do_not_load_pythons_sqlite3(chapter_pdf: bytes, tmp_path
     script = f"""
 import sys
 from pathlib import Path
-from worker.sources import files, urls
+from worker.sources import files, pdf, urls
 assert files.html_to_markdown({ARTICLE!r})
-assert files.pdf_text(Path({str(tmp_path / "c.pdf")!r}).read_bytes(), "c.pdf", limit=10**6)
+assert pdf.pdf_text(Path({str(tmp_path / "c.pdf")!r}).read_bytes(), "c.pdf", limit=10**6)
 print(sorted(m for m in sys.modules if m.split(".")[0] == "sqlite3"))
 """
     done = subprocess.run(

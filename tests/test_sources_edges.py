@@ -13,7 +13,9 @@ from docx.oxml import parse_xml
 from conftest import Pages
 from worker.errors import InvalidInput
 from worker.settings import FilesSettings, UrlSettings
-from worker.sources.files import _cell, decode_text, docx_to_markdown, read_file
+from worker.sources.decoding import decode_text
+from worker.sources.docx import _cell, docx_to_markdown
+from worker.sources.files import read_file
 from worker.sources.urls import fetch_url
 
 W = "http://schemas.openxmlformats.org/wordprocessingml/2006/main"

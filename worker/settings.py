@@ -451,7 +451,7 @@ class FilesSettings(_Section):
     # in memory, and a few hundred KB of deflated XML can hold 100 MB.
     max_xml_bytes: int = Field(default=20_000_000, gt=0)
     # What reading a PDF's text may cost, in bytes of page content unpacked (each time a page
-    # or form draws it; `worker.sources.files._PdfWork`): a few KB can ask for an hour.
+    # or form draws it; `worker.sources.pdf._PdfWork`): a few KB can ask for an hour.
     max_pdf_content_bytes: int = Field(default=PDF_CONTENT_BYTES, gt=0)
     # The HTML handed to trafilatura, whose time grows faster than its element count
     # (`worker.sources.files.html_text`).

@@ -30,13 +30,11 @@ from worker import net
 from worker.errors import InvalidInput, SourceUnavailable
 from worker.providers.http import ACCEPT_ENCODING, BodyRefused, read_body, safe_url
 from worker.settings import UrlSettings, allowed_host
-from worker.sources.files import (
-    check_text_size,
-    decode_text,
-    docx_to_markdown,
-    html_text,
-    pdf_text,
-)
+from worker.sources.decoding import decode_text
+from worker.sources.docx import docx_to_markdown
+from worker.sources.files import html_text
+from worker.sources.limits import check_text_size
+from worker.sources.pdf import pdf_text
 
 Resolver = Callable[[str, int], list[str]]
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

@@ -1,0 +1,182 @@
+"""A DOCX's text as Markdown (headings, lists, tables), refused before python-docx inflates a
+zip that unpacks to too much."""
+
+from __future__ import annotations
+
+import io
+import re
+import zipfile
+from typing import Any
+
+from worker.errors import InvalidInput
+from worker.sources.decoding import bom, escape_markdown_lookalikes
+from worker.sources.limits import TextBudget, check_text_size, refuse
+
+# A zipped document (DOCX) may unpack to at most this many times the size limit in all (its
+# images and other blobs, held in memory); its XML has a limit of its own (`max_xml_bytes`).
+UNPACK_RATIO = 4
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _table_markdown(table: Any, budget: TextBudget) -> str:
+    """A table as Markdown rows, a cell spanning n grid columns repeated n times (as python-docx's
+    `row.cells` gives it) and a vertically merged one repeating the cell above. Each cell's
+    text is found once, a span counts at most the table's grid columns, and every row is taken
+    from the text budget before it is built: a `gridSpan` of a million (a 36 KB file) made
+    python-docx yield the cell, and its text be found, a million times per row, and the limit
+    was checked only after the whole table (106 s)."""
+    from docx.table import _Cell
+
+    grid = table._tbl.tblGrid
+    columns = max(1, len(grid.gridCol_lst) if grid is not None else 0)
+    rows: list[str] = []
+    above: dict[int, str] = {}  # grid offset -> the text of the row above's cell there
+    for tr in table._tbl.tr_lst:
+        offset = tr.grid_before
+        cells: list[tuple[str, int]] = []  # (Markdown of the cell, how many times)
+        here: dict[int, str] = {}
+        for tc in tr.tc_lst:
+            span = min(tc.grid_span, columns)
+            if tc.vMerge == "continue":
+                text = above.get(offset, "")
+            else:
+                text = _cell(_Cell(tc, table).text)
+            here[offset] = text
+            if span > 0:
+                cells.append((text, span))
+                offset += span
+        above = here
+        count = sum(n for _, n in cells)
+        # "| " + cells joined by " | " + " |", and a line end
+        budget.take(sum(len(t) * n for t, n in cells) + 3 * max(count - 1, 0) + 5)
+        rows.append("| " + " | ".join(t for t, n in cells for _ in range(n)) + " |")
+    if not rows:
+        return ""
+    width = rows[0].count(" | ") + 1
+    budget.take(1 + 6 * width)
+    rows.insert(1, "|" + " --- |" * width)
+    return "\n".join(rows)
+
+
+_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
+_RUN_TEXT = frozenset(_W + tag for tag in ("br", "cr", "noBreakHyphen", "ptab", "t", "tab"))
+
+
+def _run_text(run: Any) -> str:
+    return "".join(str(e) for e in run if e.tag in _RUN_TEXT)
+
+
+def _paragraph_text(p: Any) -> str:
+    """`Paragraph.text` without its XPath queries, which python-docx compiles on every call
+    (13 µs a paragraph: a minute for a document of a few million empty ones)."""
+    parts: list[str] = []
+    for child in p:
+        if child.tag == _W + "r":
+            parts.append(_run_text(child))
+        elif child.tag == _W + "hyperlink":
+            parts.extend(_run_text(run) for run in child if run.tag == _W + "r")
+    return "".join(parts)
+
+
+def _is_markup(head: bytes) -> bool:
+    """Whether an entry beginning with `head` may be XML, which python-docx would parse
+    (taking some 40 times its size in memory), rather than a blob (an image) it only holds.
+    White space may come before XML's `<` (NULs too, in UTF-16): a head of nothing else may
+    be XML yet."""
+    rest = head.lstrip(b" \t\r\n\0")
+    return not rest or rest.startswith(b"<") or bom(head) is not None
+
+
+def _check_unpacked(data: bytes, name: object, *, max_xml: int, max_total: int) -> None:
+    """Refuse a zip whose XML unpacks to more than `max_xml` bytes, or everything to more than
+    `max_total`, before python-docx inflates and parses it. The sizes are those its directory
+    declares; a lie cannot get past them, since zipfile never inflates an entry past its
+    declared size (what is cut off fails the CRC check; tests/test_sources.py checks it)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            entries = archive.infolist()
+            declared = sum(entry.file_size for entry in entries)
+            if declared > max_total:
+                raise _unpacks_over(name, "content", declared, max_total)
+            if declared > max_xml:
+                xml = sum(e.file_size for e in entries if _is_markup(_head(archive, e)))
+                if xml > max_xml:
+                    raise _unpacks_over(name, "XML", xml, max_xml)
+    except InvalidInput:
+        raise
+    except Exception as e:  # zipfile raises several kinds on damaged archives
+        raise refuse(name, f"unreadable DOCX ({type(e).__name__}: {e})") from None
+
+
+def _head(archive: zipfile.ZipFile, entry: zipfile.ZipInfo) -> bytes:
+    with archive.open(entry) as member:
+        return member.read(64)
+
+
+def _unpacks_over(name: object, what: str, size: int, limit: int) -> InvalidInput:
+    return refuse(
+        name,
+        f"the document's {what} unpacks to {size} bytes, over the limit of {limit} bytes "
+        "(a decompression bomb?)",
+    )
+
+
+def docx_to_markdown(data: bytes, name: object, *, limit: int, max_xml: int) -> str:
+    """A DOCX as Markdown: Title/Heading N → `#`×N, list paragraphs → `- ` items, tables →
+    Markdown table rows. Refused when its XML unpacks to more than `max_xml` bytes, the whole
+    to more than `UNPACK_RATIO` × `limit` (the size limit), or its text passes `limit`
+    characters, counted as it is extracted."""
+    import docx
+    from docx.table import Table
+
+    _check_unpacked(data, name, max_xml=max_xml, max_total=UNPACK_RATIO * limit)
+    budget = TextBudget(name, limit)
+    try:
+        document = docx.Document(io.BytesIO(data))
+        # A paragraph's style is found by a scan of every style when it has none of its own:
+        # looked up once per style, not once per paragraph.
+        styles: dict[str | None, str] = {}
+        blocks: list[tuple[str, str]] = []  # (kind, markdown)
+        for block in document.iter_inner_content():
+            if isinstance(block, Table):
+                table = _table_markdown(block, budget)
+                if table:
+                    blocks.append(("table", table))
+                continue
+            text = _paragraph_text(block._p).strip()
+            if not text:
+                continue
+            budget.take(len(text))
+            style_id = block._p.style
+            if style_id not in styles:
+                found = block.style
+                styles[style_id] = (found.name if found is not None else "") or ""
+            style = styles[style_id]
+            heading = re.fullmatch(r"heading\s*(\d)", style.strip(), re.I)
+            ppr = block._p.pPr
+            numbered = ppr is not None and ppr.numPr is not None
+            if style == "Title" or heading:
+                level = min(int(heading.group(1)), 6) if heading else 1
+                blocks.append(("heading", "#" * max(level, 1) + " " + " ".join(text.split())))
+            elif style.startswith("List") or numbered:
+                depth = re.search(r"(\d)$", style)
+                indent = "  " * (int(depth.group(1)) - 1 if depth else 0)
+                blocks.append(("item", indent + "- " + escape_markdown_lookalikes(text)))
+            else:
+                blocks.append(("para", escape_markdown_lookalikes(text)))
+    except InvalidInput:
+        raise
+    except Exception as e:  # python-docx, zipfile and lxml all raise on damaged files
+        raise refuse(name, f"unreadable DOCX ({type(e).__name__}: {e})") from None
+    parts: list[str] = []
+    for i, (kind, md) in enumerate(blocks):
+        if i:
+            parts.append("\n" if kind == "item" and blocks[i - 1][0] == "item" else "\n\n")
+        parts.append(md)
+    out = "".join(parts)
+    if not out.strip():
+        raise refuse(name, "the document has no text")
+    return check_text_size(out, name, limit)
