@@ -446,6 +446,25 @@ END;
     )
 )
 
+# `INSERT OR REPLACE` of a memory by a host deletes the old row without its delete triggers
+# (migrations 7 and 9; as for items, migration 12), so the new text kept the old text's vector
+# for good and was never embedded. An inserted memory's id now has nothing of an earlier
+# memory's: its vector and its refusal go (the vec row becomes an orphan the reconcile sweep
+# deletes), and `embed_memories` embeds the new text. kidx's own inserts have nothing to remove.
+MIGRATIONS.append(
+    (
+        13,
+        """
+CREATE TRIGGER IF NOT EXISTS memories_inserted
+AFTER INSERT ON memories
+BEGIN
+    DELETE FROM memory_embeddings WHERE memory_id = new.id;
+    DELETE FROM memory_refusals WHERE memory_id = new.id;
+END;
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
