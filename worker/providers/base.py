@@ -61,6 +61,11 @@ class EmbeddingModel(ABC):
             raise BadAnswer(
                 f"{self.model_id}: vectors of unequal length or not numbers ({e})", per_input=True
             ) from None
+        except OverflowError:  # a JSON integer written out in 400 digits: no float holds it
+            raise BadAnswer(
+                f"{self.model_id}: the answer contains a number too large for a float",
+                per_input=True,
+            ) from None
         if vectors.ndim != 2 or vectors.shape[0] != len(texts):
             got = vectors.shape[0] if vectors.ndim >= 1 else 0
             raise BadAnswer(

@@ -211,13 +211,16 @@ def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float
     try:
         wait = float(value)
     except ValueError:
+        # A date a server made up (the year 99999999999999999999, a zone of +99999) is no
+        # usable wait: OverflowError, like ValueError, means "back off as usual".
         try:
             when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
+            if when.tzinfo is None:  # the asctime form carries no zone; HTTP dates are GMT
+                when = when.replace(tzinfo=datetime.UTC)
+            at = when.timestamp()
+        except (TypeError, ValueError, IndexError, OverflowError):
             return None
-        if when.tzinfo is None:  # the asctime form carries no zone; HTTP dates are GMT
-            when = when.replace(tzinfo=datetime.UTC)
-        return max(0.0, when.timestamp() - (time.time() if now is None else now))
+        return max(0.0, at - (time.time() if now is None else now))
     return max(0.0, wait) if math.isfinite(wait) else None
 
 
