@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import re
 import threading
 import time
@@ -323,14 +324,30 @@ def check_workers(settings: Settings, timeout: float) -> str:
 def check_beat(settings: Settings, timeout: float) -> str:
     client = _redis(settings, timeout)
     try:
-        value = client.get(HEARTBEAT_KEY)
+        kind, value = (
+            client.pipeline().type(HEARTBEAT_KEY).get(HEARTBEAT_KEY).execute(raise_on_error=False)
+        )
     finally:
         client.close()
     start = "start beat (celery -A worker.app beat)"
-    if value is None:
+    if kind == b"none":
         raise Fail(f"no beat heartbeat in Redis ({HEARTBEAT_KEY})", start)
-    at, _, identity = value.decode(errors="replace").partition(" ")
-    age = time.time() - float(at)
+    age = math.nan  # beat writes its time in seconds, then its host:pid
+    if kind == b"string":
+        at, _, identity = value.decode(errors="replace").partition(" ")
+        with contextlib.suppress(ValueError):
+            age = time.time() - float(at)
+    if not math.isfinite(age):  # a host's list, hash or text at beat's key
+        shown = repr(value[:40]) if kind == b"string" else f"a {kind.decode(errors='replace')}"
+        raise Fail(
+            f"{HEARTBEAT_KEY} holds {shown}, not beat's heartbeat: another program writes it",
+            "find what writes it; a running beat writes the key over at its next tick",
+        )
+    if age < -LEASE_TTL:
+        raise Fail(
+            f"the beat heartbeat in {HEARTBEAT_KEY} is {-age:.3g} s in the future ({identity})",
+            "this host's clock and beat's differ, or another program writes the key",
+        )
     if age > LEASE_TTL:
         raise Fail(
             f"the last beat heartbeat is {age:.0f} s old ({identity})",
