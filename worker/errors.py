@@ -115,3 +115,33 @@ class IndexAborted(KidxError):
 
 class Cancelled(Exception):
     """The run was cancelled (revoked); it rolled back and is not a failure."""
+
+
+# Python's own errors, which code raises on input it cannot handle (a parser, a model, a bug an
+# input triggers). Not MemoryError: a process out of memory should fail the run, not go on.
+INPUT_ERRORS: tuple[type[Exception], ...] = (
+    ValueError,  # UnicodeError, json's JSONDecodeError
+    TypeError,
+    LookupError,  # KeyError, IndexError
+    ArithmeticError,
+    AttributeError,
+    AssertionError,
+    RuntimeError,  # RecursionError; torch's own failures
+    OSError,
+    EOFError,
+)
+
+
+def input_failure(error: BaseException, *packages: str) -> bool:
+    """Whether `error` is a failure of the code that ran on some input: kidx's (KidxError),
+    Python's (INPUT_ERRORS, or any class `builtins` defines: a Rust extension raises a bare
+    Exception), or one a library of `packages` defines (top-level names: "pypdf").
+
+    Anything else is an interruption raised wherever the code happened to be, above all
+    Celery's soft time limit (billiard's SoftTimeLimitExceeded, an Exception subclass its
+    signal handler raises): an `except Exception` that turns failures into a fallback or a
+    refusal must re-raise it, or the run goes on towards the hard kill. The engine cannot name
+    it (it imports no Celery), hence the list of what may be caught rather than of what not."""
+    if isinstance(error, (KidxError, *INPUT_ERRORS)):
+        return True
+    return type(error).__module__.partition(".")[0] in {"builtins", *packages}

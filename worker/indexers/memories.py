@@ -22,6 +22,10 @@ from worker.store.text import NotText, shown, strict
 from worker.store.vec import VEC, mirror_ready, sound, vec_replace
 
 MAX_MEMORY = 2000  # characters: longer texts are notes, which are chunked
+# A stored memory longer than this in bytes is over MAX_MEMORY characters whatever its text (UTF-8
+# takes at most 4 bytes a character): refused unread, so that a host's 15 MB row costs no
+# memory (read whole, the local tokenizer took it to 2.6 GB).
+_MAX_BYTES = 4 * MAX_MEMORY
 
 log = get_logger("kidx.memories")
 
@@ -109,11 +113,31 @@ def add_memory(db: Database, text: str, embedder: EmbeddingModel) -> int:
             f"a memory is a short text (at most {MAX_MEMORY} characters, this one has "
             f"{len(text)}); add it as a note instead"
         )
+    if why := over_model(text, embedder):
+        raise InvalidInput(f"a memory is embedded whole: this one {why}")
     vector = embedder.embed_checked([text])[0]  # the memory's embedder input is its text
     with db.atomic():
         memory_id = int(db.scalar("INSERT INTO memories(content) VALUES (?) RETURNING id", (text,)))
         _write_vector(db, memory_id, text, vector, embedder.model_id)
     return memory_id
+
+
+def over_model(text: str, embedder: EmbeddingModel) -> str | None:
+    """Why `embedder` would not embed `text` whole, or None. A model that cuts its input (the
+    local one reads 256 tokens, some 1,100 characters) gives two memories that differ in
+    their tail the same vector: such a memory is refused, not embedded in part. Only a model
+    that says what it reads (`max_tokens`, `count_tokens`: the local provider) is asked;
+    the APIs' limits (8k tokens) are far above a memory's."""
+    count, limit = getattr(embedder, "count_tokens", None), getattr(embedder, "max_tokens", None)
+    if count is None or limit is None:
+        return None
+    tokens, most = count(text), limit()
+    if tokens <= most:
+        return None
+    return (
+        f"has {tokens} tokens, more than the {most} that {embedder.model_id} reads of a text "
+        "(it would embed the start only): shorten it, or add it as a note (notes are chunked)"
+    )
 
 
 def _write_vector(db: Database, memory_id: int, text: str, vector: Any, model: str) -> None:
@@ -138,11 +162,17 @@ REFUSAL_TTL_S = 86_400
 
 # Memories with no vector of this model and dimension: written by a host with plain SQL, changed
 # since (a trigger drops the vector of a changed text), or embedded by a model used before;
-# but not those refused lately as they are now (`memory_refusals`, migration 9).
+# but not those refused lately as they are now (`memory_refusals`, migration 9). Empty means
+# whitespace only, measured in bytes: `length()` of a text stops at its first NUL, and a memory
+# that starts with one was never embedded, counted or recorded. The content of a row longer
+# than `_MAX_BYTES` is not read (NULL), only its size.
 _MISSING = (
-    "SELECT m.id, CAST(m.content AS BLOB) FROM memories m LEFT JOIN memory_embeddings e "
+    f"SELECT m.id, CASE WHEN length(CAST(m.content AS BLOB)) <= {_MAX_BYTES} "
+    "THEN CAST(m.content AS BLOB) END, length(CAST(m.content AS BLOB)) "
+    "FROM memories m LEFT JOIN memory_embeddings e "
     f"ON e.memory_id = m.id AND e.model = :model AND e.dimensions = :dims AND {sound('e')} "
-    "WHERE e.memory_id IS NULL AND length(trim(CAST(m.content AS TEXT))) > 0 "
+    "WHERE e.memory_id IS NULL "
+    "AND length(CAST(trim(CAST(m.content AS TEXT), ' ' || char(9, 10, 11, 12, 13)) AS BLOB)) > 0 "
     "AND NOT EXISTS (SELECT 1 FROM memory_refusals r WHERE r.memory_id = m.id "
     "AND r.model = :model AND r.content IS CAST(m.content AS BLOB) "
     f"AND (julianday('now') - julianday(r.refused_at)) * 86400 < {REFUSAL_TTL_S})"
@@ -163,9 +193,10 @@ SHOWN_IDS = 20  # the ids a report names of each kind of skipped memory; its cou
 class MemoryBackfill:
     """What `embed_memories` did: memories embedded; memories still to embed (`left`: those
     refused lately, as they are now, not counted); memories skipped because the
-    provider refused each alone (`refused`) or because their content is not UTF-8
-    (`unreadable`), with their first ids; and why the run stopped early (a provider error, or
-    three refusals in a row), if it did."""
+    provider refused each alone (`refused`), because their content is not UTF-8
+    (`unreadable`), or because it is too long to embed whole (`too_long`: over `MAX_MEMORY`
+    characters, or over what the model reads, `over_model`), with their first ids; and why
+    the run stopped early (a provider error, or three refusals in a row), if it did."""
 
     embedded: int = 0
     left: int = 0
@@ -174,6 +205,8 @@ class MemoryBackfill:
     refused_ids: list[int] = field(default_factory=list)
     unreadable: int = 0
     unreadable_ids: list[int] = field(default_factory=list)
+    too_long: int = 0
+    too_long_ids: list[int] = field(default_factory=list)
 
     def skip_refused(self, memory_id: int) -> None:
         self.refused += 1
@@ -185,11 +218,18 @@ class MemoryBackfill:
         if len(self.unreadable_ids) < SHOWN_IDS:
             self.unreadable_ids.append(memory_id)
 
+    def skip_too_long(self, memory_id: int) -> None:
+        self.too_long += 1
+        if len(self.too_long_ids) < SHOWN_IDS:
+            self.too_long_ids.append(memory_id)
+
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
 Memory = tuple[int, bytes, str]  # id, the stored bytes (to see a change), the text embedded
+# id, the stored bytes (or, for a text too long to read, its size in bytes), why it was refused
+Refusal = tuple[int, bytes | int, str]
 
 
 def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) -> MemoryBackfill:
@@ -200,7 +240,8 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
 
     One memory must not hold back the others (every run starts again at the lowest ids):
     * content that is not UTF-8 is skipped unread (`store.text`: U+FFFD would change what the
-      host wrote), with no request, and does not count towards `limit`;
+      host wrote), with no request, and does not count towards `limit`; so is content too
+      long to embed whole (`add_memory` refuses it; a host's row has no limit);
     * a batch refused in a way that may be one input's fault (`per_input`) is sent again text
       by text, as the pipeline does: the good memories get their vectors, a refused one is
       skipped.
@@ -213,8 +254,8 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
     what was written kept: the error is returned, not raised, for a sweep to report and try
     again later."""
     report = MemoryBackfill()
-    refusals: list[tuple[int, bytes, str]] = []  # (id, the stored bytes, why)
-    todo = _readable(db, embedder.model_id, limit, report, refusals)
+    refusals: list[Refusal] = []
+    todo = _readable(db, embedder, limit, report, refusals)
     counter = FailureCounter(MAX_CONSECUTIVE_FAILURES, log)
     for start in range(0, len(todo), embedder.batch_size):
         batch = todo[start : start + embedder.batch_size]
@@ -233,35 +274,57 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
             break
     _record_refusals(db, refusals, embedder.model_id)
     report.left = memories_missing(db, embedder.model_id)
-    if report.embedded or report.error or report.refused or report.unreadable:
+    if report.embedded or report.error or report.refused or report.unreadable or report.too_long:
         log.info("memories embedded", **report.as_dict())
     return report
 
 
 def _readable(
     db: Database,
-    model: str,
+    embedder: EmbeddingModel,
     limit: int,
     report: MemoryBackfill,
-    refusals: list[tuple[int, bytes, str]],
+    refusals: list[Refusal],
 ) -> list[Memory]:
-    """Up to `limit` memories without a vector whose content is UTF-8, in id order; the others
-    met on the way are counted in `report`, not returned, and read past: they cost no
-    request, so that any number of them never hides the memories after them."""
+    """Up to `limit` memories without a vector whose content is UTF-8 and short enough to
+    embed whole, in id order; the others met on the way are counted in `report`, not
+    returned, and read past: they cost no request, so that any number of them never hides
+    the memories after them."""
     todo: list[Memory] = []
     first = -(2**63)  # the lowest rowid: a host may write any id
-    params = {"model": model, "dims": db.dimensions}
+    params = {"model": embedder.model_id, "dims": db.dimensions}
     while len(todo) < limit:
         rows = db.all(
             f"{_MISSING} AND m.id >= :first ORDER BY m.id LIMIT :page",
             params | {"first": first, "page": limit - len(todo)},
         )
-        for memory_id, raw in rows:
+        for memory_id, raw, size in rows:
+            if raw is None:  # not read: over MAX_MEMORY characters whatever it says
+                report.skip_too_long(memory_id)
+                why = (
+                    f"memory {memory_id} has {size} bytes, more than a memory of at most "
+                    f"{MAX_MEMORY} characters takes: shorten it, or add it as a note"
+                )
+                refusals.append((memory_id, size, why))
+                continue
             try:
-                todo.append((memory_id, raw, strict(raw, f"memory {memory_id}")))
+                text = strict(raw, f"memory {memory_id}")
             except NotText as e:
                 report.skip_unreadable(memory_id)
                 refusals.append((memory_id, raw, str(e)))
+                continue
+            if len(text) > MAX_MEMORY:
+                why = (
+                    f"memory {memory_id} has {len(text)} characters, more than a memory's "
+                    f"{MAX_MEMORY}: shorten it, or add it as a note"
+                )
+            elif over := over_model(text, embedder):
+                why = f"memory {memory_id} {over}"
+            else:
+                todo.append((memory_id, raw, text))
+                continue
+            report.skip_too_long(memory_id)
+            refusals.append((memory_id, raw, why))
         if not rows or rows[-1][0] >= 2**63 - 1:
             break
         first = rows[-1][0] + 1
@@ -274,7 +337,7 @@ def _one_by_one(
     counter: FailureCounter,
     report: MemoryBackfill,
     error: KidxError,
-    refusals: list[tuple[int, bytes, str]],
+    refusals: list[Refusal],
 ) -> list[tuple[Memory, Any]]:
     """A batch refused for what may be one input's fault, text by text (a batch of one is not
     asked again: its refusal was its own): the memories embedded. A refused one is skipped;
@@ -320,18 +383,31 @@ def _write(
             report.embedded += 1
 
 
-def _record_refusals(db: Database, refusals: list[tuple[int, bytes, str]], model: str) -> None:
-    """What could not be embedded, with the text it was (a text changed since is not)."""
+_UPSERT_REFUSAL = (
+    "ON CONFLICT(memory_id) DO UPDATE SET model = excluded.model, content = excluded.content, "
+    "reason = excluded.reason, refused_at = excluded.refused_at"
+)
+
+
+def _record_refusals(db: Database, refusals: list[Refusal], model: str) -> None:
+    """What could not be embedded, with the text it was (a text changed since is not). A
+    text too long to read is copied by SQLite, as long as its size is the one measured."""
     if not refusals:
         return
+    read = [(model, r, why[:500], i, r) for i, r, why in refusals if isinstance(r, bytes)]
+    unread = [(model, why[:500], i, r) for i, r, why in refusals if isinstance(r, int)]
     with db.atomic():
         db.executemany(
             "INSERT INTO memory_refusals(memory_id, model, content, reason) "
             "SELECT id, ?, ?, ? FROM memories WHERE id = ? AND CAST(content AS BLOB) IS ? "
-            "ON CONFLICT(memory_id) DO UPDATE SET model = excluded.model, "
-            "content = excluded.content, reason = excluded.reason, "
-            "refused_at = excluded.refused_at",
-            [(model, raw, why[:500], memory_id, raw) for memory_id, raw, why in refusals],
+            + _UPSERT_REFUSAL,
+            read,
+        )
+        db.executemany(
+            "INSERT INTO memory_refusals(memory_id, model, content, reason) "
+            "SELECT id, ?, CAST(content AS BLOB), ? FROM memories "
+            "WHERE id = ? AND length(CAST(content AS BLOB)) = ? " + _UPSERT_REFUSAL,
+            unread,
         )
 
 

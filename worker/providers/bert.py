@@ -109,13 +109,17 @@ class BertEncoder:
         return x
 
 
-def load_tokenizer(path: Path, max_length: int) -> Any:
+def load_tokenizer(path: Path, max_length: int | None) -> Any:
     """The model's fast tokenizer (tokenizer.json), truncating at `max_length` tokens with its
-    special tokens, padding a batch to its longest text."""
+    special tokens (None: not at all, to count a text's tokens), padding a batch to its
+    longest text."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tokenizer.enable_truncation(max_length=max_length)
+    if max_length is None:
+        tokenizer.no_truncation()
+    else:
+        tokenizer.enable_truncation(max_length=max_length)
     pad = tokenizer.padding or {}
     tokenizer.enable_padding(pad_id=pad.get("pad_id", 0), pad_token=pad.get("pad_token", "[PAD]"))
     return tokenizer

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.errors import ConfigError, PermanentProviderError
+from worker.errors import ConfigError, PermanentProviderError, input_failure
 from worker.providers.base import EmbeddingModel, Hooks
 from worker.settings import LOCAL_DEFAULT_MODEL, EmbeddingSettings
 
@@ -38,6 +38,8 @@ _POOLING = {
     "pooling_mode_max_tokens": "max",
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
 }
+# Whose exceptions a model's failure may be (`worker.errors.input_failure`).
+_MODEL_PACKAGES = ("torch", "tokenizers", "safetensors", "transformers", "numpy", "json")
 _models: dict[str, _Model] = {}
 _lock = threading.Lock()
 
@@ -48,6 +50,8 @@ class _Model:
     hidden_size: int
     pooling: str
     normalize: bool
+    count: Callable[[str], int]  # a text's tokens, special ones included, untruncated
+    max_tokens: int  # what the model reads of a text: the rest is cut off
 
 
 def model_path(name: str) -> Path:
@@ -119,16 +123,19 @@ def load_model(name: str) -> _Model:
                 f"the local provider needs torch: pip install torch==2.13.0 ({e})"
             ) from None
         try:
-            forward, hidden = _load_bert(path, max_length) or _load_auto(path, max_length)
+            loaded = _load_bert(path, max_length) or _load_auto(path, max_length)
         except ConfigError:
             raise
         except Exception as e:
+            if not input_failure(e, *_MODEL_PACKAGES):
+                raise  # an interruption (the soft time limit), not a model that cannot load
             raise ConfigError(f"cannot load the local model {name!r}: {e}") from None
-        _models[name] = _Model(forward, hidden, pooling, normalize)
+        forward, hidden, count, max_tokens = loaded
+        _models[name] = _Model(forward, hidden, pooling, normalize, count, max_tokens)
         return _models[name]
 
 
-def _load_bert(path: Path, max_length: int | None) -> tuple[Callable, int] | None:
+def _load_bert(path: Path, max_length: int | None) -> tuple[Callable, int, Callable, int] | None:
     from worker.providers.bert import BertEncoder, load_tokenizer
 
     if not BertEncoder.supports(path) or not (path / "tokenizer.json").is_file():
@@ -136,7 +143,9 @@ def _load_bert(path: Path, max_length: int | None) -> tuple[Callable, int] | Non
     import torch
 
     encoder = BertEncoder(path)
-    tokenizer = load_tokenizer(path, min(max_length or 512, encoder.max_positions))
+    limit = min(max_length or 512, encoder.max_positions)
+    tokenizer = load_tokenizer(path, limit)
+    counter = load_tokenizer(path, None)
 
     def forward(texts: list[str]) -> tuple[Any, Any]:
         batch = tokenizer.encode_batch(texts)
@@ -145,10 +154,10 @@ def _load_bert(path: Path, max_length: int | None) -> tuple[Callable, int] | Non
         types = torch.tensor([e.type_ids for e in batch])
         return encoder(ids, mask, types), mask
 
-    return forward, encoder.hidden_size
+    return forward, encoder.hidden_size, lambda text: len(counter.encode(text).ids), limit
 
 
-def _load_auto(path: Path, max_length: int | None) -> tuple[Callable, int]:
+def _load_auto(path: Path, max_length: int | None) -> tuple[Callable, int, Callable, int]:
     try:
         from transformers import AutoModel, AutoTokenizer
     except ImportError as e:
@@ -164,7 +173,10 @@ def _load_auto(path: Path, max_length: int | None) -> tuple[Callable, int]:
         enc = tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt")
         return model(**enc).last_hidden_state, enc["attention_mask"]
 
-    return forward, int(model.config.hidden_size)
+    def count(text: str) -> int:
+        return len(tokenizer(text, truncation=False, verbose=False)["input_ids"])
+
+    return forward, int(model.config.hidden_size), count, int(limit)
 
 
 def encode(m: _Model, texts: list[str], batch: int = _ENCODE_BATCH) -> np.ndarray:
@@ -203,11 +215,22 @@ class LocalEmbeddings(EmbeddingModel):
         self.batch_size = settings.batch_size
         self.dimensions = dimensions
 
+    def max_tokens(self) -> int:
+        """What the model reads of a text, in tokens: the rest is cut off."""
+        return load_model(self.model_id).max_tokens
+
+    def count_tokens(self, text: str) -> int:
+        """`text`'s tokens as the model counts them (special ones included), uncut: a caller
+        that must embed a text whole (a memory) checks it against `max_tokens`."""
+        return load_model(self.model_id).count(text)
+
     def embed_batch(self, texts: list[str]) -> np.ndarray:
         model = load_model(self.model_id)
         try:
             return encode(model, texts)
         except Exception as e:
+            if not input_failure(e, *_MODEL_PACKAGES) and not isinstance(e, MemoryError):
+                raise  # an interruption (Celery's soft time limit): the caller's to handle
             raise PermanentProviderError(
                 f"{self.model_id} (local): {type(e).__name__}: {e}"
             ) from None
