@@ -16,7 +16,7 @@ from worker.chunking.base import (
 )
 from worker.chunking.llm import ChunkingFailed, LLMChunker, chunk_llm
 from worker.chunking.structure import chunk_structure
-from worker.errors import Cancelled
+from worker.errors import Cancelled, input_failure
 
 __all__ = [
     "MAX_CHUNK_SIZE",
@@ -59,7 +59,10 @@ def chunk(
             raise
         except Exception as e:
             # A bug or an answer not foreseen: the seed says an unusable answer falls back to
-            # structure; it must not fail the item, every run, told as a bug.
+            # structure; it must not fail the item, every run, told as a bug. But an
+            # interruption (Celery's soft time limit) stops the run (`input_failure`).
+            if not input_failure(e):
+                raise
             fallback = f"the LLM chunker failed unexpectedly: {type(e).__name__}: {str(e)[:200]}"
         return Chunking(chunk_structure(text, previous=previous), ChunkMethod.STRUCTURE, fallback)
     return Chunking(chunk_structure(text, previous=previous), ChunkMethod.STRUCTURE)

@@ -1,0 +1,54 @@
+"""Celery's soft time limit reaches the task through the engine: billiard raises
+SoftTimeLimitExceeded (an Exception subclass) from a signal handler in the pool process, in
+whatever code runs then. The engine's `except Exception` fallbacks swallowed it: the run went
+on towards the hard kill and ended `indexed`. A real prefork worker with a short soft limit, the
+stand-in's chat model answering too late."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from stack import Stack, running_stack, wait_for
+from tasks.producer import enqueue_note
+
+pytestmark = [pytest.mark.stack]
+
+SOFT_LIMIT = 2
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    def make(tmp, standin) -> Stack:
+        env = {
+            "KIDX_TASKS__SOFT_TIME_LIMIT": str(SOFT_LIMIT),
+            "KIDX_TASKS__TIME_LIMIT": "60",
+            "KIDX_CHUNK__MODEL": "standin-chat",
+            "KIDX_CHUNK__BASE_URL": standin.base_url,
+            "KIDX_CHUNK__TIMEOUT": "120",
+            "KIDX_CHUNK__MAX_RETRIES": "0",
+        }
+        return Stack(tmp, standin, env=env)
+
+    with running_stack(tmp_path_factory.mktemp("soft"), make) as s:
+        yield s
+
+
+def test_the_soft_time_limit_during_llm_chunking_fails_the_run_not_falls_back(stack):
+    """The limit passes while the chunk model thinks: the task fails with the limit as its
+    reason; it does not fall back to structural chunks and end `indexed`."""
+    stack.standin.chat.delay = 600  # far past the limit (a stop of the stand-in wakes it)
+    item = stack.note("Slow chunking", "A note to chunk with the model. " * 30)
+    result = stack.app.AsyncResult(enqueue_note(stack.db, item, app=stack.app))
+    with pytest.raises(Exception, match="soft time limit") as failure:
+        result.get(timeout=60)
+    assert type(failure.value).__name__ == "IndexFailed"
+    assert stack.standin.chat.requests == 1  # the limit came during the chat call
+    state = wait_for(
+        lambda: (s := stack.state(item))["status"] == "failed" and s, 30, "the item failed"
+    )
+    assert "SoftTimeLimitExceeded" in state["last_error"], state  # the engine's record
+    job = stack.db.scalar("SELECT error FROM index_jobs WHERE task_id = ?", (result.id,))
+    assert f"ran over the soft time limit of {SOFT_LIMIT} s" in job  # the task's
+    assert stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
