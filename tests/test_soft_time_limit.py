@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from stack import Stack, running_stack, wait_for
+from stack import Stack, broker_url, flush, queue_env, running_stack, start_worker, wait_for
 from tasks.producer import enqueue_note
 
 pytestmark = [pytest.mark.stack]
@@ -52,3 +52,42 @@ def test_the_soft_time_limit_during_llm_chunking_fails_the_run_not_falls_back(st
     job = stack.db.scalar("SELECT error FROM index_jobs WHERE task_id = ?", (result.id,))
     assert f"ran over the soft time limit of {SOFT_LIMIT} s" in job  # the task's
     assert stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
+
+
+@pytest.mark.model
+def test_the_soft_time_limit_while_the_local_model_embeds_memories_fails_the_task(tmp_path):
+    """The local model ran `kidx.embed_memories` on the task's own thread and turned the
+    limit into a PermanentProviderError: the task returned as if the provider had refused.
+    The limit now ends the task failed with it, and nothing half-written stays."""
+    from worker.app import EMBED_MEMORIES, create_app
+    from worker.settings import load_settings
+    from worker.store import connect
+
+    local = {"provider": "local", "model": "all-MiniLM-L6-v2", "dimensions": 384}
+    settings = load_settings(db=tmp_path / "kidx.db", broker_url=broker_url(), embedding=local)
+    db = connect(settings.db, embedding=settings.embedding)
+    memories = [(f"memory number {i}: " + "some words about it " * 12,) for i in range(512)]
+    db.executemany("INSERT INTO memories(content) VALUES (?)", memories)  # as a host does
+    env = queue_env(
+        tmp_path,
+        "http://127.0.0.1:9/v1",  # not used: the model is local
+        KIDX_EMBEDDING__PROVIDER="local",
+        KIDX_EMBEDDING__MODEL="all-MiniLM-L6-v2",
+        KIDX_EMBEDDING__DIMENSIONS="384",
+        KIDX_EMBEDDING__BATCH_SIZE="512",
+        KIDX_TASKS__SOFT_TIME_LIMIT=str(SOFT_LIMIT),
+        KIDX_TASKS__TIME_LIMIT="60",
+    )
+    app = create_app(settings)
+    flush()
+    worker = start_worker(env, tmp_path, app, name="softlocal", concurrency=1)
+    try:
+        result = app.send_task(EMBED_MEMORIES)
+        with pytest.raises(Exception) as failure:
+            result.get(timeout=120)
+        assert type(failure.value).__name__ == "SoftTimeLimitExceeded", failure.value
+        assert db.scalar("SELECT count(*) FROM memory_embeddings") == 0  # one batch: none
+    finally:
+        worker.stop()
+        db.close()
+        flush()
