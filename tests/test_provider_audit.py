@@ -3,18 +3,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
+import threading
+import tracemalloc
+from pathlib import Path
+
 import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from testkit.standin import StandIn
+from tests.conftest import DIMS, standin_settings
 from worker.bulk import index_item
-from worker.errors import BadAnswer, IndexAborted
-from worker.indexers.memories import add_memory
+from worker.errors import BadAnswer, IndexAborted, InvalidInput, KidxError
+from worker.indexers.memories import add_memory, search_memories
+from worker.providers import build_embedder
 from worker.providers.base import EmbeddingModel
 from worker.providers.http import parse_retry_after
-from worker.store import Database
+from worker.retrieval import search_chunks
+from worker.store import Database, connect
 from worker.store.items import add_item, get_state
 
 ABSURD_DATE = "Mon, 01 Jan 99999999999999999999 00:00:00 GMT"
@@ -84,3 +94,148 @@ def test_parse_retry_after_never_raises(name: str, value: str | bytes) -> None:
     """Whatever a server writes there, the answer is a wait or no wait, never an exception."""
     wait = parse_retry_after(httpx.Headers({name: value}), now=0.0)
     assert wait is None or (wait >= 0.0 and wait != float("inf"))
+
+
+# -- 3. NO_PROXY alone kept the per-read timeouts --------------------------------------------
+
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+
+
+class Trickle:
+    """A raw HTTP server on 127.0.0.1 that answers 200 and then one byte every 0.1 s until
+    stopped: each read gets bytes in time, only a deadline on the whole call ends it."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = self.sock.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                while not self.stop.wait(0.1):
+                    conn.sendall(b"1\r\n \r\n")
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def no_proxies(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    return monkeypatch
+
+
+def test_no_proxy_alone_keeps_the_deadline_on_the_whole_call(
+    tmp_path: Path, no_proxies: pytest.MonkeyPatch, standin: StandIn
+) -> None:
+    """`getproxies()` returns {'no': ...} for NO_PROXY alone, which is truthy: the client took
+    httpx's transport and its per-read timeouts, and a server trickling its answer held a call
+    as long as it liked (20 s with a 2 s timeout). A proxy that applies is still used."""
+    no_proxies.setenv("NO_PROXY", "localhost")
+    server = Trickle()
+    try:
+        settings = standin_settings(standin, base_url=server.base_url, timeout=0.5, max_retries=0)
+        db = connect(tmp_path / "kidx.db", embedding=settings)
+        embedder = build_embedder(settings, dimensions=db.dimensions)
+        item = add_item(db, kind="note", title="T", content="A short note about anything.")
+        outcome: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                index_item(db, item, embedder=embedder)
+            except BaseException as e:  # handed to the test
+                outcome.append(e)
+
+        runner = threading.Thread(target=run, daemon=True)
+        runner.start()
+        runner.join(30)  # an outer bound only: the call ends at its own deadline
+        assert not runner.is_alive(), "the call was still held by the trickling server"
+    finally:
+        server.close()
+    assert len(outcome) == 1 and isinstance(outcome[0], IndexAborted)
+    assert outcome[0].transient and "timed out after 0.5s" in str(outcome[0])
+    assert get_state(db, item)["status"] == "failed"
+    embedder.close()
+    db.close()
+
+    # a proxy from the environment that applies to the base URL is still used (the stand-in
+    # serves as one: it answers the absolute-form request line by its path)
+    no_proxies.setenv("HTTP_PROXY", f"http://127.0.0.1:{standin.port}")
+    proxied = build_embedder(
+        standin_settings(standin, base_url="http://embed.invalid/v1", max_retries=0),
+        dimensions=DIMS,
+    )
+    assert proxied is not None
+    assert proxied.embed(["x"]).shape == (1, DIMS)
+    assert standin.texts == ["x"]
+    proxied.close()
+
+
+# -- 4. the answer cap bounds what the request can need --------------------------------------
+
+
+def test_an_answer_bigger_than_its_request_can_need_is_refused_unparsed(
+    db: Database, embedder: EmbeddingModel, standin: StandIn
+) -> None:
+    """Any answer under 64 MB was parsed: 63 MB of "0.1," for one vector cost 760 MB. Now an
+    answer is bounded by what its batch of vectors can take, and refused past it unread."""
+    dims = embedder.dimensions or 0
+    standin.raw_answer = (200, {}, _answer_of(",".join(["0.1"] * (4 << 20))))  # 16 MB
+    item = add_item(db, kind="note", title="T", content="A short note about anything at all.")
+    tracemalloc.start()
+    try:
+        with pytest.raises(IndexAborted, match=r"over the size limit of \d+ bytes") as info:
+            index_item(db, item, embedder=embedder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert f"vector(s) of {dims} dimensions" in str(info.value)
+    assert peak < 12 << 20, f"{peak >> 20} MB to refuse a 16 MB answer for one vector"
+    assert get_state(db, item)["status"] == "failed"
+    assert db.scalar("SELECT count(*) FROM note_chunks") == 0
+
+    # a full batch of the longest floats, indented, as floats though base64 was asked: taken
+    longest = "-1.2345678901234567e-05"
+    vectors = [{"index": i, "embedding": [float(longest)] * dims} for i in range(8)]
+    body = json.dumps({"data": vectors}, indent=4).replace(repr(float(longest)), longest)
+    standin.raw_answer = (200, {}, body.encode())
+    assert embedder.embed([f"t{i}" for i in range(8)]).shape == (8, dims)
+
+
+# -- 5. a lone surrogate in a text -----------------------------------------------------------
+
+
+def test_a_lone_surrogate_in_a_query_or_memory_is_invalid_input(
+    db: Database, embedder: EmbeddingModel, standin: StandIn
+) -> None:
+    """httpx raised a bare UnicodeEncodeError for a str a Python host decoded with
+    surrogateescape; now it is InvalidInput saying where, nothing sent, nothing written."""
+    where = "lone surrogate U[+]DCE9 at character 3"
+    with pytest.raises(InvalidInput, match=where):
+        add_memory(db, "caf\udce9 au lait", embedder)
+    with pytest.raises(InvalidInput, match=where):
+        search_memories(db, "caf\udce9", embedder)
+    with pytest.raises(InvalidInput, match=where):
+        search_chunks(db, "caf\udce9", embedder)
+    assert standin.requests == 0
+    assert db.scalar("SELECT count(*) FROM memories") == 0
+
+    # a note cannot hold one (SQLite text is UTF-8): bytes that are not UTF-8, written by a
+    # host with plain SQL, fail that item alone, with the reason
+    db.execute(
+        "INSERT INTO knowledge_items(kind, title, content) VALUES ('note', 'T', ?)", (b"caf\xe9",)
+    )
+    item = int(db.scalar("SELECT max(id) FROM knowledge_items"))
+    with pytest.raises(KidxError):
+        index_item(db, item, embedder=embedder)
+    assert "not UTF-8" in get_state(db, item)["last_error"]

@@ -25,12 +25,17 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
-from urllib.request import getproxies
+from urllib.request import getproxies, proxy_bypass
 
 import httpx
 
 from worker import net
-from worker.errors import BadAnswer, PermanentProviderError, TransientProviderError
+from worker.errors import (
+    BadAnswer,
+    InvalidInput,
+    PermanentProviderError,
+    TransientProviderError,
+)
 from worker.log import get_logger
 from worker.providers.base import backoff_delay
 from worker.settings import HTTPProviderSettings
@@ -44,10 +49,23 @@ ACCEPT_ENCODING = "gzip, deflate"  # what `read_body` decodes (httpx would also 
 MAX_ANSWER_BYTES = 64 * 1024 * 1024  # a provider's answer, decompressed; over it: BadAnswer
 MAX_ERROR_BYTES = 1024 * 1024  # an error answer is read this far, for its message
 DETAIL_CHARS = 200  # what is shown of a server's own text
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class BodyRefused(ValueError):
     """A body not read: over the size limit, in a content coding not accepted, or broken."""
+
+
+class BodyTooLarge(BodyRefused):
+    """A body over the size limit."""
+
+
+class AnswerTooLarge(BadAnswer):
+    """A 200 answer refused unread past its size limit (`limit`, in bytes)."""
+
+    def __init__(self, message: str, *, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class _Inflater:
@@ -102,7 +120,7 @@ def read_body(response: httpx.Response, limit: int) -> bytes:
         pass
     else:
         if len(content) > limit:
-            raise BodyRefused(f"over the size limit of {limit} bytes")
+            raise BodyTooLarge(f"over the size limit of {limit} bytes")
         return content
     codings = [
         c.strip().lower()
@@ -127,13 +145,13 @@ def read_body(response: httpx.Response, limit: int) -> bytes:
         nonlocal size
         size += len(part)
         if size > limit:
-            raise BodyRefused(f"over the size limit of {limit} bytes")
+            raise BodyTooLarge(f"over the size limit of {limit} bytes")
         parts.append(part)
 
     for raw in response.iter_raw():
         raw_size += len(raw)
         if raw_size > limit:
-            raise BodyRefused(f"over the size limit of {limit} bytes")
+            raise BodyTooLarge(f"over the size limit of {limit} bytes")
         take(inflater.decode(raw, limit - size + 1) if inflater else raw)
     if inflater is not None:
         take(inflater.flush(limit - size + 1))
@@ -177,6 +195,53 @@ def _credentials(settings: HTTPProviderSettings) -> list[str]:
         pair = f"{unquote(user)}:{unquote(password)}".encode()
         found += [password, unquote(password), base64.b64encode(pair).decode("ascii")]
     return [s for s in found if s]
+
+
+def proxied(url: str) -> bool:
+    """Whether httpx, trusting the environment, sends requests for `url` through a proxy: one
+    is set for its scheme (HTTP(S)_PROXY, ALL_PROXY) and NO_PROXY does not exempt its host.
+    NO_PROXY alone names no proxy (`getproxies()` lists it, under "no")."""
+    parts = urlsplit(url)
+    proxies = getproxies()
+    if not (proxies.get(parts.scheme) or proxies.get("all")):
+        return False
+    host = parts.hostname or ""
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return not (proxy_bypass(host) or (port is not None and proxy_bypass(f"{host}:{port}")))
+
+
+def _lone_surrogate(value: Any) -> tuple[str, int] | None:
+    """The first text in a request body that is not UTF-8 (a lone surrogate), and where."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return value, e.start
+    elif isinstance(value, dict | list):
+        for part in value.values() if isinstance(value, dict) else value:
+            if (found := _lone_surrogate(part)) is not None:
+                return found
+    return None
+
+
+def encode_body(body: Any) -> bytes:
+    """The JSON a request sends, as httpx would write it, but refused with `InvalidInput` when
+    a text holds a lone surrogate (a host's str decoded with "surrogateescape", JSON's
+    "\\udce9"), which UTF-8 cannot carry: httpx raised a bare UnicodeEncodeError."""
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        found = _lone_surrogate(body)
+        where = f" at character {found[1]}" if found else ""
+        code = f" U+{ord(found[0][found[1]]):04X}" if found else ""
+        raise InvalidInput(
+            f"the text is not UTF-8: it holds a lone surrogate{code}{where} (text decoded "
+            "with errors='surrogateescape'?); nothing was sent"
+        ) from None
 
 
 class ProviderHTTPError(PermanentProviderError):
@@ -271,15 +336,21 @@ class JSONClient:
             headers=headers,
             timeout=httpx.Timeout(settings.timeout, connect=settings.connect_timeout),
             # Through a proxy from the environment (httpx's own transport, per-read
-            # timeouts), else with the deadline in all.
-            transport=None if getproxies() else net.DeadlineTransport(trust_env=True),
+            # timeouts), else with the deadline in all: NO_PROXY alone keeps the deadline.
+            transport=None if proxied(settings.base_url) else net.DeadlineTransport(trust_env=True),
         )
         # shown in errors (stored, shown by Flower) and logs: never the URL's user:password@
         self.where = f"{model} at {safe_url(settings.base_url)}"
         self._secrets = _credentials(settings)
 
-    def post(self, path: str, body: dict[str, Any]) -> Any:
+    def post(self, path: str, body: dict[str, Any], *, max_answer_bytes: int | None = None) -> Any:
+        """The JSON answer to `body`; `max_answer_bytes`: a tighter bound on the answer than
+        the client's (what this request can need), never a looser one."""
         s = self.settings
+        limit = self.max_answer_bytes
+        if max_answer_bytes is not None:
+            limit = min(limit, max_answer_bytes)
+        content = encode_body(body)  # once, not at every attempt
         attempts = s.max_retries + 1
         cause = ""
         wait: float | None = None
@@ -288,14 +359,22 @@ class JSONClient:
             try:
                 with (
                     net.deadline(s.timeout),  # in all: a server trickling bytes included
-                    self.client.stream("POST", path, json=body) as response,
+                    self.client.stream(
+                        "POST", path, content=content, headers=JSON_HEADERS
+                    ) as response,
                 ):
                     ok = response.status_code == 200
                     try:
-                        data = read_body(response, self.max_answer_bytes if ok else MAX_ERROR_BYTES)
+                        data = read_body(response, limit if ok else MAX_ERROR_BYTES)
                     except BodyRefused as e:
                         if ok:
-                            raise BadAnswer(f"{self.where}: the answer was refused: {e}") from None
+                            raise (
+                                AnswerTooLarge(
+                                    f"{self.where}: the answer was refused: {e}", limit=limit
+                                )
+                                if isinstance(e, BodyTooLarge)
+                                else BadAnswer(f"{self.where}: the answer was refused: {e}")
+                            ) from None
                         data = b""  # an error answer too big to show: its status says enough
             except httpx.ConnectTimeout:
                 cause = f"connect timed out after {s.connect_timeout:g}s"

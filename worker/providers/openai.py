@@ -20,12 +20,23 @@ from worker.providers.http import (  # noqa: F401 - re-exported for callers and 
     PER_INPUT,
     RETRYABLE,
     USER_AGENT,
+    AnswerTooLarge,
     JSONClient,
     ProviderHTTPError,
     RetryLater,
     parse_retry_after,
 )
 from worker.settings import EmbeddingSettings
+
+# What one vector can take as JSON, to bound an answer by what its request can need: a float
+# is at most ~25 bytes ("-1.2345678901234567e-05,"), 32 leaves room for an indented answer;
+# each item adds its envelope ({"object":"embedding","index":N,"embedding":[...]}), and the
+# answer its own ("model", "usage", whatever a server adds). Measured by the JSON form even
+# when base64 was asked for: some servers ignore `encoding_format` and send floats.
+FLOAT_JSON_BYTES = 32
+ITEM_JSON_BYTES = 512
+ENVELOPE_BYTES = 1 << 20
+MAX_DIMENSIONS = 16000  # KIDX_EMBEDDING__DIMENSIONS' own bound: for a model of unknown size
 
 
 class OpenAIEmbeddings(EmbeddingModel):
@@ -66,8 +77,16 @@ class OpenAIEmbeddings(EmbeddingModel):
             body["encoding_format"] = "base64"
         if self.settings.sends_dimensions():
             body["dimensions"] = self.settings.dimensions
+        cap = self.answer_cap(len(texts))
         try:
-            answer = self.http.post("/embeddings", body)
+            answer = self.http.post("/embeddings", body, max_answer_bytes=cap)
+        except AnswerTooLarge as e:
+            if e.limit != cap:  # the client's own bound, not this request's
+                raise
+            raise BadAnswer(
+                f"{e}, what {len(texts)} vector(s) of {self._dims()} dimensions can take "
+                "(is that the model's dimension? KIDX_EMBEDDING__DIMENSIONS)"
+            ) from None
         except ProviderHTTPError as e:
             # A server that knows only floats: ask again, and from then on, as floats.
             if "encoding_format" not in body or not _refuses_base64(str(e)):
@@ -79,6 +98,15 @@ class OpenAIEmbeddings(EmbeddingModel):
             )
             return self.embed_batch(texts)
         return self._parse(answer, len(texts))
+
+    def _dims(self) -> int:
+        return self.dimensions or self.settings.model_dimensions() or MAX_DIMENSIONS
+
+    def answer_cap(self, count: int) -> int:
+        """The most bytes an answer of `count` vectors can need: parsed, a JSON float costs
+        ~32 bytes of memory, so a cap of what was asked for, not the client's generic 64 MB,
+        bounds the memory of an answer (760 MB for a 63 MB answer of "0.1,0.1,...")."""
+        return ENVELOPE_BYTES + count * (ITEM_JSON_BYTES + self._dims() * FLOAT_JSON_BYTES)
 
     def _parse(self, answer: Any, count: int) -> list[list[float] | np.ndarray]:
         data = answer.get("data") if isinstance(answer, dict) else None
