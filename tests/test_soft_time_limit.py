@@ -10,7 +10,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from stack import Stack, broker_url, flush, queue_env, running_stack, start_worker, wait_for
+from stack import (
+    SPARE_DB,
+    Stack,
+    broker_url,
+    flush,
+    queue_env,
+    running_stack,
+    start_worker,
+    wait_for,
+)
 from tasks.producer import enqueue_note
 
 pytestmark = [pytest.mark.stack]
@@ -64,13 +73,15 @@ def test_the_soft_time_limit_while_the_local_model_embeds_memories_fails_the_tas
     from worker.store import connect
 
     local = {"provider": "local", "model": "all-MiniLM-L6-v2", "dimensions": 384}
-    settings = load_settings(db=tmp_path / "kidx.db", broker_url=broker_url(), embedding=local)
+    broker = broker_url(SPARE_DB)  # beside the module's stack, whose worker would take the task
+    settings = load_settings(db=tmp_path / "kidx.db", broker_url=broker, embedding=local)
     db = connect(settings.db, embedding=settings.embedding)
     memories = [(f"memory number {i}: " + "some words about it " * 12,) for i in range(512)]
     db.executemany("INSERT INTO memories(content) VALUES (?)", memories)  # as a host does
     env = queue_env(
         tmp_path,
         "http://127.0.0.1:9/v1",  # not used: the model is local
+        KIDX_BROKER_URL=broker,
         KIDX_EMBEDDING__PROVIDER="local",
         KIDX_EMBEDDING__MODEL="all-MiniLM-L6-v2",
         KIDX_EMBEDDING__DIMENSIONS="384",
@@ -79,7 +90,7 @@ def test_the_soft_time_limit_while_the_local_model_embeds_memories_fails_the_tas
         KIDX_TASKS__TIME_LIMIT="60",
     )
     app = create_app(settings)
-    flush()
+    flush(SPARE_DB)
     worker = start_worker(env, tmp_path, app, name="softlocal", concurrency=1)
     try:
         result = app.send_task(EMBED_MEMORIES)
@@ -90,4 +101,4 @@ def test_the_soft_time_limit_while_the_local_model_embeds_memories_fails_the_tas
     finally:
         worker.stop()
         db.close()
-        flush()
+        flush(SPARE_DB)
