@@ -6,6 +6,8 @@ stand-in's chat model answering too late."""
 
 from __future__ import annotations
 
+import io
+import zipfile
 from collections.abc import Iterator
 
 import pytest
@@ -102,3 +104,41 @@ def test_the_soft_time_limit_while_the_local_model_embeds_memories_fails_the_tas
         worker.stop()
         db.close()
         flush(SPARE_DB)
+
+
+@pytest.mark.parametrize("kind", ["pdf", "docx"])
+def test_the_soft_time_limit_inside_a_pdf_or_docx_parser_is_not_an_unreadable_file(
+    kind, monkeypatch
+):
+    """The converters refuse a damaged file whatever pypdf or python-docx raise; the limit
+    (raised by billiard's signal handler in whatever code runs, here the parser's) was
+    refused as an 'unreadable' file too. Only the parsers' own errors and Python's are
+    refusals now; the limit propagates, and a damaged file is still refused."""
+    import docx
+    import pypdf
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    from worker.errors import InvalidInput
+    from worker.sources.docx import docx_to_markdown
+    from worker.sources.pdf import pdf_text
+
+    def convert(data: bytes) -> str:
+        if kind == "pdf":
+            return pdf_text(data, "a.pdf", limit=10_000)
+        return docx_to_markdown(data, "a.docx", limit=10_000, max_xml=10_000_000)
+
+    with pytest.raises(InvalidInput, match=f"unreadable {kind.upper()}"):
+        convert(b"PK\x03\x04 damaged" if kind == "docx" else b"%PDF-1.4 damaged")
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise SoftTimeLimitExceeded()  # as the signal handler does where the parser is
+
+    if kind == "pdf":
+        monkeypatch.setattr(pypdf, "PdfReader", interrupted)
+    else:
+        monkeypatch.setattr(docx, "Document", interrupted)
+    archive = io.BytesIO()  # a sound zip, for the unpacked-size check before the parser
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("word/document.xml", "<w:document/>")
+    with pytest.raises(SoftTimeLimitExceeded):
+        convert(b"%PDF-1.4 damaged" if kind == "pdf" else archive.getvalue())

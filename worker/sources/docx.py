@@ -8,13 +8,16 @@ import re
 import zipfile
 from typing import Any
 
-from worker.errors import InvalidInput
+from worker.errors import InvalidInput, input_failure
 from worker.sources.decoding import bom, escape_markdown_lookalikes
 from worker.sources.limits import TextBudget, check_text_size, refuse
 
 # A zipped document (DOCX) may unpack to at most this many times the size limit in all (its
 # images and other blobs, held in memory); its XML has a limit of its own (`max_xml_bytes`).
 UNPACK_RATIO = 4
+# Whose exceptions a damaged DOCX raises (`worker.errors.input_failure`); any other is an
+# interruption (Celery's soft time limit), which must stop the run, not refuse the file.
+_DOCX_PACKAGES = ("docx", "zipfile", "zlib", "lxml", "xml")
 
 
 def _cell(text: str) -> str:
@@ -108,6 +111,8 @@ def _check_unpacked(data: bytes, name: object, *, max_xml: int, max_total: int) 
     except InvalidInput:
         raise
     except Exception as e:  # zipfile raises several kinds on damaged archives
+        if not input_failure(e, *_DOCX_PACKAGES):
+            raise  # an interruption (Celery's soft time limit), not a damaged file
         raise refuse(name, f"unreadable DOCX ({type(e).__name__}: {e})") from None
 
 
@@ -170,6 +175,8 @@ def docx_to_markdown(data: bytes, name: object, *, limit: int, max_xml: int) -> 
     except InvalidInput:
         raise
     except Exception as e:  # python-docx, zipfile and lxml all raise on damaged files
+        if not input_failure(e, *_DOCX_PACKAGES):
+            raise  # an interruption (Celery's soft time limit), not a damaged file
         raise refuse(name, f"unreadable DOCX ({type(e).__name__}: {e})") from None
     parts: list[str] = []
     for i, (kind, md) in enumerate(blocks):

@@ -3,14 +3,13 @@ takes (`PdfWork`: a few KB of PDF can ask pypdf for an hour)."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import math
 import re
 from collections import Counter
 from typing import Any
 
-from worker.errors import InvalidInput
+from worker.errors import InvalidInput, input_failure
 from worker.settings import PDF_CONTENT_BYTES
 from worker.sources.decoding import escape_markdown_lookalikes
 from worker.sources.limits import TextBudget, check_text_size, refuse
@@ -28,6 +27,15 @@ def _font_size(tm: Any, cm: Any, size: float) -> float:
 # time it reads the page or draws the form.
 READ_COST = 250
 FONT_COST = 50
+
+
+# Whose exceptions pypdf raises on a damaged file (`worker.errors.input_failure`); any other is
+# an interruption (Celery's soft time limit), which must stop the run, not refuse the file.
+_PDF_PACKAGES = ("pypdf", "zlib", "struct", "binascii", "codecs", "cryptography", "PIL")
+
+
+def _damaged(e: Exception) -> bool:
+    return input_failure(e, *_PDF_PACKAGES)
 
 
 def _resolved(obj: Any) -> Any:
@@ -74,7 +82,9 @@ class _PdfWork:
         try:
             contents = _resolved(page.get("/Contents"))
             resources = _resolved(page.get_inherited("/Resources", None))
-        except Exception:  # damaged: pypdf says so when it reads it
+        except Exception as e:  # damaged: pypdf says so when it reads it
+            if not _damaged(e):
+                raise
             contents = resources = None
         streams = contents if isinstance(contents, list) else [contents]
         self.resources = [resources]
@@ -91,7 +101,9 @@ class _PdfWork:
             form = _resolved(xobjects[operands[0]])
             if form.get("/Subtype") not in (None, "/Image"):
                 resources = _resolved(form.get_inherited("/Resources", None))
-        except Exception:  # no such form: pypdf skips it too
+        except Exception as e:  # no such form: pypdf skips it too
+            if not _damaged(e):
+                raise
             form = None
         if resources is not None:
             self.charge(READ_COST + self._size(form) + self._fonts(resources))
@@ -106,20 +118,27 @@ class _PdfWork:
         """A content stream's bytes unpacked (pypdf keeps them: it does not unpack again)."""
         try:
             return len(_resolved(stream).get_data())
-        except Exception:  # not a stream, or damaged: pypdf says so when it reads it
+        except Exception as e:  # not a stream, or damaged: pypdf says so when it reads it
+            if not _damaged(e):
+                raise
             return 0
 
     def _fonts(self, resources: Any) -> int:
         try:
             fonts = _resolved(resources.get("/Font"))
             entries = [_resolved(font) for font in fonts.values()]
-        except Exception:
+        except Exception as e:
+            if not _damaged(e):
+                raise
             return 0
         cost = 0
         for font in entries:
             cost += FONT_COST
-            with contextlib.suppress(Exception):
+            try:
                 cost += self._size(font.get("/ToUnicode"))
+            except Exception as e:
+                if not _damaged(e):
+                    raise
         return cost
 
 
@@ -183,6 +202,8 @@ def pdf_text(data: bytes, name: object, *, limit: int, max_content: int = PDF_CO
     except InvalidInput:
         raise
     except Exception as e:  # pypdf raises many kinds on damaged files
+        if not _damaged(e):
+            raise
         raise refuse(name, f"unreadable PDF ({type(e).__name__}: {e})".strip()) from None
     chars: Counter[float] = Counter()
     for _, runs in pages:
