@@ -117,8 +117,8 @@ class Cancelled(Exception):
     """The run was cancelled (revoked); it rolled back and is not a failure."""
 
 
-# Python's own errors, which code raises on input it cannot handle (a parser, a model, a bug an
-# input triggers). Not MemoryError: a process out of memory should fail the run, not go on.
+# Python's errors that code raises on input it cannot handle (a parser, a model, a bug an input
+# triggers), subclasses defined anywhere included (json's JSONDecodeError, binascii.Error).
 INPUT_ERRORS: tuple[type[Exception], ...] = (
     ValueError,  # UnicodeError, json's JSONDecodeError
     TypeError,
@@ -134,8 +134,10 @@ INPUT_ERRORS: tuple[type[Exception], ...] = (
 
 def input_failure(error: BaseException, *packages: str) -> bool:
     """Whether `error` is a failure of the code that ran on some input: kidx's (KidxError),
-    Python's (INPUT_ERRORS, or any class `builtins` defines: a Rust extension raises a bare
-    Exception), or one a library of `packages` defines (top-level names: "pypdf").
+    Python's (INPUT_ERRORS and their subclasses, or any other class `builtins` defines: a Rust
+    extension raises a bare Exception), or one a library of `packages` defines (top-level
+    names: "pypdf"). MemoryError is one too (builtins): on one input it is mostly that
+    input's size (a bomb, a huge answer), which the fallback or the refusal lets go of.
 
     Anything else is an interruption raised wherever the code happened to be, above all
     Celery's soft time limit (billiard's SoftTimeLimitExceeded, an Exception subclass its

@@ -229,7 +229,7 @@ class LocalEmbeddings(EmbeddingModel):
         try:
             return encode(model, texts)
         except Exception as e:
-            if not input_failure(e, *_MODEL_PACKAGES) and not isinstance(e, MemoryError):
+            if not input_failure(e, *_MODEL_PACKAGES):
                 raise  # an interruption (Celery's soft time limit): the caller's to handle
             raise PermanentProviderError(
                 f"{self.model_id} (local): {type(e).__name__}: {e}"
