@@ -4,6 +4,13 @@ Structured output first (`response_format: json_schema`); a server that refuses 
 (many local servers) is asked again with `json_object`, and remembered. A refusal, an answer
 cut off by the length limit, or content that is not JSON raise `BadAnswer`; HTTP failures follow
 the shared retry policy (`worker.providers.http`).
+
+A model that does not answer is remembered: each item would otherwise pay (retries + 1) x the
+timeout before falling back to structure, three minutes an item with the defaults, hours for a
+bulk run. After `DOWN_AFTER` calls in a row failed transiently (timeouts, connection errors,
+5xx, 429, after their retries) the model is taken for down for `COOL_DOWN` seconds: calls raise
+`ChatDown` at once, naming the last failure; then one call tries it again. Any answer from the
+server (a 400 or an unusable answer included) shows it is up. The state is this process's own.
 """
 
 from __future__ import annotations
@@ -16,15 +23,33 @@ from typing import Any
 
 import httpx
 
-from worker.errors import BadAnswer
+from worker.errors import BadAnswer, TransientProviderError
 from worker.log import CHUNK
 from worker.providers.base import Hooks
 from worker.providers.http import JSONClient, ProviderHTTPError
 from worker.settings import ChunkSettings
 
+DOWN_AFTER = 3  # calls in a row that failed transiently
+COOL_DOWN = 300.0  # seconds the model is then taken for down
+ANSWER_BYTES_PER_WINDOW_CHAR = 128
+MIN_ANSWER_BYTES = 1024 * 1024
+
+
+def max_answer_bytes(window: int) -> int:
+    """The largest chat answer read for windows of `window` characters (1 MB at the default
+    6,000). A real answer is a few KB; this leaves room for one chunk, with a full summary, per
+    short paragraph. The shared 64 MB cap let one answer cost hundreds of MB of memory; over
+    this one the answer is `BadAnswer` (asked once more, then structure)."""
+    return max(MIN_ANSWER_BYTES, ANSWER_BYTES_PER_WINDOW_CHAR * window)
+
 
 class Refused(BadAnswer):
     """The model declined to answer."""
+
+
+class ChatDown(TransientProviderError):
+    """The chunk model failed transiently too often in a row: not asked until the cool-down
+    ends (the caller falls back to structure at once)."""
 
 
 class ChatModel:
@@ -37,6 +62,9 @@ class ChatModel:
         hooks: Hooks | None = None,
         client: httpx.Client | None = None,
         rand: Callable[[], float] = random.random,
+        clock: Callable[[], float] = time.monotonic,
+        down_after: int = DOWN_AFTER,
+        cool_down: float = COOL_DOWN,
     ) -> None:
         self.model_id = settings.model
         self.hooks = hooks or Hooks()
@@ -47,16 +75,40 @@ class ChatModel:
             client=client,
             sleep=self.hooks.sleep,
             rand=rand,
+            max_answer_bytes=max_answer_bytes(settings.window),
         )
         self.schema_supported = True
+        self.clock, self.down_after, self.cool_down = clock, down_after, cool_down
+        self.failed_in_a_row = 0
+        self.last_failure = ""
+        self.down_until = 0.0  # a `clock` time; 0: not taken for down
 
     def complete_json(
         self, messages: list[dict[str, str]], *, schema: dict[str, Any], name: str
     ) -> Any:
-        """The JSON object the model answered (its time reported to the hooks)."""
+        """The JSON object the model answered (its time reported to the hooks); `ChatDown`
+        without a request while the model is taken for down."""
+        if self.failed_in_a_row >= self.down_after and self.clock() < self.down_until:
+            left = self.down_until - self.clock()
+            raise ChatDown(
+                f"{self.http.where}: taken for down for {left:.0f}s more after "
+                f"{self.failed_in_a_row} failed calls in a row, last: {self.last_failure}"
+            )
         started = time.perf_counter()
         try:
-            return self._complete_json(messages, schema=schema, name=name)
+            answer = self._complete_json(messages, schema=schema, name=name)
+        except TransientProviderError as e:
+            self.failed_in_a_row += 1
+            self.last_failure = str(e)
+            if self.failed_in_a_row >= self.down_after:
+                self.down_until = self.clock() + self.cool_down
+            raise
+        except (BadAnswer, ProviderHTTPError):
+            self.failed_in_a_row = 0  # it answered (a refusal too): up, whatever it was worth
+            raise
+        else:
+            self.failed_in_a_row = 0
+            return answer
         finally:
             if self.hooks.observe is not None:
                 self.hooks.observe("chat", time.perf_counter() - started)
