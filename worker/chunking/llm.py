@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import itertools
 import re
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from worker.chunking.base import MAX_CHUNK_SIZE, Chunk, ChunkMethod, text_hash
-from worker.chunking.markdown import heading_paths, scan
-from worker.chunking.structure import chunk_structure
+from worker.chunking.markdown import Fence, Layout, heading_paths, scan
+from worker.chunking.structure import chunk_structure, fence_context
 from worker.errors import BadAnswer, Cancelled, KidxError, ProviderError
 
 PROMPT_VERSION = "1"
@@ -113,49 +113,85 @@ def _trimmed(text: str, a: int, b: int) -> tuple[int, int]:
     return a, b
 
 
-def units_of(text: str, a: int, b: int) -> list[Unit]:
-    """Paragraphs of text[a:b] (fenced blocks whole), long ones as their sentences."""
-    piece = text[a:b]
-    lay = scan(piece)
-    cuts = sorted({0, *lay.breaks, *lay.heading_pos, len(piece)})
-    fences = [(f.start, f.end) for f in lay.fences]
-    units: list[Unit] = []
-    for s, e in itertools.pairwise(cuts):
-        s, e = _trimmed(piece, s, e)
-        if s >= e:
+def unit_cuts(text: str, lay: Layout | None = None) -> list[int]:
+    """Where units may start, from the whole text's layout: paragraph breaks, headings and fence
+    edges, and the structural chunker's parts of each fenced block that alone exceeds the
+    maximum (a block within it is one unit: its blank lines are code, not breaks)."""
+    lay = lay or scan(text)
+    cuts = {*lay.breaks, *lay.heading_pos}
+    for f in _big_fences(lay):
+        parts = chunk_structure(text[f.start : f.end], overlap=0)
+        cuts.update(f.start + c.start for c in parts[1:])
+    return sorted(cuts)
+
+
+def _big_fences(lay: Layout) -> list[Fence]:
+    return [f for f in lay.fences if f.end - f.start > MAX_CHUNK_SIZE]
+
+
+def units_of(
+    text: str,
+    a: int,
+    b: int,
+    *,
+    lay: Layout | None = None,
+    cuts: Sequence[int] | None = None,
+) -> list[Unit]:
+    """Units that tile text[a:b]: every character in exactly one, in order (a unit's trailing
+    white space is its own). Paragraphs, headings and fenced blocks as the whole text's layout
+    has them (`unit_cuts`), long paragraphs outside fences as their sentences. A unit that
+    skipped the closing quote or bracket after a sentence's end lost it from every chunk."""
+    lay = lay or scan(text)
+    cuts = unit_cuts(text, lay) if cuts is None else cuts
+    inner = cuts[bisect_right(cuts, a) : bisect_left(cuts, b)]
+    fences = lay.fences
+    starts: list[int] = []
+    for s, e in itertools.pairwise([a, *inner, b]):
+        ts, te = _trimmed(text, s, e)
+        if ts >= te:
+            continue  # white space only: the unit before it keeps it
+        starts.append(s if starts else a)
+        if te - ts <= UNIT_MAX or any(f.start <= ts < f.end for f in fences):
             continue
-        inside_fence = any(fs <= s < fe for fs, fe in fences)
-        if e - s <= UNIT_MAX or inside_fence:
-            units.append(Unit(a + s, a + e))
-            continue
-        start = s
-        for m in _SENTENCE_END.finditer(piece, s, e):
-            if m.end() - start >= 80 and m.end() < e:
-                units.append(Unit(a + start, a + m.start() + 1))
+        start = ts
+        for m in _SENTENCE_END.finditer(text, ts, te):
+            if m.end() - start >= 80 and m.end() < te:
+                starts.append(m.end())  # after the closing quote and the white space
                 start = m.end()
-        units.append(Unit(a + start, a + e))
-    return units
+    return [Unit(u, v) for u, v in itertools.pairwise([*starts, b])] if starts else []
 
 
-def windows_of(text: str, size: int) -> list[Window]:
-    """Windows of at most `size` characters, cut where the structure says (content-defined)."""
+def windows_of(text: str, size: int, lay: Layout | None = None) -> list[Window]:
+    """Windows of about `size` characters, cut where the structure says (content-defined), at
+    unit starts: the units are the whole text's, so that a window never starts inside a fenced
+    block that stays whole, nor reads code as prose. A window holds the units whose text starts
+    in its region; one running past the region's end makes it longer by that much."""
+    lay = lay or scan(text)
+    units = units_of(text, 0, len(text), lay=lay)
+    firsts = [_trimmed(text, u.start, u.end)[0] for u in units]
     regions = chunk_structure(
         text, max_size=size, min_size=size // 10, overlap=0, target=size, window=size // 3
     )
+    bounds = [0, *(bisect_left(firsts, r.start) for r in regions[1:]), len(units)]
     result = []
-    for r in regions:
-        units = units_of(text, r.start, r.end)
-        if not units:
+    for i, j in itertools.pairwise(bounds):
+        if i >= j:
             continue
-        joined = "\x1f".join(text[u.start : u.end] for u in units)
-        result.append(Window(units, text_hash(f"{PROMPT_VERSION}\x1e{joined}")))
+        joined = "\x1f".join(_shown(text, u) for u in units[i:j])
+        result.append(Window(units[i:j], text_hash(f"{PROMPT_VERSION}\x1e{joined}")))
     return result
+
+
+def _shown(text: str, unit: Unit) -> str:
+    """A unit's text as the model sees it (and its window's key): without the white space at
+    its ends."""
+    return text[unit.start : unit.end].strip()
 
 
 def prompt(text: str, window: Window, correction: str | None = None) -> list[dict[str, str]]:
     """The request for one window; asked again, it says what was wrong with the last answer
     (in the same message as the units: small models lose track of earlier turns)."""
-    body = "\n".join(f"[[{i}]] {text[u.start : u.end]}" for i, u in enumerate(window.units, 1))
+    body = "\n".join(f"[[{i}]] {_shown(text, u)}" for i, u in enumerate(window.units, 1))
     head = INSTRUCTIONS.format(n=len(window.units))
     if correction:
         head += f"\nYour previous answer could not be used: {correction}. Follow the rules."
@@ -236,13 +272,17 @@ class LLMChunker:
 
 def chunk_llm(text: str, llm: LLMChunker) -> list[Chunk]:
     """Chunks chosen by the model; ChunkingFailed when it cannot be used for this text."""
+    lay = scan(text)
     spans: list[tuple[int, int, str | None]] = []
-    for window in windows_of(text, llm.window):
+    starts: list[int] = []
+    for window in windows_of(text, llm.window, lay):
         if llm.cancel is not None and llm.cancel():
             raise Cancelled("cancelled")
         for s, e, summary in _window_chunks(text, window, llm):
-            spans.append((window.units[s - 1].start, window.units[e - 1].end, summary))
-    return _finish(text, _merge_small(spans, len(text.strip())))
+            a, b = _trimmed(text, window.units[s - 1].start, window.units[e - 1].end)
+            spans.append((a, b, summary))
+        starts.extend(u.start for u in window.units)
+    return _finish(text, _merge_small(spans, len(text.strip())), lay, starts)
 
 
 def _window_chunks(text: str, window: Window, llm: LLMChunker) -> list[tuple[int, int, str | None]]:
@@ -322,23 +362,17 @@ def _merge_small(
     return out
 
 
-def _finish(text: str, spans: Sequence[tuple[int, int, str | None]]) -> list[Chunk]:
-    """Chunk objects: over-long spans split structurally, heading paths, summaries."""
-    lay = scan(text)
+def _finish(
+    text: str, spans: Sequence[tuple[int, int, str | None]], lay: Layout, starts: list[int]
+) -> list[Chunk]:
+    """Chunk objects: over-long spans cut at unit starts, heading paths, summaries, and the
+    fence lines a part of a block over the maximum needs (as the structural chunker gives)."""
     paths = [(), *heading_paths(lay)]
+    big = _big_fences(lay)
     chunks: list[Chunk] = []
     for s, e, summary in spans:
-        pieces = (
-            [(s, e, None, None)]
-            if e - s <= MAX_CHUNK_SIZE
-            else [
-                (s + c.start, s + c.end, c.fence_open, c.fence_close)
-                # The model drew this boundary: cut its over-long span into as few parts as
-                # the maximum allows, not into parts of the structural target.
-                for c in chunk_structure(text[s:e], target=MAX_CHUNK_SIZE)
-            ]
-        )
-        for ps, pe, fence_open, fence_close in pieces:
+        for ps, pe in _within_max(text, s, e, starts):
+            fence_open, fence_close = fence_context(text, big, ps, pe) if big else (None, None)
             chunks.append(
                 Chunk(
                     len(chunks),
@@ -353,6 +387,42 @@ def _finish(text: str, spans: Sequence[tuple[int, int, str | None]]) -> list[Chu
                 )
             )
     return chunks
+
+
+def _within_max(text: str, s: int, e: int, starts: list[int]) -> list[tuple[int, int]]:
+    """The model drew this span: cut it, if it is over the maximum, into as few parts as the
+    maximum allows, at unit starts (never inside a fenced block that stays whole). A unit alone
+    over it (a sentence without an end; never a fence part) is cut structurally: it lies outside
+    fenced blocks, so its slice can be scanned on its own."""
+    if e - s <= MAX_CHUNK_SIZE:
+        return [(s, e)]
+    out: list[tuple[int, int]] = []
+
+    def add(a: int, b: int) -> None:
+        a, b = _trimmed(text, a, b)
+        if a < b:
+            out.append((a, b))
+
+    def size(a: int, b: int) -> int:
+        a, b = _trimmed(text, a, b)
+        return b - a
+
+    cur, good = s, -1
+    for p in [*starts[bisect_right(starts, s) : bisect_left(starts, e)], e]:
+        if good > cur and size(cur, p) > MAX_CHUNK_SIZE:
+            add(cur, good)
+            cur = good
+        if size(cur, p) <= MAX_CHUNK_SIZE:
+            good = p
+            continue
+        a, b = _trimmed(text, cur, p)  # one unit over the maximum
+        out.extend(
+            (a + c.start, a + c.end) for c in chunk_structure(text[a:b], target=MAX_CHUNK_SIZE)
+        )
+        cur = p
+    if good > cur:
+        add(cur, good)
+    return out
 
 
 def _heading_index(positions: list[int], at: int) -> int:

@@ -52,7 +52,7 @@ from worker.chunking.base import (
     Chunk,
     ChunkMethod,
 )
-from worker.chunking.markdown import heading_paths, scan, section_ends
+from worker.chunking.markdown import Fence, heading_paths, scan, section_ends
 
 WINDOW_SHARE = 1 / 5
 """A paragraph break becomes a cut only if no stronger candidate lies within this share of the
@@ -434,13 +434,28 @@ class _Plan:
 
     def fence_context(self, s: int, e: int) -> tuple[str | None, str | None]:
         """The opening line and closing marker a part of an oversized fence needs."""
-        fence_open = fence_close = None
-        for f in self.big_fences:
-            if f.start < s < f.end:
-                fence_open = f.open_line
-            if f.start < e < f.end or (not f.closed and f.start < e):
-                fence_close = f.close_marker
-        return fence_open, fence_close
+        return fence_context(self.text, self.big_fences, s, e)
+
+
+def fence_context(
+    text: str, big_fences: Sequence[Fence], s: int, e: int
+) -> tuple[str | None, str | None]:
+    """The opening line and closing marker the part `[s, e)` needs to read as code: set when it
+    starts (ends) inside one of `big_fences`, the blocks cut because they alone exceed the
+    maximum. Shared with the LLM chunker, whose chunks cut the same blocks. A part starts at a
+    non-space character, so one that starts at an indented opening line, or ends at a closing
+    line with spaces after its marker, is not inside (it has its own: no second one)."""
+    fence_open = fence_close = None
+    for f in big_fences:
+        indent = len(f.open_line) - len(f.open_line.lstrip())
+        if f.start + indent < s < f.end:
+            fence_open = f.open_line
+        last = f.end
+        while last > f.start and text[last - 1].isspace():  # after the closing marker
+            last -= 1
+        if f.start < e < last or (not f.closed and f.start < e):
+            fence_close = f.close_marker
+    return fence_open, fence_close
 
 
 def chunk_structure(
