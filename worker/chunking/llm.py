@@ -4,11 +4,15 @@ A model asked to rewrite the text as chunks can invent text; one shown only the 
 characters loses the rest; one whose answer does not parse must not leave an item without an
 index. Here:
 
-* The text is cut into numbered units (paragraphs; sentences inside long ones; a fenced block
-  stays one unit) and shown in windows that cover all of it. Windows are cut by the structural
+* The text is cut into numbered units that tile it, every character in exactly one
+  (paragraphs; sentences inside long ones; a fenced block one unit, or, when it alone exceeds
+  the maximum, the structural chunker's parts of it), from one scan of the whole text, and
+  shown in windows of whole units that cover all of it. Windows are cut by the structural
   chunker at a larger size, so they are content-defined: an edit changes only its window.
 * The model answers, per window, which units each chunk spans and a summary of each. Content is
-  always sliced from the source by the units chosen, so chunks carry exact offsets.
+  always sliced from the source by the units chosen, so chunks carry exact offsets; a chunk
+  that starts or ends inside a block over the maximum is re-fenced for the embedder, as the
+  structural chunker's parts are.
 * Every answer is validated (shape, ids in range, ascending, covering the window without gaps or
   overlaps, no rewritten text); an invalid one is asked for once more with the reason; then, or on
   a refusal, a timeout or an HTTP error, `ChunkingFailed` says why and the caller falls back to
