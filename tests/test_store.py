@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -14,14 +15,14 @@ import pytest
 
 from conftest import DIMS, FakeEmbedder, corpus_text, mirror_problems, standin_settings
 from worker.bulk import index_item
-from worker.errors import StoreError
+from worker.errors import InvalidInput, StoreError
 from worker.providers import build_embedder
 from worker.reconcile import reconcile
 from worker.retrieval import search, search_chunks
 from worker.settings import EmbeddingSettings
 from worker.store import connect, resolve_dimensions, vec_table_dimensions
 from worker.store.db import Database
-from worker.store.items import add_item, get_state
+from worker.store.items import add_item, get_state, update_content
 from worker.store.schema import SCHEMA_VERSION, migrate, schema_version
 from worker.store.vec import set_meta
 
@@ -456,3 +457,31 @@ def test_migration_5_gives_autoincrement_ids_past_every_leftover_and_the_trigger
     db.execute("PRAGMA foreign_keys = ON")
     assert add_item(db, kind="note", title="newer", content="And another.") == 5
     db.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"kind": "bogus"}, "unknown kind 'bogus'"),
+        ({"title": 5}, "the title must be text (str), not int"),
+        ({"title": None}, "the title must be text (str), not NoneType"),
+        ({"content": b"bytes"}, "the content must be text (str), not bytes"),
+        ({"source": 7}, "the source must be text (str), not int"),
+        ({"content": "a\udce9b"}, "the content is not UTF-8: it holds a lone surrogate U+DCE9"),
+        ({"title": "\ud800"}, "the title is not UTF-8: it holds a lone surrogate U+D800"),
+    ],
+)
+def test_a_python_caller_s_wrong_values_are_one_clear_error_and_nothing_is_written(
+    db, fields, message
+):
+    """They failed as raw TypeErrors, UnicodeEncodeErrors and constraint errors, or a number
+    was stored as a title or a source."""
+    item = add_item(db, kind="note", title="Kept", content="The text as it was.")
+    before = db.all("SELECT * FROM knowledge_items")
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        add_item(db, **{"kind": "note", "title": "t", "content": "text", **fields})
+    update = {k: v for k, v in fields.items() if k in ("content", "title") and v is not None}
+    if update:  # (update_content's title None keeps the title)
+        with pytest.raises(InvalidInput, match=re.escape(message)):
+            update_content(db, item, **{"content": "text", **update})
+    assert db.all("SELECT * FROM knowledge_items") == before
