@@ -3,6 +3,8 @@ the embedding stand-in over real HTTP, the host's SQL in a process of its own.""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -126,3 +128,22 @@ def test_a_memory_longer_than_the_local_model_reads_is_refused_not_cut(tmp_path)
     finally:
         embedder.close()
         db.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (5, "the memory must be text (str), not int"),
+        (b"likes tea", "the memory must be text (str), not bytes"),
+        (None, "the memory must be text (str), not NoneType"),
+        ("likes \udce9 tea", "the memory is not UTF-8: it holds a lone surrogate U+DCE9"),
+    ],
+)
+def test_a_python_caller_s_memory_that_is_no_text_is_one_clear_error(
+    db, embedder, standin, text, message
+):
+    """`text.strip()` failed with an AttributeError on bytes, a number or None."""
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        add_memory(db, text, embedder)
+    assert db.scalar("SELECT count(*) FROM memories") == 0
+    assert standin.bodies == []  # nothing was sent

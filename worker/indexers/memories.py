@@ -18,7 +18,7 @@ from worker.providers.base import EmbeddingModel, to_blob
 from worker.retrieval import check_query
 from worker.store.db import Database
 from worker.store.items import Item
-from worker.store.text import NotText, shown, strict
+from worker.store.text import NotText, given_text, shown, strict
 from worker.store.vec import VEC, mirror_ready, sound, vec_replace
 
 MAX_MEMORY = 2000  # characters: longer texts are notes, which are chunked
@@ -105,7 +105,7 @@ MEMORIES = Memories()
 
 def add_memory(db: Database, text: str, embedder: EmbeddingModel) -> int:
     """Embed `text` whole and store it; its id. The vector is made before the transaction."""
-    text = text.strip()
+    text = given_text(text, "memory").strip()
     if not text:
         raise InvalidInput("the memory is empty")
     if len(text) > MAX_MEMORY:

@@ -10,7 +10,7 @@ from worker.chunking.base import ChunkMethod, text_hash
 from worker.errors import InvalidInput, ItemNotFound
 from worker.store.db import Database
 from worker.store.schema import ITEM_KINDS
-from worker.store.text import NotText, shown, strict
+from worker.store.text import NotText, given_text, shown, strict
 from worker.store.vec import sound
 
 NOW = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
@@ -161,31 +161,14 @@ STATE_COLUMNS = (
 )
 
 
-def _given_text(value: object, name: str) -> str:
-    """`value` as the text a column takes, or InvalidInput naming `name`: a Python caller may
-    pass any object (bytes, a number, None) or a str SQLite cannot store (a lone surrogate, from
-    bytes decoded with `surrogateescape`); they failed as raw TypeErrors, UnicodeEncodeErrors
-    and constraint errors, or a number was stored as a title."""
-    if not isinstance(value, str):
-        raise InvalidInput(f"the {name} must be text (str), not {type(value).__name__}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidInput(
-            f"the {name} is not UTF-8: it holds a lone surrogate U+{ord(value[e.start]):04X} at "
-            f"character {e.start}"
-        ) from None
-    return value
-
-
 def add_item(
     db: Database, *, kind: str, title: str, content: str, source: str | None = None
 ) -> int:
     """Insert an item and its `pending` state; returns the new id."""
     if kind not in ITEM_KINDS:
         raise InvalidInput(f"unknown kind {kind!r}: one of {', '.join(ITEM_KINDS)}")
-    title, content = _given_text(title, "title"), _given_text(content, "content")
-    source = None if source is None else _given_text(source, "source")
+    title, content = given_text(title, "title"), given_text(content, "content")
+    source = None if source is None else given_text(source, "source")
     if kind == "note" and not content.strip():
         raise InvalidInput("the note is empty")
     with db.atomic():
@@ -247,8 +230,8 @@ def _item(row: tuple[Any, ...]) -> Item:
 
 def update_content(db: Database, item_id: int, content: str, *, title: str | None = None) -> None:
     """Replace an item's text (the next index run sees it; so does a direct UPDATE)."""
-    content = _given_text(content, "content")
-    title = None if title is None else _given_text(title, "title")
+    content = given_text(content, "content")
+    title = None if title is None else given_text(title, "title")
     item = get_item(db, item_id)
     if item.kind == "note" and not content.strip():
         raise InvalidInput("the note is empty")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from worker.errors import InvalidInput
+
 
 class NotText(ValueError):
     """A value that is not UTF-8 text; the message says where it breaks."""
@@ -43,3 +45,20 @@ def strict(value: Any, what: str) -> str:
                 "write it as UTF-8 TEXT"
             ) from None
     return str(value)
+
+
+def given_text(value: object, name: str) -> str:
+    """`value` as the text a column takes, or InvalidInput naming `name`: a Python caller may
+    pass any object (bytes, a number, None) or a str SQLite cannot store (a lone surrogate, from
+    bytes decoded with `surrogateescape`); they failed as raw TypeErrors, UnicodeEncodeErrors
+    and constraint errors, or a number was stored as a title."""
+    if not isinstance(value, str):
+        raise InvalidInput(f"the {name} must be text (str), not {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInput(
+            f"the {name} is not UTF-8: it holds a lone surrogate U+{ord(value[e.start]):04X} at "
+            f"character {e.start}"
+        ) from None
+    return value
