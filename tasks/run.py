@@ -37,7 +37,7 @@ from worker.indexers import IndexOptions, kind_of
 from worker.log import KI_EMBED, get_logger
 from worker.pipeline import IndexResult
 from worker.settings import TaskSettings
-from worker.store.items import Status, get_item, mark_not_run
+from worker.store.items import Status, get_item, mark_not_run, name_failure
 from worker.store.jobs import (
     BatchState,
     JobState,
@@ -173,6 +173,8 @@ class Run:
             if isinstance(e, SoftTimeLimitExceeded) and not TERMINATED.is_set():
                 limit = f"ran over the soft time limit of {self.settings.tasks.soft_time_limit} s"
                 log.error(f"{KI_EMBED} failed", items=self._open(), reason=limit)
+                with contextlib.suppress(apsw.Error, KidxError):
+                    name_failure(self.rt.db, self._open(), self.task_id, limit)
                 for item_id in self._open():
                     self._failed(item_id, self.line(item_id, limit), "time_limit")
                 raise IndexFailed(self.failure()) from None

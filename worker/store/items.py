@@ -243,6 +243,18 @@ def update_content(db: Database, item_id: int, content: str, *, title: str | Non
         )
 
 
+def name_failure(db: Database, item_ids: list[int], task_id: str, reason: str) -> None:
+    """`reason` as the last error of the items this task's run left failed: the caller knows
+    better than the engine, which saw an exception it does not know (Celery's soft time limit
+    reads "SoftTimeLimitExceeded()"). Not over a later run's state."""
+    with db.atomic():
+        db.executemany(
+            "UPDATE item_index_state SET last_error = ? WHERE item_id = ? AND status = 'failed' "
+            "AND last_task_id = ?",
+            [(reason, item_id, task_id) for item_id in item_ids],
+        )
+
+
 def set_state(db: Database, item_id: int, **fields: Any) -> None:
     """Update columns of an item's index state (the row is created if a host app did not;
     nothing is written for an item that is gone)."""
