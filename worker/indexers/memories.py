@@ -126,14 +126,12 @@ def over_model(text: str, embedder: EmbeddingModel) -> str | None:
     """Why `embedder` would not embed `text` whole, or None. A model that cuts its input (the
     local one reads 256 tokens, some 1,100 characters) gives two memories that differ in
     their tail the same vector: such a memory is refused, not embedded in part. Only a model
-    that says what it reads (`max_tokens`, `count_tokens`: the local provider) is asked;
-    the APIs' limits (8k tokens) are far above a memory's."""
-    count, limit = getattr(embedder, "count_tokens", None), getattr(embedder, "max_tokens", None)
-    if count is None or limit is None:
+    that says what it reads (`reads_whole`: the local provider) is asked; the APIs' limits
+    (8k tokens) are far above a memory's."""
+    counted = embedder.reads_whole(text)
+    if counted is None or counted[0] <= counted[1]:
         return None
-    tokens, most = count(text), limit()
-    if tokens <= most:
-        return None
+    tokens, most = counted
     return (
         f"has {tokens} tokens, more than the {most} that {embedder.model_id} reads of a text "
         "(it would embed the start only): shorten it, or add it as a note (notes are chunked)"

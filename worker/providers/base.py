@@ -43,6 +43,12 @@ class EmbeddingModel(ABC):
     def embed_batch(self, texts: list[str]) -> Sequence[Sequence[float]] | np.ndarray:
         """Embed at most `batch_size` texts, in order."""
 
+    def reads_whole(self, text: str) -> tuple[int, int] | None:
+        """(tokens of `text`, tokens the model reads of a text), for a model that cuts what it
+        is given past a limit a caller that embeds a text whole must check (a memory); None
+        for one that does not say (the APIs read thousands of tokens)."""
+        return None
+
     def batches(self, texts: Sequence[str]) -> Iterator[list[str]]:
         for i in range(0, len(texts), self.batch_size):
             yield list(texts[i : i + self.batch_size])

@@ -215,14 +215,11 @@ class LocalEmbeddings(EmbeddingModel):
         self.batch_size = settings.batch_size
         self.dimensions = dimensions
 
-    def max_tokens(self) -> int:
-        """What the model reads of a text, in tokens: the rest is cut off."""
-        return load_model(self.model_id).max_tokens
-
-    def count_tokens(self, text: str) -> int:
-        """`text`'s tokens as the model counts them (special ones included), uncut: a caller
-        that must embed a text whole (a memory) checks it against `max_tokens`."""
-        return load_model(self.model_id).count(text)
+    def reads_whole(self, text: str) -> tuple[int, int]:
+        """`text`'s tokens as the model counts them (special ones included), uncut, and the
+        most it reads of a text: the rest is cut off."""
+        model = load_model(self.model_id)
+        return model.count(text), model.max_tokens
 
     def embed_batch(self, texts: list[str]) -> np.ndarray:
         model = load_model(self.model_id)
