@@ -23,7 +23,7 @@ RUN_LIMIT = 512
 @shared_task(name=EMBED_MEMORIES, bind=True, throws=(KeyConflict,))
 def embed_memories_task(self: Task) -> dict[str, Any]:
     """Embed what memories lack a vector; what was done (`MemoryBackfill`: `embedded`,
-    `left`, `refused`, `unreadable`, `error`)."""
+    `left`, `refused`, `unreadable`, `too_long`, `error`)."""
     rt = runtime(self.app)
     if rt.embedder is None:
         return {"skipped": NO_PROVIDER}
