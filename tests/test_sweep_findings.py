@@ -132,3 +132,27 @@ def test_each_partial_outcome_counts_an_attempt_and_a_whole_index_resets_them(
     standin.poison = None
     assert index_item(db, item, embedder=embedder).status == "indexed"
     assert db.scalar("SELECT attempts FROM item_index_state WHERE item_id = ?", (item,)) == 0
+
+
+def test_after_a_model_switch_a_failed_item_is_the_retry_sweeps_and_a_partial_one_goes(db, host):
+    """Vectors of another model send an item whatever its backoff (a switch is no retry), but
+    not a failed one: a document that keeps failing under the new model, its old index intact,
+    was sent by every sweep."""
+    items = {}
+    for status in ("failed", "partial"):
+        item = add_item(db, kind="note", title=status, content="Text.")
+        host.execute(
+            "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
+            "end_offset, embed_hash) VALUES (?, 0, 'Text.', 'structure', 0, 5, 'h')",
+            (item,),
+        )
+        host.execute(
+            "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
+            "VALUES (last_insert_rowid(), 'the-old-model', ?, zeroblob(?))",
+            (db.dimensions, 4 * db.dimensions),
+        )
+        set_state(host, item, status, 1, 5)  # its backoff not yet passed
+        items[status] = item
+    drift = reconcile(db, model="standin-embed", max_items=100, backoff=BACKOFF)
+    assert drift.found["other_model"] == [items["partial"]]
+    assert drift.to_index == [items["partial"]]

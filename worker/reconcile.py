@@ -54,8 +54,8 @@ UNION SELECT item_id FROM item_index_state WHERE status = 'indexing'
 # (with its backoff and its cap on attempts; sending them from here too bypassed both), and a
 # `partial` one waits as a failed one would before it is sent again for its missing vectors
 # (each partial outcome is an attempt). A content change or a model switch is not a retry:
-# `changed` and `other_model` send them all the same (a host's edit of a failed note makes it
-# `pending`, schema migration 12).
+# `changed` and `other_model` send a partial item all the same (a host's edit of a failed note
+# makes it `pending`, schema migration 12; the retry sweep sends a failed one after a switch).
 RESTING_STATUSES = ("failed", "partial")
 ALWAYS_SENT = ("changed", "other_model")
 
@@ -248,11 +248,11 @@ def reconcile(
     running = held if locked is not None else {i for i, young in marked.items() if young}
     busy |= running
     skipped = {r[0] for r in db.all(SKIPPED)}
-    resting, retried = _resting(db, backoff)
+    resting, retried, failed = _resting(db, backoff)
     wanted: set[int] = set()
     for name, sql in FINDINGS.items():
         ids = {r[0] for r in db.all(sql, params)} - (set() if provider else skipped)
-        drift.found[name] = sorted(ids if name in ALWAYS_SENT else ids - resting)
+        drift.found[name] = sorted(ids - failed if name in ALWAYS_SENT else ids - resting)
         wanted.update(drift.found[name])
     drift.found["skipped"] = sorted(skipped) if provider else []
     wanted.update(drift.found["skipped"])
@@ -263,9 +263,11 @@ def reconcile(
     return drift
 
 
-def _resting(db: Database, backoff: Backoff | None) -> tuple[set[int], set[int]]:
-    """(items the sweep leaves to their backoff, partial items whose backoff has passed)."""
-    resting, retried = set(), set()
+def _resting(db: Database, backoff: Backoff | None) -> tuple[set[int], set[int], set[int]]:
+    """(items the sweep leaves to their backoff, partial items whose backoff has passed, the
+    failed items: never sent from here, a model switch included, or a document that fails
+    under the new model would be sent by every sweep)."""
+    resting, retried, failed = set(), set(), set()
     rows = db.all(
         "SELECT item_id, status, attempts, (julianday('now') - julianday(updated_at)) * 86400 "
         f"FROM item_index_state WHERE status IN {RESTING_STATUSES}"
@@ -276,7 +278,9 @@ def _resting(db: Database, backoff: Backoff | None) -> tuple[set[int], set[int]]
             retried.add(item_id)
         else:
             resting.add(item_id)
-    return resting, retried
+        if status == "failed":
+            failed.add(item_id)
+    return resting, retried, failed
 
 
 def due_retries(
