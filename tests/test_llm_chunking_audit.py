@@ -153,6 +153,17 @@ class AnyBoundaries:
         return {"chunks": [{"start": s, "end": e, "summary": "s"} for s, e in zip(starts, ends)]}
 
 
+def test_a_unit_over_the_maximum_is_cut_without_overlap():
+    """Found by the property below: a paragraph of 2,170 characters (a fence opened mid-line is
+    no fence) was cut by the structural chunker with its 100-character overlap, so two LLM
+    chunks shared 99 characters."""
+    text = "```py\nx = 1\n```\n\n" + "the.\n\n" * 5 + "the. ```py\n"
+    text += "\n".join(["x = 1"] * 360) + "\n```\n\n"
+    chunks = chunk_llm(text, LLMChunker(AnyBoundaries(0), window=1000))
+    assert all(a.end <= b.start for a, b in itertools.pairwise(chunks))
+    assert all(c.content == text[c.start : c.end] for c in chunks)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_texts, st.integers(0, 2**32))
 def test_llm_chunks_cover_every_character_and_fence_their_code(text: str, seed: int) -> None:

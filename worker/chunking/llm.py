@@ -420,9 +420,8 @@ def _within_max(text: str, s: int, e: int, starts: list[int]) -> list[tuple[int,
             good = p
             continue
         a, b = _trimmed(text, cur, p)  # one unit over the maximum
-        out.extend(
-            (a + c.start, a + c.end) for c in chunk_structure(text[a:b], target=MAX_CHUNK_SIZE)
-        )
+        parts = chunk_structure(text[a:b], target=MAX_CHUNK_SIZE, overlap=0)  # LLM chunks tile
+        out.extend((a + c.start, a + c.end) for c in parts)
         cur = p
     if good > cur:
         add(cur, good)
