@@ -303,19 +303,6 @@ def mark_not_run(
         return db.conn.changes() > 0
 
 
-def set_states(db: Database, item_ids: list[int], **fields: Any) -> None:
-    """set_state() for several items, in one statement each way."""
-    if "status" in fields:
-        fields["status"] = str(fields["status"])
-    sets = ", ".join(f"{n} = ?" for n in fields)
-    with db.atomic():
-        db.executemany(CREATE_STATE, [(i,) for i in item_ids])
-        db.executemany(
-            f"UPDATE item_index_state SET {sets}, updated_at = {NOW} WHERE item_id = ?",
-            [(*fields.values(), i) for i in item_ids],
-        )
-
-
 def get_state(db: Database, item_id: int) -> dict[str, Any]:
     get_item(db, item_id)
     rows = db.dicts(
