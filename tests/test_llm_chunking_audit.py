@@ -288,7 +288,7 @@ def test_an_answer_that_is_refused_resets_the_count(standin):
         for _ in range(5):
             with pytest.raises(Exception, match=r"503|not JSON"):
                 chat.complete_json(ask, schema={}, name="n")
-        assert chat.failed_in_a_row == 2  # not three: the bad answer showed the model is up
+        assert chat.streak.current()[0] == 2  # not three: the bad answer showed the model is up
     finally:
         chat.close()
 

@@ -58,8 +58,9 @@ class Plan:
 
 
 class Streak:
-    """Consecutive failed provider requests and the last one's cause. This one is a run's own;
-    a batch's runs share one that keeps the same three methods elsewhere (tasks/streak.py)."""
+    """Consecutive failed provider requests and the last one's cause. This one is a run's own
+    (the chat model keeps one too); a batch's runs share one that keeps the same three methods
+    elsewhere (tasks/streak.py)."""
 
     def __init__(self) -> None:
         self.n, self.cause = 0, ""

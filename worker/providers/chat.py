@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from worker.embedding import Streak
 from worker.errors import BadAnswer, TransientProviderError
 from worker.log import CHUNK
 from worker.providers.base import Hooks
@@ -79,8 +80,7 @@ class ChatModel:
         )
         self.schema_supported = True
         self.clock, self.down_after, self.cool_down = clock, down_after, cool_down
-        self.failed_in_a_row = 0
-        self.last_failure = ""
+        self.streak = Streak()  # calls in a row that failed transiently, and the last cause
         self.down_until = 0.0  # a `clock` time; 0: not taken for down
 
     def complete_json(
@@ -88,26 +88,25 @@ class ChatModel:
     ) -> Any:
         """The JSON object the model answered (its time reported to the hooks); `ChatDown`
         without a request while the model is taken for down."""
-        if self.failed_in_a_row >= self.down_after and self.clock() < self.down_until:
+        failed, last = self.streak.current()
+        if failed >= self.down_after and self.clock() < self.down_until:
             left = self.down_until - self.clock()
             raise ChatDown(
                 f"{self.http.where}: taken for down for {left:.0f}s more after "
-                f"{self.failed_in_a_row} failed calls in a row, last: {self.last_failure}"
+                f"{failed} failed calls in a row, last: {last}"
             )
         started = time.perf_counter()
         try:
             answer = self._complete_json(messages, schema=schema, name=name)
         except TransientProviderError as e:
-            self.failed_in_a_row += 1
-            self.last_failure = str(e)
-            if self.failed_in_a_row >= self.down_after:
+            if self.streak.failed(str(e)) >= self.down_after:
                 self.down_until = self.clock() + self.cool_down
             raise
         except (BadAnswer, ProviderHTTPError):
-            self.failed_in_a_row = 0  # it answered (a refusal too): up, whatever it was worth
+            self.streak.ok()  # it answered (a refusal too): up, whatever it was worth
             raise
         else:
-            self.failed_in_a_row = 0
+            self.streak.ok()
             return answer
         finally:
             if self.hooks.observe is not None:
