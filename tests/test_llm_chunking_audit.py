@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from testkit.standin_chat import ChatReply
 from worker.bulk import index_item
@@ -25,7 +26,7 @@ from worker.chunking.llm import LLMChunker, chunk_llm, units_of, windows_of
 from worker.chunking.markdown import scan
 from worker.indexers import IndexOptions
 from worker.providers.chat import ChatDown, ChatModel, max_answer_bytes
-from worker.settings import ChunkSettings
+from worker.settings import ChunkSettings, Settings
 from worker.store.items import add_item
 
 QUOTED = 'The officer said "stop the car now, please, and step out of it slowly." '
@@ -249,9 +250,8 @@ def test_the_chunk_model_is_asked_again_after_the_cool_down(standin):
     now = [0.0]
     standin.chat.fail_status = 503
     chat = ChatModel(
-        ChunkSettings(model="standin-chat", base_url=standin.base_url, max_retries=0),
+        ChunkSettings(model="standin-chat", base_url=standin.base_url, max_retries=0, cool_down=60),
         clock=lambda: now[0],
-        cool_down=60,
     )
     ask = [{"role": "user", "content": "[[1]] text"}]
     try:
@@ -272,6 +272,46 @@ def test_the_chunk_model_is_asked_again_after_the_cool_down(standin):
         assert standin.chat.requests == 6
     finally:
         chat.close()
+
+
+def test_the_breaker_is_set_from_the_environment(standin, monkeypatch):
+    monkeypatch.setenv("KIDX_CHUNK__DOWN_AFTER", "1")
+    monkeypatch.setenv("KIDX_CHUNK__COOL_DOWN", "5")
+    monkeypatch.setenv("KIDX_CHUNK__MODEL", "standin-chat")
+    monkeypatch.setenv("KIDX_CHUNK__BASE_URL", standin.base_url)
+    monkeypatch.setenv("KIDX_CHUNK__MAX_RETRIES", "0")
+    settings = Settings().chunk
+    assert (settings.down_after, settings.cool_down) == (1, 5.0)
+    now = [0.0]
+    standin.chat.fail_status = 503
+    chat = ChatModel(settings, clock=lambda: now[0])
+    ask = [{"role": "user", "content": "[[1]] text"}]
+    try:
+        with pytest.raises(Exception, match="HTTP 503"):
+            chat.complete_json(ask, schema={}, name="n")
+        with pytest.raises(ChatDown, match="1 failed calls in a row"):  # down after one
+            chat.complete_json(ask, schema={}, name="n")
+        now[0] = 5.5  # over after five seconds
+        with pytest.raises(Exception, match="HTTP 503"):
+            chat.complete_json(ask, schema={}, name="n")
+        assert standin.chat.requests == 2
+    finally:
+        chat.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "said"),
+    [
+        ("DOWN_AFTER", "0", "greater than or equal to 1"),
+        ("DOWN_AFTER", "x", "valid integer"),
+        ("COOL_DOWN", "-1", "greater than or equal to 0"),
+        ("COOL_DOWN", "inf", "finite number"),
+    ],
+)
+def test_a_bad_breaker_setting_is_refused_when_built(monkeypatch, name, value, said):
+    monkeypatch.setenv(f"KIDX_CHUNK__{name}", value)
+    with pytest.raises(ValidationError, match=f"(?s)chunk.{name.lower()}.*{said}"):
+        Settings()
 
 
 def test_an_answer_that_is_refused_resets_the_count(standin):

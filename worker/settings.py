@@ -319,6 +319,10 @@ class ChunkSettings(HTTPProviderSettings):
     timeout: float = Field(default=60.0, gt=0)
     max_retries: int = Field(default=2, ge=0, le=20)
     window: int = Field(default=6000, ge=1000, le=100_000)  # characters shown per request
+    # After `down_after` calls in a row failed transiently the model is taken for down for
+    # `cool_down` seconds (worker/providers/chat.py): items fall back to structure at once.
+    down_after: int = Field(default=3, ge=1, le=1000)
+    cool_down: float = Field(default=300.0, ge=0, le=86_400)
 
     _model = field_validator("model", mode="before")(_stripped)
 

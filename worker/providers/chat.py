@@ -7,8 +7,9 @@ the shared retry policy (`worker.providers.http`).
 
 A model that does not answer is remembered: each item would otherwise pay (retries + 1) x the
 timeout before falling back to structure, three minutes an item with the defaults, hours for a
-bulk run. After `DOWN_AFTER` calls in a row failed transiently (timeouts, connection errors,
-5xx, 429, after their retries) the model is taken for down for `COOL_DOWN` seconds: calls raise
+bulk run. After `KIDX_CHUNK__DOWN_AFTER` calls in a row (3) failed transiently (timeouts,
+connection errors, 5xx, 429, after their retries) the model is taken for down for
+`KIDX_CHUNK__COOL_DOWN` seconds (300): calls raise
 `ChatDown` at once, naming the last failure; then one call tries it again. Any answer from the
 server (a 400 or an unusable answer included) shows it is up. The state is this process's own.
 """
@@ -30,8 +31,6 @@ from worker.providers.base import Hooks
 from worker.providers.http import JSONClient, ProviderHTTPError
 from worker.settings import ChunkSettings
 
-DOWN_AFTER = 3  # calls in a row that failed transiently
-COOL_DOWN = 300.0  # seconds the model is then taken for down
 ANSWER_BYTES_PER_WINDOW_CHAR = 128
 MIN_ANSWER_BYTES = 1024 * 1024
 
@@ -64,8 +63,6 @@ class ChatModel:
         client: httpx.Client | None = None,
         rand: Callable[[], float] = random.random,
         clock: Callable[[], float] = time.monotonic,
-        down_after: int = DOWN_AFTER,
-        cool_down: float = COOL_DOWN,
     ) -> None:
         self.model_id = settings.model
         self.hooks = hooks or Hooks()
@@ -79,7 +76,8 @@ class ChatModel:
             max_answer_bytes=max_answer_bytes(settings.window),
         )
         self.schema_supported = True
-        self.clock, self.down_after, self.cool_down = clock, down_after, cool_down
+        self.clock = clock
+        self.down_after, self.cool_down = settings.down_after, settings.cool_down
         self.streak = Streak()  # calls in a row that failed transiently, and the last cause
         self.down_until = 0.0  # a `clock` time; 0: not taken for down
 
