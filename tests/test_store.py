@@ -21,7 +21,7 @@ from worker.reconcile import reconcile
 from worker.retrieval import search, search_chunks
 from worker.settings import EmbeddingSettings
 from worker.store import connect, resolve_dimensions, vec_table_dimensions
-from worker.store.db import Database
+from worker.store.db import WAL_SIZE_LIMIT, Database
 from worker.store.items import add_item, get_state, update_content
 from worker.store.schema import SCHEMA_VERSION, migrate, schema_version
 from worker.store.vec import set_meta
@@ -409,18 +409,36 @@ def test_fake_embedder_model_mismatch_is_not_reused(db):
     assert db.scalar("SELECT model FROM note_chunk_embeddings") == "model-two"
 
 
+def wal_frames(path: Path) -> int:
+    """The frames in the WAL, as another connection's checkpoint sees them (PASSIVE: it
+    copies what it can and waits for nothing)."""
+    other = Database(path)
+    try:
+        return int(other.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1])
+    finally:
+        other.conn.close()  # not `close()`: its checkpoint at close would empty the WAL
+
+
 def test_the_wal_is_checkpointed_by_a_thread_and_removed_at_close(db_path):
+    """The thread copies the pages into the database file while the connection stays open
+    (a worker keeps its own for its whole life), and the next writer starts the WAL again,
+    cut back to its size limit. The thread once only counted its calls: SQLite's C call did
+    nothing on its fresh connection, and a worker's WAL grew without end."""
     db = Database(db_path)
     db.execute("CREATE TABLE big(x BLOB)")
-    for _ in range(3):
-        with db.atomic():  # about 1500 pages of 4 KB: past the threshold
-            db.executemany("INSERT INTO big VALUES (?)", [(b"x" * 4000,) for _ in range(500)])
+    with db.atomic():  # about 6,000 pages of 4 KB: past the threshold and the size limit
+        db.executemany("INSERT INTO big VALUES (?)", [(b"x" * 4000,) for _ in range(6000)])
     checkpointer = db._checkpointer
     deadline = time.monotonic() + 10
-    while checkpointer.runs == 0 and time.monotonic() < deadline:
+    while checkpointer.copied < 6000 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert checkpointer.runs >= 1
-    assert db.scalar("SELECT count(*) FROM big") == 1500
+    assert checkpointer.runs >= 1 and checkpointer.copied >= 6000
+    assert db_path.stat().st_size > 6000 * 4000  # in the database file, the WAL still open
+    with db.atomic():  # the next write starts the WAL from its beginning
+        db.execute("INSERT INTO big VALUES (x'00')")
+    assert wal_frames(db_path) < 10
+    assert Path(f"{db_path}-wal").stat().st_size <= WAL_SIZE_LIMIT
+    assert db.scalar("SELECT count(*) FROM big") == 6001
     db.close()
     assert not Path(f"{db_path}-wal").exists()
 

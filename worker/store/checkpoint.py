@@ -31,6 +31,7 @@ class Checkpointer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.runs = 0
+        self.copied = 0  # pages copied into the database file, in all
 
     def hook(self, conn: apsw.Connection, dbname: str, pages: int) -> int:
         """Called by SQLite after each commit with the WAL's size in pages."""
@@ -52,8 +53,14 @@ class Checkpointer:
                 if self._stop.is_set():
                     return
                 try:
-                    conn.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_PASSIVE)
+                    # The PRAGMA, not `conn.wal_checkpoint()`: a connection that has read
+                    # nothing does not know the file is in WAL mode, and SQLite's C call then
+                    # does nothing and says (-1, -1); the PRAGMA reads the schema first.
+                    # (With the C call no checkpoint ever ran: this hook replaces SQLite's
+                    # own, and a worker's WAL grew for as long as it kept its connection.)
+                    _, _, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
                     self.runs += 1
+                    self.copied += max(copied, 0)
                 except apsw.Error as e:  # the next commit past the threshold tries again
                     log.warning("WAL checkpoint failed", path=self.path, reason=str(e))
         finally:

@@ -29,6 +29,8 @@ log = get_logger("kidx.store")
 
 Params = Sequence[Any] | dict[str, Any]
 
+WAL_SIZE_LIMIT = 16 * 1024 * 1024  # bytes
+
 
 @dataclass(frozen=True)
 class Resolution:
@@ -87,6 +89,9 @@ class Database:
             self.execute("PRAGMA foreign_keys = ON")
             mode = self.scalar("PRAGMA journal_mode = WAL")
             self.execute("PRAGMA synchronous = NORMAL")
+            # What the WAL file is cut back to when a writer starts it again (every page
+            # checkpointed): a bulk run's 100 MB WAL is not kept on disk for good.
+            self.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
         except apsw.Error as e:
             raise StoreError(f"cannot open database {path}: {e}") from None
         if str(path) != ":memory:" and str(mode).lower() != "wal":
