@@ -41,6 +41,9 @@ from worker.store.removal import leftovers
 from worker.store.schema import SCHEMA_VERSION, schema_version
 
 DEFAULT_TIMEOUT = 5.0
+# A WAL past this is not being checkpointed (workers cut it back to 16 MB once emptied; a bulk
+# run's transactions take a few MB each).
+WAL_WARN_BYTES = 256 * 1024 * 1024
 RECONCILE = "run a reconcile sweep (celery -A worker.app call kidx.reconcile) or `kidx index --all`"
 _WRONG_DIM = re.compile(r"vectors have (\d+) dimensions, the index expects (\d+)")
 
@@ -122,6 +125,8 @@ def check_database(settings: Settings, timeout: float) -> str:
     path = Path(settings.db)
     if not path.is_file():
         raise Fail(f"no database at {path}", "check KIDX_DB, or create it with `kidx init`")
+    wal_path = Path(f"{path}-wal")  # before this check's connection (its close empties it)
+    wal = wal_path.stat().st_size if wal_path.is_file() else 0
     db = Database(path, busy_timeout_ms=int(timeout * 1000))
     try:
         try:
@@ -137,7 +142,15 @@ def check_database(settings: Settings, timeout: float) -> str:
         if version < SCHEMA_VERSION:
             raise Fail(f"{path} has schema {version}, not {SCHEMA_VERSION}", "run `kidx init`")
         items = db.scalar("SELECT count(*) FROM knowledge_items")
-        return f"{path} (schema {version}, {items} items)"
+        said = f"{path} (schema {version}, {items} items, WAL {wal / 1e6:.1f} MB)"
+        if wal > WAL_WARN_BYTES:
+            raise Warn(
+                f"{said}: the WAL is not being emptied into the database (reads slow down and "
+                "the disk fills)",
+                "look for a process that keeps a read transaction open on the database; a "
+                "checkpoint can only copy what no reader still needs",
+            )
+        return said
     finally:
         db.close()
 

@@ -1,0 +1,38 @@
+"""`kidx doctor`'s database check says how big the WAL is, and warns when it is not being
+emptied: a worker's WAL once grew for as long as the worker ran (its checkpoints did nothing)."""
+
+from __future__ import annotations
+
+import apsw
+import pytest
+
+import ops.doctor
+from ops.doctor import Warn, check_database
+from worker.settings import Settings
+from worker.store import connect
+
+
+def test_a_wal_that_is_not_emptied_is_a_warning(tmp_path, monkeypatch):
+    path = tmp_path / "kidx.db"
+    connect(path, vec=False).close()
+    host = apsw.Connection(str(path))  # a host's connection: no checkpoint of its own
+    try:
+        host.execute("PRAGMA wal_autocheckpoint = 0")
+        host.execute("CREATE TABLE host_blobs(x BLOB)")
+        with host:
+            for _ in range(800):
+                host.execute("INSERT INTO host_blobs VALUES (zeroblob(4000))")
+        settings = Settings(db=path)
+        assert "WAL 0.0 MB" not in check_database(settings, 5.0)  # some MB, under the limit
+        monkeypatch.setattr(ops.doctor, "WAL_WARN_BYTES", 1024 * 1024)
+        with pytest.raises(Warn, match=r"WAL 3\.\d MB\): the WAL is not being emptied") as e:
+            check_database(settings, 5.0)
+        assert "read transaction" in e.value.fix
+    finally:
+        host.close()
+
+
+def test_a_database_without_a_wal_file_says_0_mb(tmp_path):
+    path = tmp_path / "kidx.db"
+    connect(path, vec=False).close()  # the last connection closed: no -wal file left
+    assert "WAL 0.0 MB" in check_database(Settings(db=path), 5.0)
