@@ -240,6 +240,7 @@ def reconcile(
         "restored": report.restored,
         "orphans_deleted": report.orphans_deleted,
         "replaced": report.replaced,
+        "tables_rebuilt": report.tables_rebuilt,
     }
     params = {"model": model, "dims": dims, "horizon": horizon}
     busy = {r[0] for r in db.all(BUSY_JOBS, params)}

@@ -2,7 +2,8 @@
 are re-inserted (an interrupted run, vectors written while sqlite-vec was off), and vec rows
 without a relational vector of the index's dimension (orphans) are deleted. A database marked
 `vec_behind` (worker.store.vec) has its vec tables rebuilt by the full repair: a stale vector
-under a live key is found by no comparison of keys."""
+under a live key is found by no comparison of keys. So has a vec table that a host dropped, made
+in another shape, or whose shadow tables it damaged (sqlite-vec then fails, or finds nothing)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ from worker.store.db import Database
 from worker.store.vec import (
     VEC_TABLES,
     VecTable,
+    rebuild_vec_table,
     set_meta,
     sound,
     sync_vec_tables,
     vec_behind,
     vec_ready,
+    vec_table_damage,
+    vec_table_dimensions,
 )
 
 # Relational vectors of one item, per vec table that holds item vectors.
@@ -54,6 +58,8 @@ class RepairReport:
     orphans_deleted: dict[str, int] = field(default_factory=dict)
     replaced: dict[str, int] = field(default_factory=dict)  # rows unlike their vector
     rebuilt: bool = False  # every vec table, from the relational vectors (`vec_behind`)
+    # tables rebuilt alone (missing, of another shape, damaged shadow tables): rows refilled
+    tables_rebuilt: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -62,7 +68,17 @@ class RepairReport:
             + sum(self.orphans_deleted.values())
             + sum(self.replaced.values())
             + self.rebuilt
+            + len(self.tables_rebuilt)
         )
+
+    def merge(self, other: RepairReport) -> None:
+        for mine, theirs in (
+            (self.restored, other.restored),
+            (self.orphans_deleted, other.orphans_deleted),
+            (self.replaced, other.replaced),
+        ):
+            for name, n in theirs.items():
+                mine[name] = mine.get(name, 0) + n
 
 
 def _restore(
@@ -159,15 +175,14 @@ def repair_vectors(
     caller's transaction when there is one.
     """
     report = RepairReport()
-    if item_id is None and db.vec_loaded and vec_behind(db) and sync_vec_tables(db, dimensions):
+    if item_id is None and db.vec_loaded and _remake(db, dimensions):
         report.rebuilt = True
     if not vec_ready(db, dimensions):
         return report
     with db.atomic():
         for t in VEC_TABLES:
             if item_id is None:
-                _sweep(db, t, dimensions, report, restore=True)
-                _verify(db, t, dimensions, report, verify)
+                _full(db, t, dimensions, report, verify)
                 continue
             if t.name in _ITEM_VECTORS:
                 if kept is not None and t.name not in _CHUNK_TABLES:
@@ -181,6 +196,42 @@ def repair_vectors(
         if item_id is not None and orphans:
             _orphans(db, dimensions, report)
     return report
+
+
+def _remake(db: Database, dimensions: int) -> bool:
+    """Rebuild the vec tables when the database is marked `vec_behind`, or when some are
+    missing or of another shape (a host dropped or made them) while the others have this
+    process's dimension: never back to it from another (a process that has not seen a model
+    switch would undo it, and mark the new model's items pending)."""
+    declared = vec_table_dimensions(db).values()
+    remade = None in declared and all(d in (None, dimensions) for d in declared)
+    return (vec_behind(db) or remade) and sync_vec_tables(db, dimensions)
+
+
+def _full(db: Database, t: VecTable, dims: int, report: RepairReport, verify: int) -> None:
+    """The full repair of one table: its keys, the contents of the next `verify` rows; or,
+    when its shadow tables are damaged (`vec_table_damage`) or sqlite-vec fails on it, the
+    table rebuilt from the relational vectors (what no row-by-row mend can do)."""
+    found = RepairReport()
+    try:
+        reason = vec_table_damage(db, t, dims)
+        if reason is None:
+            with db.atomic():
+                _sweep(db, t, dims, found, restore=True)
+                _verify(db, t, dims, found, verify)
+    except (apsw.SQLError, apsw.CorruptError) as e:  # a shadow table of another schema, too
+        reason = f"{type(e).__name__}: {e}"
+    if reason is None:
+        report.merge(found)
+        return
+    report.tables_rebuilt[t.name] = rebuild_vec_table(db, t, dims)
+    db.execute("DELETE FROM index_meta WHERE key = ?", (f"vec_verified:{t.name}",))
+    log.warning(
+        f"{KI_EMBED} vec table rebuilt",
+        table=t.name,
+        reason=reason,
+        refilled=report.tables_rebuilt[t.name],
+    )
 
 
 def repair_orphans(db: Database, dimensions: int) -> RepairReport:

@@ -91,7 +91,13 @@ VEC_TABLES = (
 VEC = {t.name: t for t in VEC_TABLES}
 MIRRORS = {t.name: tuple(m for m in VEC_TABLES if m.mirrors == t.name) for t in VEC_TABLES}
 EMBEDDING_TABLES = tuple(dict.fromkeys(t.source for t in VEC_TABLES))
-_DIM = re.compile(r"(?:float|bit)\[(\d+)\]")
+# A vec table's declaration, as sqlite_master keeps it: its module's arguments, and the shape
+# of the one vector column kidx writes (`VecTable.column`).
+_ARGS = re.compile(r"\busing\s+vec0\s*\((.*)\)\s*$", re.IGNORECASE | re.DOTALL)
+_COLUMN = {
+    "float": re.compile(r"embedding float\[(\d+)\] distance_metric=cosine"),
+    "bit": re.compile(r"embedding bit\[(\d+)\]"),
+}
 
 # Items whose vectors (chunk, whole-item or code) are of another dimension than `?`.
 ITEMS_WITH_OTHER_DIMENSIONS = """
@@ -159,20 +165,40 @@ def _latest_dimensions(db: Database, where: str, params: dict[str, object]) -> i
 
 
 def vec_table_dimensions(db: Database) -> dict[str, int | None]:
-    """Each vec table's declared dimension, read from its definition (None: missing)."""
+    """Each vec table's declared dimension, read from its definition (None: missing, or not
+    of the shape kidx makes: `_declared`; a rebuild then makes it again, and search by vector
+    falls back to exact until it has)."""
     result: dict[str, int | None] = {t.name: None for t in VEC_TABLES}
     for name, sql in db.all(
         "SELECT name, sql FROM sqlite_master WHERE type = 'table' "
         f"AND name IN ({','.join('?' * len(VEC_TABLES))})",
         [t.name for t in VEC_TABLES],
     ):
-        m = _DIM.search(sql or "")
-        result[name] = int(m.group(1)) if m else None
+        result[name] = _declared(VEC[name], sql if isinstance(sql, str) else "")
     for t in VEC_TABLES:  # a quantized table has its float table's dimension, in whole bytes
         floats = result.get(t.mirrors or "")
         if t.mirrors and floats and result[t.name] == bit_width(floats):
             result[t.name] = floats
     return result
+
+
+def _declared(t: VecTable, sql: str) -> int | None:
+    """The dimension of a vec0 declaration of exactly kidx's two columns (`t.key` and the
+    `VecTable.column` of its element; case, spacing and quotes aside), else None. A table of
+    another shape is not a mirror kidx can use: without `distance_metric=cosine` (sqlite-vec's
+    default is L2, the seed's own application's table) its distances are not cosine ones, and
+    another key or more columns do not take kidx's rows."""
+    m = _ARGS.search(sql)
+    if m is None:
+        return None
+    args = [
+        re.sub(r"\s*=\s*", "=", " ".join(a.replace('"', "").replace("`", "").split())).lower()
+        for a in m.group(1).split(",")
+    ]
+    if len(args) != 2 or args[0] != f"{t.key} integer primary key":
+        return None
+    column = _COLUMN[t.element].fullmatch(args[1])
+    return int(column.group(1)) if column else None
 
 
 VEC_BEHIND = "vec_behind"
@@ -212,23 +238,7 @@ def sync_vec_tables(db: Database, dimensions: int) -> bool:
         wrong = [t for t in VEC_TABLES if behind or before[t.name] != dimensions]
         if not wrong:
             return False
-        refilled = {}
-        for t in wrong:
-            db.execute(f"DROP TABLE IF EXISTS {t.name}")
-            db.execute(
-                f"CREATE VIRTUAL TABLE {t.name} USING vec0({t.key} INTEGER PRIMARY KEY, "
-                f"{t.column(dimensions)})"
-            )
-            db.execute(
-                f"INSERT INTO {t.name}({t.key}, embedding) "
-                f"SELECT {t.source_key}, {t.value('vector')} FROM {t.source} "
-                f"WHERE dimensions = ? AND {_SOUND_ROW}",
-                (dimensions,),
-            )
-            refilled[t.name] = db.scalar(
-                f"SELECT count(*) FROM {t.source} WHERE dimensions = ? AND {_SOUND_ROW}",
-                (dimensions,),
-            )
+        refilled = {t.name: rebuild_vec_table(db, t, dimensions) for t in wrong}
         pending = db.execute(
             "UPDATE item_index_state SET status = 'pending', "
             "updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') "
@@ -248,6 +258,80 @@ def sync_vec_tables(db: Database, dimensions: int) -> bool:
         **({"reason": "vectors were written while the mirror could not be"} if behind else {}),
     )
     return True
+
+
+# sqlite-vec 0.1's shadow tables of a vec0 table `{t}`: their declarations, as it makes them.
+SHADOWS = {
+    "info": "(key text primary key, value any)",
+    "chunks": "(chunk_id INTEGER PRIMARY KEY AUTOINCREMENT,size INTEGER NOT NULL,"
+    "validity BLOB NOT NULL,rowids BLOB NOT NULL)",
+    "rowids": "(rowid INTEGER PRIMARY KEY AUTOINCREMENT,id,chunk_id INTEGER,chunk_offset INTEGER)",
+    "vector_chunks00": "(rowid PRIMARY KEY,vectors BLOB NOT NULL)",
+}
+
+
+def rebuild_vec_table(db: Database, t: VecTable, dimensions: int) -> int:
+    """Drop `t`, make it again with `dimensions` and refill it from the relational vectors of
+    that dimension (no provider call); how many rows. Inside the caller's transaction.
+
+    vec0 cannot drop a table one of whose shadow tables a host dropped ("SQL logic error",
+    and from then on for as long as the connection lasts): those are made again, empty, first."""
+    if db.table_exists(t.name):
+        for shadow, declaration in SHADOWS.items():
+            db.execute(f'CREATE TABLE IF NOT EXISTS "{t.name}_{shadow}"{declaration}')
+    db.execute(f"DROP TABLE IF EXISTS {t.name}")
+    db.execute(
+        f"CREATE VIRTUAL TABLE {t.name} USING vec0({t.key} INTEGER PRIMARY KEY, "
+        f"{t.column(dimensions)})"
+    )
+    db.execute(
+        f"INSERT INTO {t.name}({t.key}, embedding) "
+        f"SELECT {t.source_key}, {t.value('vector')} FROM {t.source} "
+        f"WHERE dimensions = ? AND {_SOUND_ROW}",
+        (dimensions,),
+    )
+    return int(
+        db.scalar(
+            f"SELECT count(*) FROM {t.source} WHERE dimensions = ? AND {_SOUND_ROW}",
+            (dimensions,),
+        )
+    )
+
+
+def vec_table_damage(db: Database, t: VecTable, dimensions: int) -> str | None:
+    """What is wrong with the shadow tables of `t` (of `dimensions`), that no row-by-row
+    repair mends, or None: one missing; a chunk whose size, validity bitmap, rowid list or
+    vector blob do not agree (sqlite-vec then fails every search: "vectors blob size doesn't
+    match"); a row that points into no chunk (a search never finds it). Lengths only: no
+    vector is read."""
+    for shadow in SHADOWS:
+        if not db.table_exists(f"{t.name}_{shadow}"):
+            return f"its shadow table {t.name}_{shadow} is missing"
+    width = bit_width(dimensions) // 8 if t.element == "bit" else 4 * dimensions
+    chunks, rowids, vectors = (f'"{t.name}_{s}"' for s in ("chunks", "rowids", "vector_chunks00"))
+    bad_chunk = db.one(
+        f"SELECT c.chunk_id FROM {chunks} c LEFT JOIN {vectors} v ON v.rowid = c.chunk_id "
+        "WHERE NOT (typeof(c.size) = 'integer' AND c.size > 0 AND c.size % 8 = 0 "
+        "AND typeof(c.validity) = 'blob' AND length(c.validity) = c.size / 8 "
+        "AND typeof(c.rowids) = 'blob' AND length(c.rowids) = 8 * c.size "
+        "AND typeof(v.vectors) = 'blob' AND length(v.vectors) = :width * c.size) LIMIT 1",
+        {"width": width},
+    )
+    if bad_chunk is not None:
+        return f"chunk {bad_chunk[0]} of {t.name} does not add up"
+    valid = sum(
+        int.from_bytes(bitmap).bit_count() for (bitmap,) in db.all(f"SELECT validity FROM {chunks}")
+    )
+    if valid != db.scalar(f"SELECT count(*) FROM {rowids}"):
+        return f"{t.name} has {valid} vectors marked valid for another number of rows"
+    stray = db.one(
+        f"SELECT r.rowid FROM {rowids} r LEFT JOIN {chunks} c ON c.chunk_id = r.chunk_id "
+        "WHERE c.chunk_id IS NULL OR typeof(r.chunk_offset) != 'integer' "
+        "OR r.chunk_offset < 0 OR r.chunk_offset >= c.size LIMIT 1"
+    )
+    if stray is not None:
+        return f"row {stray[0]} of {t.name} points into no chunk"
+    return None
 
 
 def vec_ready(db: Database, dimensions: int) -> bool:
