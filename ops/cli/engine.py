@@ -349,6 +349,16 @@ def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool, struc
 # -- chunks / search / status ----------------------------------------------------------------
 
 
+def reading_store(ctx: Ctx) -> Any:
+    """The database for a command that only reads (chunks, search, status): it must exist, and
+    its vec tables are kept as they are (`connect(read_only=True)`): a reader still configured
+    with the old model during a model switch would otherwise rebuild them back, and mark the
+    items the workers have re-indexed `pending`."""
+    from worker.store import open_store
+
+    return open_store(ctx.settings, create=False, read_only=True)
+
+
 @command(cli)
 @click.argument("item", type=ID)
 def chunks(ctx: Ctx, item: int) -> None:
@@ -356,7 +366,7 @@ def chunks(ctx: Ctx, item: int) -> None:
     item's: `path:first-last` line as the summary, no offsets)."""
     from worker.store.items import list_chunks
 
-    with ctx.store() as db:
+    with reading_store(ctx) as db:
         rows = list_chunks(db, item)
 
     ctx.emit(
@@ -417,10 +427,15 @@ def search(
     filters = Filters(kinds=kinds, item_ids=items, source_prefix=source)
     if (code or memories) and (filters.active or chunks or mode != "hybrid"):
         raise InvalidInput("--code and --memories take only -k and --json")
-    with ctx.store() as db:
+    with reading_store(ctx) as db:
         db.map_for_reading()
         embedder = ctx.embedder(db) if mode != "keyword" else None
-        if embedder is None and (mode != "keyword" or code or memories):
+        if embedder is None and (code or memories):  # (they take no --mode: no keyword-only)
+            raise InvalidInput(
+                f"{'--code' if code else '--memories'} search needs an embedding provider "
+                "(KIDX_EMBEDDING__PROVIDER)"
+            )
+        if embedder is None and mode != "keyword":
             raise InvalidInput(
                 "search needs an embedding provider (KIDX_EMBEDDING__PROVIDER); "
                 "--mode keyword needs none"
@@ -510,7 +525,7 @@ def status(ctx: Ctx, item: int | None, summary: bool) -> None:
 
     if summary and item is not None:
         raise InvalidInput("--summary is the counts of every item: give it without an ITEM")
-    with ctx.store() as db:
+    with reading_store(ctx) as db:
         data: Any = get_state(db, item) if item is not None else list_states(db)
         overview = counts(db) | {"last_sweeps": last_sweeps(db)} if item is None else None
     rows = [data] if isinstance(data, dict) else data
