@@ -12,6 +12,7 @@ import random
 import re
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -223,21 +224,45 @@ def test_an_identifier_is_found_by_the_whole_and_by_its_parts(db, fake):
     )
 
 
+@functools.cache
+def _letter_classes() -> tuple[str, str, str]:
+    """Regex classes of every uppercase letter, lowercase letter and combining mark (in that
+    order of precedence: U+0345, a mark, is lowercase)."""
+    upper, lower, marks = [], [], []
+    for code in range(sys.maxunicode + 1):
+        c = chr(code)
+        if c.isupper():
+            upper.append(c)
+        elif c.islower():
+            lower.append(c)
+        elif unicodedata.category(c).startswith("M"):
+            marks.append(c)
+    up, low, mark = ("".join(map(re.escape, cls)) for cls in (upper, lower, marks))
+    return up, low, mark
+
+
 def _parts_by_regex(text: str) -> str:
-    """identifier_parts as it was written first, token by token with unicode61's regex."""
+    """identifier_parts written plainly: NFC, token by token with unicode61's regex (a
+    combining mark kept in its token), the CamelCase words of any script."""
+    up, low, mark = _letter_classes()
+    u, lo, d = f"[{up}][{mark}]*", f"[{low}][{mark}]*", f"\\d[{mark}]*"
+    camel = re.compile(f"(?:{u})+(?={u}[{low}])|(?:{u})?(?:{lo})+|(?:{u})+|(?:{d})+")
     seen: dict[str, None] = {}
-    for token in re.findall(r"[^\W_]+", text):
+    text = unicodedata.normalize("NFC", text)
+    marks = "\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f"
+    for token in re.findall(f"(?:[^\\W_]|[{marks}])+", text):
         if token.islower() or token.isupper() or token.isdigit():
             continue
-        words = re.findall(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+", token)
+        words = camel.findall(token)
         if len(words) > 1:
             seen.update((w.lower(), None) for w in words)
     return " ".join(seen)
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.text(alphabet=st.sampled_from("aAbBzZ09_ -.éÉßẞ٣İıK\u0301’\ud800中x")))
+@given(st.text(alphabet=st.sampled_from("aAbBzZ09_ -.éÉßẞ٣İıK\u0301’\ud800中xüÜ\u0303\u0345ǅ")))
 @example("Größe K0ı HTTPServer x86_64 u32 ’tis")
+@example("Zürich Résumé Tiếng Việt ZürichTrip Re\u0301sume\u0301Builder MÜNCHENStadt")
 def test_identifier_parts_are_those_of_unicode61_tokens(text: str) -> None:
     """The bytes fast path finds the same words, in the same order, as the token regex."""
     assert identifier_parts(text) == _parts_by_regex(text)

@@ -19,6 +19,7 @@ identifier, so `tasks` finds it too.
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -51,14 +52,15 @@ class FtsTable:
 NOTES = FtsTable(
     "note_chunks_fts",
     "note_chunks",
-    "SELECT c.id, CAST(i.title AS BLOB), CAST(c.headings AS BLOB), CAST(c.content AS BLOB) "
-    "FROM note_chunks c "
+    "SELECT c.id, CAST(i.title AS BLOB) AS title, CAST(c.headings AS BLOB) AS headings, "
+    "CAST(c.content AS BLOB) AS content FROM note_chunks c "
     "JOIN knowledge_items i ON i.id = c.item_id",
 )
 CODE = FtsTable(
     "code_chunks_fts",
     "code_chunks",
-    "SELECT c.id, CAST(c.path AS BLOB), '', CAST(c.content AS BLOB) FROM code_chunks c "
+    "SELECT c.id, CAST(c.path AS BLOB) AS title, CAST('' AS BLOB) AS headings, "
+    "CAST(c.content AS BLOB) AS content FROM code_chunks c "
     "JOIN knowledge_items i ON i.id = c.item_id",
 )
 FTS_TABLES = (NOTES, CODE)
@@ -72,9 +74,45 @@ def create_sql(name: str) -> str:
 
 
 # A token as unicode61 sees it (letters and digits; `_` separates), and the words of a
-# CamelCase or letters-and-digits token.
-_TOKEN = re.compile(r"[^\W_]+")
+# CamelCase or letters-and-digits token. Text is made NFC first (`_nfc`); a combining mark
+# that is left (no precomposed letter: `q̃`) stays in its token, as unicode61 keeps it there:
+# cut at the mark, a query's word became a phrase of two that the index never holds.
+_MARKS = "\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f"
+_TOKEN = re.compile(rf"(?:[^\W_]|[{_MARKS}])+")
 _WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
+# The same words beyond ASCII, found in a token's shape (`_Shapes`): an upper- or lowercase
+# letter of any script, a digit, a mark (with the letter before it). An ASCII-only split cut
+# `Zürich` at `ü` and indexed `z rich`: `rich` found it.
+_SHAPE_WORDS = re.compile(r"(?:Am*)+(?=Am*a)|(?:Am*)?(?:am*)+|(?:Am*)+|(?:0m*)+")
+
+
+class _Shapes(dict[int, str]):
+    """A character's shape for `_SHAPE_WORDS` (`str.translate` table, filled as met): `A`
+    uppercase, `a` lowercase, `0` a decimal digit, `m` a combining mark, ` ` anything else."""
+
+    def __missing__(self, code: int) -> str:
+        c = chr(code)
+        if c.isupper():
+            shape = "A"
+        elif c.islower():
+            shape = "a"
+        elif c.isdecimal():
+            shape = "0"
+        elif unicodedata.category(c).startswith("M"):
+            shape = "m"
+        else:
+            shape = " "
+        self[code] = shape
+        return shape
+
+
+_SHAPES = _Shapes()
+
+
+def _nfc(text: str) -> str:
+    """Text as the keyword index holds it and a query is cut: NFC, so that `résumé` typed
+    decomposed (NFD: `e` and U+0301, as macOS writes file names) meets it composed."""
+    return text if text.isascii() else unicodedata.normalize("NFC", text)
 
 
 # ASCII letters and digits, and every byte of a character beyond ASCII, kept; every other byte
@@ -88,27 +126,28 @@ _KEEP = bytes(
 def identifier_parts(text: str) -> str:
     """The words inside CamelCase tokens (`BackgroundTasks` -> `Background Tasks`), once each."""
     seen: dict[str, None] = {}
+    text = _nfc(text)
     for raw in dict.fromkeys(text.encode("utf-8", "surrogatepass").translate(_KEEP).split()):
         if raw.isascii():
             if raw.islower() or raw.isupper() or raw.isdigit():
                 continue
-            _add_words(raw.decode(), seen)
+            _add_words(_WORDS.findall(raw.decode()), seen)
         else:  # a character beyond ASCII may be a letter or not: unicode61's view decides
             for token in _TOKEN.findall(raw.decode("utf-8", "surrogatepass")):
                 if not (token.islower() or token.isupper() or token.isdigit()):
-                    _add_words(token, seen)
+                    spans = _SHAPE_WORDS.finditer(token.translate(_SHAPES))
+                    _add_words([token[m.start() : m.end()] for m in spans], seen)
     return " ".join(seen)
 
 
-def _add_words(token: str, seen: dict[str, None]) -> None:
-    words = _WORDS.findall(token)
+def _add_words(words: list[str], seen: dict[str, None]) -> None:
     if len(words) > 1:
         seen.update((w.lower(), None) for w in words)
 
 
 def _row(chunk_id: int, title: object, headings: object, content: object) -> tuple:
-    """Text columns a host may have written as any bytes are read as text to show."""
-    fields = [shown(title), shown(headings), shown(content)]
+    """Text columns a host may have written as any bytes are read as text to show (NFC)."""
+    fields = [_nfc(shown(title)), _nfc(shown(headings)), _nfc(shown(content))]
     return (chunk_id, *fields, identifier_parts(" ".join(fields)))
 
 
@@ -127,7 +166,7 @@ def keyword_row(chunk_id: int, title: str, headings: str, content: str, parts: s
         return _row(chunk_id, title, headings, content)
     merged = dict.fromkeys(identifier_parts(title).split())
     merged.update(dict.fromkeys(parts.split()))
-    return (chunk_id, title, headings, content, " ".join(merged))
+    return (chunk_id, _nfc(title), _nfc(headings), _nfc(content), " ".join(merged))
 
 
 def fts_delete(db: Database, table: FtsTable, chunk_ids: Iterable[int]) -> None:
@@ -166,19 +205,21 @@ def fts_ready(db: Database) -> bool:
 
 
 def fts_counts(db: Database) -> dict[str, dict[str, int]]:
-    """Per table: rows with no live chunk (`stale`), live chunks with no row (`missing`)."""
+    """Per table: rows with no live chunk (`stale`), live chunks with no row (`missing`). A
+    table FTS5 cannot open (`fts_intact` says so) holds no row that search can find: every
+    live chunk is missing, as with no table."""
     out = {}
     for t in FTS_TABLES:
-        if not db.table_exists(t.name):
-            out[t.name] = {
-                "stale": 0,
-                "missing": int(db.scalar(f"SELECT count(*) FROM ({t.rows})")),
-            }
-            continue
-        out[t.name] = {
-            "stale": int(db.scalar(t.stale("count(*)"))),
-            "missing": int(db.scalar(t.missing("count(*)"))),
-        }
+        if db.table_exists(t.name):
+            try:
+                out[t.name] = {
+                    "stale": int(db.scalar(t.stale("count(*)"))),
+                    "missing": int(db.scalar(t.missing("count(*)"))),
+                }
+                continue
+            except apsw.SQLError:
+                pass
+        out[t.name] = {"stale": 0, "missing": int(db.scalar(f"SELECT count(*) FROM ({t.rows})"))}
     return out
 
 
@@ -193,13 +234,73 @@ def refresh_fts(db: Database, tables: tuple[FtsTable, ...] = FTS_TABLES) -> None
 
 
 def fts_intact(db: Database, table: FtsTable) -> bool:
-    """FTS5's own check of its index against its text (about 1 s at 100k chunks)."""
-    refresh_fts(db, (table,))
+    """FTS5's own check of its index against its text (about 1 s at 100k chunks). A table FTS5
+    cannot open at all (a host wrote or dropped its `_config`) is not intact either."""
     try:
+        refresh_fts(db, (table,))
         db.execute(f"INSERT INTO {table.name}({table.name}) VALUES ('integrity-check')")
-    except apsw.CorruptError:
+    except (apsw.CorruptError, apsw.SQLError):
         return False
     return True
+
+
+_SHADOWS = ("data", "idx", "content", "docsize", "config")
+
+
+def _drop(db: Database, table: FtsTable) -> None:
+    """Drop a keyword table, in the caller's transaction. One that FTS5 cannot open (`invalid
+    fts5 file format`, `vtable constructor failed`) DROP TABLE cannot drop either: its shadow
+    tables, plain tables, are dropped as such, then its own schema row (a virtual table's
+    holds no page) is deleted with writable_schema and the schema read again. The caller
+    creates the table again, which moves the schema cookie: other connections see it."""
+    try:
+        with db.atomic():
+            db.execute(f"DROP TABLE {table.name}")
+        return
+    except (apsw.CorruptError, apsw.SQLError):
+        pass
+    for suffix in _SHADOWS:
+        name = f"{table.name}_{suffix}"
+        if db.scalar("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)):
+            db.execute(f"DROP TABLE {name}")
+    db.execute("PRAGMA writable_schema = ON")
+    try:
+        db.execute(
+            "DELETE FROM sqlite_master WHERE type = 'table' AND name = ? AND rootpage = 0 "
+            "AND sql LIKE 'CREATE VIRTUAL TABLE%'",
+            (table.name,),
+        )
+    finally:
+        db.execute("PRAGMA writable_schema = RESET")  # off, and this connection's schema reread
+
+
+# How the keyword rows are made, kept in `index_meta` by the sweep's `sync_fts`: "2", NFC text
+# and CamelCase words of any script. Rows made before (an ASCII-only split indexed `Zürich` as
+# `z rich`) are compared with the rows made now once, those of text beyond ASCII (the only
+# ones that can differ), and rewritten where they differ.
+ROWS_MADE = ("fts_rows", "2")
+
+
+def _unlike(db: Database, table: FtsTable, *, every: bool) -> list[tuple]:
+    """The live chunks whose keyword row is not the one `_row` makes of them now: a row whose
+    text is not its chunk's (a host's chunk under the id of a deleted one, whose row stayed:
+    the chunk table has no AUTOINCREMENT) or, with `every`, any row of text beyond ASCII."""
+    differs = " OR ".join(
+        f"CAST(f.{c} AS BLOB) IS NOT c.{c}" for c in ("title", "headings", "content")
+    )
+    sql = (
+        "SELECT c.id, c.title, c.headings, c.content, f.title, f.headings, f.content, f.parts, "
+        f"{differs} FROM ({table.rows}) c JOIN {table.name} f ON f.rowid = c.id"
+    )
+    out = []
+    for *chunk, title, headings, content, parts, text_differs in db.execute(
+        sql if every else f"{sql} WHERE {differs}"
+    ):
+        if not text_differs and all(v is None or v.isascii() for v in chunk[1:]):
+            continue  # its chunk's ASCII text: made as now
+        if _row(*chunk) != (chunk[0], title, headings, content, parts):
+            out.append(tuple(chunk))
+    return out
 
 
 def sync_fts(db: Database, *, verify: bool = False) -> dict[str, int]:
@@ -207,13 +308,19 @@ def sync_fts(db: Database, *, verify: bool = False) -> dict[str, int]:
     rows no live chunk has, add the chunks that have none. In one transaction; what changed.
 
     `verify` (the reconcile sweep): FTS5's own integrity check first; an index that does not
-    match its text (a host wrote into its shadow tables) is built again from the chunks:
-    derived data, so mended, not lost."""
+    match its text (a host wrote into its shadow tables), or a table FTS5 cannot open, is
+    built again from the chunks: derived data, so mended, not lost. Then each row's text is
+    compared with its chunk's, and a row that is not the chunk's is made again."""
     changed: dict[str, int] = {}
     with db.atomic():
+        every = (
+            verify
+            and db.scalar("SELECT value FROM index_meta WHERE key = ?", ROWS_MADE[:1])
+            != ROWS_MADE[1]
+        )
         for t in FTS_TABLES:
             if verify and db.table_exists(t.name) and not fts_intact(db, t):
-                db.execute(f"DROP TABLE {t.name}")  # refilled below from the chunks
+                _drop(db, t)  # refilled below from the chunks
                 changed[f"{t.name} rebuilt"] = 1
             if not db.table_exists(t.name):
                 db.execute(create_sql(t.name))
@@ -222,10 +329,20 @@ def sync_fts(db: Database, *, verify: bool = False) -> dict[str, int]:
             fts_delete(db, t, stale)
             missing = db.all(t.missing("*"))
             fts_write(db, t, missing)
+            unlike = _unlike(db, t, every=every) if verify else []
+            fts_write(db, t, unlike)
             if stale:
                 changed[f"{t.name} stale"] = len(stale)
             if missing:
                 changed[f"{t.name} missing"] = len(missing)
+            if unlike:
+                changed[f"{t.name} rewritten"] = len(unlike)
+        if every:
+            db.execute(
+                "INSERT INTO index_meta(key, value) VALUES (?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                ROWS_MADE,
+            )
     return changed
 
 
@@ -257,7 +374,7 @@ def keyword_query(text: str) -> str | None:
     identifier; a CamelCase token also by its words."""
     terms: dict[str, None] = {}
     words: dict[str, None] = {}
-    for raw in text.split():
+    for raw in _nfc(text).split():
         tokens = [t.lower() for t in _TOKEN.findall(raw)]
         if len(tokens) > 1:
             terms['"' + " ".join(tokens) + '"'] = None

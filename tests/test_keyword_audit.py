@@ -1,0 +1,163 @@
+"""The keyword index against an audit's findings (2026-12-03): words beyond ASCII, text in
+decomposed Unicode, a keyword row left under a reused chunk id, and FTS5 tables a host damaged
+so that FTS5 cannot open them."""
+
+from __future__ import annotations
+
+import unicodedata
+
+import apsw
+import pytest
+
+from conftest import FakeEmbedder, integrity, keyword_rows_problems
+from host import host
+from worker.bulk import index_item
+from worker.retrieval import search_chunks
+from worker.store import connect
+from worker.store.fts import (
+    NOTES,
+    ROWS_MADE,
+    fts_counts,
+    fts_intact,
+    identifier_parts,
+    keyword_query,
+    sync_fts,
+)
+from worker.store.items import add_item
+
+
+@pytest.fixture
+def fake() -> FakeEmbedder:
+    return FakeEmbedder()
+
+
+def titles(db, query: str) -> list[str]:
+    return [h.title for h in search_chunks(db, query, None, k=5, mode="keyword").hits]
+
+
+def add(db, fake, title: str, content: str) -> int:
+    item = add_item(db, kind="note", title=title, content=content)
+    assert index_item(db, item, embedder=fake).status == "indexed"
+    return item
+
+
+def test_a_capitalised_word_beyond_ascii_is_one_word_not_its_ascii_fragments(db, fake):
+    add(db, fake, "Trip", "We visited Zürich in May.")
+    add(db, fake, "Wealth", "How the rich invest their money.")
+    add(db, fake, "Math", "The sum of two numbers.")
+    add(db, fake, "Jobs", "Send your Résumé today.")
+    add(db, fake, "Lang", "Tiếng Việt is spoken here.")
+    assert titles(db, "Zürich") == ["Trip"]
+    assert titles(db, "rich") == ["Wealth"]
+    assert titles(db, "Résumé") == ["Jobs"]
+    assert titles(db, "sum") == ["Math"]
+    assert keyword_query("Tiếng Việt") == '"tiếng" OR "việt"'
+    assert db.all("SELECT parts FROM note_chunks_fts WHERE parts != ''") == []
+    # CamelCase of any script is still split, and never inside a run of lowercase letters.
+    assert identifier_parts("ZürichTrip ÉcoleNormale MÜNCHENStadt") == (
+        "zürich trip école normale münchen stadt"
+    )
+    assert identifier_parts(unicodedata.normalize("NFD", "RésuméBuilder")) == "résumé builder"
+
+
+def test_rows_made_by_the_ascii_only_split_are_made_again_once_by_the_sweep(db, fake):
+    """A database indexed before the fix holds `z rich` for `Zürich`: the sweep's first
+    `sync_fts` compares the rows of text beyond ASCII with the rows made now."""
+    trip = add(db, fake, "Trip", "We visited Zürich in May.")
+    add(db, fake, "Wealth", "How the rich invest their money.")
+    chunk = db.scalar("SELECT id FROM note_chunks WHERE item_id = ?", (trip,))
+    db.execute("UPDATE note_chunks_fts SET parts = 'z rich' WHERE rowid = ?", (chunk,))
+    db.execute("DELETE FROM index_meta WHERE key = ?", ROWS_MADE[:1])
+    assert titles(db, "rich") == ["Wealth", "Trip"]  # as an old database answered
+
+    assert sync_fts(db, verify=True) == {"note_chunks_fts rewritten": 1}
+    assert titles(db, "rich") == ["Wealth"]
+    assert db.scalar("SELECT value FROM index_meta WHERE key = ?", ROWS_MADE[:1]) == "2"
+    assert sync_fts(db, verify=True) == {}  # once: the next sweeps compare text only
+    assert integrity(db) == "ok"
+
+
+def test_a_query_in_decomposed_unicode_finds_both_forms(db, fake):
+    nfd = unicodedata.normalize("NFD", "résumé 한국어")
+    nfc = unicodedata.normalize("NFC", nfd)
+    assert nfd != nfc
+    add(db, fake, "nfd", f"zzfiller {nfd} zzfiller")
+    add(db, fake, "nfc", f"zzfiller {nfc} zzfiller")
+    for query in (nfd, nfc, "resume"):
+        assert sorted(titles(db, query)) == ["nfc", "nfd"], ascii(query)
+    for query in ("한국어", unicodedata.normalize("NFD", "한국어")):
+        assert sorted(titles(db, query)) == ["nfc", "nfd"], ascii(query)
+    # A mark with no precomposed letter stays in its word, as unicode61 keeps it.
+    add(db, fake, "mark", "the q\u0303uery word")
+    assert titles(db, "q\u0303uery") == ["mark"]
+
+
+def test_a_keyword_row_left_under_a_reused_chunk_id_is_made_again_by_the_sweep(db, db_path, fake):
+    """A host deletes an item (its trigger deletes the chunks, the keyword row stays) and
+    writes a chunk of its own, which takes the freed id: the sweep compares the row's text."""
+    add(db, fake, "other", "harmless text")
+    secret = add(db, fake, "secret", "uniquezebra launch codes")
+    freed = db.scalar("SELECT id FROM note_chunks WHERE item_id = ?", (secret,))
+    out = host(
+        db_path,
+        ("DELETE FROM knowledge_items WHERE id = ?", [secret]),
+        (
+            "INSERT INTO knowledge_items(kind, title, content) "
+            "VALUES ('note', 'host note', 'shopping list') RETURNING id",
+            [],
+        ),
+        (
+            "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
+            "end_offset, embed_hash) SELECT max(id), 0, 'shopping list', 'structure', 0, 13, "
+            "'h' FROM knowledge_items RETURNING id",
+            [],
+        ),
+    )
+    assert out[2] == [[freed]]  # the deleted chunk's id, given again
+    assert titles(db, "uniquezebra") == ["host note"]  # before the sweep
+
+    assert sync_fts(db, verify=True) == {"note_chunks_fts rewritten": 1}
+    assert titles(db, "uniquezebra") == []
+    assert titles(db, "shopping") == ["host note"]
+    assert keyword_rows_problems(db) == [] and integrity(db) == "ok"
+    assert sync_fts(db, verify=True) == {}
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "UPDATE note_chunks_fts_config SET v = 99 WHERE k = 'version'",
+        "DROP TABLE note_chunks_fts_config",
+        "DROP TABLE note_chunks_fts_config; DROP TABLE note_chunks_fts_data",
+    ],
+)
+def test_a_keyword_table_fts5_cannot_open_is_rebuilt_by_the_sweep(
+    db, db_path, emb_settings, fake, damage
+):
+    """A host's write to FTS5's `_config` leaves a table that no query, no integrity check and
+    no DROP TABLE can open (a connection that had opened it keeps its cached state): the sweep
+    removes it with its shadow tables and builds it again; the other connection sees the new
+    one."""
+    for n in range(3):
+        add(db, fake, f"filler {n}", f"nothing about it here, number {n}")
+    target = add(db, fake, "target", "the pelican migrates in spring")
+    assert titles(db, "pelican") == ["target"]
+    schema = db.all("SELECT type, name, sql FROM sqlite_master ORDER BY name")
+    host(db_path, *[(sql, []) for sql in damage.split("; ")])
+    sweep = connect(db_path, embedding=emb_settings)
+    try:
+        with pytest.raises(apsw.SQLError, match=r"fts5|vtable"):
+            sweep.all("SELECT rowid FROM note_chunks_fts WHERE note_chunks_fts MATCH 'pelican'")
+        assert fts_counts(sweep)["note_chunks_fts"] == {"stale": 0, "missing": 4}
+        assert not fts_intact(sweep, NOTES)  # what `kidx doctor` reports, not a crash
+        changed = sync_fts(sweep, verify=True)
+        assert changed["note_chunks_fts rebuilt"] == 1
+        assert changed["note_chunks_fts missing"] == 4
+        assert titles(sweep, "pelican") == ["target"]
+    finally:
+        sweep.close()
+    assert titles(db, "pelican") == ["target"]  # the long-lived connection, too
+    assert db.all("SELECT type, name, sql FROM sqlite_master ORDER BY name") == schema
+    assert keyword_rows_problems(db) == [] and integrity(db) == "ok"
+    assert sync_fts(db, verify=True) == {}
+    assert db.scalar("SELECT item_id FROM note_chunks WHERE content LIKE '%pelican%'") == target
