@@ -252,3 +252,36 @@ def test_code_and_memory_search_without_a_provider_suggest_nothing_refused(tmp_p
     line = one_line_error(kidx("search", "borrowing"))
     assert "--mode keyword needs none" in line
     assert kidx.ok("search", "borrowing", "--mode", "keyword").returncode == 0
+
+
+def test_a_read_only_connection_does_not_search_a_mirror_marked_behind(tmp_path):
+    """Vectors written while the mirror could not be (`vec_behind`): the vec table may hold an
+    old vector under a live key. A writer's connection rebuilds it; a read-only one rewrites
+    nothing, so it does not use the vec tables at all: the search scans exactly (and says
+    so) until a writer or the sweep has rebuilt them."""
+    path = tmp_path / "kidx.db"
+    indexed(path)
+    db = connect(path, embedding=FAKE)
+    query = FakeEmbedder().embed_batch([QUERY])[0].astype("<f4").tobytes()
+    with db.atomic():  # a chunk's new vector, its mirror not written: the query's own
+        chunk = db.scalar("SELECT max(chunk_id) FROM note_chunk_embeddings")
+        db.execute("UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = ?", (query, chunk))
+        db.execute("INSERT INTO index_meta(key, value) VALUES ('vec_behind', '1')")
+    db.close()
+    want = exact(path)
+    assert want[0] == (chunk, pytest.approx(1.0, abs=1e-5))
+    reader = connect(path, embedding=FAKE, read_only=True)
+    try:
+        found = search_chunks(reader, QUERY, FakeEmbedder(), k=5, mode="vector")
+        assert found.via == "fallback" and "vec tables could not be" in (found.reason or "")
+        assert same([(h.chunk_id, h.score) for h in found.hits], want)
+        assert reader.scalar("SELECT value FROM index_meta WHERE key = 'vec_behind'") == "1"
+    finally:
+        reader.close()
+    db = connect(path, embedding=FAKE)  # a writer: rebuilt, and vec0 serves the same answer
+    try:
+        assert mirror_problems(db) == []
+        via, hits = ranked(db)
+        assert via == "vec" and same(hits, want)
+    finally:
+        db.close()
