@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import apsw
+
+from worker.errors import StoreError
 from worker.settings import EmbeddingSettings, Settings
 from worker.store.db import Database, Resolution
 from worker.store.fts import sync_fts
 from worker.store.repair import RepairReport, repair_vectors
-from worker.store.schema import FTS_MIGRATION, migrate, schema_version
+from worker.store.schema import FTS_MIGRATION, MIGRATIONS, migrate, schema_version
 from worker.store.vec import (
     VEC_TABLES,
     resolve_dimensions,
@@ -54,6 +58,7 @@ def connect(
     database marked `vec_behind` is read without its vec tables (they may hold stale vectors,
     worker.store.vec) until a writer or the sweep rebuilds them. (Migrations still run: the
     code reads only the current schema.)"""
+    _refuse_foreign(Path(path), must_be_kidx=not create)
     db = Database(path, busy_timeout_ms=busy_timeout_ms, create=create)
     try:
         before = schema_version(db)
@@ -78,6 +83,53 @@ def connect(
         db.close()
         raise
     return db
+
+
+# The tables kidx's first migrations create: a file that has one of them without kidx's schema
+# is another application's, and migrating it would fail half-way or mix the two.
+_KIDX_TABLES = frozenset(
+    re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", " ".join(sql for _, sql in MIGRATIONS))
+)
+
+
+def _refuse_foreign(path: Path, *, must_be_kidx: bool) -> None:
+    """Refuse, before anything is written (even the switch to WAL), a file that is not a
+    kidx database: one with tables of kidx's names but no kidx schema (another application's),
+    and, for a command that expects kidx's database (`must_be_kidx`: every one but `init` and
+    `add`), any file without kidx's schema. A host's own tables beside kidx's are fine: `kidx
+    init` adds kidx's tables to such a file, and nothing else does."""
+    if str(path) == ":memory:" or not path.is_file():
+        return
+    try:
+        conn = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    except apsw.Error:
+        return  # Database() says what is wrong with it
+    try:
+        names = [r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")]
+        if "index_meta" in names:
+            row = conn.execute(
+                "SELECT value FROM index_meta WHERE key = 'schema_version'"
+            ).fetchone()
+            if row is not None:
+                return  # kidx's (schema_version says more, once open)
+    except apsw.Error:
+        return  # not a database, locked, damaged: Database() and the migrations say so
+    finally:
+        conn.close()
+    theirs = sorted(n for n in names if not n.startswith("sqlite_"))
+    clash = sorted(set(theirs) & _KIDX_TABLES)
+    if clash:
+        raise StoreError(
+            f"{path} is not a kidx database but has tables of kidx's names ({', '.join(clash)}): "
+            "it belongs to another application; point KIDX_DB at another file"
+        )
+    if must_be_kidx:
+        shown = ", ".join(theirs[:5]) + (", ..." if len(theirs) > 5 else "")
+        has = f" (it has tables {shown})" if theirs else " (it is empty)"
+        raise StoreError(
+            f"{path} is not a kidx database{has}: run `kidx init` to add kidx's tables to it, "
+            "or point KIDX_DB at another file"
+        )
 
 
 def open_store(settings: Settings, *, create: bool = True, read_only: bool = False) -> Database:
