@@ -42,7 +42,9 @@ _CACHE: weakref.WeakKeyDictionary[Database, dict[str, _Bits]] = weakref.WeakKeyD
 
 def nearest_bits(db: Database, table: str, query_bits: bytes, fetch: int) -> list[int] | None:
     """The ids of the `fetch` rows of `table` nearest to `query_bits` by hamming distance
-    (ties in no particular order), or None when the table's layout is not the known one."""
+    (ties at the cut by id: twins, the same text many times, are all at one distance, and
+    every other path returns the lowest ids of them), or None when the table's layout is
+    not the known one."""
     bits = _load(db, table, len(query_bits))
     if bits is None:
         return None
@@ -57,7 +59,14 @@ def nearest_bits(db: Database, table: str, query_bits: bytes, fetch: int) -> lis
     fetch = min(fetch, live)
     if fetch <= 0:
         return []
-    top = np.argpartition(distance, fetch - 1)[:fetch] if fetch < len(distance) else slice(None)
+    if fetch < len(distance):
+        cut = np.partition(distance, fetch - 1)[fetch - 1]
+        below = np.flatnonzero(distance < cut)
+        tied = np.flatnonzero(distance == cut)
+        tied = tied[np.argsort(bits.ids[tied], kind="stable")[: fetch - len(below)]]
+        top = np.concatenate([below, tied])
+    else:
+        top = np.arange(len(distance))
     ids = bits.ids[top]
     return ids[distance[top] < _FAR].tolist()
 
@@ -86,12 +95,15 @@ def _load(db: Database, table: str, nbytes: int) -> _Bits | None:
         f'JOIN "{table}_vector_chunks00" v ON v.rowid = c.chunk_id ORDER BY c.chunk_id'
     )
     for size, validity, rowids, vectors in rows:
+        if type(size) is not int or not all(type(b) is bytes for b in (validity, rowids, vectors)):
+            return None  # a host's value of another type
         if len(validity) * 8 != size or len(rowids) != 8 * size or len(vectors) != nbytes * size:
             return None
     ids = np.frombuffer(b"".join(r[2] for r in rows), dtype="<i8")
     flags = np.frombuffer(b"".join(r[1] for r in rows), dtype=np.uint8)
     valid = np.unpackbits(flags, bitorder="little").astype(bool)
-    matrix = np.frombuffer(b"".join(r[3] for r in rows), dtype="<u8").reshape(len(ids), -1)
+    # the width given, not inferred: a table with no rows (just rebuilt) is (0, width)
+    matrix = np.frombuffer(b"".join(r[3] for r in rows), dtype="<u8").reshape(len(ids), nbytes // 8)
     bits = _Bits(version, ids, np.ascontiguousarray(matrix.T), valid)
     _CACHE.setdefault(db, {})[table] = bits
     return bits

@@ -4,12 +4,14 @@ each on their own (note search, with its one-hit-per-item merge, is `worker.retr
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import apsw
 import numpy as np
 
 from worker import hamming
@@ -32,13 +34,44 @@ def unavailable(db: Database, table: VecTable, dims: int) -> str | None:
 
 
 # What makes a vector of each table live: its row's owner still exists (a host's plain-SQL
-# delete leaves vec rows, and with foreign keys off relational ones, until the sweep).
+# delete leaves vec rows, and with foreign keys off relational ones, until the sweep), and is
+# still of its kind (an item a host turned into a note keeps its code chunks until the sweep:
+# code search does not show them, and they must not take a candidate's place).
 LIVE = {
     "vec_work_code_chunks": "JOIN code_chunks c ON c.id = r.chunk_id "
-    "JOIN knowledge_items i ON i.id = c.item_id",
+    "JOIN knowledge_items i ON i.id = c.item_id AND i.kind = 'code'",
     "vec_memories": "JOIN memories m ON m.id = r.memory_id",
 }
 KNN_MAX = 4096  # sqlite-vec 0.1's limit on k
+
+
+class VecUnreadable(Exception):
+    """sqlite-vec cannot answer from a vec0 table as its storage is now (a host wrote into its
+    shadow tables): the exact path serves, with this as the reason."""
+
+
+def vec_failed(table: str, error: apsw.SQLError) -> str:
+    """Why the exact path serves when sqlite-vec fails reading `table` (`vectors blob size
+    doesn't match`, `no such table: main.{table}_chunks`: a host's writes into its storage)."""
+    return f"sqlite-vec could not read {table} ({error})"
+
+
+def knn_ended(db: Database, table: VecTable, dims: int, rows: int) -> None:
+    """A KNN that ended after `rows` rows, fewer than it asked for, has seen every row of
+    `table`, which mirrors each sound vector of its dimension: raise VecUnreadable when the
+    relational table holds more. sqlite-vec answers from storage a host emptied (its
+    `_chunks` table) with no row and no error; a count of at most `rows` + 1 rows tells."""
+    more = db.scalar(
+        f"SELECT count(*) FROM (SELECT 1 FROM {table.source} r "
+        f"WHERE r.dimensions = ? AND {sound('r')} LIMIT ?)",
+        (dims, rows + 1),
+    )
+    if more > rows:
+        raise VecUnreadable(
+            f"{table.name} holds fewer vectors than {table.source} (its storage was damaged, "
+            "or written behind): the sweep mends it"
+        )
+
 
 T = TypeVar("T")
 
@@ -89,7 +122,11 @@ def undirected(db: Database, table: str) -> bool:
         )
         try:
             for size, validity, vectors in cursor:  # a chunk at a time: 1.5 MB at 384 dims
-                if not size or len(validity) * 8 != size or len(vectors) % (4 * size):
+                if type(size) is not int or type(validity) is not bytes:
+                    continue  # a host's value of another type: vec0 serves (or says why not)
+                if not size or len(validity) * 8 != size or type(vectors) is not bytes:
+                    continue
+                if len(vectors) % (4 * size):
                     continue  # not the layout after all: vec0 serves as before
                 matrix = np.frombuffer(vectors, dtype="<f4").reshape(size, -1)
                 valid = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")
@@ -124,28 +161,19 @@ def nearest(
 ) -> tuple[list[tuple[int, float]], str, str | None]:
     """The k nearest (key, cosine distance) of `model`'s live vectors; which path served; why
     the fallback did, when it did."""
+    k = operator.index(k)  # a numpy integer would be bound as bytes
     q = np.asarray(vector, dtype="<f4")
     live = LIVE.get(table.name, "")
     reason = unavailable(db, table, len(q))
-    if reason is None and undirected(db, table.name):
-        reason = f"{table.name} holds a vector without a direction, which sqlite-vec misranks"
     if reason is None:
-
-        def attempt(fetch: int) -> tuple[list[tuple[int, float]], bool]:
-            rows = db.all(
-                f"SELECT v.{table.key}, {NO_DIRECTION}, r.{table.source_key} IS NOT NULL FROM "
-                f"(SELECT {table.key}, distance FROM {table.name} WHERE embedding MATCH ? AND "
-                f"k = ?) v LEFT JOIN ({table.source} r {live}) ON r.{table.source_key} = "
-                f"v.{table.key} AND r.model = ? ORDER BY 2, 1",
-                (q.tobytes(), fetch, model),
-            )
-            found = [(int(key), float(d)) for key, d, ok in rows if ok][:k]
-            return found, past_ties(rows, found, k) or len(rows) < fetch
-
-        found = widening(max(2 * k, 32), KNN_MAX, attempt)
+        try:
+            found, reason = _knn(db, table, q, k, model)
+        except apsw.SQLError as error:
+            found, reason = None, vec_failed(table.name, error)
+        except VecUnreadable as unreadable:
+            found, reason = None, str(unreadable)
         if found is not None:
             return found, "vec", None
-        reason = f"the nearest {k} need more than {KNN_MAX} rows of {table.name}"
     found = exact_nearest(
         db,
         f"SELECT r.{table.source_key}, r.vector FROM {table.source} r {live} "
@@ -158,11 +186,43 @@ def nearest(
     return found, "fallback", reason
 
 
+def _knn(
+    db: Database, table: VecTable, q: np.ndarray, k: int, model: str
+) -> tuple[list[tuple[int, float]] | None, str | None]:
+    """The k nearest through sqlite-vec, or None and why not. Only a row whose relational
+    vector is live, of `model`, sound and of the query's dimension counts, as on the exact
+    path: a host may make a vector unreadable and leave its vec row."""
+    if undirected(db, table.name):
+        return None, f"{table.name} holds a vector without a direction, which sqlite-vec misranks"
+    live = LIVE.get(table.name, "")
+
+    def attempt(fetch: int) -> tuple[list[tuple[int, float]], bool]:
+        rows = db.all(
+            f"SELECT v.{table.key}, {NO_DIRECTION}, r.{table.source_key} IS NOT NULL FROM "
+            f"(SELECT {table.key}, distance FROM {table.name} WHERE embedding MATCH ? AND "
+            f"k = ?) v LEFT JOIN ({table.source} r {live}) ON r.{table.source_key} = "
+            f"v.{table.key} AND r.model = ? AND r.dimensions = ? AND {sound('r')} "
+            "ORDER BY 2, 1",
+            (q.tobytes(), fetch, model, len(q)),
+        )
+        if len(rows) < fetch:
+            knn_ended(db, table, len(q), len(rows))
+        found = [(int(key), float(d)) for key, d, ok in rows if ok][:k]
+        return found, past_ties(rows, found, k) or len(rows) < fetch
+
+    found = widening(max(2 * k, 32), KNN_MAX, attempt)
+    if found is None:
+        return None, f"the nearest {k} need more than {KNN_MAX} rows of {table.name}"
+    return found, None
+
+
 def unit_rows(matrix: np.ndarray) -> np.ndarray:
-    """Each row at unit length (a zero row stays zero)."""
-    norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix))
-    norms[norms == 0] = 1.0
-    return matrix / norms[:, None]
+    """Each row at unit length (a zero row stays zero; a row a host wrote with infinite values
+    comes out NaN, quietly: `_distances` scores it as having no direction)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix))
+        norms[norms == 0] = 1.0
+        return matrix / norms[:, None]
 
 
 def distances(matrix: np.ndarray, vector: np.ndarray) -> np.ndarray:
@@ -271,7 +331,7 @@ def exact_nearest(
     size = len(sql) + sum(len(p) if isinstance(p, str | bytes) else 8 for p in before)
     kept_keys: list[np.ndarray] | None = [] if held is not None else None
     kept_units: list[np.ndarray] = []
-    last = -1
+    last: float = float("-inf")  # below every rowid: a host may write negative ones
     while True:
         rows = db.all(paged, (*before, model, dims, last, BLOCK))
         if not rows:

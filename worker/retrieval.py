@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import enum
 import json
+import numbers
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -35,11 +37,14 @@ from worker.hamming import nearest_bits
 from worker.nearest import (
     KNN_MAX,
     NO_DIRECTION,
+    VecUnreadable,
     distances,
     exact_nearest,
+    knn_ended,
     past_ties,
     unavailable,
     undirected,
+    vec_failed,
     widening,
 )
 from worker.providers.base import EmbeddingModel
@@ -115,9 +120,13 @@ class Filters:
                     f"kind {kind!r} is not searched here: give one of {', '.join(PROSE_KINDS)}"
                     + (" (code has its own search: --code)" if kind == "code" else "")
                 )
+        ids = []
         for item_id in self.item_ids:
-            if type(item_id) is not int or not -(2**63) <= item_id < 2**63:
+            value = integer(item_id)  # a numpy integer too: as an int, never bound as bytes
+            if value is None or not -(2**63) <= value < 2**63:
                 raise InvalidInput(f"an item id is a 64-bit integer, not {item_id!r}")
+            ids.append(value)
+        object.__setattr__(self, "item_ids", tuple(ids))
         if self.source_prefix is not None and not self.source_prefix:
             raise InvalidInput("the source prefix is empty")
 
@@ -133,10 +142,20 @@ class Filters:
         if self.item_ids:  # one value, however many ids (SQLite binds 32,766 at most)
             sql += " AND c.item_id IN (SELECT value FROM json_each(?))"
             params.append(json.dumps(list(self.item_ids)))
-        if self.source_prefix:  # a host's source may be a BLOB of the same UTF-8 bytes
-            sql += " AND substr(CAST(i.source AS TEXT), 1, ?) = ?"
-            params += [len(self.source_prefix), self.source_prefix]
+        if self.source_prefix:
+            # Compared as UTF-8 bytes: SQL's text functions stop at a NUL (a prefix holding
+            # one never matched), and a host's source may be a BLOB of the same bytes.
+            prefix = self.source_prefix.encode("utf-8")
+            sql += " AND substr(CAST(i.source AS BLOB), 1, ?) = ?"
+            params += [len(prefix), prefix]
         return sql, params
+
+
+def integer(value: object) -> int | None:
+    """`value` as an int when it is an integer (a numpy one too; never a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return operator.index(value)
 
 
 @dataclass
@@ -195,7 +214,14 @@ def search_chunks(
 ) -> ChunkSearch:
     """The k chunks best matching `query` (with `per_item`: the best chunk of each of k items).
     `tuning`: the two-pass vector search's settings (`KIDX_SEARCH__*`; default: the defaults)."""
+    if (whole := integer(k)) is not None:
+        k = whole  # a numpy integer too: bound as an int, never as its bytes
     check_query(query, k)
+    if filters is not None and not isinstance(filters, Filters):
+        raise InvalidInput(
+            "filters must be a worker.retrieval.Filters(kinds=..., item_ids=..., "
+            f"source_prefix=...), not a {type(filters).__name__}"
+        )
     try:
         mode = Mode(mode)
     except ValueError:
@@ -241,40 +267,40 @@ def _search(
     notes: list[str],
 ) -> ChunkSearch:
     # Candidates: the n best chunks of each side (hybrid: more than k, for the fusion). One hit
-    # per item: the same lists, longer until they hold k items or all there is.
+    # per item: the same lists, longer until they hold k items or all there is; and longer
+    # when a candidate's row could not be shown (a host's offsets) and k hits were not left.
     n = k if mode != Mode.HYBRID else max(4 * k, HYBRID_DEPTH)
     while True:
         ranked: list[tuple[list[int], str]] = []  # chunk ids best first, and their path
-        scores: dict[int, float] = {}
+        own: list[dict[int, float]] = []  # each list's own scores, in the same order
         more = False
         if vector is not None and embedder is not None:
             found, via, reason = _vector(db, vector, n, embedder.model_id, filters, tuning)
             ranked.append(([c for c, _ in found], via))
-            if mode == Mode.VECTOR:
-                scores = {c: 1.0 - d for c, d in found}
+            own.append({c: 1.0 - d for c, d in found})
             more |= len(found) == n
         if match is not None:
-            try:
-                found_kw = _keyword(db, match, n, filters)
-            except apsw.CorruptError:  # a host wrote into its shadow tables: vectors serve
+            found_kw = _keyword(db, match, n, filters)
+            if found_kw is None:  # a host wrote into its shadow tables: vectors serve
                 notes.append(f"{NOTES.name} is damaged (the sweep rebuilds it): no keyword hit")
-                match, found_kw = None, []
-        if match is not None:
-            ranked.insert(0, ([c for c, _ in found_kw], "fts"))
-            if mode == Mode.KEYWORD:
-                scores = {c: -s for c, s in found_kw}
-            more |= len(found_kw) == n
+                match = None
+            else:
+                ranked.insert(0, ([c for c, _ in found_kw], "fts"))
+                own.insert(0, {c: -s for c, s in found_kw})
+                more |= len(found_kw) == n
         if len(ranked) > 1:
             order, scores, paths = fuse(ranked, HYBRID_DEPTH)
-        else:
+        else:  # one list served (a hybrid search too, when the other could not): its scores
             order = ranked[0][0] if ranked else []
+            scores = own[0] if own else {}
             paths = {c: ranked[0][1] for c in order}
         if not per_item or not more or _items_in(db, order) >= k:
-            break
+            hits = _load(db, order, scores, paths, k, per_item)
+            if len(hits) == k or not more:
+                break
         n *= 4
     if vector is not None and reason:
         notes.append(f"served by the in-memory fallback: {reason}")
-    hits = _load(db, order, scores, paths, k, per_item)
     served = "+".join(dict.fromkeys(p for _, p in ranked))
     return ChunkSearch(hits, mode, served, "; ".join(notes) or None, notes)
 
@@ -306,15 +332,23 @@ def fuse(
     return order, scores, {c: "+".join(p) for c, p in paths.items()}
 
 
-def _keyword(db: Database, match: str, n: int, filters: Filters) -> list[tuple[int, float]]:
-    """The n best chunks by BM25 (lower is better) that pass the filter, in one query."""
+def _keyword(db: Database, match: str, n: int, filters: Filters) -> list[tuple[int, float]] | None:
+    """The n best chunks by BM25 (lower is better) that pass the filter, in one query; None
+    when the keyword index is damaged (a host wrote into FTS5's shadow tables: SQLite calls
+    it corrupt, or `invalid fts5 file format`, or BM25 comes out NULL)."""
     where, params = filters.where()
     sql = (
         f"SELECT f.rowid, bm25({NOTES.name}) AS s FROM {NOTES.name} f "
         "JOIN note_chunks c ON c.id = f.rowid JOIN knowledge_items i ON i.id = c.item_id "
         f"WHERE {NOTES.name} MATCH ?{where} ORDER BY s, f.rowid LIMIT ?"
     )
-    return [(int(c), float(s)) for c, s in db.all(sql, (match, *params, n))]
+    try:
+        rows = db.all(sql, (match, *params, n))
+    except (apsw.CorruptError, apsw.SQLError):
+        return None
+    if any(s is None for _, s in rows):
+        return None
+    return [(int(c), float(s)) for c, s in rows]
 
 
 # -- vector ----------------------------------------------------------------------------------
@@ -334,18 +368,40 @@ def _vector(
     if reason is None:
         if filters.active and _count(db, model, filters) <= FILTER_EXACT:
             return _exact(db, vector, n, model, filters, tuning), "vec", None
-        found = None
-        if _quantized(db, len(vector), tuning):
-            found = _two_pass(db, vector, n, model, filters, tuning.oversample)
-        if found is None:
-            if undirected(db, "vec_chunk_embeddings"):
-                reason = "a vec row has no direction (a host's: zeros or NaN), sqlite-vec misranks"
-                return _exact(db, vector, n, model, filters, tuning), "fallback", reason
-            found = _knn(db, vector, n, model, filters)
+        try:
+            found, reason = _indexed(db, vector, n, model, filters, tuning)
+        except VecUnreadable as unreadable:  # a host wrote into sqlite-vec's storage
+            found, reason = None, str(unreadable)
         if found is not None:
             return found, "vec", None
-        reason = f"the best {n} need more than {KNN_MAX} nearest chunks"
     return _exact(db, vector, n, model, filters, tuning), "fallback", reason
+
+
+def _indexed(
+    db: Database,
+    vector: np.ndarray,
+    n: int,
+    model: str,
+    filters: Filters,
+    tuning: SearchSettings,
+) -> tuple[list[tuple[int, float]] | None, str | None]:
+    """Through the vec tables: two passes over the bit mirror, or sqlite-vec's KNN; None and
+    why not (the exact path serves). VecUnreadable when their storage cannot be read."""
+    table = "vec_chunk_bits"
+    try:
+        if _quantized(db, len(vector), tuning):
+            found = _two_pass(db, vector, n, model, filters, tuning.oversample)
+            if found is not None:
+                return found, None
+        table = "vec_chunk_embeddings"
+        if undirected(db, table):
+            return None, "a vec row has no direction (a host's: zeros or NaN), sqlite-vec misranks"
+        found = _knn(db, vector, n, model, filters)
+    except apsw.SQLError as error:
+        raise VecUnreadable(vec_failed(table, error)) from None
+    if found is None:
+        return None, f"the best {n} need more than {KNN_MAX} nearest chunks"
+    return found, None
 
 
 def _quantized(db: Database, dims: int, tuning: SearchSettings) -> bool:
@@ -363,7 +419,9 @@ def _two_pass(
 ) -> list[tuple[int, float]] | None:
     """The n * oversample nearest by hamming distance over the bit mirror (worker.hamming),
     rescored exactly by cosine over their float vectors; more candidates until n pass (live,
-    this model, the filter) or the table has no more. None past TWO_PASS_MAX candidates."""
+    this model, the filter) or the table has no more. None past TWO_PASS_MAX candidates, or
+    when the mirror holds no row (just rebuilt for a new model, or emptied by a host): the
+    float table's KNN then answers, as for fewer chunks."""
     blob = np.asarray(vector, dtype="<f4").tobytes()
     query_bits = bytes(db.scalar(f"SELECT {VEC['vec_chunk_bits'].value('?1')}", (blob,)))
 
@@ -380,6 +438,8 @@ def _two_pass(
                     (query_bits, fetch),
                 )
             ]
+        if not candidates:  # fetch is at least 32: the mirror holds nothing
+            return None
         found = _best(_rescore(db, vector, candidates, model, filters), n)
         return found, len(found) >= n or len(candidates) < fetch
 
@@ -423,20 +483,25 @@ def _best(rows: Sequence[tuple[int, float]], n: int) -> list[tuple[int, float]]:
 def _knn(
     db: Database, vector: np.ndarray, n: int, model: str, filters: Filters
 ) -> list[tuple[int, float]] | None:
-    """Through sqlite-vec, asking for more rows until n pass (live, this model, the filter)
-    or the table has no more; None past sqlite-vec's k limit (the caller scans exactly)."""
+    """Through sqlite-vec, asking for more rows until n pass (live, this model, a sound vector
+    of the query's dimension as on the other paths, the filter) or the table has no more;
+    None past sqlite-vec's k limit (the caller scans exactly). VecUnreadable when the table
+    ended short of the relational vectors it mirrors (`knn_ended`)."""
     blob = np.asarray(vector, dtype="<f4").tobytes()
     where, params = filters.where()
 
     def attempt(fetch: int) -> tuple[list[tuple[int, float]], bool]:
         rows = db.all(
-            f"SELECT v.chunk_id, {NO_DIRECTION}, (i.id IS NOT NULL AND r.model = ?{where}) "
+            f"SELECT v.chunk_id, {NO_DIRECTION}, (i.id IS NOT NULL AND r.model = ? "
+            f"AND r.dimensions = ? AND {sound('r')}{where}) "
             "FROM (SELECT chunk_id, distance FROM vec_chunk_embeddings WHERE embedding MATCH ? "
             "AND k = ?) v LEFT JOIN note_chunks c ON c.id = v.chunk_id "
             "LEFT JOIN note_chunk_embeddings r ON r.chunk_id = v.chunk_id "
             "LEFT JOIN knowledge_items i ON i.id = c.item_id",
-            (model, *params, blob, fetch),
+            (model, len(vector), *params, blob, fetch),
         )
+        if len(rows) < fetch:
+            knn_ended(db, VEC["vec_chunk_embeddings"], len(vector), len(rows))
         found = _best([(c, d) for c, d, ok in rows if ok], n)
         return found, len(rows) < fetch or past_ties(rows, found, n)
 
@@ -486,55 +551,69 @@ def _load(
     per_item: bool,
 ) -> list[ChunkHit]:
     """The hits, best first, k of them (one per item with `per_item`): only their rows are
-    read whole (a hybrid search ranks hundreds of candidates)."""
-    chosen = order[:k]
-    if per_item:
-        item_of = dict(_rows(db, "c.id, c.item_id", order))
-        seen: set[int] = set()
-        chosen = []
+    read whole (a hybrid search ranks hundreds of candidates). A candidate whose row cannot
+    be shown (gone, or offsets a host wrote as something else) gives its place to the next
+    one, as on every path, rather than leaving fewer than k."""
+    item_of = dict(_rows(db, "c.id, c.item_id", order)) if per_item else {}
+    loaded: dict[int, ChunkHit] = {}
+    unshown: set[int] = set()
+    while True:
+        chosen: list[int] = []  # the best k not known unshowable (one per item)
+        items: set[int] = set()
         for chunk_id in order:
-            item = item_of.get(chunk_id)
-            if item is not None and item not in seen:
-                seen.add(item)
-                chosen.append(chunk_id)
-                if len(chosen) == k:
-                    break
-    rows = {
-        int(r[0]): r
-        for r in _rows(
-            db,
-            "c.id, c.item_id, CAST(i.title AS BLOB), i.kind, CAST(i.source AS BLOB), "
-            "c.chunk_index, CAST(c.headings AS BLOB), c.start_offset, c.end_offset, "
-            "CAST(c.content AS BLOB)",
-            chosen,
-        )
-    }
-    hits: list[ChunkHit] = []
-    for chunk_id in chosen:
-        row = rows.get(chunk_id)
-        if row is None:  # gone since it was ranked
-            continue
-        _, item_id, title, kind, source, index, headings, start, end, content = row
-        if not all(type(n) is int for n in (index, start, end)):
-            continue  # a host wrote something else there: no place to show it at
-        path = shown(headings)  # a host's bytes are shown, never raised (store.text)
-        hits.append(
-            ChunkHit(
-                item_id=int(item_id),
-                title=shown(title),
-                kind=str(kind),
-                source=shown(source) if source is not None else None,
-                chunk_index=int(index),
-                headings=path.split(" > ") if path else [],
-                start_offset=int(start),
-                end_offset=int(end),
-                content=shown(content),
-                score=round(float(scores.get(chunk_id, 0.0)), 6),
-                via=paths.get(chunk_id, ""),
-                chunk_id=chunk_id,
-            )
-        )
-    return hits
+            if chunk_id in unshown:
+                continue
+            if per_item:
+                item = item_of.get(chunk_id)
+                if item is None or item in items:
+                    continue
+                items.add(item)
+            chosen.append(chunk_id)
+            if len(chosen) == k:
+                break
+        unread = [c for c in chosen if c not in loaded]
+        if not unread:
+            return [loaded[c] for c in chosen]
+        rows = {int(r[0]): r for r in _rows(db, _HIT_COLUMNS, unread)}
+        for chunk_id in unread:
+            hit = _hit(rows.get(chunk_id), scores, paths)
+            if hit is None:
+                unshown.add(chunk_id)
+            else:
+                loaded[chunk_id] = hit
+
+
+_HIT_COLUMNS = (
+    "c.id, c.item_id, CAST(i.title AS BLOB), i.kind, CAST(i.source AS BLOB), "
+    "c.chunk_index, CAST(c.headings AS BLOB), c.start_offset, c.end_offset, "
+    "CAST(c.content AS BLOB)"
+)
+
+
+def _hit(
+    row: tuple[Any, ...] | None, scores: dict[int, float], paths: dict[int, str]
+) -> ChunkHit | None:
+    """The hit of a `_HIT_COLUMNS` row, or None when it cannot be shown."""
+    if row is None:  # gone since it was ranked
+        return None
+    chunk_id, item_id, title, kind, source, index, headings, start, end, content = row
+    if not all(type(n) is int for n in (index, start, end)):
+        return None  # a host wrote something else there: no place to show it at
+    path = shown(headings)  # a host's bytes are shown, never raised (store.text)
+    return ChunkHit(
+        item_id=int(item_id),
+        title=shown(title),
+        kind=str(kind),
+        source=shown(source) if source is not None else None,
+        chunk_index=int(index),
+        headings=path.split(" > ") if path else [],
+        start_offset=int(start),
+        end_offset=int(end),
+        content=shown(content),
+        score=round(float(scores.get(chunk_id, 0.0)), 6),
+        via=paths.get(chunk_id, ""),
+        chunk_id=int(chunk_id),
+    )
 
 
 def _rows(db: Database, columns: str, chunk_ids: list[int]) -> list[tuple[Any, ...]]:

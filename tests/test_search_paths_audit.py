@@ -1,0 +1,389 @@
+"""The search paths against what a host (or a model switch) leaves in the database: every path
+(sqlite-vec's KNN, two passes over the bit mirror, the exact fallback, filtered, hybrid,
+keyword) answers the same, or says why it cannot, never crashes nor quietly drops hits."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import DIMS, FakeEmbedder, standin_settings
+from host import host
+from worker.bulk import index_item, index_items
+from worker.errors import InvalidInput
+from worker.indexers import IndexOptions
+from worker.indexers.code import search_code
+from worker.indexers.memories import add_memory, search_memories
+from worker.retrieval import Filters, search_chunks
+from worker.settings import FilesSettings, SearchSettings
+from worker.sources import Reader
+from worker.store import connect
+from worker.store.db import Database
+from worker.store.items import add_item
+
+TWO_PASSES = SearchSettings(exact_below=0, oversample=2)
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+
+
+@pytest.fixture
+def fake() -> FakeEmbedder:
+    return FakeEmbedder()
+
+
+@pytest.fixture
+def notes(db: Database, fake: FakeEmbedder) -> Database:
+    """Twelve one-chunk notes of a few shared words."""
+    rng = np.random.default_rng(7)
+    for n in range(12):
+        text = " ".join(rng.choice(WORDS, 12))
+        index_item(db, add_item(db, kind="note", title=f"n{n}", content=text), embedder=fake)
+    return db
+
+
+@pytest.fixture
+def no_vec(notes: Database, emb_settings: Any) -> Any:
+    """The same file without sqlite-vec: every vector search takes the exact path."""
+    other = connect(notes.path, embedding=emb_settings, vec=False)
+    yield other
+    other.close()
+
+
+def ids(result: Any) -> list[int]:
+    return [h.chunk_id for h in result.hits]
+
+
+def every_path(db: Database, no_vec: Database, fake: FakeEmbedder, query: str, k: int) -> dict:
+    return {
+        "knn": search_chunks(db, query, fake, k=k, mode="vector"),
+        "two passes": search_chunks(db, query, fake, k=k, mode="vector", tuning=TWO_PASSES),
+        "filtered": search_chunks(
+            db, query, fake, k=k, mode="vector", filters=Filters(kinds=("note",))
+        ),
+        "fallback": search_chunks(no_vec, query, fake, k=k, mode="vector"),
+    }
+
+
+# -- F1: an empty bit mirror -----------------------------------------------------------------
+
+
+def test_a_model_switch_leaves_the_bit_mirror_empty_and_search_says_so_rather_than_crash(
+    notes, standin, tmp_path
+):
+    """A switch to a model of another dimension rebuilds the vec tables empty; on a database
+    of 50,000 chunks (two passes) every vector and hybrid search crashed in worker.hamming
+    (an empty array reshaped) until the first new vector was written."""
+    path = notes.path
+    notes.close()
+    db = connect(path, embedding=standin_settings(standin, model="new-model", dimensions=128))
+    try:
+        assert db.scalar("SELECT count(*) FROM vec_chunk_bits") == 0
+        new = FakeEmbedder(128, "new-model")
+        for mode in ("vector", "hybrid"):
+            got = search_chunks(db, "alpha beta", new, k=3, mode=mode, tuning=TWO_PASSES)
+            assert "12 items are not indexed with new-model yet" in str(got.reason), mode
+            vec_hits = [h for h in got.hits if "vec" in h.via]
+            assert vec_hits == [], mode
+    finally:
+        db.close()
+
+
+def test_a_bit_mirror_a_host_emptied_leaves_the_float_table_to_answer(notes, fake):
+    """Two passes over an empty mirror crashed, and with that mended answered nothing at all
+    while the float table and the relational vectors held every chunk."""
+    want = ids(search_chunks(notes, "alpha beta", fake, k=3, mode="vector"))
+    notes.execute("DELETE FROM vec_chunk_bits")
+    got = search_chunks(notes, "alpha beta", fake, k=3, mode="vector", tuning=TWO_PASSES)
+    assert (ids(got), got.via) == (want, "vec")
+
+
+# -- F5: a vec row whose relational vector a host made unreadable -----------------------------
+
+
+UNREADABLE = {
+    "text of the right length": "UPDATE {table} SET vector = printf('%.*c', 4 * {dims}, 'x') "
+    "WHERE {key} = ?",
+    "another dimension": "UPDATE {table} SET dimensions = 32, vector = zeroblob(128) "
+    "WHERE {key} = ?",
+}
+
+
+@pytest.mark.parametrize("damage", UNREADABLE)
+def test_a_chunk_whose_vector_a_host_made_unreadable_is_on_no_path(notes, no_vec, fake, damage):
+    """sqlite-vec's KNN returned it (its vec row stays), the exact and two-pass paths did not."""
+    top = ids(search_chunks(notes, "alpha beta", fake, k=1, mode="vector"))[0]
+    sql = UNREADABLE[damage].format(table="note_chunk_embeddings", dims=DIMS, key="chunk_id")
+    host(notes.path, (sql, [top]))
+    paths = every_path(notes, no_vec, fake, "alpha beta", 4)
+    for name, result in paths.items():
+        assert top not in ids(result), name
+        assert ids(result) == ids(paths["fallback"]), name
+
+
+@pytest.mark.parametrize("damage", UNREADABLE)
+def test_a_memory_whose_vector_a_host_made_unreadable_is_on_no_path(db, fake, emb_settings, damage):
+    memories = [add_memory(db, text, fake) for text in ("alpha beta", "gamma delta", "omega")]
+    sql = UNREADABLE[damage].format(table="memory_embeddings", dims=DIMS, key="memory_id")
+    host(db.path, (sql, [memories[0]]))
+    no_vec = connect(db.path, embedding=emb_settings, vec=False)
+    try:
+        found, via, _ = search_memories(db, "alpha beta", fake, k=3)
+        exact, fallback, _ = search_memories(no_vec, "alpha beta", fake, k=3)
+    finally:
+        no_vec.close()
+    assert (via, fallback) == ("vec", "fallback")
+    assert [m.memory_id for m in found] == [m.memory_id for m in exact] == memories[1:]
+
+
+# -- F6: negative ids ------------------------------------------------------------------------
+
+
+def test_the_exact_path_finds_a_chunk_a_host_wrote_under_a_negative_id(notes, no_vec, fake):
+    """The fallback paged its rows from rowid -1 up: it never saw a negative one."""
+    item = notes.scalar("SELECT max(id) FROM knowledge_items")
+    vector = fake.embed(["zz unique"])[0].astype("<f4").tobytes()
+    host(
+        notes.path,
+        (
+            "INSERT INTO note_chunks(id, item_id, chunk_index, content, method, start_offset, "
+            "end_offset, embed_hash) VALUES (-7, ?, 5, 'zz unique', 'structure', 0, 9, 'h')",
+            [item],
+        ),
+        (
+            "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
+            "VALUES (-7, 'fake', ?, ?)",
+            [DIMS, {"hex": vector.hex()}],
+        ),
+    )
+    got = search_chunks(no_vec, "zz unique", fake, k=2, mode="vector")
+    assert got.via == "fallback" and ids(got)[0] == -7
+    filtered = search_chunks(
+        no_vec, "zz unique", fake, k=2, mode="vector", filters=Filters(item_ids=(item,))
+    )
+    assert ids(filtered)[0] == -7
+
+
+# -- F9: twins beyond the first pass's candidates ---------------------------------------------
+
+
+def test_two_passes_return_the_lowest_ids_of_twins_as_every_path_does(notes, no_vec, fake):
+    """A boilerplate footer saved 300 times: hamming distances are all equal, and the first
+    pass kept an arbitrary 32 of them (numpy's partition), so two passes returned other twins
+    than the KNN and the fallback."""
+    twins = [
+        add_item(notes, kind="note", title="footer", content="copyright footer boilerplate")
+        for _ in range(300)
+    ]
+    index_items(notes, twins, embedder=fake)
+    query = fake.calls[-1][0]  # what the twins' chunks were embedded as
+    first = sorted(r[0] for r in notes.all("SELECT id FROM note_chunks WHERE content LIKE 'copy%'"))
+    for k in (1, 3):
+        paths = every_path(notes, no_vec, fake, query, k)
+        for name, result in paths.items():
+            assert ids(result) == first[:k], (name, k)
+
+
+# -- F10: hybrid served by vectors alone ------------------------------------------------------
+
+
+def test_hybrid_served_by_vectors_alone_keeps_their_scores(notes, fake):
+    """A query with no word to search for, or no keyword table: every hit scored 0.0."""
+    vector = search_chunks(notes, "???", fake, k=3, mode="vector")
+    hybrid = search_chunks(notes, "???", fake, k=3, mode="hybrid")
+    assert hybrid.via == "vec"
+    assert [(h.chunk_id, h.score) for h in hybrid.hits] == [
+        (h.chunk_id, h.score) for h in vector.hits
+    ]
+    assert all(h.score != 0.0 for h in hybrid.hits)
+    alpha = search_chunks(notes, "alpha", fake, k=3, mode="vector")
+    notes.execute("DROP TABLE note_chunks_fts")
+    dropped = search_chunks(notes, "alpha", fake, k=3, mode="hybrid")
+    assert dropped.via == "vec" and "missing" in str(dropped.reason)
+    assert [h.score for h in dropped.hits] == [h.score for h in alpha.hits]
+
+
+# -- F11: a chosen hit that cannot be shown ---------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["vector", "keyword", "hybrid"])
+@pytest.mark.parametrize("per_item", [False, True])
+def test_a_hit_a_host_made_unshowable_gives_its_place_to_the_next(notes, fake, mode, per_item):
+    """A host wrote TEXT into the first hit's end offset (the CHECK lets it through): it was
+    dropped after the cut to k, and k=3 returned 2 hits."""
+    before = ids(search_chunks(notes, "alpha beta", fake, k=4, mode=mode, per_item=per_item))
+    host(notes.path, ("UPDATE note_chunks SET end_offset = 'zzz' WHERE id = ?", [before[0]]))
+    after = search_chunks(notes, "alpha beta", fake, k=3, mode=mode, per_item=per_item)
+    assert ids(after) == before[1:]
+
+
+# -- F12: code search and an item a host turned into a note -----------------------------------
+
+
+def test_code_chunks_of_an_item_turned_into_a_note_take_no_candidate_slot(db, fake, tmp_path: Path):
+    """Their vectors filled the candidate list and were dropped when loaded: 33 hits of 40."""
+    reader = Reader(FilesSettings(roots=[tmp_path]))
+    items = []
+    for n in range(3):
+        path = tmp_path / f"m{n}.py"
+        path.write_text(
+            "\n\n".join(f"def f{n}_{j}():\n    return 'alpha beta {j}'\n" for j in range(20))
+        )
+        item = add_item(db, kind="code", title=path.name, content="", source=str(path))
+        index_item(db, item, embedder=fake, options=IndexOptions(reader=reader))
+        items.append(item)
+    host(db.path, ("UPDATE knowledge_items SET kind = 'note' WHERE id = ?", [items[0]]))
+    left = db.scalar(
+        "SELECT count(*) FROM code_chunks c JOIN knowledge_items i ON i.id = c.item_id "
+        "WHERE i.kind = 'code'"
+    )
+    assert left == 40
+    hits, via, _ = search_code(db, "zzqq", fake, k=40)  # no keyword hit: vectors alone
+    assert via == "vec" and len(hits) == 40
+    assert items[0] not in {h.item_id for h in hits}
+
+
+# -- F13: damage in FTS5's shadow tables ------------------------------------------------------
+
+
+FTS_DAMAGE = {
+    "a NULL score": "UPDATE note_chunks_fts_data SET block = x'01' WHERE id = 1",
+    "an invalid format": "UPDATE note_chunks_fts_config SET v = 99 WHERE k = 'version'",
+}
+
+
+@pytest.mark.parametrize("damage", FTS_DAMAGE)
+def test_a_damaged_keyword_index_leaves_hybrid_search_to_vectors(notes, fake, emb_settings, damage):
+    """float(None) of a NULL bm25, and `invalid fts5 file format` (an SQLError, where only a
+    CorruptError was caught), crashed keyword and hybrid search."""
+    vector = ids(search_chunks(notes, "alpha beta", fake, k=3, mode="vector"))
+    host(notes.path, (FTS_DAMAGE[damage], []))
+    db = connect(notes.path, embedding=emb_settings)
+    try:
+        keyword = search_chunks(db, "alpha beta", None, k=3, mode="keyword")
+        hybrid = search_chunks(db, "alpha beta", fake, k=3, mode="hybrid")
+    finally:
+        db.close()
+    assert keyword.hits == [] and "note_chunks_fts is damaged" in str(keyword.reason)
+    assert (ids(hybrid), hybrid.via) == (vector, "vec")
+    assert "note_chunks_fts is damaged" in str(hybrid.reason)
+
+
+# -- F14: damage in sqlite-vec's shadow tables ------------------------------------------------
+
+
+VEC_DAMAGE = {
+    "a short vectors blob": "UPDATE vec_chunk_embeddings_vector_chunks00 SET vectors = x'00'",
+    "a validity of another size": "UPDATE vec_chunk_embeddings_chunks SET validity = x''",
+    "its chunks deleted": "DELETE FROM vec_chunk_embeddings_chunks",
+}
+
+
+@pytest.mark.parametrize("damage", VEC_DAMAGE)
+def test_a_damaged_vec_table_leaves_vector_search_to_the_exact_path(notes, no_vec, fake, damage):
+    """sqlite-vec raised (`vectors blob size doesn't match`) through vector and hybrid search,
+    or, its chunks deleted, answered nothing at all without an error."""
+    want = ids(search_chunks(no_vec, "alpha beta", fake, k=3, mode="vector"))
+    hybrid_want = ids(search_chunks(no_vec, "alpha beta", fake, k=3, mode="hybrid"))
+    host(notes.path, (VEC_DAMAGE[damage], []))
+    got = search_chunks(notes, "alpha beta", fake, k=3, mode="vector")
+    assert (ids(got), got.via) == (want, "fallback")
+    assert "vec_chunk_embeddings" in str(got.reason)
+    hybrid = search_chunks(notes, "alpha beta", fake, k=3, mode="hybrid")
+    assert (ids(hybrid), hybrid.via) == (hybrid_want, "fts+fallback")
+
+
+def test_a_damaged_bit_mirror_leaves_two_passes_to_the_exact_path(notes, no_vec, fake):
+    want = ids(search_chunks(no_vec, "alpha beta", fake, k=3, mode="vector"))
+    host(notes.path, ("DROP TABLE vec_chunk_bits_vector_chunks00", []))
+    got = search_chunks(notes, "alpha beta", fake, k=3, mode="vector", tuning=TWO_PASSES)
+    assert (ids(got), got.via) == (want, "fallback")
+    assert "vec_chunk_bits" in str(got.reason)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "UPDATE vec_memories_vector_chunks00 SET vectors = x'00'",
+        "DELETE FROM vec_memories_chunks",
+        "DROP TABLE vec_memories_chunks",
+    ],
+)
+def test_a_damaged_memory_vec_table_leaves_memory_search_to_the_exact_path(db, fake, damage):
+    memories = [add_memory(db, f"memory {w}", fake) for w in WORDS]
+    want, via, _ = search_memories(db, "memory alpha", fake, k=3)
+    assert via == "vec"
+    host(db.path, (damage, []))
+    got, via, reason = search_memories(db, "memory alpha", fake, k=3)
+    assert via == "fallback" and "vec_memories" in str(reason)
+    assert [m.memory_id for m in got] == [m.memory_id for m in want]
+    assert set(memories) >= {m.memory_id for m in got}
+
+
+# -- F16: infinite values ---------------------------------------------------------------------
+
+
+def test_an_infinite_vector_scores_zero_without_a_warning(notes, no_vec, fake):
+    chunk = notes.scalar("SELECT min(id) FROM note_chunks")
+    inf = np.full(DIMS, np.inf, dtype="<f4").tobytes()
+    host(
+        notes.path,
+        (
+            "UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = ?",
+            [{"hex": inf.hex()}, chunk],
+        ),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = search_chunks(no_vec, "alpha beta", fake, k=12, mode="vector")
+    scores = {h.chunk_id: h.score for h in got.hits}
+    assert scores[chunk] == 0.0 and len(scores) == 12
+
+
+# -- F17: the arguments a host sends ----------------------------------------------------------
+
+
+def test_filters_given_as_a_dict_are_refused_with_what_is_expected(notes, fake):
+    with pytest.raises(InvalidInput, match=r"filters must be a worker\.retrieval\.Filters"):
+        search_chunks(notes, "alpha", fake, k=3, filters={"kinds": ["note"]})  # type: ignore[arg-type]
+
+
+def test_numpy_integers_are_integers_for_k_and_item_ids(notes, fake):
+    items = [r[0] for r in notes.all("SELECT id FROM knowledge_items ORDER BY id")][:5]
+    plain = search_chunks(notes, "alpha", fake, k=3, filters=Filters(item_ids=tuple(items)))
+    numpy = search_chunks(
+        notes,
+        "alpha",
+        fake,
+        k=np.int64(3),  # type: ignore[arg-type]
+        filters=Filters(item_ids=tuple(np.array(items, dtype=np.int64))),
+    )
+    assert ids(numpy) == ids(plain) and len(plain.hits) == 3
+    for wrong in (True, 2.0, "3"):
+        with pytest.raises(InvalidInput, match="k must be an integer"):
+            search_chunks(notes, "alpha", fake, k=wrong)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInput, match="an item id is a 64-bit integer"):
+            Filters(item_ids=(wrong,))  # type: ignore[arg-type]
+
+
+# -- F19: a source prefix holding NUL ---------------------------------------------------------
+
+
+def test_a_source_prefix_holding_nul_matches_on_every_path(notes, no_vec, fake):
+    """SQL's text functions stop at NUL: the prefix never matched."""
+    item = notes.scalar("SELECT min(id) FROM knowledge_items")
+    host(notes.path, ("UPDATE knowledge_items SET source = ? WHERE id = ?", ["dir\x00a/f", item]))
+    only = Filters(source_prefix="dir\x00a/")
+    other = Filters(source_prefix="dir\x00b/")
+    for name, db, mode in (
+        ("vector", notes, "vector"),
+        ("keyword", notes, "keyword"),
+        ("hybrid", notes, "hybrid"),
+        ("fallback", no_vec, "vector"),
+    ):
+        got = search_chunks(db, "alpha beta gamma delta", fake, k=3, mode=mode, filters=only)
+        assert {h.item_id for h in got.hits} == {item}, name
+        none = search_chunks(db, "alpha beta gamma delta", fake, k=3, mode=mode, filters=other)
+        assert none.hits == [], name
