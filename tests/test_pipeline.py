@@ -19,7 +19,7 @@ from conftest import (
 )
 from worker.bulk import index_item, index_items
 from worker.chunking import chunk_structure, text_hash
-from worker.errors import Cancelled, IndexAborted
+from worker.errors import Cancelled, IndexAborted, StoreError
 from worker.indexers import IndexOptions
 from worker.reconcile import reconcile
 from worker.retrieval import Filters, search_chunks
@@ -525,19 +525,25 @@ def test_items_together_are_read_and_written_while_a_request_is_in_flight(db):
     assert seen == [True, True]
 
 
-def fail_vec_writes_of(db, marker: str) -> None:
-    """Fault injection: the chunk mirror becomes a plain table (still declared float[DIMS])
-    whose inserts fail for chunks containing `marker`."""
-    db.execute("DROP TABLE vec_chunk_embeddings")
-    db.execute(
-        "CREATE TABLE vec_chunk_embeddings(chunk_id INTEGER PRIMARY KEY, "
-        f"embedding BLOB /* float[{DIMS}] */)"
+def fail_vec_writes_at(db, keys: list[int]) -> None:
+    """Fault injection: stray rows in vec0's own `_rowids` table under chunk ids the next
+    chunks get (plain SQL, as a host may write): vec0 refuses a row under such a key and
+    cannot delete it, so exactly those chunks' vec writes fail."""
+    db.executemany(
+        "INSERT INTO vec_chunk_embeddings_rowids(rowid) VALUES (?)", [(k,) for k in keys]
     )
-    db.execute(
-        "CREATE TRIGGER vec_fault BEFORE INSERT ON vec_chunk_embeddings WHEN (SELECT content "
-        f"FROM note_chunks WHERE id = new.chunk_id) LIKE '%{marker}%' "
-        "BEGIN SELECT RAISE(ABORT, 'injected vec write failure'); END"
-    )
+
+
+# The chunks with no vector in vec0 (its `_rowids` rows that point into a chunk of vectors;
+# the stray ones point nowhere).
+UNMIRRORED = (
+    "SELECT c.chunk_index FROM note_chunks c WHERE c.id NOT IN "
+    "(SELECT rowid FROM vec_chunk_embeddings_rowids WHERE chunk_id IS NOT NULL)"
+)
+
+
+def next_chunk_id(db) -> int:
+    return db.scalar("SELECT coalesce(max(id), 0) FROM note_chunks") + 1
 
 
 def test_a_failed_vec_write_leaves_that_chunk_unmirrored_and_the_item_partial(db, embedder):
@@ -555,18 +561,13 @@ def test_a_failed_vec_write_leaves_that_chunk_unmirrored_and_the_item_partial(db
     at = next(k for k in range(7, len(chunks) - 1) if word_of(k))
     word = word_of(at)
     assert word is not None
-    text = text.replace(chunks[at].content, chunks[at].content.replace(word, "VECFAULT", 1))
-    fail_vec_writes_of(db, "VECFAULT")
+    fail_vec_writes_at(db, [next_chunk_id(db) + at])  # the item's chunks get the next ids
     item = add_item(db, kind="note", title="Traits", content=text)
     result = index_item(db, item, embedder=embedder)
     assert result.status == "partial" and result.failed == 1
     assert "vec write" in get_state(db, item)["last_error"]
     assert db.scalar("SELECT count(*) FROM note_chunk_embeddings") == result.chunks  # whole
-    unmirrored = db.all(
-        "SELECT c.chunk_index FROM note_chunks c WHERE c.id NOT IN "
-        "(SELECT chunk_id FROM vec_chunk_embeddings)"
-    )
-    assert [r[0] for r in unmirrored] == [at]
+    assert [r[0] for r in db.all(UNMIRRORED)] == [at]
 
 
 def test_a_failed_vec_write_names_its_cause_in_the_state_and_the_result(db, embedder):
@@ -576,28 +577,28 @@ def test_a_failed_vec_write_names_its_cause_in_the_state_and_the_result(db, embe
         f"## Part {j}\n\n" + " ".join(f"{'VECFAULT' if j == 2 else 'plain'}{k}" for k in range(40))
         for j in range(4)
     )
-    fail_vec_writes_of(db, "VECFAULT")
+    fail_vec_writes_at(db, [next_chunk_id(db) + 2])
     item = add_item(db, kind="note", title="Mirror", content=text)
     result = index_item(db, item, embedder=embedder)
     assert (result.status, result.chunks, result.failed) == ("partial", 4, 1)
-    assert result.error == "vec write: injected vec write failure"
-    state = get_state(db, item)
-    assert (
-        state["last_error"] == "1 of 4 chunks have no vector: vec write: injected vec write failure"
-    )
+    assert result.error.startswith("vec write: ") and len(result.error) > len("vec write: ")
+    cause = result.error.removeprefix("vec write: ")
+    assert get_state(db, item)["last_error"] == f"1 of 4 chunks have no vector: vec write: {cause}"
 
 
-def test_three_failed_vec_writes_in_a_row_roll_the_item_back(db, embedder):
+def test_a_vec_table_that_refuses_the_re_index_leaves_the_previous_index_whole(db, embedder):
+    """An edit re-indexes the item; the vec rows of the chunks it keeps are gone (a host's
+    DELETE) and cannot be written again (stray `_rowids` rows under their ids, which vec0
+    can neither delete nor write over): the write fails, rolled back, and the item's previous
+    index stays whole. (Three failed vec rows in a row of new items: test_bulk_vec_failures.)"""
     item = add_item(db, kind="note", title="Traits", content=corpus_text(CHAPTER))
     index_item(db, item, embedder=embedder)
+    update_content(db, item, corpus_text(CHAPTER).replace("trait", "VECFAULT trait", 1))
     before = snapshot(db, item)
-    update_content(db, item, corpus_text(CHAPTER).replace("trait", "VECFAULT trait"))
-    fail_vec_writes_of(db, "VECFAULT")
-    for _, chunk_id, *_ in before["chunks"]:  # the plain mirror starts as the vec0 one was
-        db.execute(
-            "INSERT INTO vec_chunk_embeddings(chunk_id, embedding) VALUES (?, x'00')", (chunk_id,)
-        )
-    with pytest.raises(IndexAborted, match=r"3 consecutive vector failures.*vec write"):
+    kept = [chunk_id for _, chunk_id, *_ in before["chunks"]]
+    db.executemany("DELETE FROM vec_chunk_embeddings WHERE chunk_id = ?", [(k,) for k in kept])
+    fail_vec_writes_at(db, kept)
+    with pytest.raises(StoreError, match=r"refused the write .*Could not fetch vector data"):
         index_item(db, item, embedder=embedder)
     assert snapshot(db, item)["chunks"] == before["chunks"]
     assert get_state(db, item)["status"] == "failed"
@@ -713,16 +714,13 @@ def test_new_items_written_together_fall_back_to_one_by_one_when_a_write_fails(d
     one by one, so that item alone is partial (its chunk unmirrored) and the others whole."""
     names = ["ch04-01-what-is-ownership.md", CHAPTER, "ch08-03-hash-maps.md"]
     texts = [corpus_text(n) for n in names]
-    texts[1] = texts[1].replace("trait", "VECFAULT", 1)
-    fail_vec_writes_of(db, "VECFAULT")
+    first = next_chunk_id(db) + len(chunk_structure(texts[0]))  # the second item's first chunk
+    fail_vec_writes_at(db, [first + 1])
     ids = [add_item(db, kind="note", title=n, content=t) for n, t in zip(names, texts)]
     results = index_items(db, ids, embedder=FakeEmbedder())
     assert [results[i].status for i in ids] == ["indexed", "partial", "indexed"]
     assert results[ids[1]].failed == 1
-    unmirrored = db.all(
-        "SELECT c.item_id FROM note_chunks c WHERE c.id NOT IN "
-        "(SELECT chunk_id FROM vec_chunk_embeddings)"
-    )
+    unmirrored = db.all(UNMIRRORED.replace("c.chunk_index", "c.item_id"))
     assert [r[0] for r in unmirrored] == [ids[1]]
     for i in ids:  # every chunk has its vector and its keyword row
         assert (
