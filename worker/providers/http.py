@@ -1,11 +1,12 @@
 """An OpenAI-style JSON API over httpx, with the retry policy every provider shares.
 
-Retries what may pass (408, 409, 429, 5xx, timeouts, connection errors) with exponential backoff
-and full jitter, honouring `Retry-After` when it is within the cap; a longer wait is not spent
-holding a worker: it raises `RetryLater` with `retry_after` set, for the task queue to retry
-later. Never retries 400/401/403 or a 429 that says the quota is exhausted. The API key and a
-password in the base URL never reach a message, even when the server quotes them back (they are
-masked before any text is cut); the base URL is shown without its user:password@ (`safe_url`).
+Retries what may pass (408, 409, 429, 5xx, timeouts, connection errors, a compressed answer cut
+short) with exponential backoff and full jitter, honouring `Retry-After` when it is within the
+cap; a longer wait is not spent holding a worker: it raises `RetryLater` with `retry_after` set,
+for the task queue to retry later. Never retries 400/401/403 or a 429 that says the quota is
+exhausted. The API key and a password in the base URL never reach a message, even when the
+server quotes them back (they are masked before any text is cut); the base URL is shown without
+its user:password@ (`safe_url`).
 
 Bodies are read raw and decompressed here (`read_body`), never by httpx: httpx inflates each
 layer of `Content-Encoding: gzip, gzip` in full, so a few hundred bytes could become gigabytes
@@ -60,6 +61,12 @@ class BodyTooLarge(BodyRefused):
     """A body over the size limit."""
 
 
+class BodyIncomplete(Exception):
+    """A compressed body that ended before its compressed stream did (a server or proxy that
+    failed while compressing, the HTTP message itself complete): what came is only part of the
+    body, and a retry may get it whole."""
+
+
 class AnswerTooLarge(BadAnswer):
     """A 200 answer refused unread past its size limit (`limit`, in bytes)."""
 
@@ -76,14 +83,21 @@ class _Inflater:
         self.started = False
         self._wbits = zlib.MAX_WBITS | 16 if coding == "gzip" else zlib.MAX_WBITS
         self._d = zlib.decompressobj(self._wbits)
+        self._held = b""  # the first byte of what may be another gzip member's magic
+        self._trailer = False  # past the stream's end: what follows is ignored
 
     def decode(self, data: bytes, cap: int) -> bytes:
         """At most `cap` bytes of what `data` decompresses to (exactly `cap`: there is more)."""
         out: list[bytes] = []
         size = 0
-        while data and size < cap:
+        data, self._held = self._held + data, b""
+        while data and size < cap and not self._trailer:
             if self._d.eof:  # another gzip member may follow; anything else is ignored
+                if self.coding == "gzip" and data == b"\x1f":
+                    self._held = data  # a member's magic split between two reads
+                    break
                 if self.coding != "gzip" or not data.startswith(b"\x1f\x8b"):
+                    self._trailer = True
                     break
                 self._d = zlib.decompressobj(self._wbits)
             try:
@@ -103,17 +117,27 @@ class _Inflater:
         return b"".join(out)
 
     def flush(self, cap: int) -> bytes:
+        """The rest, once the raw body has ended; `BodyIncomplete` when the compressed stream
+        had not: zlib gives what it could of a stream cut short, end marker and checksum
+        missing, without a word."""
         try:
-            return self._d.flush(cap) if not self._d.eof else b""
+            rest = self._d.flush(cap) if not self._d.eof else b""
         except zlib.error as e:
             raise BodyRefused(f"the {self.coding} body could not be decoded ({e})") from None
+        if self.started and not self._d.eof:
+            raise BodyIncomplete(
+                f"the compressed body ended early: its {self.coding} stream stops before its "
+                "end, so what came is only part of it"
+            )
+        return rest
 
 
 def read_body(response: httpx.Response, limit: int) -> bytes:
     """A streamed response's body, decoded, refused (`BodyRefused`) as soon as it would pass
     `limit` bytes, raw or decoded: no more than `limit` + 1 bytes are ever decompressed. One
     content coding at most, gzip or deflate (a coding applied twice only serves to hide a
-    bomb). A response already read in memory (a mock transport's) is only measured."""
+    bomb). A compressed body cut short raises `BodyIncomplete`. A response already read in
+    memory (a mock transport's) is only measured."""
     try:
         content = response.content
     except httpx.ResponseNotRead:
@@ -376,6 +400,12 @@ class JSONClient:
                                 else BadAnswer(f"{self.where}: the answer was refused: {e}")
                             ) from None
                         data = b""  # an error answer too big to show: its status says enough
+                    except BodyIncomplete:
+                        if ok:
+                            raise  # retried as a connection failure is: it may come whole
+                        data = b""  # an error answer cut short: its status says enough
+            except BodyIncomplete as e:
+                cause = f"the answer was cut short ({e})"
             except httpx.ConnectTimeout:
                 cause = f"connect timed out after {s.connect_timeout:g}s"
             except httpx.TimeoutException:

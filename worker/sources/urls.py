@@ -12,8 +12,8 @@ Why it looks the way it does:
   body is read raw and inflated here a bounded amount at a time (`read_body`), one content
   coding at most (httpx inflated `gzip, gzip` layer by layer, whole, before any check);
   the content type must be on the allow-list.
-* Refusals are `InvalidInput` (retrying cannot help); timeouts, connection errors, 408, 429 and
-  5xx are `SourceUnavailable` (a later retry may work).
+* Refusals are `InvalidInput` (retrying cannot help); timeouts, connection errors, 408, 429,
+  5xx and a compressed body cut short are `SourceUnavailable` (a later retry may work).
 """
 
 from __future__ import annotations
@@ -28,7 +28,13 @@ import httpx
 
 from worker import net
 from worker.errors import InvalidInput, SourceUnavailable
-from worker.providers.http import ACCEPT_ENCODING, BodyRefused, read_body, safe_url
+from worker.providers.http import (
+    ACCEPT_ENCODING,
+    BodyIncomplete,
+    BodyRefused,
+    read_body,
+    safe_url,
+)
 from worker.settings import UrlSettings, allowed_host
 from worker.sources.decoding import decode_text
 from worker.sources.docx import docx_to_markdown
@@ -182,8 +188,17 @@ def _body(url: httpx.URL, response: httpx.Response, settings: UrlSettings) -> by
         raise InvalidInput(f"{url}: over the size limit of {limit} bytes ({declared} declared)")
     try:
         return read_body(response, limit)
+    except BodyIncomplete as e:  # a server that failed while compressing: it may not next time
+        raise SourceUnavailable(f"{url}: {e}") from None
     except BodyRefused as e:
         raise InvalidInput(f"{url}: {e}") from None
+
+
+def _empty(url: httpx.URL, response: httpx.Response) -> InvalidInput:
+    code = response.status_code
+    if code in (204, 205):
+        return InvalidInput(f"{url}: no content (HTTP {code} {response.reason_phrase})".rstrip())
+    return InvalidInput(f"{url}: the page is empty (HTTP {code}, no body); nothing to index")
 
 
 def _to_text(
@@ -295,11 +310,20 @@ def fetch_url(
                     current = target
                     continue
                 _status(current, response)
+                declared = response.headers.get("content-length", "").strip()
+                if response.status_code in (204, 205) or (declared.isdigit() and not int(declared)):
+                    raise _empty(current, response)  # says more than its missing type would
                 media, charset = _media_type(response)
                 if media not in {t.strip().lower() for t in settings.content_types}:
+                    # No type and no length: whether the body (read until the server closes,
+                    # bounded as any body is) is empty says more than the missing type.
+                    if not media and not declared and not _body(current, response, settings):
+                        raise _empty(current, response)
                     shown = media or "none given"
                     raise InvalidInput(f"{current}: content type {shown} is not allowed")
                 data = _body(current, response, settings)
+                if not data:
+                    raise _empty(current, response)
             finally:
                 response.close()
             text = _to_text(current, data, media, charset, settings)
