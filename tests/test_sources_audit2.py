@@ -9,15 +9,34 @@ import threading
 import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import docx
 import pytest
+from fpdf import FPDF
 
+from worker.chunking import chunk_structure
 from worker.errors import InvalidInput, SourceUnavailable
 from worker.providers.http import JSONClient, RetryLater, _Inflater
-from worker.settings import HTTPProviderSettings, UrlSettings
+from worker.settings import FilesSettings, HTTPProviderSettings, UrlSettings
+from worker.sources.decoding import decode_html, decode_text, escape_markdown_lookalikes
+from worker.sources.files import html_text, read_file
+from worker.sources.pdf import pdf_text
 from worker.sources.urls import fetch_url
 
-ALLOWED = UrlSettings(allow_hosts=["127.0.0.1"], timeout=10, connect_timeout=5)
+ALLOWED = UrlSettings(
+    allow_hosts=["127.0.0.1"],
+    timeout=10,
+    connect_timeout=5,
+    content_types=[
+        "text/html",
+        "application/xhtml+xml",
+        "text/plain",
+        "text/markdown",
+        "application/json",
+        "application/rss+xml",
+    ],
+)
 
 # path -> the replies to give, in turn (the last one again once they run out):
 # (status, headers, body); a header of None is not sent.
@@ -181,3 +200,190 @@ def test_no_content_and_an_empty_page_say_so_before_the_missing_type(server: Ser
             fetch_url(f"{server.url}{path}", ALLOWED)
     with pytest.raises(InvalidInput, match="content type none given is not allowed"):
         fetch_url(f"{server.url}/untyped", ALLOWED)
+
+
+# -- 4. lone CR line ends -----------------------------------------------------------------------
+
+SECTIONS = "".join(
+    f"# Section {i}\n\nThe text of section {i}, in a few words.\n\n" for i in range(1, 5)
+)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> FilesSettings:
+    return FilesSettings(roots=[tmp_path])
+
+
+@pytest.mark.parametrize("newline", ["\r", "\r\n"])
+@pytest.mark.parametrize("suffix", [".md", ".txt", ".notes"])
+def test_files_with_cr_line_ends_read_as_lines(
+    tmp_path: Path, files: FilesSettings, newline: str, suffix: str
+) -> None:
+    """Lone CRs (old Mac files, some exporters) made the whole file one line: one heading
+    whose title was the whole document, and no sections."""
+    path = tmp_path / f"mac{suffix}"
+    path.write_bytes(SECTIONS.replace("\n", newline).encode())
+    text = read_file(path, files)
+    assert text == SECTIONS
+
+
+def test_a_utf16_file_with_cr_line_ends_reads_as_lines(
+    tmp_path: Path, files: FilesSettings
+) -> None:
+    (tmp_path / "w.txt").write_bytes(
+        "\ufeff".encode("utf-16-le") + SECTIONS.replace("\n", "\r").encode("utf-16-le")
+    )
+    assert read_file(tmp_path / "w.txt", files) == SECTIONS
+
+
+@pytest.mark.parametrize("media", ["text/markdown", "text/plain", "application/json"])
+def test_pages_with_cr_line_ends_read_as_lines(server: Server, media: str) -> None:
+    server.routes["/mac"] = [(200, {"Content-Type": media}, SECTIONS.replace("\n", "\r").encode())]
+    assert fetch_url(f"{server.url}/mac", ALLOWED).text == SECTIONS
+
+
+# -- 5. separator lines in extracted text --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "escaped"),
+    [
+        ("---", "\\---"),
+        ("-", "\\-"),
+        ("=====  ", "\\=====  "),
+        ("   ----------", "   \\----------"),
+        ("\t===", "\t\\==="),
+        ("# not a heading", "\\# not a heading"),
+        ("```", "\\```"),
+        ("   ~~~ text", "   \\~~~ text"),
+        ("      ```", "      \\```"),  # indented: harmless to escape, whatever reads it
+    ],
+)
+def test_separator_and_fence_lines_are_escaped(line: str, escaped: str) -> None:
+    text = f"Some body text above.\n{line}\nSome below."
+    assert escape_markdown_lookalikes(text) == f"Some body text above.\n{escaped}\nSome below."
+    assert chunk_structure(escape_markdown_lookalikes(text))[0].headings == ()
+
+
+@pytest.mark.parametrize(
+    "line", ["- - -", "-- x", "a ---", "=x=", "    ----", "#hashtag", "``inline``", "* * *"]
+)
+def test_lines_the_chunker_takes_for_nothing_are_left_alone(line: str) -> None:
+    text = f"Some body text above.\n{line}\nSome below."
+    assert escape_markdown_lookalikes(text) == text
+
+
+@pytest.mark.parametrize("separator", ["-" * 60, "=" * 40])
+def test_a_separator_line_in_a_pdf_makes_no_heading(separator: str) -> None:
+    """PDF text has no blank lines within a page: a line of dashes under 25 lines of body
+    made them one heading, the heading path of every chunk after it."""
+    pdf = FPDF()
+    pdf.add_page()
+    pdf.set_font("Helvetica", size=11)
+    for i in range(25):
+        pdf.cell(0, 6, f"Line {i} of the terms and conditions.", new_x="LMARGIN", new_y="NEXT")
+    pdf.cell(0, 6, separator, new_x="LMARGIN", new_y="NEXT")
+    for i in range(40):
+        pdf.cell(0, 6, f"Signature block line {i}.", new_x="LMARGIN", new_y="NEXT")
+    text = pdf_text(bytes(pdf.output()), "t.pdf", limit=10**6)
+    assert "\\" + separator in text
+    assert all(c.headings == () for c in chunk_structure(text))
+
+
+def test_a_separator_line_in_a_docx_paragraph_makes_no_heading(
+    tmp_path: Path, files: FilesSettings
+) -> None:
+    document = docx.Document()
+    run = document.add_paragraph().add_run("Terms above the line.")
+    run.add_break()
+    run.add_text("=" * 20)
+    document.add_paragraph("Below.")
+    document.save(tmp_path / "sep.docx")
+    text = read_file(tmp_path / "sep.docx", files)
+    assert text == "Terms above the line.\n\\" + "=" * 20 + "\n\nBelow."
+    assert all(c.headings == () for c in chunk_structure(text))
+
+
+# -- 6. charset labels as browsers read them, XML declarations --------------------------------
+
+LEGACY = [
+    # label, what the page is really in, text with a character only the superset has
+    ("gb2312", "gbk", "中国总理朱镕基。"),
+    ("GB_2312-80", "gbk", "朱镕基"),
+    ("euc-kr", "cp949", "한국어 똠방각하"),
+    ("ks_c_5601-1987", "cp949", "똠방각하"),
+    ("shift_jis", "cp932", "日本語 ①②③"),
+    ("x-sjis", "cp932", "①②③"),
+    ("iso-8859-9", "cp1254", "“Türkçe” metin"),
+    ("tis-620", "cp874", "“ภาษาไทย”"),
+    ("iso-8859-11", "cp874", "“ภาษาไทย”"),
+    ("big5", "big5hkscs", "香港增補字符集 𥚃"),
+    ("x-mac-roman", "mac_roman", "Café ™"),
+]
+
+
+@pytest.mark.parametrize(("label", "real", "text"), LEGACY)
+def test_legacy_labels_decode_as_browsers_do(label: str, real: str, text: str) -> None:
+    html = f'<html><head><meta charset="{label}"></head><body><p>{text}</p></body></html>'
+    assert text in decode_html(html.encode(real), "page")
+    assert decode_text(text.encode(real), "page", label.upper()) == text
+
+
+@pytest.mark.parametrize(("label", "real", "text"), LEGACY[:3])
+def test_a_legacy_label_in_the_header_decodes_the_page(
+    server: Server, label: str, real: str, text: str
+) -> None:
+    kind = {"Content-Type": f"text/plain; charset={label}"}
+    server.routes["/legacy"] = [(200, kind, text.encode(real))]
+    assert fetch_url(f"{server.url}/legacy", ALLOWED).text == text
+
+
+@pytest.mark.parametrize("label", ["utf-16", "UTF-16LE", "utf-16be", "unicode", "utf-32"])
+def test_a_meta_charset_of_utf16_on_a_page_read_in_ascii_means_utf8(label: str) -> None:
+    page = f'<html><head><meta charset="{label}"><title>T</title></head><body><article>'
+    page += "<h1>Hello</h1><p>" + "This page is plain text, café, and readable. " * 20
+    page += "</p></article></body></html>"
+    data = page.encode() + b" " * (len(page.encode()) % 2)
+    assert decode_html(data, "page").startswith(f'<html><head><meta charset="{label}">')
+    assert "This page is plain text, café" in (html_text(data, "page") or "")
+
+
+XHTML = (
+    "<?xml version='1.0' encoding='{label}'?>\n<html xmlns='http://www.w3.org/1999/xhtml'>"
+    "<head><title>Menu</title>{meta}</head><body><article><h1>Menu</h1><p>"
+    + "Café au lait, crème brûlée and a slice of tarte. " * 10
+    + "</p></article></body></html>"
+)
+
+
+def test_xhtml_is_decoded_by_its_xml_declaration(
+    tmp_path: Path, files: FilesSettings, server: Server
+) -> None:
+    data = XHTML.format(label="iso-8859-1", meta="").encode("cp1252")
+    (tmp_path / "menu.xhtml").write_bytes(data)
+    assert "Café au lait, crème brûlée" in read_file(tmp_path / "menu.xhtml", files)
+    server.routes["/menu"] = [(200, {"Content-Type": "application/xhtml+xml"}, data)]
+    assert "Café au lait, crème brûlée" in fetch_url(f"{server.url}/menu", ALLOWED).text
+
+
+def test_in_xhtml_the_xml_declaration_wins_over_a_meta(
+    tmp_path: Path, files: FilesSettings
+) -> None:
+    meta = '<meta http-equiv="Content-Type" content="text/html; charset=utf-8"/>'
+    data = XHTML.format(label="windows-1252", meta=meta).encode("cp1252")
+    (tmp_path / "menu.xhtml").write_bytes(data)
+    assert "Café au lait, crème brûlée" in read_file(tmp_path / "menu.xhtml", files)
+
+
+def test_xml_is_decoded_by_its_declaration(
+    tmp_path: Path, files: FilesSettings, server: Server
+) -> None:
+    feed = '<?xml version="1.0" encoding="ISO-8859-15"?>\n<rss><item>Prix : 5 €, crème</item></rss>'
+    data = feed.encode("iso-8859-15")
+    (tmp_path / "feed.xml").write_bytes(data)
+    assert read_file(tmp_path / "feed.xml", files) == feed
+    server.routes["/feed"] = [(200, {"Content-Type": "application/rss+xml"}, data)]
+    assert fetch_url(f"{server.url}/feed", ALLOWED).text == feed
+    utf16 = '<?xml version="1.0" encoding="UTF-16"?>\n<rss><item>crème</item></rss>'
+    (tmp_path / "feed16.xml").write_bytes(utf16.encode("utf-16-le"))  # no BOM: XML detects it
+    assert read_file(tmp_path / "feed16.xml", files) == utf16

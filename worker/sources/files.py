@@ -16,13 +16,14 @@ from pathlib import Path
 
 from worker.errors import InvalidInput
 from worker.settings import HTML_BYTES, HTML_ELEMENTS, FilesSettings
-from worker.sources.decoding import decode_html, decode_text
+from worker.sources.decoding import decode_html, decode_text, decode_xml
 from worker.sources.docx import docx_to_markdown
 from worker.sources.limits import check_text_size, refuse
 from worker.sources.pdf import pdf_text
 
 TEXT_SUFFIXES = frozenset({".md", ".markdown", ".txt", ".text", ".rst"})
 HTML_SUFFIXES = frozenset({".html", ".htm", ".xhtml"})
+XML_SUFFIXES = frozenset({".xhtml", ".xml"})  # their charset is in their XML declaration
 _BINARY = """.doc .xls .xlsx .ppt .pptx .odt .ods .odp .epub .zip .gz .tgz .bz2 .xz .zst .tar .7z
 .rar .png .jpg .jpeg .gif .webp .bmp .tif .tiff .ico .heic .mp3 .mp4 .m4a .wav .flac .ogg .avi
 .mov .mkv .webm .exe .dll .so .dylib .bin .o .a .class .jar .pyc .whl .sqlite .db .woff .woff2
@@ -57,17 +58,19 @@ def html_text(
     *,
     max_bytes: int = HTML_BYTES,
     max_elements: int = HTML_ELEMENTS,
+    xml: bool = False,
 ) -> str | None:
     """An HTML document's main text as Markdown (`html_to_markdown`), refused past `max_bytes`
     bytes or `max_elements` start tags, before trafilatura sees it. Its time grows faster
     than the element count, not the bytes: 20 MB in 200 paragraphs took 0.6 s, 0.9 MB in
     80,000 tiny paragraphs 13 s, a real 8.5 MB source listing of 154,000 tags 128 s and 730
-    MB resident (the whole Rust reference, 89,000 tags: 3 s). Every file and URL goes here."""
+    MB resident (the whole Rust reference, 89,000 tags: 3 s). Every file and URL goes here.
+    `xml`: XHTML, whose XML declaration names its charset (`decode_html`)."""
     if len(data) > max_bytes:
         raise refuse(
             name, f"{len(data)} bytes of HTML is over the limit of {max_bytes} bytes for HTML"
         )
-    html = decode_html(data, name, charset)
+    html = decode_html(data, name, charset, xml=xml)
     for tags, _ in enumerate(_START_TAG.finditer(html), 1):
         if tags > max_elements:
             raise refuse(
@@ -200,10 +203,13 @@ def read_file(path: str | Path, settings: FilesSettings) -> str:
             shown,
             max_bytes=settings.max_html_bytes,
             max_elements=settings.max_html_elements,
+            xml=suffix in XML_SUFFIXES,
         )
         if markdown is None:
             raise refuse(shown, "no main text could be extracted from the HTML")
         text = markdown
+    elif suffix in XML_SUFFIXES:
+        text = decode_xml(data, shown)
     else:
         text = decode_text(data, shown)
     if not text.strip():

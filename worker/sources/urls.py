@@ -36,7 +36,7 @@ from worker.providers.http import (
     safe_url,
 )
 from worker.settings import UrlSettings, allowed_host
-from worker.sources.decoding import decode_text
+from worker.sources.decoding import decode_text, decode_xml
 from worker.sources.docx import docx_to_markdown
 from worker.sources.files import html_text
 from worker.sources.limits import check_text_size
@@ -47,6 +47,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
+XML_SUFFIXES = ("/xml", "+xml")  # their charset is in their XML declaration
 DOCX_TYPE = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
@@ -215,6 +216,7 @@ def _to_text(
             charset,
             max_bytes=settings.max_html_bytes,
             max_elements=settings.max_html_elements,
+            xml=media.endswith(XML_SUFFIXES),
         )
         if text is None:
             raise InvalidInput(f"{url}: no main text could be extracted from the page")
@@ -222,7 +224,9 @@ def _to_text(
         text = pdf_text(data, name, limit=limit, max_content=settings.max_pdf_content_bytes)
     elif media == DOCX_TYPE:
         text = docx_to_markdown(data, name, limit=limit, max_xml=settings.max_xml_bytes)
-    elif media.startswith("text/") or media.endswith(("/json", "+json", "/xml", "+xml")):
+    elif media.endswith(XML_SUFFIXES):
+        text = decode_xml(data, name, charset)
+    elif media.startswith("text/") or media.endswith(("/json", "+json")):
         text = decode_text(data, name, charset)
     else:
         raise InvalidInput(f"{url}: cannot read content of type {media}")
