@@ -17,10 +17,11 @@ from celery import Task, shared_task
 from tasks.broker import live_task_ids
 from tasks.cancel import revoked_key
 from tasks.lock import held, only_one, sweep_key
+from tasks.memories import no_arguments
 from tasks.producer import send_batch
 from tasks.runtime import Runtime, runtime
 from worker.app import EMBED_MEMORIES, RECONCILE, RETRY_SWEEP
-from worker.errors import KeyConflict
+from worker.errors import InvalidInput, KeyConflict
 from worker.indexers.memories import memories_missing
 from worker.log import get_logger
 from worker.reconcile import (
@@ -48,10 +49,12 @@ def alone(rt: Runtime, sweep: str) -> Iterator[bool]:
         yield only
 
 
-@shared_task(name=RECONCILE, bind=True, throws=(KeyConflict,))
-def reconcile_sweep(self: Task) -> dict[str, Any]:
+@shared_task(name=RECONCILE, bind=True, throws=(KeyConflict, InvalidInput))
+def reconcile_sweep(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Repair vec rows at once; send the items that need a run as a `reconcile` batch, and
-    the memories that need a vector to `kidx.embed_memories`."""
+    the memories that need a vector to `kidx.embed_memories`. No arguments (refused in one
+    line)."""
+    no_arguments(RECONCILE, args, kwargs)
     rt = runtime(self.app)
     with alone(rt, "reconcile") as only:
         return _reconcile(self, rt) if only else {"skipped": "another reconcile sweep is running"}
@@ -150,9 +153,11 @@ def _revoked(rt: Runtime, task_ids: list[str]) -> set[str] | None:
     return {t for t, n in zip(task_ids, found, strict=True) if n}
 
 
-@shared_task(name=RETRY_SWEEP, bind=True, throws=(KeyConflict,))
-def retry_sweep(self: Task) -> dict[str, Any]:
-    """Send failed items whose backoff has passed as a `retry` batch."""
+@shared_task(name=RETRY_SWEEP, bind=True, throws=(KeyConflict, InvalidInput))
+def retry_sweep(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Send failed items whose backoff has passed as a `retry` batch. No arguments (refused in
+    one line)."""
+    no_arguments(RETRY_SWEEP, args, kwargs)
     rt = runtime(self.app)
     with alone(rt, "retry") as only:
         return _retry(self, rt) if only else {"skipped": "another retry sweep is running"}

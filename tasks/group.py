@@ -31,12 +31,20 @@ from tasks.run import (
     bad_arguments,
     retry_busy,
     stored_reason,
+    valid_batch,
     valid_id,
 )
-from tasks.runtime import runtime
+from tasks.runtime import Runtime, runtime
 from worker.errors import IndexAborted, KidxError
 from worker.log import KI_EMBED, get_logger
-from worker.store.jobs import JobState, group_job_id, record_starts
+from worker.store.jobs import (
+    JobState,
+    batch_outcome,
+    get_batch,
+    group_job_id,
+    record_end,
+    record_starts,
+)
 
 log = get_logger("kidx.tasks")
 
@@ -57,35 +65,50 @@ def index_group(
     structlog.contextvars.bind_contextvars(task_id=task_id)
     cancellation.reset()
     try:
-        if not isinstance(item_ids, list) or not item_ids or not all(map(valid_id, item_ids)):
-            shown = repr(item_ids)[:80]
-            raise IndexFailed(f"the item ids must be a list of 64-bit integers, not {shown}")
         rt = runtime(self.app)
-        problem = bad_arguments(rt, item_ids[0], reason, batch_id, structure_only, extra, unknown)
+        listed = isinstance(item_ids, list) and bool(item_ids) and all(map(valid_id, item_ids))
+        if listed:
+            problem = bad_arguments(
+                rt, item_ids[0], reason, batch_id, structure_only, extra, unknown
+            )
+        else:
+            shown = repr(item_ids)[:80]
+            problem = f"the item ids must be a non-empty list of 64-bit integers, not {shown}"
         if problem is not None:  # its job rows say so, without what cannot be stored
-            batch_id, reason = None, stored_reason(reason)
+            batch_id, reason = kept_batch(rt, batch_id), stored_reason(reason)
         run = GroupRun(
             self,
             rt,
-            item_ids,
+            item_ids if listed else [],
             reason=reason,
             batch_id=batch_id,
             structure_only=structure_only,
             started=started,
         )
-        jobs = [(run.job(i)[0], i) for i in run.ids]
+        # ids that are no list of ids: one row for the task, without an item
+        jobs = [(run.job(i)[0], i) for i in run.ids] if listed else [(task_id, None)]
         try:
             record_starts(rt.db, jobs, GROUP, batch_id, stored_reason(reason))
         except BUSY as e:  # locked past the busy timeout: nothing recorded, tried again later
             retry_busy(self, rt, e)
         if problem is not None:
             log.error(f"{KI_EMBED} refused", reason=problem)
+            if not listed:
+                raise IndexFailed(run.refuse_all(problem))
             for item_id in run.ids:
                 run._failed(item_id, run.line(item_id, problem), "bad_input")
             raise IndexFailed(run.failure())
         return run.execute()
     finally:
         structlog.contextvars.unbind_contextvars("task_id")
+
+
+def kept_batch(rt: Runtime, batch_id: object) -> int | None:
+    """The batch of a refused task, when it names one (a refusal is counted in its batch, or
+    that batch would wait for it for good); None for what is no batch."""
+    if valid_batch(batch_id) and get_batch(rt.db, batch_id) is not None:  # type: ignore[arg-type]
+        return batch_id  # type: ignore[return-value]
+    return None
 
 
 class GroupRun(Run):
@@ -142,6 +165,24 @@ class GroupRun(Run):
             "duration_ms": self.took(),
             "results": list(self.results.values()),
         }
+
+    def refuse_all(self, problem: str) -> str:
+        """The task's one row (no item in it) ends failed, counted in its batch as one
+        refusal; its one line."""
+        message = f"{' '.join(self.rt.redact.scrub(problem).split())} "
+        message += f"(after {self.took() / 1000:.1f} s)"
+        with self.rt.db.atomic():
+            record_end(self.rt.db, self.task_id, 0, JobState.FAILED, self.took(), message)
+            if self.batch_id is not None:
+                batch_outcome(
+                    self.rt.db,
+                    self.batch_id,
+                    "refused",
+                    message,
+                    abort_after=self.settings.tasks.batch_abort_after,
+                    job=(self.task_id, 0),
+                )
+        return message
 
     def failure(self) -> str:
         failed = list(self.failures.values())

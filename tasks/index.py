@@ -21,6 +21,7 @@ from celery.signals import worker_process_init, worker_process_shutdown
 
 from tasks import KNOWLEDGE_ITEM, NOTE
 from tasks import cancel as cancellation
+from tasks.group import kept_batch
 from tasks.run import (
     BUSY,
     IndexFailed,
@@ -35,7 +36,7 @@ from tasks.run import (
 from tasks.runtime import close_runtime, runtime
 from worker.errors import IndexAborted
 from worker.log import KI_EMBED, get_logger
-from worker.store.jobs import JobState, record_end, record_start
+from worker.store.jobs import JobState, record_start
 
 log = get_logger("kidx.tasks")
 
@@ -123,7 +124,7 @@ def start(
         rt = runtime(task.app)
         problem = bad_arguments(rt, item_id, reason, batch_id, structure_only, extra, unknown)
         if problem is not None:  # recorded without what cannot be stored (a batch that is not one)
-            batch_id, reason = None, stored_reason(reason)
+            batch_id, reason = kept_batch(rt, batch_id), stored_reason(reason)
         try:
             record_start(
                 rt.db,
@@ -149,7 +150,8 @@ def start(
         if problem is not None:
             log.error(f"{KI_EMBED} refused", reason=problem)
             message = run.line(item_id, problem)
-            record_end(rt.db, task_id, attempt, JobState.FAILED, run.took(), message)
+            # ended as any refusal is, counted in its batch (which would wait for it for good)
+            run.end(item_id if valid else 0, JobState.FAILED, "refused", message, why="bad_input")
             raise IndexFailed(message)
         return run.execute()
     finally:

@@ -12,18 +12,29 @@ from celery import Task, shared_task
 from tasks.lock import memories_key, only_one
 from tasks.runtime import runtime
 from worker.app import EMBED_MEMORIES
-from worker.errors import KeyConflict
+from worker.errors import InvalidInput, KeyConflict
 from worker.indexers.memories import embed_memories
 from worker.pipeline import NO_PROVIDER
+
+
+def no_arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse, in one line, the arguments of a task that takes none (InvalidInput)."""
+    if args or kwargs:
+        given = [repr(a)[:40] for a in args] + [f"{k!s:.40}=..." for k in sorted(kwargs)]
+        shown = ", ".join(given[:5]) + (", ..." if len(given) > 5 else "")
+        raise InvalidInput(f"{name} takes no arguments, not ({shown})")
+
 
 # A run embeds at most this many memories (a request a batch); the next sweep sends the rest.
 RUN_LIMIT = 512
 
 
-@shared_task(name=EMBED_MEMORIES, bind=True, throws=(KeyConflict,))
-def embed_memories_task(self: Task) -> dict[str, Any]:
+@shared_task(name=EMBED_MEMORIES, bind=True, throws=(KeyConflict, InvalidInput))
+def embed_memories_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Embed what memories lack a vector; what was done (`MemoryBackfill`: `embedded`,
-    `left`, `refused`, `unreadable`, `too_long`, `error`)."""
+    `left`, `refused`, `unreadable`, `too_long`, `error`). It takes no argument: one sent
+    (`celery call --args`, a host's send) is refused in one line, not a TypeError."""
+    no_arguments(EMBED_MEMORIES, args, kwargs)
     rt = runtime(self.app)
     if rt.embedder is None:
         return {"skipped": NO_PROVIDER}

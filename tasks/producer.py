@@ -11,19 +11,23 @@ the item's kind and title (`kwargsrepr`).
 from __future__ import annotations
 
 import heapq
+import math
+import os
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
 
 from tasks import GROUP, KNOWLEDGE_ITEM, NOTE, TASK_FOR_KIND
-from worker.errors import BrokerUnavailable, ItemNotFound
+from worker.errors import BrokerUnavailable, InvalidInput, ItemNotFound, WrongTaskKind
 from worker.sources.urls import check_url, safe_url
 from worker.store import Database
 from worker.store.items import add_item, get_item
@@ -31,6 +35,7 @@ from worker.store.jobs import (
     abort_batch,
     create_batch,
     forget_queued,
+    get_batch,
     group_job_id,
     record_queued,
     record_queued_many,
@@ -44,10 +49,67 @@ def _default_app() -> Celery:
     return app
 
 
+# What the tasks take (tasks.run.bad_arguments): refused here, before any row is written, rather
+# than sent to fail in a worker.
+MAX_ROWID = 2**63
+
+
+def _check_id(item_id: object) -> int:
+    """An item id SQLite can hold (a 64-bit integer, not a bool: True would be item 1)."""
+    if type(item_id) is not int or not -MAX_ROWID <= item_id < MAX_ROWID:
+        raise InvalidInput(f"the item id must be a 64-bit integer, not {item_id!r:.60}")
+    return item_id
+
+
+def _check_reason(reason: object) -> None:
+    if reason is None:
+        return
+    if not isinstance(reason, str):
+        raise InvalidInput(f"reason must be a string, not {reason!r:.60}")
+    try:
+        reason.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInput(
+            f"reason must be UTF-8 text, not a string with a lone surrogate at character {e.start}"
+        ) from None
+
+
+def _check_batch(db: Database, batch_id: object) -> None:
+    if batch_id is None:
+        return
+    if type(batch_id) is not int or not 0 < batch_id < MAX_ROWID:
+        raise InvalidInput(f"the batch id must be a positive integer, not {batch_id!r:.60}")
+    if get_batch(db, batch_id) is None:
+        raise InvalidInput(f"no batch with id {batch_id}")
+
+
+def _check_countdown(app: Celery, countdown: object) -> None:
+    """A countdown the broker can hold: a number of seconds, finite, not negative, and (with
+    kidx's settings) within the visibility timeout less the hard time limit, past which a
+    Redis broker hands the task out twice (`tasks.run.longest_countdown`)."""
+    if countdown is None:
+        return
+    if isinstance(countdown, bool) or not isinstance(countdown, (int, float)):
+        raise InvalidInput(f"countdown must be a number of seconds, not {countdown!r:.60}")
+    settings = getattr(app, "kidx_settings", None)
+    longest = (
+        float(settings.tasks.visibility_timeout - settings.tasks.time_limit)
+        if settings is not None
+        else 365 * 86400.0  # no visibility timeout known: at most a year (no overflow)
+    )
+    if not (math.isfinite(countdown) and 0 <= countdown <= longest):
+        raise InvalidInput(f"countdown must be from 0 to {longest:g} seconds, not {countdown!r}")
+
+
+def _check_flag(structure_only: object) -> None:
+    if not isinstance(structure_only, bool):
+        raise InvalidInput(f"structure_only must be True or False, not {structure_only!r:.60}")
+
+
 def _send(
     db: Database,
     app: Celery | None,
-    name: str,
+    name: str | None,
     item_id: int,
     *,
     reason: str | None,
@@ -55,15 +117,34 @@ def _send(
     countdown: float | None = None,
     structure_only: bool = False,
     kind: str | None = None,
+    promise: bool = True,
 ) -> str:
-    """`kind`: the item's kind as the caller read it (a batch, in `_sizes`): the item may have
-    been deleted since, and its task goes all the same (its run reports it refused, and the
-    batch counts it); without it, an unknown item is ItemNotFound and nothing is sent."""
+    """`name`: the task (None: the one for the item's kind); one of another kind is refused
+    (WrongTaskKind), as its worker would refuse it. `kind`: the item's kind as the caller read
+    it (a batch, in `_sizes`): the item may have been deleted since, and its task goes all the
+    same (its run reports it refused, and the batch counts it); without it, an unknown item is
+    ItemNotFound and nothing is sent. `promise`: a refused send says what becomes of the item
+    (a batch says what becomes of the batch instead). Bad arguments are InvalidInput, before
+    any row is written."""
+    _check_id(item_id)
+    _check_reason(reason)
+    _check_batch(db, batch_id)
+    app = app or _default_app()
+    _check_countdown(app, countdown)
+    _check_flag(structure_only)
     if kind is None:
         item = get_item(db, item_id, content=False)
         kind, title = item.kind, item.title
     else:
         title = _first_title(db, [item_id])
+    wanted = TASK_FOR_KIND.get(kind)
+    if wanted is None:
+        raise WrongTaskKind(f"item {item_id} is of kind {kind!r:.40}, which no task indexes")
+    if name is not None and name != wanted:
+        raise WrongTaskKind(
+            f"item {item_id} is a {kind} item: {name} does not index it ({wanted} does)"
+        )
+    name = wanted
     task_id = str(uuid.uuid4())
     record_queued(db, task_id, name, item_id, batch_id, reason)
     kwargs: dict[str, Any] = {"reason": reason}
@@ -74,8 +155,7 @@ def _send(
     shown = {"kind": kind, "title": title[:60], "reason": reason}
     if batch_id is not None:
         shown["batch"] = batch_id
-    app = app or _default_app()
-    with _sending(db, app, [task_id], item_id):
+    with _sending(db, app, [task_id], item_id if promise else None):
         app.send_task(
             name,
             args=[item_id],
@@ -87,36 +167,85 @@ def _send(
     return task_id
 
 
+# The item states the reconcile sweep sends by itself (worker.reconcile.FINDINGS: no state row,
+# pending, partial on its backoff, cancelled): of an item in another state, a send the broker
+# refused is lost unless sent again.
+SWEPT = ("pending", "partial", "cancelled")
+
+
+def _swept(db: Database, item_id: int) -> bool:
+    try:
+        row = db.one("SELECT status FROM item_index_state WHERE item_id = ?", (item_id,))
+    except Exception:  # a database that cannot say: no promise
+        return False
+    return row is None or row[0] in SWEPT
+
+
+# Celery's RuntimeError when the result store does not answer while a send subscribes to it
+RESULT_STORE = "result store"
+
+
 @contextmanager
 def _sending(db: Database, app: Celery, task_ids: list[str], item_id: int | None) -> Iterator[None]:
-    """A send that the broker refuses (down, or silent past KIDX_TASKS__BROKER_PATIENCE)
-    leaves no `queued` record, and says so: BrokerUnavailable, naming the broker.
+    """A send that fails for any reason (the broker or the result backend down, silent past
+    KIDX_TASKS__BROKER_PATIENCE, or unusable: a URL that redis-py, kombu or Celery cannot
+    use, which a host's own app may hold) leaves no `queued` record, and says so in one line,
+    naming which of the two failed: BrokerUnavailable.
 
-    The broker is asked first, once, within the patience: Celery's send subscribes to the
+    Both are asked first, once each, within the patience: Celery's send subscribes to the
     task's result before it publishes, and retries that 20 times a second apart (a producer
-    waited 19 s on a Redis that was down, and left its `queued` row behind).
-
-    A broker URL that redis-py or kombu cannot use (a ValueError: a host's own app, not checked
-    by kidx's settings) is refused the same way, its `queued` rows forgotten."""
+    waited 19 s on a Redis that was down, and left its `queued` row behind). `item_id`: the
+    item whose send this is, for the message to say what becomes of it."""
+    what = "broker"
     try:
         _ping(app)
+        what = "result backend"
+        _ping_backend(app)
+        what = "broker"
         yield
-    except (KombuError, RedisError, OSError, RuntimeError, ValueError) as e:
-        # (RuntimeError: Celery's "Retry limit exceeded ... reconnect to the result store")
+    except BaseException as e:
         forget_queued(db, task_ids)
-        where = safe_url(str(app.conf.broker_url))
-        unusable = isinstance(e, ValueError) and not isinstance(e, KombuError)
-        kept = (
-            f"; item {item_id} is saved, and the reconcile sweep sends it once the broker "
-            + ("URL is fixed" if unusable else "is back")
-            if item_id is not None
-            else ""
-        )
-        cause = " ".join(f"{type(e).__name__}: {e}".split())
-        what = "is not usable" if unusable else "did not take the task"
-        raise BrokerUnavailable(
-            f"the broker at {where} {what} ({cause}){kept}", item_id=item_id
-        ) from None
+        if not isinstance(e, Exception) or isinstance(e, SoftTimeLimitExceeded):
+            raise  # an interruption (a worker's soft time limit), not the send's failure
+        if isinstance(e, RuntimeError) and RESULT_STORE in str(e):
+            what = "result backend"
+        raise BrokerUnavailable(_refusal(db, app, what, e, item_id), item_id=item_id) from None
+
+
+def _refusal(db: Database, app: Celery, what: str, e: Exception, item_id: int | None) -> str:
+    """The one line of a refused send: what refused it, why, and what becomes of the item."""
+    url = app.conf.broker_url if what == "broker" else _backend_url(app)
+    where = safe_url(str(url))
+    # down or silent (connection errors, timeouts, Celery's retries given up); else unusable
+    down = isinstance(e, (KombuError, RedisError, OSError, RuntimeError)) and not isinstance(
+        e, ValueError
+    )
+    cause = " ".join(f"{type(e).__name__}: {e}".split())
+    verb = (
+        "is not usable"
+        if not down
+        else "did not answer"
+        if what != "broker"
+        else "did not take the task"
+    )
+    until = f"once the {what} " + ("is back" if down else "URL is fixed")
+    if item_id is None:
+        kept = ""
+    elif _swept(db, item_id):
+        kept = f"; item {item_id} is saved, and the reconcile sweep sends it {until}"
+    else:
+        kept = f"; item {item_id} was not sent: run the command again {until}"
+    return f"the {what} at {where} {verb} ({cause}){kept}"
+
+
+def _patience(app: Celery) -> float:
+    settings = getattr(app, "kidx_settings", None)
+    return settings.tasks.broker_patience if settings is not None else 5.0
+
+
+def _client(url: str, app: Celery) -> redis.Redis:
+    patience = _patience(app)
+    return redis.Redis.from_url(url, socket_timeout=patience, socket_connect_timeout=patience)
 
 
 def _ping(app: Celery) -> None:
@@ -124,26 +253,46 @@ def _ping(app: Celery) -> None:
     patience (one round trip on a kept connection)."""
     client = getattr(app, "_kidx_ping", None)
     if client is None:
-        settings = getattr(app, "kidx_settings", None)
-        patience = settings.tasks.broker_patience if settings is not None else 5.0
-        client = redis.Redis.from_url(
-            str(app.conf.broker_url), socket_timeout=patience, socket_connect_timeout=patience
-        )
+        client = _client(str(app.conf.broker_url), app)
         app._kidx_ping = client  # type: ignore[attr-defined]
+    client.ping()
+
+
+def _backend_url(app: Celery) -> str | None:
+    url = app.conf.result_backend
+    return None if url is None else str(url)
+
+
+def _ping_backend(app: Celery) -> None:
+    """The result backend: loaded (an unknown scheme fails here, not in the send), and, when it
+    is another Redis than the broker's, PINGed within the same patience (a Redis that is down
+    would otherwise hold the send 20 s, and be blamed on the broker)."""
+    app.backend  # noqa: B018 - loads it: a backend Celery cannot load raises here
+    url = _backend_url(app)
+    if url is None or url == str(app.conf.broker_url):
+        return
+    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        return  # another kind of backend: Celery's own send reports it
+    client = getattr(app, "_kidx_ping_backend", None)
+    if client is None:
+        client = _client(url, app)
+        app._kidx_ping_backend = client  # type: ignore[attr-defined]
     client.ping()
 
 
 def enqueue_note(
     db: Database, item_id: int, *, app: Celery | None = None, reason: str | None = None
 ) -> str:
-    """Send GenerateEmbedding for a note; returns the task id."""
+    """Send GenerateEmbedding for a note (another kind of item is WrongTaskKind); returns the
+    task id."""
     return _send(db, app, NOTE, item_id, reason=reason)
 
 
 def enqueue_knowledge_item(
     db: Database, item_id: int, *, app: Celery | None = None, reason: str | None = None
 ) -> str:
-    """Send GenerateKnowledgeItemEmbedding for a file, URL or code item; returns the task id."""
+    """Send GenerateKnowledgeItemEmbedding for a file, URL or code item (a note is
+    WrongTaskKind); returns the task id."""
     return _send(db, app, KNOWLEDGE_ITEM, item_id, reason=reason)
 
 
@@ -159,11 +308,10 @@ def enqueue(
 ) -> str:
     """Send the right task for the item's kind; returns the task id. `structure_only`: no chunk
     model for this run."""
-    name = TASK_FOR_KIND[get_item(db, item_id, content=False).kind]
     return _send(
         db,
         app,
-        name,
+        None,
         item_id,
         reason=reason,
         batch_id=batch_id,
@@ -187,11 +335,21 @@ def send_batch(
     the item's own task, and a group size of 1 sends one task an item. An item a host deletes
     while the batch is being sent is sent all the same (its run reports it refused, which the
     batch counts); a send that fails part-way aborts the batch with the cause, then raises (the
-    items not sent would never be counted, and the batch would stay running for good)."""
-    ids = list(dict.fromkeys(item_ids))
+    items not sent would never be counted, and the batch would stay running for good). No
+    item, or an argument the tasks would refuse, is InvalidInput, and no batch is made."""
+    if isinstance(item_ids, (str, bytes)) or not isinstance(item_ids, Iterable):
+        raise InvalidInput(f"the item ids must be a list of integers, not {item_ids!r:.60}")
+    ids = list(dict.fromkeys(map(_check_id, item_ids)))
+    if not ids:
+        raise InvalidInput("a batch needs at least one item")
+    if not isinstance(kind, str) or not kind:
+        raise InvalidInput(f"the batch's kind must be a word, not {kind!r:.60}")
+    _check_reason(reason)
+    if group_size is not None and (type(group_size) is not int or group_size < 1):
+        raise InvalidInput(f"group_size must be a positive integer, not {group_size!r:.60}")
     sizes, kinds = _sizes(db, ids)
-    batch_id = create_batch(db, kind, len(ids))
     app = app or _default_app()
+    batch_id = create_batch(db, kind, len(ids))
     kidx_settings = getattr(app, "kidx_settings", None)
     if group_size is None:
         group_size = kidx_settings.tasks.group_size if kidx_settings else 1
@@ -201,12 +359,21 @@ def send_batch(
     groups = plan_groups(sizes, group_size, processes)
     try:
         for g in groups:
-            if len(g) > 1:
+            # (an item of a kind no task indexes, a host's: a group refuses it, and counts it)
+            if len(g) > 1 or kinds[g[0]] not in TASK_FOR_KIND:
                 sent.append(send_group(db, app, g, batch_id, reason))
             else:
-                name = TASK_FOR_KIND[kinds[g[0]]]
                 sent.append(
-                    _send(db, app, name, g[0], reason=reason, batch_id=batch_id, kind=kinds[g[0]])
+                    _send(
+                        db,
+                        app,
+                        None,
+                        g[0],
+                        reason=reason,
+                        batch_id=batch_id,
+                        kind=kinds[g[0]],
+                        promise=False,
+                    )
                 )
     except BaseException as e:
         # The items not sent would never be counted: the batch would stay running for good.
@@ -218,6 +385,10 @@ def send_batch(
             why = f"sending stopped after {len(sent)} of {len(groups)} tasks ({cause})"
         with suppress(Exception):  # a database that refuses this too: the cause is raised
             abort_batch(db, batch_id, why)
+        if isinstance(e, BrokerUnavailable):  # and say so: its items were not all sent
+            raise BrokerUnavailable(
+                f"{e}; batch {batch_id} was aborted, {len(sent)} of its {len(groups)} tasks sent"
+            ) from None
         raise
     return batch_id, sent
 
@@ -312,12 +483,22 @@ def add_note(db: Database, title: str, text: str, *, app: Celery | None = None) 
     return item_id, enqueue_note(db, item_id, app=app, reason="added")
 
 
+def _check_title(title: object) -> None:
+    if title is not None and not isinstance(title, str):
+        raise InvalidInput(f"the title must be text (str), not {type(title).__name__}")
+
+
 def add_file(
     db: Database, path: str | Path, *, title: str | None = None, app: Celery | None = None
 ) -> tuple[int, str]:
-    """Write a file item (its text is read by the worker), then send its task."""
-    source = str(Path(path).resolve())
-    item_id = add_item(db, kind="file", title=title or Path(path).name, content="", source=source)
+    """Write a file item (its text is read by the worker), then send its task. A path that is
+    not a non-empty str or path is InvalidInput, and nothing is written."""
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"the file's path must be a non-empty str or Path, not {path!r:.60}")
+    _check_title(title)
+    source = str(Path(name).resolve())
+    item_id = add_item(db, kind="file", title=title or Path(name).name, content="", source=source)
     return item_id, enqueue_knowledge_item(db, item_id, app=app, reason="added")
 
 
@@ -326,6 +507,9 @@ def add_url(
 ) -> tuple[int, str]:
     """Write a URL item (the worker fetches it), then send its task. A URL that is not
     http(s) or that carries credentials is refused (InvalidInput), and nothing is written."""
+    if not isinstance(url, str) or not url:
+        raise InvalidInput(f"the URL must be a non-empty str, not {url!r:.60}")
+    _check_title(title)
     check_url(url)
     item_id = add_item(db, kind="url", title=title or url, content="", source=url)
     return item_id, enqueue_knowledge_item(db, item_id, app=app, reason="added")
