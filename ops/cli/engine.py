@@ -329,15 +329,22 @@ def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool, struc
 
     if bool(items) == all_items:
         raise InvalidInput("give item ids or --all (not both)")
+    ids = list(dict.fromkeys(items))  # an id given twice is one item, run once
     if not inline:
         from ops.cli.queue import send_items, show_sent
 
-        with ctx.store() as db:
-            ids = all_item_ids(db) if all_items else list(items)
+        if all_items:
+            with ctx.store() as db:
+                ids = all_item_ids(db)
+        if not ids:  # as `kidx reindex --all` says
+            raise InvalidInput("there are no items to index")
         show_sent(ctx, send_items(ctx, ids, "index", structure_only=structure))
         return
     with ctx.store() as db:
-        ids = all_item_ids(db) if all_items else list(items)
+        if all_items:
+            ids = all_item_ids(db)
+        if not ids:
+            raise InvalidInput("there are no items to index")
         for item_id in ids:
             get_item(db, item_id)  # unknown ids fail before any work
         started = time.monotonic()

@@ -1,5 +1,6 @@
 """Adding files, URLs, code and memories. An item that names a source already added is the same
-item (its id is reused, and it is indexed again), so adding twice never duplicates."""
+item (its id is reused, and it is indexed again; a --title given replaces its title), so adding
+twice never duplicates."""
 
 from __future__ import annotations
 
@@ -13,13 +14,26 @@ from ops.cli.engine import add, index_inline
 from worker.errors import InvalidInput
 
 
-def _item_for(db: Any, kind: str, title: str, source: str) -> int:
-    from worker.store.items import add_item
+def _item_for(db: Any, kind: str, title: str, source: str, *, retitle: bool = False) -> int:
+    """The item of this source (a new one if none). `retitle`: the title was given (--title),
+    so an item already there takes it, as `kidx update --title` would give it: an explicit
+    title silently kept the old one."""
+    from worker.store.items import NOW, add_item
+    from worker.store.text import given_text
 
-    row = db.one("SELECT id FROM knowledge_items WHERE kind = ? AND source = ?", (kind, source))
-    if row is not None:
-        return int(row[0])
-    return add_item(db, kind=kind, title=title, content="", source=source)
+    row = db.one(
+        "SELECT id, title FROM knowledge_items WHERE kind = ? AND source = ?", (kind, source)
+    )
+    if row is None:
+        return add_item(db, kind=kind, title=title, content="", source=source)
+    item_id = int(row[0])
+    if retitle and row[1] != title:
+        with db.atomic():  # a trigger makes the item pending: the index takes the new title
+            db.execute(
+                f"UPDATE knowledge_items SET title = ?, updated_at = {NOW} WHERE id = ?",
+                (given_text(title, "title"), item_id),
+            )
+    return item_id
 
 
 def _index_or_send(ctx: Ctx, db: Any, ids: list[int], inline: bool) -> list[dict[str, Any]]:
@@ -65,7 +79,9 @@ def add_file(ctx: Ctx, path: Path, title: str | None, inline: bool) -> None:
 
     read_file(path, ctx.settings.files)  # refused now, not later in a worker, and nothing written
     with ctx.store(create=True) as db:
-        item_id = _item_for(db, "file", title or path.name, str(path.resolve()))
+        item_id = _item_for(
+            db, "file", title or path.name, str(path.resolve()), retitle=title is not None
+        )
         results = _index_or_send(ctx, db, [item_id], inline)
     _report(ctx, [item_id], results if inline else [])
 
@@ -80,7 +96,7 @@ def add_url(ctx: Ctx, url: str, title: str | None, inline: bool) -> None:
 
     check_url(url)  # refused now (credentials in it included), and nothing written
     with ctx.store(create=True) as db:
-        item_id = _item_for(db, "url", title or url, url)
+        item_id = _item_for(db, "url", title or url, url, retitle=title is not None)
         results = _index_or_send(ctx, db, [item_id], inline)
     _report(ctx, [item_id], results if inline else [])
 

@@ -3,6 +3,7 @@ broker (KIDX_BROKER_URL); the durable record of every run is in the database (`i
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from typing import Any
@@ -35,10 +36,12 @@ def _workers_online(app: Any) -> int:
 def send_items(
     ctx: Ctx, ids: list[int], reason: str, *, structure_only: bool = False
 ) -> list[dict[str, Any]]:
-    """Send the right task for each item; what was sent, for printing."""
+    """Send the right task for each item (an id given twice, once); what was sent, for
+    printing."""
     from tasks.producer import enqueue
     from worker.store.items import get_item
 
+    ids = list(dict.fromkeys(ids))
     app = ctx.app()
     with ctx.store() as db:
         for item_id in ids:
@@ -64,8 +67,9 @@ def show_sent(ctx: Ctx, sent: list[dict[str, Any]]) -> None:
 @command(cli)
 @click.argument("items", type=ID, nargs=-1, required=True)
 def enqueue(ctx: Ctx, items: tuple[int, ...]) -> None:
-    """Send the right task (GenerateEmbedding or GenerateKnowledgeItemEmbedding) per item."""
-    show_sent(ctx, send_items(ctx, list(items), "enqueue"))
+    """Send the right task (GenerateEmbedding or GenerateKnowledgeItemEmbedding) per item (an id
+    given twice is sent once)."""
+    show_sent(ctx, send_items(ctx, list(dict.fromkeys(items)), "enqueue"))
 
 
 WAIT = click.option("--wait", is_flag=True, help="Show progress until the batch ends.")
@@ -90,8 +94,9 @@ def reindex(ctx: Ctx, all_items: bool, wait: bool, timeout: float | None) -> Non
 
 
 def _send_batch(ctx: Ctx, ids: list[int], kind: str, wait: bool, timeout: float | None) -> None:
-    """`ids` as one batch of `kind`; with `wait`, a progress bar until it ends, then its
-    summary (exit 1 unless every item was indexed)."""
+    """`ids` as one batch of `kind`; with `wait`, a progress bar until it ends (or `timeout`
+    passes), then its summary: exit 1 when it did not end `done` (aborted, or still running
+    at the timeout) or an item failed; items `skipped` (no provider) are not failures."""
     from tasks.producer import send_batch
     from worker.store.jobs import BatchState, get_batch
 
@@ -107,6 +112,7 @@ def _send_batch(ctx: Ctx, ids: list[int], kind: str, wait: bool, timeout: float 
     if not _workers_online(app):
         err.print("note: no worker answered yet; waiting for one to start")
     deadline = None if timeout is None else time.monotonic() + timeout
+    timed_out = False
     with (
         ctx.store() as db,
         Progress(
@@ -131,12 +137,14 @@ def _send_batch(ctx: Ctx, ids: list[int], kind: str, wait: bool, timeout: float 
             ):
                 break
             if deadline is not None and time.monotonic() > deadline:
+                timed_out = True
                 break
             time.sleep(0.25)
-    _summary(ctx, batch)
+    _summary(ctx, batch, timeout if timed_out else None)
 
 
-def _summary(ctx: Ctx, batch: dict[str, Any]) -> None:
+def _summary(ctx: Ctx, batch: dict[str, Any], timed_out: float | None = None) -> None:
+    """`timed_out`: the --timeout after which this stopped waiting (the batch goes on)."""
     from worker.store.jobs import BatchState
 
     def human() -> None:
@@ -146,8 +154,14 @@ def _summary(ctx: Ctx, batch: dict[str, Any]) -> None:
         )
         if batch["abort_reason"]:
             ctx.echo(f"why: {batch['abort_reason']}")
+        if timed_out is not None:
+            ctx.echo(
+                f"stopped waiting after {timed_out:g} s (--timeout): the batch goes on; "
+                f"`kidx jobs --batch {batch['id']}` shows it"
+            )
 
-    ctx.emit(batch, human)
+    shown = batch if timed_out is None else batch | {"timed_out": True}
+    ctx.emit(shown, human)
     if batch["state"] != BatchState.DONE or batch["failed"]:
         sys.exit(1)
 
@@ -158,9 +172,10 @@ def _summary(ctx: Ctx, batch: dict[str, Any]) -> None:
 @click.option("--limit", type=click.IntRange(1, 100_000), default=200, show_default=True)
 def jobs(ctx: Ctx, failed: bool, batch_id: int | None, limit: int) -> None:
     """Task runs, newest first: state, duration, error."""
+    from ops.cli.engine import reading_store
     from worker.store.jobs import get_batch, list_jobs
 
-    with ctx.store() as db:
+    with reading_store(ctx) as db:  # it only reads: the vec tables are left as they are
         batch = get_batch(db, batch_id) if batch_id is not None else None
         if batch_id is not None and batch is None:
             raise InvalidInput(f"no batch with id {batch_id}")
@@ -224,6 +239,15 @@ def cancel(ctx: Ctx, task_ids: tuple[str, ...], terminate: bool) -> None:
     of a group, `<task id>:<item id>`, cancels its group)."""
     from tasks.cancel import mark_revoked
 
+    for t in task_ids:  # refused before anything is sent: "" or ":" would revoke nothing
+        task, colon, item = t.partition(":")
+        if (
+            not task
+            or not task.isprintable()
+            or task != task.strip()
+            or (colon and not re.fullmatch(r"-?[0-9]+", item))
+        ):
+            raise InvalidInput(f"not a task id or a job id (<task id>:<item id>): {t!r:.80}")
     client = ctx.redis()
     task_ids = tuple(dict.fromkeys(t.split(":")[0] for t in task_ids))  # a group's job ids
     mark_revoked(client, list(task_ids))  # seen by the task even if no worker is up now
