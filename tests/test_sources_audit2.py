@@ -5,6 +5,9 @@ UTF-16 source files. Real files under tmp_path, a real HTTP server on 127.0.0.1.
 from __future__ import annotations
 
 import gzip
+import io
+import subprocess
+import sys
 import threading
 import zlib
 from collections.abc import Iterator
@@ -12,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import docx
+import pypdf
 import pytest
 from fpdf import FPDF
 
@@ -387,3 +391,96 @@ def test_xml_is_decoded_by_its_declaration(
     utf16 = '<?xml version="1.0" encoding="UTF-16"?>\n<rss><item>crème</item></rss>'
     (tmp_path / "feed16.xml").write_bytes(utf16.encode("utf-16-le"))  # no BOM: XML detects it
     assert read_file(tmp_path / "feed16.xml", files) == utf16
+
+
+# -- 3. AES-encrypted PDFs that open without a password -----------------------------------------
+
+
+def encrypted_pdf(text: str, algorithm: str) -> bytes:
+    """A PDF anyone may open (an empty user password, an owner password restricting printing
+    and copying: the common 'protected' brochure), written by pypdf itself."""
+    pdf = FPDF()
+    pdf.add_page()
+    pdf.set_font("Helvetica", size=12)
+    pdf.multi_cell(0, 8, text)
+    writer = pypdf.PdfWriter(clone_from=io.BytesIO(bytes(pdf.output())))
+    writer.encrypt(user_password="", owner_password="owner", algorithm=algorithm)
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
+
+
+BROCHURE = "This brochure opens without a password; only printing is restricted."
+
+
+@pytest.mark.parametrize("algorithm", ["AES-128", "AES-256", "RC4-128"])
+def test_an_encrypted_pdf_that_opens_without_a_password_is_read(
+    tmp_path: Path, files: FilesSettings, algorithm: str
+) -> None:
+    """AES needs `cryptography`, which kidx did not depend on: the file was refused as an
+    "unreadable PDF"."""
+    data = encrypted_pdf(BROCHURE, algorithm)
+    assert pypdf.PdfReader(io.BytesIO(data)).is_encrypted
+    (tmp_path / "brochure.pdf").write_bytes(data)
+    assert read_file(tmp_path / "brochure.pdf", files).strip() == BROCHURE
+
+
+def test_a_missing_crypto_package_is_an_install_problem_not_a_damaged_file(tmp_path: Path) -> None:
+    """Without `cryptography` (nor pycryptodome), pypdf raises DependencyError for AES: that
+    says how to fix the install, not that the file is unreadable."""
+    (tmp_path / "aes.pdf").write_bytes(encrypted_pdf(BROCHURE, "AES-128"))
+    script = """
+import sys
+sys.modules["cryptography"] = sys.modules["Crypto"] = None  # neither can be imported
+from worker.errors import ConfigError
+from worker.sources.pdf import pdf_text
+try:
+    pdf_text(open(sys.argv[1], "rb").read(), "aes.pdf", limit=10**6)
+except ConfigError as e:
+    print("ConfigError:", e)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "aes.pdf")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.strip()
+    assert out.startswith("ConfigError: aes.pdf: reading this PDF needs a package that is not")
+    assert "cryptography" in out and "pip install 'pypdf[crypto]'" in out
+    assert "\n" not in out
+
+
+# -- 7. a PDF heading wrapped over two lines ----------------------------------------------------
+
+
+def test_a_pdf_heading_wrapped_over_two_lines_stays_one_heading() -> None:
+    """The second line was appended to the blank line after the heading: the heading path held
+    half the title, and the rest began the body."""
+    title = "Understanding Ownership And Borrowing In Rust Programs"
+    body = "Ownership is a set of rules that govern how a Rust program manages memory. " * 8
+    pdf = FPDF()
+    pdf.add_page()
+    pdf.set_font("Helvetica", size=24)
+    pdf.multi_cell(100, 12, title)  # wraps: two lines of the same large size
+    pdf.set_font("Helvetica", size=11)
+    pdf.multi_cell(0, 6, body)
+    text = pdf_text(bytes(pdf.output()), "t.pdf", limit=10**6)
+    assert text.startswith(f"# {title}\n\nOwnership is a set of rules")
+    assert chunk_structure(text)[0].headings == (title,)
+
+
+def test_a_large_line_that_looks_like_markdown_is_still_a_heading() -> None:
+    """Headings are looked up as set, before the escaping of Markdown look-alikes."""
+    pdf = FPDF()
+    pdf.add_page()
+    pdf.set_font("Helvetica", size=24)
+    pdf.cell(0, 12, "# Setup", new_x="LMARGIN", new_y="NEXT")
+    pdf.set_font("Helvetica", size=11)
+    pdf.multi_cell(0, 6, "The body text, set in the body's size, explains the setup. " * 6)
+    pdf.cell(0, 6, "----------", new_x="LMARGIN", new_y="NEXT")
+    text = pdf_text(bytes(pdf.output()), "t.pdf", limit=10**6)
+    assert text.startswith("# # Setup\n\nThe body text")
+    assert text.endswith("\n\\----------")

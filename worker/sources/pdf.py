@@ -9,9 +9,9 @@ import re
 from collections import Counter
 from typing import Any
 
-from worker.errors import InvalidInput, input_failure
+from worker.errors import ConfigError, InvalidInput, input_failure
 from worker.settings import PDF_CONTENT_BYTES
-from worker.sources.decoding import escape_markdown_lookalikes
+from worker.sources.decoding import escape_markdown_lookalikes, normalize_newlines
 from worker.sources.limits import TextBudget, check_text_size, refuse
 
 
@@ -170,17 +170,20 @@ def _page_runs(
 
 def _mark_headings(text: str, headings: dict[str, int]) -> str:
     """Lines whose whole text was set larger than the body become `#` headings; a heading
-    wrapped over several lines becomes one."""
+    wrapped over several lines becomes one. Other lines are escaped where they would read as
+    Markdown structure (`escape_markdown_lookalikes`); a heading's are looked up as set."""
     out: list[str] = []
     previous = 0
-    for line in escape_markdown_lookalikes(text).splitlines():
+    heading_at = -1  # where in `out` the last heading is: a blank line follows it
+    for line in normalize_newlines(text).splitlines():
         level = headings.get(line.strip(), 0)
         if level and level == previous:
-            out[-1] += " " + line.strip()
+            out[heading_at] += " " + line.strip()
         elif level:
             out.extend(["", "#" * level + " " + line.strip(), ""])
+            heading_at = len(out) - 2
         else:
-            out.append(line)
+            out.append(escape_markdown_lookalikes(line))
         previous = level
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip()
 
@@ -201,6 +204,11 @@ def pdf_text(data: bytes, name: object, *, limit: int, max_content: int = PDF_CO
         pages = [_page_runs(page, budget, work) for page in reader.pages]
     except InvalidInput:
         raise
+    except pypdf.errors.DependencyError as e:  # the install's fault, not the file's
+        raise ConfigError(
+            f"{name}: reading this PDF needs a package that is not installed ({e}); install "
+            "kidx's requirements again: pip install 'pypdf[crypto]'"
+        ) from None
     except Exception as e:  # pypdf raises many kinds on damaged files
         if not _damaged(e):
             raise
