@@ -23,6 +23,7 @@ from worker.chunking import chunk_structure
 from worker.errors import InvalidInput, SourceUnavailable
 from worker.providers.http import JSONClient, RetryLater, _Inflater
 from worker.settings import FilesSettings, HTTPProviderSettings, UrlSettings
+from worker.sources.code import list_code_files, read_code
 from worker.sources.decoding import decode_html, decode_text, escape_markdown_lookalikes
 from worker.sources.files import html_text, read_file
 from worker.sources.pdf import pdf_text
@@ -484,3 +485,52 @@ def test_a_large_line_that_looks_like_markdown_is_still_a_heading() -> None:
     text = pdf_text(bytes(pdf.output()), "t.pdf", limit=10**6)
     assert text.startswith("# # Setup\n\nThe body text")
     assert text.endswith("\n\\----------")
+
+
+# -- 8. source files saved as UTF-16 or UTF-32 with a BOM ---------------------------------------
+
+SCRIPT = 'param([string]$Name)\r\nWrite-Host "Hello $Name, café"\r\n'
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"])
+def test_a_source_file_in_utf16_or_utf32_with_a_bom_is_listed_and_read(
+    tmp_path: Path, files: FilesSettings, encoding: str
+) -> None:
+    """PowerShell ISE, SSMS and Visual Studio save .ps1, .sql and .cs files so: their NUL bytes
+    made them "binary", skipped from the tree and refused by name."""
+    (tmp_path / "deploy.ps1").write_bytes(("\ufeff" + SCRIPT).encode(encoding))
+    skipped: list[tuple[Path, str]] = []
+    assert list_code_files(tmp_path, skipped=skipped) == [tmp_path / "deploy.ps1"]
+    assert skipped == []
+    assert list_code_files(tmp_path / "deploy.ps1") == [tmp_path / "deploy.ps1"]
+    assert read_code(tmp_path / "deploy.ps1", files) == SCRIPT.replace("\r\n", "\n")
+
+
+def test_nul_bytes_without_a_wide_bom_are_still_binary(
+    tmp_path: Path, files: FilesSettings
+) -> None:
+    (tmp_path / "no_bom.ps1").write_bytes(SCRIPT.encode("utf-16-le"))
+    (tmp_path / "utf8_bom.py").write_bytes(b"\xef\xbb\xbfx = 1\n\0\0\0")
+    skipped: list[tuple[Path, str]] = []
+    assert list_code_files(tmp_path, skipped=skipped) == []
+    assert sorted(skipped) == [(tmp_path / n, "is binary") for n in ("no_bom.ps1", "utf8_bom.py")]
+    for name in ("no_bom.ps1", "utf8_bom.py"):
+        with pytest.raises(InvalidInput, match=rf"{name}: binary, not source code"):
+            read_code(tmp_path / name, files)
+
+
+def test_a_utf16_source_file_that_does_not_decode_says_where(
+    tmp_path: Path, files: FilesSettings
+) -> None:
+    (tmp_path / "odd.sql").write_bytes("\ufeffSELECT 1;".encode("utf-16-le") + b"\x00\xd8")
+    with pytest.raises(InvalidInput, match=r"odd\.sql: is not UTF-16-LE text \(byte 20\)"):
+        read_code(tmp_path / "odd.sql", files)
+
+
+def test_a_wide_bom_before_nul_characters_is_still_binary(
+    tmp_path: Path, files: FilesSettings
+) -> None:
+    (tmp_path / "blob.cs").write_bytes(b"\xff\xfe" + bytes(64))  # the mark, then U+0000s
+    assert list_code_files(tmp_path) == []
+    with pytest.raises(InvalidInput, match=r"blob\.cs: binary, not source code"):
+        read_code(tmp_path / "blob.cs", files)

@@ -22,6 +22,7 @@ import pathspec
 
 from worker.errors import InvalidInput
 from worker.settings import FilesSettings
+from worker.sources.decoding import bom
 from worker.sources.files import read_under_roots
 
 # The lists are written as words: the formatter would put each string on a line of its own.
@@ -61,10 +62,25 @@ SKIP_DIRS = frozenset(
 _SNIFF = 8192
 
 
+def _wide(data: bytes) -> tuple[str, int] | None:
+    """The codec and length of a UTF-16 or UTF-32 byte-order mark `data` begins with: text
+    whose NUL bytes are half its characters (Windows tools save .ps1, .sql and .cs files so)."""
+    mark = bom(data)
+    return mark if mark and mark[0] != "utf-8" else None
+
+
+def _binary(head: bytes) -> bool:
+    """A NUL byte in the first 8 KB, what git and grep call binary; after a UTF-16 or UTF-32
+    byte-order mark, a NUL character (what a mark at the start of a binary file gives)."""
+    wide = _wide(head)
+    if wide is None:
+        return b"\0" in head
+    return "\0" in head[wide[1] :].decode(wide[0], "replace")  # cut anywhere: "replace"
+
+
 def _is_binary(path: Path) -> bool:
-    """A NUL byte in the first 8 KB: what git and grep call binary."""
     with path.open("rb") as f:
-        return b"\0" in f.read(_SNIFF)
+        return _binary(f.read(_SNIFF))
 
 
 def _wanted_name(name: str) -> bool:
@@ -228,13 +244,17 @@ def list_code_files(
 
 def read_code(path: str | Path, settings: FilesSettings) -> str:
     """The text of a source file under the allowed roots (the guard files have:
-    `read_under_roots`): UTF-8 (a BOM is dropped), never binary, newlines normalised to `\\n`
-    so that chunk offsets and line numbers mean the same thing whatever the line endings."""
+    `read_under_roots`): UTF-8, or UTF-16/32 with a byte-order mark (a BOM is dropped), never
+    binary, newlines normalised to `\\n` so that chunk offsets and line numbers mean the same
+    thing whatever the line endings."""
     _, data = read_under_roots(path, settings)
-    if b"\0" in data[:_SNIFF]:
+    if _binary(data[:_SNIFF]):
         raise InvalidInput(f"{path}: binary, not source code")
+    wide = _wide(data)
+    encoding, skip = wide or ("utf-8-sig", 0)
     try:
-        text = data.decode("utf-8-sig")
+        text = data[skip:].decode(encoding)
     except UnicodeDecodeError as e:
-        raise InvalidInput(f"{path}: is not UTF-8 text (byte {e.start})") from None
+        label = encoding.upper() if wide else "UTF-8"
+        raise InvalidInput(f"{path}: is not {label} text (byte {skip + e.start})") from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
