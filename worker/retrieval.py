@@ -169,7 +169,9 @@ class ChunkHit:
     start_offset: int
     end_offset: int
     content: str
-    score: float  # vector: cosine similarity; keyword: -BM25; hybrid: the fused score
+    # vector: cosine similarity; keyword: -BM25; hybrid: the fused score, or the one list's
+    # own score when only one served (no keyword term, or no usable keyword index)
+    score: float
     via: str  # the paths that found it: vec, fts, fallback, joined by "+"
     chunk_id: int
 
