@@ -153,7 +153,8 @@ def _search_code(
                     (match, depth),
                 )
             ]
-        except apsw.CorruptError:  # a host wrote into its shadow tables: vectors serve
+        except (apsw.CorruptError, apsw.SQLError):  # a host wrote into its shadow tables
+            # (corrupt, or `invalid fts5 file format`): vectors serve
             damaged = f"{CODE.name} is damaged (the sweep rebuilds it): no keyword hit"
             reason = f"{reason}; {damaged}" if reason else damaged
     if keyword:
