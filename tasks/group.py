@@ -7,8 +7,10 @@ A thin entry onto `tasks.run`: each item keeps what a single run gives it (its l
 write, its own count in the batch) and has its own `index_jobs` row, `<task id>:<item id>`. An
 item that may succeed later (the provider failed) is sent again alone, with a delay, in the same
 batch; one that failed for good ends the group FAILURE, with a line for each such item and how
-long the group took. Cancellation (`kidx cancel` with the group's id, or an item's job id)
-revokes the whole group: what was written stays, the rest keeps its previous index.
+long the group took. Arguments it refuses end it FAILURE the same way, with its rows (one for
+the task, without an item, when its ids are no list of ids), counted in the batch it names.
+Cancellation (`kidx cancel` with the group's id, or an item's job id) revokes the whole group:
+what was written stays, the rest keeps its previous index.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def index_group(
             )
         else:
             shown = repr(item_ids)[:80]
-            problem = f"the item ids must be a non-empty list of 64-bit integers, not {shown}"
+            problem = f"the item ids must be a list of 64-bit integers, not {shown}"
         if problem is not None:  # its job rows say so, without what cannot be stored
             batch_id, reason = kept_batch(rt, batch_id), stored_reason(reason)
         run = GroupRun(

@@ -187,10 +187,11 @@ RESULT_STORE = "result store"
 
 @contextmanager
 def _sending(db: Database, app: Celery, task_ids: list[str], item_id: int | None) -> Iterator[None]:
-    """A send that fails for any reason (the broker or the result backend down, silent past
-    KIDX_TASKS__BROKER_PATIENCE, or unusable: a URL that redis-py, kombu or Celery cannot
-    use, which a host's own app may hold) leaves no `queued` record, and says so in one line,
-    naming which of the two failed: BrokerUnavailable.
+    """A send that fails for any reason leaves no `queued` record. The broker or the result
+    backend down, silent past KIDX_TASKS__BROKER_PATIENCE, or unusable (a URL that redis-py,
+    kombu or Celery cannot use, which a host's own app may hold: any error their code raises)
+    is said in one line naming which of the two failed: BrokerUnavailable. Anything else (a
+    bug) is raised as it is.
 
     Both are asked first, once each, within the patience: Celery's send subscribes to the
     task's result before it publishes, and retries that 20 times a second apart (a producer
@@ -207,9 +208,26 @@ def _sending(db: Database, app: Celery, task_ids: list[str], item_id: int | None
         forget_queued(db, task_ids)
         if not isinstance(e, Exception) or isinstance(e, SoftTimeLimitExceeded):
             raise  # an interruption (a worker's soft time limit), not the send's failure
+        if what == "broker" and not _messaging_error(e):
+            raise  # not the broker's nor Celery's: a bug, raised as it is (its rows forgotten)
         if isinstance(e, RuntimeError) and RESULT_STORE in str(e):
             what = "result backend"
         raise BrokerUnavailable(_refusal(db, app, what, e, item_id), item_id=item_id) from None
+
+
+# The libraries that talk to the broker and the result backend: an error of any type they
+# raise (a TypeError for a URL parameter redis-py does not take) is theirs, not kidx's.
+MESSAGING = frozenset({"amqp", "celery", "kombu", "redis", "vine"})
+
+
+def _messaging_error(e: BaseException) -> bool:
+    if isinstance(e, (KombuError, RedisError, OSError, RuntimeError, ValueError)):
+        return True
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    module = "" if tb is None else str(tb.tb_frame.f_globals.get("__name__", ""))
+    return module.partition(".")[0] in MESSAGING
 
 
 def _refusal(db: Database, app: Celery, what: str, e: Exception, item_id: int | None) -> str:
