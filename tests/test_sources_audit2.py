@@ -534,3 +534,156 @@ def test_a_wide_bom_before_nul_characters_is_still_binary(
     assert list_code_files(tmp_path) == []
     with pytest.raises(InvalidInput, match=r"blob\.cs: binary, not source code"):
         read_code(tmp_path / "blob.cs", files)
+
+
+# -- 2. text DOCX keeps in its structures -------------------------------------------------------
+
+NAMESPACES = " ".join(
+    [
+        'xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"',
+        'xmlns:mc="http://schemas.openxmlformats.org/markup-compatibility/2006"',
+        'xmlns:wps="http://schemas.microsoft.com/office/word/2010/wordprocessingShape"',
+        'xmlns:v="urn:schemas-microsoft-com:vml"',
+    ]
+)
+
+
+def r(text: str) -> str:
+    return f'<w:r><w:t xml:space="preserve">{text}</w:t></w:r>'
+
+
+def p(*inner: str, style: str = "") -> str:
+    props = f'<w:pPr><w:pStyle w:val="{style}"/></w:pPr>' if style else ""
+    return f"<w:p>{props}{''.join(inner)}</w:p>"
+
+
+def sdt(*inner: str) -> str:
+    props = '<w:sdtPr><w:alias w:val="Client"/></w:sdtPr>'
+    return f"<w:sdt>{props}<w:sdtContent>{''.join(inner)}</w:sdtContent></w:sdt>"
+
+
+def tc(*inner: str) -> str:
+    return f"<w:tc>{''.join(inner) or p()}</w:tc>"
+
+
+def tbl(*rows: str, columns: int = 2) -> str:
+    grid = "<w:tblGrid>" + '<w:gridCol w:w="2000"/>' * columns + "</w:tblGrid>"
+    return f"<w:tbl>{grid}{''.join(rows)}</w:tbl>"
+
+
+def docx_with(tmp_path: Path, *blocks: str) -> Path:
+    """A document of a first plain paragraph, then `blocks` (raw WordprocessingML)."""
+    document = docx.Document()
+    document.add_paragraph("First.")
+    body = document.element.body
+    for block in blocks:
+        body[-1].addprevious(docx.oxml.parse_xml(f"<w:body {NAMESPACES}>{block}</w:body>")[0])
+    path = tmp_path / "d.docx"
+    document.save(path)
+    return path
+
+
+def test_runs_inside_wrappers_are_text_and_deletions_are_not(
+    tmp_path: Path, files: FilesSettings
+) -> None:
+    """Word shows the runs of a tracked insertion, a simple field, a smart tag, a direction
+    wrapper or an inline content control: only runs and hyperlinks were read."""
+    field = '<w:fldSimple w:instr="DOCPROPERTY Client">' + r("ACME Ltd") + "</w:fldSimple>"
+    complex_field = (
+        '<w:r><w:fldChar w:fldCharType="begin"/></w:r>'
+        '<w:r><w:instrText xml:space="preserve"> PAGE </w:instrText></w:r>'
+        '<w:r><w:fldChar w:fldCharType="separate"/></w:r>'
+        + r("page 7")
+        + '<w:r><w:fldChar w:fldCharType="end"/></w:r>'
+    )
+    path = docx_with(
+        tmp_path,
+        p(
+            r("Budget is "),
+            '<w:ins w:id="1" w:author="a">' + r("5000 EUR") + "</w:ins>",
+            '<w:del w:id="2" w:author="a"><w:r><w:delText>4000 EUR</w:delText></w:r></w:del>',
+            '<w:moveFrom w:id="3" w:author="a">' + r("MOVED-AWAY") + "</w:moveFrom>",
+            '<w:moveTo w:id="4" w:author="a">' + r(", moved here") + "</w:moveTo>",
+            r(", for "),
+            field,
+            '<w:smartTag w:uri="u" w:element="place">' + r(" in Paris") + "</w:smartTag>",
+            '<w:dir w:val="rtl">' + r(" שלום") + "</w:dir>",
+            '<w:bdo w:val="rtl">' + r(" עולם") + "</w:bdo>",
+            '<w:customXml w:element="x">' + r(" custom") + "</w:customXml>",
+            sdt(r(" (filled in)")),
+            r(", "),
+            complex_field,
+            '<w:hyperlink w:anchor="a">' + r(", linked") + "</w:hyperlink>",
+        ),
+        p(
+            '<w:pPr><w:tabs><w:tab w:val="left" w:pos="720"/></w:tabs></w:pPr>',
+            r("No tab stop as text."),
+        ),
+    )
+    text = read_file(path, files)
+    assert text == (
+        "First.\n\nBudget is 5000 EUR, moved here, for ACME Ltd in Paris שלום עולם custom"
+        " (filled in), page 7, linked\n\nNo tab stop as text."
+    )
+
+
+def test_text_boxes_are_read_once(tmp_path: Path, files: FilesSettings) -> None:
+    """A text box is written twice, for new Word (mc:Choice) and in VML for old readers
+    (mc:Fallback): its text is read from the first only. A VML-only box is read too."""
+    box = "<w:txbxContent>" + p(r("Box line one.")) + p(r("Box line two.")) + "</w:txbxContent>"
+    modern = (
+        '<w:r><mc:AlternateContent><mc:Choice Requires="wps"><w:drawing><wps:wsp><wps:txbx>'
+        + box
+        + "</wps:txbx></wps:wsp></w:drawing></mc:Choice><mc:Fallback><w:pict><v:shape><v:textbox>"
+        + box
+        + "</v:textbox></v:shape></w:pict></mc:Fallback></mc:AlternateContent></w:r>"
+    )
+    legacy = "<w:r><w:pict><v:shape><v:textbox>" + box + "</v:textbox></v:shape></w:pict></w:r>"
+    path = docx_with(tmp_path, p(r("Before the box."), modern), p(legacy, r("After.")))
+    assert read_file(path, files) == (
+        "First.\n\nBefore the box.\nBox line one.\nBox line two.\n\n"
+        "Box line one.\nBox line two.\nAfter."
+    )
+
+
+def test_paragraphs_and_tables_in_content_controls_are_read(
+    tmp_path: Path, files: FilesSettings
+) -> None:
+    """Forms and templates wrap whole paragraphs, tables, rows and cells in content controls
+    (w:sdt): all of it was skipped."""
+    path = docx_with(
+        tmp_path,
+        sdt(p(r("Terms"), style="Heading1"), p(r("The form filled in.")), sdt(p(r("Nested.")))),
+        tbl(
+            "<w:tr>" + tc(p(r("Name"))) + sdt(tc(p(r("Value")))) + "</w:tr>",
+            sdt("<w:tr>" + tc(sdt(p(r("In a cell's control")))) + tc(p(r("b"))) + "</w:tr>"),
+        ),
+        '<w:customXml w:element="clause">' + p(r("A custom XML clause.")) + "</w:customXml>",
+    )
+    assert read_file(path, files) == (
+        "First.\n\n# Terms\n\nThe form filled in.\n\nNested.\n\n"
+        "| Name | Value |\n| --- | --- |\n| In a cell's control | b |\n\n"
+        "A custom XML clause."
+    )
+
+
+def test_a_table_nested_in_a_cell_gives_the_cell_its_text(
+    tmp_path: Path, files: FilesSettings
+) -> None:
+    document = docx.Document()
+    outer = document.add_table(rows=1, cols=2)
+    outer.cell(0, 0).text = "outer cell"
+    inner = outer.cell(0, 1).add_table(rows=2, cols=2)
+    for (row, col), text in zip([(0, 0), (0, 1), (1, 0), (1, 1)], ["a", "b", "c", "deep"]):
+        inner.cell(row, col).text = text
+    inner.cell(1, 1).add_table(rows=1, cols=1).cell(0, 0).text = "deeper"
+    document.save(tmp_path / "nested.docx")
+    assert read_file(tmp_path / "nested.docx", files) == (
+        "| outer cell | a b c deep deeper |\n| --- | --- |"
+    )
+
+
+def test_text_in_content_controls_counts_against_the_limit(tmp_path: Path) -> None:
+    path = docx_with(tmp_path, *[sdt(p(r("x" * 5000))) for _ in range(100)])
+    with pytest.raises(InvalidInput, match="text extracted is over the size limit of 400000"):
+        read_file(path, FilesSettings(roots=[tmp_path], max_bytes=400_000))

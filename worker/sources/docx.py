@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import re
 import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 from worker.errors import InvalidInput, input_failure
@@ -20,33 +21,109 @@ UNPACK_RATIO = 4
 _DOCX_PACKAGES = ("docx", "zipfile", "zlib", "lxml", "xml")
 
 
+_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
+_MC = "{http://schemas.openxmlformats.org/markup-compatibility/2006}"
+_P, _TBL, _TR, _TC = _W + "p", _W + "tbl", _W + "tr", _W + "tc"
+_RUN_TEXT = frozenset(_W + tag for tag in ("br", "cr", "noBreakHyphen", "ptab", "t", "tab"))
+# What a paragraph holds that is not its text: properties (a tab stop is a w:tab too), a tracked
+# deletion or the old place of a move (w:delText is never text), a field's code, a ruby's
+# pronunciation guide, and the fallback of an mc:AlternateContent (a text box is written twice:
+# for Word 2010 and later, and again in VML for older readers).
+_NOT_TEXT = frozenset(
+    [_W + tag for tag in ("pPr", "rPr", "sdtPr", "sdtEndPr", "del", "moveFrom", "instrText")]
+    + [_W + "delText", _W + "rt", _MC + "Fallback"]
+)
+
+
+def _inner(parent: Any, tag: str) -> Iterator[Any]:
+    """The children of `parent` with `tag`, also those wrapped in content controls (w:sdt, as
+    forms and templates have) and custom XML: python-docx's lists skip them and their text."""
+    for child in parent:
+        if child.tag == tag:
+            yield child
+        elif child.tag == _W + "sdt":
+            content = child.find(_W + "sdtContent")
+            if content is not None:
+                yield from _inner(content, tag)
+        elif child.tag == _W + "customXml":
+            yield from _inner(child, tag)
+
+
+def _blocks(parent: Any) -> Iterator[Any]:
+    """The paragraphs and tables of the body or a cell, in order, content controls opened."""
+    for child in parent:
+        if child.tag in (_P, _TBL):
+            yield child
+        elif child.tag == _W + "sdt":
+            content = child.find(_W + "sdtContent")
+            if content is not None:
+                yield from _blocks(content)
+        elif child.tag == _W + "customXml":
+            yield from _blocks(child)
+
+
+def _paragraph_text(p: Any) -> str:
+    """A paragraph's text as Word shows it: every run within it, however wrapped (hyperlinks,
+    tracked insertions, fields, smart tags, content controls, direction, text boxes, whose
+    paragraphs each take a line), but not what `_NOT_TEXT` names. A walk of the elements,
+    not python-docx's XPath queries, compiled on every call (13 µs a paragraph: a minute for
+    a document of a few million empty ones)."""
+    parts: list[str] = []
+    stack: list[Any] = list(reversed(p))
+    while stack:
+        e = stack.pop()
+        if isinstance(e, str):
+            parts.append(e)
+            continue
+        tag = e.tag
+        if tag in _RUN_TEXT:
+            parts.append(str(e))
+        elif tag not in _NOT_TEXT and isinstance(tag, str) and len(e):  # not a comment or PI
+            if tag == _P:  # a paragraph within (a text box's): a line of its own
+                if parts and not parts[-1].endswith("\n"):
+                    parts.append("\n")
+                stack.append("\n")
+            stack.extend(reversed(e))
+    return "".join(parts)
+
+
+def _cell_text(tc: Any) -> str:
+    """A cell's paragraphs and the text of the tables nested in it, a line each."""
+    lines: list[str] = []
+    for block in _blocks(tc):
+        if block.tag == _P:
+            lines.append(_paragraph_text(block))
+        else:
+            lines.extend(
+                _cell_text(cell) for row in _inner(block, _TR) for cell in _inner(row, _TC)
+            )
+    return "\n".join(lines)
+
+
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _table_markdown(table: Any, budget: TextBudget) -> str:
+def _table_markdown(tbl: Any, budget: TextBudget) -> str:
     """A table as Markdown rows, a cell spanning n grid columns repeated n times (as python-docx's
-    `row.cells` gives it) and a vertically merged one repeating the cell above. Each cell's
-    text is found once, a span counts at most the table's grid columns, and every row is taken
-    from the text budget before it is built: a `gridSpan` of a million (a 36 KB file) made
-    python-docx yield the cell, and its text be found, a million times per row, and the limit
-    was checked only after the whole table (106 s)."""
-    from docx.table import _Cell
-
-    grid = table._tbl.tblGrid
+    `row.cells` gives it) and a vertically merged one repeating the cell above; a table nested
+    in a cell gives the cell its text. Each cell's text is found once, a span counts at most
+    the table's grid columns, and every row is taken from the text budget before it is built:
+    a `gridSpan` of a million (a 36 KB file) made python-docx yield the cell, and its text be
+    found, a million times per row, and the limit was checked only after the whole table
+    (106 s)."""
+    grid = tbl.tblGrid
     columns = max(1, len(grid.gridCol_lst) if grid is not None else 0)
     rows: list[str] = []
     above: dict[int, str] = {}  # grid offset -> the text of the row above's cell there
-    for tr in table._tbl.tr_lst:
+    for tr in _inner(tbl, _TR):
         offset = tr.grid_before
         cells: list[tuple[str, int]] = []  # (Markdown of the cell, how many times)
         here: dict[int, str] = {}
-        for tc in tr.tc_lst:
+        for tc in _inner(tr, _TC):
             span = min(tc.grid_span, columns)
-            if tc.vMerge == "continue":
-                text = above.get(offset, "")
-            else:
-                text = _cell(_Cell(tc, table).text)
+            merged = tc.vMerge == "continue"
+            text = above.get(offset, "") if merged else _cell(_cell_text(tc))
             here[offset] = text
             if span > 0:
                 cells.append((text, span))
@@ -62,26 +139,6 @@ def _table_markdown(table: Any, budget: TextBudget) -> str:
     budget.take(1 + 6 * width)
     rows.insert(1, "|" + " --- |" * width)
     return "\n".join(rows)
-
-
-_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
-_RUN_TEXT = frozenset(_W + tag for tag in ("br", "cr", "noBreakHyphen", "ptab", "t", "tab"))
-
-
-def _run_text(run: Any) -> str:
-    return "".join(str(e) for e in run if e.tag in _RUN_TEXT)
-
-
-def _paragraph_text(p: Any) -> str:
-    """`Paragraph.text` without its XPath queries, which python-docx compiles on every call
-    (13 µs a paragraph: a minute for a document of a few million empty ones)."""
-    parts: list[str] = []
-    for child in p:
-        if child.tag == _W + "r":
-            parts.append(_run_text(child))
-        elif child.tag == _W + "hyperlink":
-            parts.extend(_run_text(run) for run in child if run.tag == _W + "r")
-    return "".join(parts)
 
 
 def _is_markup(head: bytes) -> bool:
@@ -135,7 +192,7 @@ def docx_to_markdown(data: bytes, name: object, *, limit: int, max_xml: int) -> 
     to more than `UNPACK_RATIO` × `limit` (the size limit), or its text passes `limit`
     characters, counted as it is extracted."""
     import docx
-    from docx.table import Table
+    from docx.enum.style import WD_STYLE_TYPE
 
     _check_unpacked(data, name, max_xml=max_xml, max_total=UNPACK_RATIO * limit)
     budget = TextBudget(name, limit)
@@ -145,23 +202,23 @@ def docx_to_markdown(data: bytes, name: object, *, limit: int, max_xml: int) -> 
         # looked up once per style, not once per paragraph.
         styles: dict[str | None, str] = {}
         blocks: list[tuple[str, str]] = []  # (kind, markdown)
-        for block in document.iter_inner_content():
-            if isinstance(block, Table):
+        for block in _blocks(document.element.body):
+            if block.tag == _TBL:
                 table = _table_markdown(block, budget)
                 if table:
                     blocks.append(("table", table))
                 continue
-            text = _paragraph_text(block._p).strip()
+            text = _paragraph_text(block).strip()
             if not text:
                 continue
             budget.take(len(text))
-            style_id = block._p.style
+            style_id = block.style
             if style_id not in styles:
-                found = block.style
+                found = document.part.get_style(style_id, WD_STYLE_TYPE.PARAGRAPH)
                 styles[style_id] = (found.name if found is not None else "") or ""
             style = styles[style_id]
             heading = re.fullmatch(r"heading\s*(\d)", style.strip(), re.I)
-            ppr = block._p.pPr
+            ppr = block.pPr
             numbered = ppr is not None and ppr.numPr is not None
             if style == "Title" or heading:
                 level = min(int(heading.group(1)), 6) if heading else 1
