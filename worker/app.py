@@ -13,10 +13,14 @@ hand a running task to a second worker), and is the same wherever Celery reads o
 from __future__ import annotations
 
 import logging
+import ssl
+import sys
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from celery import Celery, signals
 
+from worker.errors import ConfigError
 from worker.log import configure_logging
 from worker.settings import Settings, load_settings
 
@@ -52,6 +56,16 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
             "options": {"expires": max(s.retry_every, 60.0)},
         },
     }
+
+
+def verified_tls(url: str) -> dict[str, Any] | None:
+    """For a rediss:// URL without ssl_cert_reqs: verify the server's certificate, as redis-py
+    (kidx's own clients) does. Left alone, kombu (the broker) silently turned verification off,
+    and Celery's Redis result backend refused the URL at the first result stored."""
+    parts = urlsplit(url)
+    if parts.scheme != "rediss" or "ssl_cert_reqs" in parse_qs(parts.query):
+        return None
+    return {"ssl_cert_reqs": ssl.CERT_REQUIRED}
 
 
 def create_app(settings: Settings) -> Celery:
@@ -97,11 +111,21 @@ def create_app(settings: Settings) -> Celery:
         beat_scheduler="scheduler.beat:LeaderScheduler",
         beat_max_loop_interval=5,
     )
+    if tls := verified_tls(settings.broker_url):
+        app.conf.broker_use_ssl = tls
+    if tls := verified_tls(settings.backend_url):
+        app.conf.redis_backend_use_ssl = tls
     app.kidx_settings = settings  # type: ignore[attr-defined]
     return app
 
 
-settings = load_settings()
+try:
+    settings = load_settings()
+except ConfigError as e:
+    # Imported by `celery -A worker.app worker|beat`: Celery would wrap the error in a
+    # 30-line traceback. One line and status 2, as every kidx command says it.
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 app = create_app(settings)
 
 

