@@ -172,10 +172,12 @@ def _summary(ctx: Ctx, batch: dict[str, Any], timed_out: float | None = None) ->
 @click.option("--limit", type=click.IntRange(1, 100_000), default=200, show_default=True)
 def jobs(ctx: Ctx, failed: bool, batch_id: int | None, limit: int) -> None:
     """Task runs, newest first: state, duration, error."""
-    from ops.cli.engine import reading_store
+    from worker.store import open_store
     from worker.store.jobs import get_batch, list_jobs
 
-    with reading_store(ctx) as db:  # it only reads: the vec tables are left as they are
+    # It only reads: opened as the other reading commands open it (engine.reading_store), the
+    # vec tables left as they are (a model switch half-way is not undone).
+    with open_store(ctx.settings, create=False, read_only=True) as db:
         batch = get_batch(db, batch_id) if batch_id is not None else None
         if batch_id is not None and batch is None:
             raise InvalidInput(f"no batch with id {batch_id}")
