@@ -249,6 +249,7 @@ def test_model_names_are_stripped_and_blank_means_unset(monkeypatch):
     assert settings.chunk.model == ""  # structural chunking, not a model named "   "
     assert settings.embedding.model == "all-MiniLM-L6-v2"  # the provider's default
     monkeypatch.setenv("KIDX_CHUNK__MODEL", " llama3.1 ")
+    monkeypatch.setenv("KIDX_EMBEDDING__PROVIDER", "openai")  # local refuses a model it lacks
     monkeypatch.setenv("KIDX_EMBEDDING__MODEL", "\tnomic-embed-text\n")
     settings = load_settings()
     assert (settings.chunk.model, settings.embedding.model) == ("llama3.1", "nomic-embed-text")
