@@ -41,6 +41,7 @@ from worker.store.jobs import (
     record_queued_many,
 )
 from worker.store.removal import delete_items
+from worker.store.text import given_text
 
 
 def _default_app() -> Celery:
@@ -62,16 +63,8 @@ def _check_id(item_id: object) -> int:
 
 
 def _check_reason(reason: object) -> None:
-    if reason is None:
-        return
-    if not isinstance(reason, str):
-        raise InvalidInput(f"reason must be a string, not {reason!r:.60}")
-    try:
-        reason.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidInput(
-            f"reason must be UTF-8 text, not a string with a lone surrogate at character {e.start}"
-        ) from None
+    if reason is not None:
+        given_text(reason, "reason")
 
 
 def _check_batch(db: Database, batch_id: object) -> None:

@@ -137,7 +137,7 @@ def test_the_producer_refuses_what_its_tasks_refuse_before_writing_anything(
         (InvalidInput, "64-bit integer", lambda: producer.enqueue(db, None, app=app)),
         (
             InvalidInput,
-            "reason must be a string",
+            "the reason must be text",
             lambda: producer.enqueue(db, note, app=app, reason=5),
         ),
         (InvalidInput, "countdown", lambda: producer.enqueue(db, note, app=app, countdown=-5)),
