@@ -13,19 +13,56 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-# Anchored on "\n" and a look-ahead at the next character rather than on "^" with re.M: the
-# engine then skips ahead in C, which makes the scan about four times as fast (bench/chunking.py).
-# Blank lines (most of the matches) are found by a second expression, without a Python loop.
+# Anchored on a line end and a look-ahead at the next character rather than on "^" with re.M:
+# the engine then skips ahead in C, which makes the scan about four times as fast
+# (bench/chunking.py). A line ends at "\r\n", "\r" or "\n" (old Mac text has lone CRs, and a
+# note's offsets must stay those of its text: it is never rewritten); at "\r\n" the match at
+# the "\r" fails its look-ahead and the one at the "\n" is taken, so a line always starts one
+# past the match's start. A fence is indented at most 3 spaces (CommonMark: 4, or a tab, is an
+# indented code block, whose ``` is text); so are headings and underlines. Blank lines (most of
+# the matches) are found by a second expression, without a Python loop.
 _BLOCK_LINE = re.compile(
-    r"\n(?=[ \t#`~=-])(?:(?P<fence>[ \t]*(?:`{3,}|~{3,}))(?P<info>[^\n]*)"
-    r"|(?P<atx> {0,3}#{1,6})(?P<title>[ \t][^\n]*)?(?=\n|\Z)"
-    r"|(?P<setext> {0,3}(?:=+|-+)[ \t]*\r?)(?=\n|\Z))"
+    r"[\r\n](?=[ #`~=<-])(?:(?P<fence> {0,3}(?:`{3,}|~{3,}))(?P<info>[^\r\n]*)"
+    r"|(?P<atx> {0,3}#{1,6})(?P<title>[ \t][^\r\n]*)?(?=[\r\n]|\Z)"
+    r"|(?P<setext> {0,3}(?:=+|-+)[ \t]*)(?=[\r\n]|\Z)"
+    r"|(?P<html> {0,3}<(?:!--|\?|!\[CDATA\[|![A-Za-z]"
+    r"|(?i:pre|script|style|textarea)(?=[ \t>\r\n]|\Z))))"
 )
+_EOL = r"(?:\r\n|\r(?!\n)|\n)"  # a "\r\n" is one line end, never a "\r" and a "\n"
 _BLANK_RUN = re.compile(
-    r"\n(?=[ \t\r\n])(?:[ \t]*\r?\n)+"
+    rf"{_EOL}(?=[ \t\r\n])(?:[ \t]*{_EOL})+"
 )  # its end is where the next paragraph starts
-_BLANK_LINE = re.compile(r"[ \t]*\r?(?:\n|\Z)")
-NOT_SETEXT = re.compile(r"[ \t]*(?:[-*+>|]|\d+[.)])(?:[ \t]|$)")  # list, quote, table
+_BLANK_LINE = re.compile(r"[ \t]*(?:[\r\n]|\Z)")
+_LINE_BREAK = re.compile(r"[\r\n]")
+NOT_SETEXT = re.compile(r"[ \t]*(?:[-*+>|]|\d+[.)])(?:[ \t\r\n]|$)")  # list, quote, table
+# Where each kind of literal HTML block ends (CommonMark's types 1 to 5): on the line holding
+# this, or at the text's end. Headings and fences inside one are its text.
+_HTML_END = (
+    ("<!--", re.compile("-->")),
+    ("<?", re.compile(r"\?>")),
+    ("<![", re.compile(r"\]\]>")),
+    ("<!", re.compile(">")),
+    ("<", re.compile(r"(?i)</(?:pre|script|style|textarea)>")),
+)
+# YAML front matter (Jekyll, Hugo, Obsidian, pandoc): a `---` line at the very start, a first
+# line that is a YAML key (a thematic break opening a document, then prose, is not front
+# matter), closed by `---` or `...` within FRONT_MATTER_MAX characters (metadata, not a
+# document: an unbounded search would let one `---` line far below swallow every heading).
+_FRONT_MATTER_OPEN = re.compile(r"\ufeff?---[ \t]*(?:\r\n|\r|\n)[A-Za-z_][\w .-]*:(?=[ \t\r\n]|\Z)")
+_FRONT_MATTER_CLOSE = re.compile(r"[\r\n](?:---|\.\.\.)[ \t]*(?=[\r\n]|\Z)")
+FRONT_MATTER_MAX = 32_768
+# A heading's title is metadata that every chunk of its section carries (note_chunks.headings,
+# the keyword index, the embedder's input): a 200 KB line starting with "# " put 60 M
+# characters of headings on 300 chunks. Titles are cut to TITLE_MAX, and a chunk's whole path
+# to PATH_MAX (two or three full titles): the text itself is never cut, only this copy of it.
+TITLE_MAX = 200
+PATH_MAX = 600
+# A setext underline makes a heading of the paragraph above only when that is short: a title
+# is one line, or a few when hard-wrapped (CommonMark allows any number). A longer paragraph
+# over `---` is prose followed by a thematic break, its usual meaning in notes; read as a
+# heading, the whole paragraph became every chunk's title.
+SETEXT_MAX_LINES = 3
+SETEXT_MAX_CHARS = 300
 
 
 class Fence(NamedTuple):
@@ -45,27 +82,81 @@ class Layout:
     fences: list[Fence]
 
 
+def clip_title(title: str, limit: int = TITLE_MAX) -> str:
+    """`title` cut to at most `limit` characters: at a word boundary when one lies in the last
+    quarter, an ellipsis where it was cut."""
+    if len(title) <= limit:
+        return title
+    head = title[: limit - 1]
+    cut = head.rfind(" ")
+    if cut >= limit * 3 // 4:
+        head = head[:cut]
+    return head.rstrip() + "…"
+
+
 def _atx_title(raw: str) -> str:
     title = raw.strip()
     stripped = title.rstrip("#")
     if stripped != title and (not stripped or stripped[-1] in " \t"):
         title = stripped.rstrip()
-    return title
+    return clip_title(title)
+
+
+def _setext_title(para: str) -> str | None:
+    """The title a setext underline makes of the paragraph `para` above it; None when that is
+    too long to be a title (`SETEXT_MAX_CHARS`, `SETEXT_MAX_LINES`)."""
+    para = para.rstrip()
+    if len(para) > SETEXT_MAX_CHARS or len(re.findall(_EOL, para)) >= SETEXT_MAX_LINES:
+        return None
+    return clip_title(" ".join(para.split()))
+
+
+def _next_line(text: str, end: int) -> int:
+    """The start of the line after the one that ends at `end` (its "\r\n", "\r" or "\n")."""
+    if text.startswith("\r\n", end):
+        return end + 2
+    return min(end + 1, len(text))
+
+
+def _front_matter_end(text: str) -> int:
+    """Where YAML front matter at the very start of `text` ends (its closing line's end), or 0."""
+    if not _FRONT_MATTER_OPEN.match(text):
+        return 0
+    m = _FRONT_MATTER_CLOSE.search(text, 3, FRONT_MATTER_MAX)
+    return m.end() if m else 0
+
+
+def _html_block_end(text: str, opener: str, after: int) -> int:
+    """The end of the line on which the literal HTML block opened by `opener` ends (the text's
+    end when it never does)."""
+    end_mark = next(pattern for prefix, pattern in _HTML_END if opener.startswith(prefix))
+    m = end_mark.search(text, after)
+    if not m:
+        return len(text)
+    eol = _LINE_BREAK.search(text, m.end())
+    return eol.start() if eol else len(text)
 
 
 def _block_lines(text: str) -> Iterator[tuple[int, int, re.Match[str]]]:
-    """(line start, line end, match) of each heading, fence or underline line. The first line is
-    matched with a "\n" put before it alone: a "\n" before the whole text would copy it (80 MB
-    for a 20 MB note with one emoji in it, which Python then keeps in four bytes a character)."""
-    first = text.find("\n")
-    if m := _BLOCK_LINE.match("\n" + (text if first < 0 else text[:first])):
+    """(line start, line end, match) of each heading, fence, underline or HTML block opening
+    line. The first line is matched with a line end put before it alone: one before the whole
+    text would copy it (80 MB for a 20 MB note with one emoji in it, which Python then keeps in
+    four bytes a character). A leading byte order mark is not part of that line's Markdown: it
+    is replaced by that line end, so that the match's offsets are the text's own."""
+    eol = _LINE_BREAK.search(text)
+    first = text[: eol.start() if eol else len(text)]
+    if first.startswith("\ufeff"):
+        if m := _BLOCK_LINE.match("\n" + first[1:]):
+            yield 0, m.end(), m
+    elif m := _BLOCK_LINE.match("\n" + first):
         yield 0, m.end() - 1, m
     for m in _BLOCK_LINE.finditer(text):
-        yield m.start() + 1, m.end(), m  # the match starts at the "\n" before the line
+        yield m.start() + 1, m.end(), m  # the match starts at the line end before the line
 
 
 def scan(text: str) -> Layout:
-    """Headings, paragraph breaks and fenced blocks, outside fenced blocks."""
+    """Headings, paragraph breaks and fenced blocks, outside fenced blocks, literal HTML blocks
+    and front matter."""
     n = len(text)
     blank_ends = [m.end() for m in _BLANK_RUN.finditer(text)]
     if blank_ends and blank_ends[-1] >= n:
@@ -79,46 +170,57 @@ def scan(text: str) -> Layout:
     fence_char = ""
     fence_len = 0
     open_line = ""
-    prev_end = -2  # end of the last heading or fence line
+    prev_next = -1  # start of the line after the last heading, fence, HTML block or front matter
+    skip_to = _front_matter_end(text)  # no Markdown before this: front matter, an HTML block
+    if skip_to:
+        prev_next = _next_line(text, skip_to)
+        if prev_next < n and not _BLANK_LINE.match(text, prev_next):
+            edges.append(prev_next)
 
     for start, end, m in _block_lines(text):
+        if start < skip_to:
+            continue
         kind = m.lastgroup
         if fence_start >= 0:
             if kind == "info":
-                marker = m.group("fence").lstrip(" \t")
+                marker = m.group("fence").lstrip(" ")
                 if marker[0] == fence_char and len(marker) >= fence_len and not m["info"].strip():
                     fences.append(Fence(fence_start, end, open_line, fence_char * fence_len, True))
                     fence_start = -1
-                    prev_end = end
-                    if end + 1 < n and not _BLANK_LINE.match(text, end + 1):
-                        edges.append(end + 1)
+                    prev_next = _next_line(text, end)
+                    if prev_next < n and not _BLANK_LINE.match(text, prev_next):
+                        edges.append(prev_next)
             continue
         if kind == "info":
-            marker = m.group("fence").lstrip(" \t")
+            marker = m.group("fence").lstrip(" ")
             if marker[0] == "`" and "`" in m["info"]:
                 continue  # ```inline code``` on a line of its own, not a fence
             fence_start, fence_char, fence_len = start, marker[0], len(marker)
-            open_line = text[start:end].rstrip("\r")
+            open_line = text[start:end]
             edges.append(start)
-            prev_end = end
+            prev_next = _next_line(text, end)
+        elif kind == "html":  # literal HTML: text up to the line its end marker is on
+            skip_to = _html_block_end(text, m["html"].lstrip(" "), end)
+            prev_next = _next_line(text, skip_to)
         elif kind == "setext":  # a heading only if it directly follows paragraph text
             k = bisect_right(blank_ends, start) - 1
-            para_start = max(blank_ends[k] if k >= 0 else 0, prev_end + 1)
+            para_start = max(blank_ends[k] if k >= 0 else 0, prev_next)
             if (
-                prev_end != start - 1
+                prev_next != start
                 and (k < 0 or blank_ends[k] != start)
                 and start > para_start
                 and not NOT_SETEXT.match(text, para_start)
+                and (title := _setext_title(text[para_start:start])) is not None
             ):
                 heading_pos.append(para_start)
                 heading_level.append(1 if text[start:end].lstrip()[0] == "=" else 2)
-                heading_title.append(" ".join(text[para_start:start].split()))
-                prev_end = end
+                heading_title.append(title)
+                prev_next = _next_line(text, end)
         else:  # ATX heading (`kind` is "atx" or "title")
             heading_pos.append(start)
             heading_level.append(len(m["atx"].strip()))
             heading_title.append(_atx_title(m["title"] or ""))
-            prev_end = end
+            prev_next = _next_line(text, end)
     if fence_start >= 0:
         fences.append(Fence(fence_start, n, open_line, fence_char * fence_len, False))
     return Layout(
@@ -154,12 +256,31 @@ def section_ends(pos: list[int], level: list[int], n: int) -> list[int]:
 
 
 def heading_paths(lay: Layout) -> list[tuple[str, ...]]:
-    """Each heading's path: the titles of the headings it sits under, and its own."""
+    """Each heading's path: the titles of the headings it sits under, and its own; at most
+    `PATH_MAX` characters joined with " > " (`bounded_path`)."""
     paths: list[tuple[str, ...]] = []
     stack: list[tuple[int, str]] = []
     for lv, title in zip(lay.heading_level, lay.heading_title):
         while stack and stack[-1][0] >= lv:
             stack.pop()
         stack.append((lv, title))
-        paths.append(tuple(t for _, t in stack if t))
+        paths.append(bounded_path(tuple(t for _, t in stack if t)))
     return paths
+
+
+def bounded_path(path: tuple[str, ...], limit: int = PATH_MAX) -> tuple[str, ...]:
+    """`path` with its titles cut, the shallowest first, so that joined with " > " it takes at
+    most `limit` characters: the deepest titles are the most specific. A title left no room
+    becomes "…" (the path keeps its depth: at most six levels, always room for them)."""
+    total = sum(map(len, path)) + 3 * max(0, len(path) - 1)
+    if total <= limit:
+        return path
+    room = limit - 3 * (len(path) - 1)
+    out: list[str] = []
+    for i in reversed(range(len(path))):  # i: the titles above, each left at least "…"
+        avail = room - i
+        title = path[i]
+        keep = title if len(title) <= avail else clip_title(title, avail) if avail >= 2 else "…"
+        out.append(keep)
+        room -= len(keep)
+    return tuple(reversed(out))
