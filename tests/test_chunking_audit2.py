@@ -5,8 +5,13 @@ grapheme-safe cuts. Each test failed before its fix (repros in the audit's notes
 from __future__ import annotations
 
 import itertools
+import json
+import random
+import re
+import unicodedata
 
 from worker.chunking import MAX_CHUNK_SIZE, chunk_structure
+from worker.chunking.llm import UNIT_MAX, LLMChunker, chunk_llm, units_of
 from worker.chunking.markdown import PATH_MAX, TITLE_MAX, scan
 
 PROSE = "Some explanatory prose that fills the section with words. " * 6
@@ -173,3 +178,103 @@ def test_a_leading_byte_order_mark_does_not_hide_the_first_heading():
     assert _titles("\ufeff```\n# code\n```\n# After\n") == ["After"]
     chunks = chunk_structure(text + "\n\n## Sub\n\n" + PROSE)
     assert chunks[0].headings == ("Title",) and chunks[0].start == 0
+
+
+# -- 4. LLM units are bounded whatever the text -----------------------------------------------
+
+
+class _Counting:
+    """A chunk model that makes each unit a chunk, and keeps the size of each request."""
+
+    model_id = "counting"
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def complete_json(self, messages, *, schema, name):
+        body = messages[-1]["content"]
+        self.sizes.append(len(body))
+        n = int(re.search(r"cut into (\d+) numbered", body)[1])
+        return {"chunks": [{"start": i, "end": i, "summary": "s"} for i in range(1, n + 1)]}
+
+
+def test_llm_units_and_prompts_are_bounded_without_sentence_ends():
+    texts = {
+        "minified JSON": json.dumps({f"k{i}": f"value number {i}" for i in range(3000)}),
+        "CJK without stops": "日本語の文章です" * 5000,
+        "a log paragraph": "\n".join(
+            f"2026-12-03 INFO id={i} path=/api status=200" for i in range(2000)
+        ),
+        "one enormous word": "x" * 30_000,
+    }
+    for name, text in texts.items():
+        units = units_of(text, 0, len(text))
+        assert units[0].start == 0 and units[-1].end == len(text), name
+        assert all(a.end == b.start for a, b in itertools.pairwise(units)), name
+        assert max(len(text[u.start : u.end].strip()) for u in units) <= UNIT_MAX, name
+        model = _Counting()
+        chunks = chunk_llm(text, LLMChunker(model, window=6000))
+        assert max(model.sizes) < 6000 + 2 * UNIT_MAX, name  # was the whole text
+        assert _covered(text, chunks) and all(len(c.content) <= MAX_CHUNK_SIZE for c in chunks)
+    # Lines first: each log line is whole in its unit.
+    log = texts["a log paragraph"]
+    assert all(log[u.start : u.end].strip().startswith("2026") for u in units_of(log, 0, len(log)))
+
+
+def test_llm_units_do_not_start_a_sentence_that_opens_like_a_fence():
+    # Hypothesis found it (test_llm_chunking_audit, seed 2): a unit cut after "the. " started
+    # with "```py" in the middle of a line, so its chunk read as an unclosed code block.
+    text = "the " * 200 + "the. ```py\n" + "\n".join(["    return x  # done."] * 40)
+    for u in units_of(text, 0, len(text)):
+        assert not text[u.start : u.end].lstrip().startswith("```")
+
+
+# -- 5. CJK sentence ends, grapheme-safe cuts ---------------------------------------------------
+
+
+def test_cjk_prose_is_cut_at_sentence_ends_and_overlaps():
+    r = random.Random(3)
+    ja = "".join("日本語の文章" * r.randint(1, 4) + r.choice("。！？") for _ in range(400))
+    chunks = chunk_structure(ja)
+    assert _covered(ja, chunks) and len(chunks) > 5
+    parts = [ja[c.start : chunks[k + 1].start] for k, c in enumerate(chunks[:-1])]
+    assert all(p[-1] in "。！？" for p in parts)  # no cut mid-sentence
+    assert all(c.end > n.start for c, n in itertools.pairwise(chunks))  # an overlap
+    assert all(ja[n.start : c.end][-1] in "。！？" for c, n in itertools.pairwise(chunks))
+    assert len(units_of(ja, 0, len(ja))) > 50  # was one unit
+    zh = "这是一个句子．" * 500  # fullwidth full stop
+    assert all(c.content[-1] == "．" for c in chunk_structure(zh)[:-1])
+
+
+def test_hard_cuts_never_split_a_grapheme():
+    texts = [
+        "ผู้ใหญ่ใจดี" * 400,  # Thai: combining vowel and tone marks
+        "👩\u200d👩\u200d👧\u200d👦" * 700,  # a ZWJ family
+        "e\u0301" * 3000,  # a combining accent
+        "❤\ufe0f" * 3000,  # a variation selector
+        "🇯🇵" * 1500,  # flags: pairs of regional indicators
+        "👍🏽" * 1500,  # a skin tone
+    ]
+    for text in texts:
+        for chunks in (chunk_structure(text), chunk_llm(text, LLMChunker(_Counting()))):
+            assert _covered(text, chunks)
+            assert all(len(c.content) <= MAX_CHUNK_SIZE for c in chunks)
+            for c in chunks:
+                first = c.content[0]
+                assert unicodedata.category(first) not in ("Mn", "Mc", "Me"), repr(c.content[:3])
+                assert first not in "\u200d\ufe0f" and not "\U0001f3fb" <= first <= "\U0001f3ff"
+                assert c.content[-1] != "\u200d"
+                if first == "🇯" or first == "🇵":
+                    assert first == "🇯" and len(c.content) % 2 == 0
+
+
+def test_a_long_paragraph_of_lone_cr_lines_is_cut_at_line_ends():
+    # A poem or a listing without sentence ends: cut at its lines, as the same text with "\n".
+    lines = [f"line number {i} of a poem without any stop" for i in range(120)]
+    for eol in ("\n", "\r", "\r\n"):
+        text = eol.join(lines)
+        chunks = chunk_structure(text)
+        assert len(chunks) > 3 and _covered(text, chunks)
+        assert all(c.start == 0 or text[c.start - 1] in "\r\n" for c in chunks), repr(eol)
+        units = units_of(text, 0, len(text))
+        assert all(text[u.start : u.end].strip().startswith("line") for u in units)

@@ -285,7 +285,7 @@ fence_ish_text = st.lists(
 def _splits_a_fence_like_line_by_search(plan, p: int) -> bool:
     """The straightforward version: search back for the line's start (quadratic over a text
     without line ends, but obviously right)."""
-    line_start = plan.text.rfind("\n", 0, p) + 1
+    line_start = max(plan.text.rfind("\n", 0, p), plan.text.rfind("\r", 0, p)) + 1
     return bool(_FENCE_START.match(plan.text, line_start) or _FENCE_START.match(plan.text, p))
 
 

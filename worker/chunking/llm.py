@@ -33,7 +33,13 @@ from typing import Any, Protocol
 
 from worker.chunking.base import MAX_CHUNK_SIZE, Chunk, ChunkMethod, text_hash
 from worker.chunking.markdown import Fence, Layout, heading_paths, scan
-from worker.chunking.structure import chunk_structure, fence_context
+from worker.chunking.structure import (
+    _FENCE_START,
+    SENTENCE_END,
+    chunk_structure,
+    fence_context,
+    safe_cut,
+)
 from worker.errors import BadAnswer, Cancelled, KidxError, ProviderError
 
 PROMPT_VERSION = "1"
@@ -41,7 +47,10 @@ UNIT_MAX = 700  # a paragraph longer than this is shown as its sentences
 MERGE_UNDER = 150  # a chunk this short is merged into a neighbour
 SINGLE_CHUNK_UNDER = 500  # a text this short may be one chunk: nothing to split
 SUMMARY_MAX = 200
-_SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+")
+# Where a unit still over UNIT_MAX after its sentences is cut: line ends, then spaces (each
+# cut after the white space), then hard (minified JSON, CJK without stops, a log paragraph were
+# one unit, and one prompt, of up to the whole text).
+_UNIT_BREAKS = (re.compile(r"(?:\r\n?|\n)\s*"), re.compile(r"\s+"))
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 SCHEMA: dict[str, Any] = {
@@ -143,8 +152,10 @@ def units_of(
 ) -> list[Unit]:
     """Units that tile text[a:b]: every character in exactly one, in order (a unit's trailing
     white space is its own). Paragraphs, headings and fenced blocks as the whole text's layout
-    has them (`unit_cuts`), long paragraphs outside fences as their sentences. A unit that
-    skipped the closing quote or bracket after a sentence's end lost it from every chunk."""
+    has them (`unit_cuts`), long paragraphs outside fences as their sentences, and a sentence
+    still over `UNIT_MAX` as its lines, words or (last) pieces of `UNIT_MAX` (`_split_long`).
+    A unit that skipped the closing quote or bracket after a sentence's end lost it from every
+    chunk. A sentence is not cut where the next one would start like a fence line."""
     lay = lay or scan(text)
     cuts = unit_cuts(text, lay) if cuts is None else cuts
     inner = cuts[bisect_right(cuts, a) : bisect_left(cuts, b)]
@@ -158,11 +169,34 @@ def units_of(
         if te - ts <= UNIT_MAX or any(f.start <= ts < f.end for f in fences):
             continue
         start = ts
-        for m in _SENTENCE_END.finditer(text, ts, te):
-            if m.end() - start >= 80 and m.end() < te:
-                starts.append(m.end())  # after the closing quote and the white space
-                start = m.end()
+        for m in SENTENCE_END.finditer(text, ts, te):
+            p = m.end()
+            if p - start >= 80 and p < te and not _FENCE_START.match(text, p):
+                _split_long(text, start, p, starts)
+                starts.append(p)  # after the closing quote and the white space
+                start = p
+        _split_long(text, start, te, starts)
     return [Unit(u, v) for u, v in itertools.pairwise([*starts, b])] if starts else []
+
+
+def _split_long(text: str, a: int, b: int, starts: list[int]) -> None:
+    """Append to `starts` the unit starts that cut text[a:b] (a sentence, starting at a
+    non-space character) into pieces of at most `UNIT_MAX`: at the last line end within
+    reach, else the last space, else hard at a grapheme boundary. Never where the rest would
+    start like a fence line (its chunk would read as code)."""
+    while b - a > UNIT_MAX:
+        hi = a + UNIT_MAX
+        p = -1
+        for pattern in _UNIT_BREAKS:
+            for m in pattern.finditer(text, a + 1, hi):
+                if m.end() < b and not _FENCE_START.match(text, m.end()):
+                    p = m.end()
+            if p > a:
+                break
+        if p <= a:
+            p = safe_cut(text, hi, a)
+        starts.append(p)
+        a = p
 
 
 def windows_of(text: str, size: int, lay: Layout | None = None) -> list[Window]:

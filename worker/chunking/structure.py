@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import unicodedata
 import zlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Collection, Sequence
@@ -65,14 +66,64 @@ SLACK_SHARE = 1 / 3
 of where an even split would cut: paragraph breaks first, sizes near the target second."""
 
 _FENCE_START = re.compile(r"[ \t]*(?:`{3}|~{3})")
-_FENCE_LIKE_LINE = re.compile(r"^[ \t]*(?:`{3}|~{3})[^\n]*", re.M)
-_SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+")
-_LINE_END = re.compile(r"\n")
+# Lines end at "\r\n", "\r" or "\n", as for the scanner: "^" with re.M knows only "\n".
+_FENCE_LIKE_LINE = re.compile(r"(?:^|(?<=\r))[ \t]*(?:`{3}|~{3})[^\r\n]*", re.M)
+# A sentence ends at [.!?] and white space, or at a CJK full stop, exclamation or question mark
+# (also fullwidth), which takes no space after it: Chinese and Japanese prose was cut
+# mid-sentence at a character count.
+SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+|[。！？．！？][」』）】〕〉》\"')\]*_`]*\s*")
+_CJK_PAUSE = "。！？．、，；"  # where an overlap may start in text without spaces
+_LINE_END = re.compile(r"\r\n?|\n")
 _SPACE = re.compile(r"\s+")
-_FENCE_OR_HEADING_LINE = re.compile(r"^(?:[ \t]*(?:`{3,}|~{3,})| {0,3}#{1,6}(?:[ \t]|$))", re.M)
+_FENCE_OR_HEADING_LINE = re.compile(
+    r"(?:^|(?<=\r))(?:[ \t]*(?:`{3,}|~{3,})| {0,3}#{1,6}(?:[ \t\r]|$))", re.M
+)
 _STRONG_BLOCK = re.compile(r"[ \t]*(?:`{3}|~{3}|<|\||>|[-*+][ \t]|\d+[.)][ \t])")
 _STRONG_FIRST = frozenset(" \t`~<|>-*+0123456789")
 _HEADING = 10.0  # strength of a heading candidate is above this; paragraph breaks are in [0, 1)
+
+
+def _joins_previous(ch: str) -> bool:
+    """A character that belongs to the grapheme before it: a combining mark (Mn, Mc, Me), a zero
+    width joiner, a variation selector, an emoji skin tone or a tag character."""
+    if ch < "\u0300":
+        return False
+    return (
+        unicodedata.category(ch) in ("Mn", "Mc", "Me")
+        or ch == "\u200d"
+        or "\ufe00" <= ch <= "\ufe0f"
+        or "\U0001f3fb" <= ch <= "\U0001f3ff"
+        or "\U000e0020" <= ch <= "\U000e007f"
+        or "\U000e0100" <= ch <= "\U000e01ef"
+    )
+
+
+def grapheme_safe(text: str, p: int) -> bool:
+    """Whether a cut at `p` leaves every user-perceived character whole: not before a mark that
+    joins the character before it, not after a zero width joiner, not inside a "\r\n", not
+    between the two regional indicators of a flag."""
+    if p <= 0 or p >= len(text):
+        return True
+    ch, prev = text[p], text[p - 1]
+    if prev < "\u0300" and ch < "\u0300":
+        return not (prev == "\r" and ch == "\n")
+    if prev == "\u200d" or _joins_previous(ch):
+        return False
+    if "\U0001f1e6" <= ch <= "\U0001f1ff" and "\U0001f1e6" <= prev <= "\U0001f1ff":
+        k = p  # a flag is a pair: count the indicators before `p`
+        while k > 0 and "\U0001f1e6" <= text[k - 1] <= "\U0001f1ff":
+            k -= 1
+        return (p - k) % 2 == 0
+    return True
+
+
+def safe_cut(text: str, p: int, lo: int) -> int:
+    """`p`, or the nearest position before it and after `lo` where a cut leaves every grapheme
+    whole (`p` itself when there is none: a run of marks longer than a part)."""
+    q = p
+    while q > lo and not grapheme_safe(text, q):
+        q -= 1
+    return q if q > lo else p
 
 
 def _hash01(text: str) -> float:
@@ -263,7 +314,7 @@ class _Plan:
         half would look like a fence's opening on its own."""
         if self._inside_small_fence(p):
             return False
-        return self.text[p - 1] == "\n" or not self._splits_a_fence_like_line(p)
+        return self.text[p - 1] in "\r\n" or not self._splits_a_fence_like_line(p)
 
     def _splits_a_fence_like_line(self, p: int) -> bool:
         """A cut inside a line must not leave either half looking like a fence's opening.
@@ -271,7 +322,7 @@ class _Plan:
         The lines that open like a fence are found once (`_fence_like_lines`) and looked up by
         bisection: searching back from every candidate for its line's start went to the start
         of the text on text without line ends, quadratic in its length (5 MB of sentences took
-        half a minute). Line ends are `\n` only, as for the scanner (a lone `\r` is not one).
+        half a minute). Line ends are those of the scanner: `\r\n`, `\r` and `\n`.
         """
         if self._fence_lines is None:
             self._fence_lines = _fence_like_lines(self.text)
@@ -294,19 +345,26 @@ class _Plan:
     def _pick_in(self, lo: int, hi: int, ideal: int) -> int:
         """The strongest candidate in [lo, hi]; else the sentence end, line end or space nearest
         to `ideal` that is not inside a fenced block small enough to stay whole; never inside
-        a section that fits into the target; else -1."""
+        a section that fits into the target, nor inside a grapheme; else -1."""
         pos, strength = self.cand_pos, self.cand_strength
         i, j = bisect_left(pos, lo), bisect_right(pos, hi)
         inside = self._inside_fitting
         live = [k for k in range(i, j) if not inside(pos[k])] if self.fitting else range(i, j)
         if live:
             return pos[max(live, key=strength.__getitem__)]
-        for pattern in (_SENTENCE_END, _LINE_END, _SPACE):
+        text = self.text
+        for pattern in (SENTENCE_END, _LINE_END, _SPACE):
             best = -1
-            for m in pattern.finditer(self.text, lo, hi):
+            for m in pattern.finditer(text, lo, hi):
                 p = m.end()
                 closer = best < 0 or abs(p - ideal) < abs(best - ideal)
-                if p <= hi and closer and self._cuttable(p) and not inside(p):
+                if (
+                    p <= hi
+                    and closer
+                    and self._cuttable(p)
+                    and not inside(p)
+                    and grapheme_safe(text, p)
+                ):
                     best = p
             if best >= 0:
                 return best
@@ -345,8 +403,9 @@ class _Plan:
         ]
         if reach:
             return min(reach, key=lambda h: abs(h - ideal))
-        # No boundary at all (one enormous word): a hard cut, moved out of a small fence.
-        p = min(max(ideal, a + 1), a + limit)
+        # No boundary at all (one enormous word): a hard cut, moved back to where it leaves
+        # every grapheme whole (Thai marks, emoji sequences), and out of a small fence.
+        p = safe_cut(self.text, min(max(ideal, a + 1), a + limit), a)
         fences = self.small_fences
         k = bisect_right(fences, (p, math.inf)) - 1
         if k >= 0 and fences[k][0] < p < fences[k][1]:
@@ -425,9 +484,13 @@ class _Plan:
                 piece = piece[: m.start()]
         if start + len(piece) < nxt[1] and piece:
             if any(f.start < start < f.end for f in self.big_fences):
-                cut = piece.rfind("\n")  # inside code: whole lines
+                cut = max(piece.rfind("\n"), piece.rfind("\r"))  # inside code: whole lines
             else:
-                cut = max(piece.rfind(" "), piece.rfind("\n"), piece.rfind("\t"))
+                cut = max(piece.rfind(" "), piece.rfind("\n"), piece.rfind("\r"), piece.rfind("\t"))
+                if cut <= 0:  # text without spaces (CJK): whole sentences or clauses
+                    cut = max(map(piece.rfind, _CJK_PAUSE)) + 1
+                    while 0 < cut < len(piece) and not grapheme_safe(self.text, start + cut):
+                        cut += 1  # a closing bracket or a mark after the stop
             piece = piece[:cut] if cut > 0 else ""
         piece = piece.rstrip()
         return start + len(piece) if piece else end
