@@ -227,6 +227,12 @@ def test_llm_units_do_not_start_a_sentence_that_opens_like_a_fence():
     text = "the " * 200 + "the. ```py\n" + "\n".join(["    return x  # done."] * 40)
     for u in units_of(text, 0, len(text)):
         assert not text[u.start : u.end].lstrip().startswith("```")
+    # Nor end one inside a line that opens like a fence: "``` the. ... ]]` the" has a backtick
+    # in its info string, so it is no fence, but its first sentence alone is one (seed 2 too).
+    line = "``` the. " + "the the the. " * 60 + "the.]]` the the."
+    text = "the " * 30 + "the. ```py\nx = 1\n" + line + "\n\nEnd."
+    for u in units_of(text, 0, len(text)):
+        assert all(f.closed for f in scan(text[u.start : u.end]).fences), text[u.start : u.end]
 
 
 # -- 5. CJK sentence ends, grapheme-safe cuts ---------------------------------------------------

@@ -36,6 +36,7 @@ from worker.chunking.markdown import Fence, Layout, heading_paths, scan
 from worker.chunking.structure import (
     _FENCE_START,
     SENTENCE_END,
+    _fence_like_lines,
     chunk_structure,
     fence_context,
     safe_cut,
@@ -155,11 +156,13 @@ def units_of(
     has them (`unit_cuts`), long paragraphs outside fences as their sentences, and a sentence
     still over `UNIT_MAX` as its lines, words or (last) pieces of `UNIT_MAX` (`_split_long`).
     A unit that skipped the closing quote or bracket after a sentence's end lost it from every
-    chunk. A sentence is not cut where the next one would start like a fence line."""
+    chunk. A unit is never cut off where either half would start a line like a fence's
+    opening (`_FenceLines`): the chunk holding it would read as an unclosed code block."""
     lay = lay or scan(text)
     cuts = unit_cuts(text, lay) if cuts is None else cuts
     inner = cuts[bisect_right(cuts, a) : bisect_left(cuts, b)]
     fences = lay.fences
+    fence_lines = _FenceLines(text)
     starts: list[int] = []
     for s, e in itertools.pairwise([a, *inner, b]):
         ts, te = _trimmed(text, s, e)
@@ -171,30 +174,62 @@ def units_of(
         start = ts
         for m in SENTENCE_END.finditer(text, ts, te):
             p = m.end()
-            if p - start >= 80 and p < te and not _FENCE_START.match(text, p):
-                _split_long(text, start, p, starts)
+            if p - start >= 80 and p < te and not fence_lines.splits(p):
+                _split_long(text, start, p, starts, fence_lines)
                 starts.append(p)  # after the closing quote and the white space
                 start = p
-        _split_long(text, start, te, starts)
+        _split_long(text, start, te, starts, fence_lines)
     return [Unit(u, v) for u, v in itertools.pairwise([*starts, b])] if starts else []
 
 
-def _split_long(text: str, a: int, b: int, starts: list[int]) -> None:
+class _FenceLines:
+    """Whether a cut inside a line leaves either half starting like a fence's opening (as the
+    structural chunker's `_cuttable`); the lines that open like one are found once, lazily."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.lines: tuple[list[int], list[int]] | None = None
+
+    def splits(self, p: int) -> bool:
+        if self.text[p - 1] in "\r\n":
+            return False  # a cut between lines: each half has the line whole
+        if _FENCE_START.match(self.text, p):
+            return True
+        if self.lines is None:
+            self.lines = _fence_like_lines(self.text)
+        starts, ends = self.lines
+        k = bisect_right(starts, p) - 1
+        return k >= 0 and p <= ends[k]
+
+
+def _split_long(text: str, a: int, b: int, starts: list[int], fence_lines: _FenceLines) -> None:
     """Append to `starts` the unit starts that cut text[a:b] (a sentence, starting at a
     non-space character) into pieces of at most `UNIT_MAX`: at the last line end within
-    reach, else the last space, else hard at a grapheme boundary. Never where the rest would
-    start like a fence line (its chunk would read as code)."""
+    reach, else the last space, else hard at a grapheme boundary. Not where either half would
+    start a line like a fence's opening (its chunk would read as an unclosed block) while a
+    break up to the chunk maximum, or leaving a piece within it whole, avoids it."""
     while b - a > UNIT_MAX:
-        hi = a + UNIT_MAX
         p = -1
         for pattern in _UNIT_BREAKS:
-            for m in pattern.finditer(text, a + 1, hi):
-                if m.end() < b and not _FENCE_START.match(text, m.end()):
+            for m in pattern.finditer(text, a + 1, a + UNIT_MAX):
+                if m.end() < b and not fence_lines.splits(m.end()):
                     p = m.end()
             if p > a:
                 break
+        if p <= a:  # the first acceptable break past UNIT_MAX, within the chunk maximum
+            p = next(
+                (
+                    m.end()
+                    for pattern in _UNIT_BREAKS
+                    for m in pattern.finditer(text, a + UNIT_MAX, min(b, a + MAX_CHUNK_SIZE))
+                    if m.end() < b and not fence_lines.splits(m.end())
+                ),
+                -1,
+            )
         if p <= a:
-            p = safe_cut(text, hi, a)
+            p = safe_cut(text, a + UNIT_MAX, a)
+            if b - a <= MAX_CHUNK_SIZE and fence_lines.splits(p):
+                return  # whole rather than cut inside a fence-like line, as a chunk may be
         starts.append(p)
         a = p
 
