@@ -71,7 +71,7 @@ _FENCE_LIKE_LINE = re.compile(r"(?:^|(?<=\r))[ \t]*(?:`{3}|~{3})[^\r\n]*", re.M)
 # A sentence ends at [.!?] and white space, or at a CJK full stop, exclamation or question mark
 # (also fullwidth), which takes no space after it: Chinese and Japanese prose was cut
 # mid-sentence at a character count.
-SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+|[。！？．！？][」』）】〕〉》\"')\]*_`]*\s*")
+SENTENCE_END = re.compile(r"[.!?][\"')\]*_`]*\s+|[。！？．][」』）】〕〉》\"')\]*_`]*\s*")
 _CJK_PAUSE = "。！？．、，；"  # where an overlap may start in text without spaces
 _LINE_END = re.compile(r"\r\n?|\n")
 _SPACE = re.compile(r"\s+")
