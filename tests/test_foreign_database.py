@@ -11,8 +11,8 @@ from pathlib import Path
 
 import apsw
 import pytest
-
 from test_cli import Kidx, base_env, one_line_error
+
 from worker.errors import StoreError
 from worker.store import connect
 
