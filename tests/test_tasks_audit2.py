@@ -70,25 +70,32 @@ def close(app: Celery) -> None:
     app.close()
 
 
-@pytest.mark.parametrize(
-    ("broker", "backend", "words"),
-    [
+def send_failure_case(case: str) -> tuple[str, str | None, str]:
+    """The broker, backend and message of a case, made in the test: the URLs hold this xdist
+    process's database and a free port, which must stay out of the test's id (every process
+    must collect the same ids)."""
+    if case == "redis-py-refuses-a-parameter":
         # a query parameter redis-py does not take: TypeError, once "a bug in kidx"
-        (broker_url(SPARE_DB) + "?foo=1", None, r"the broker at \S+ is not usable \(TypeError"),
+        return broker_url(SPARE_DB) + "?foo=1", None, r"the broker at \S+ is not usable \(TypeError"
+    if case == "backend-celery-cannot-load":
         # a backend Celery cannot load: ModuleNotFoundError
-        (broker_url(SPARE_DB), "foo://bar", r"the result backend at foo://bar is not usable"),
-        # a result backend's Redis that is down, the broker up: asked first, within the
-        # patience (its own ConnectionError, not Celery's 20 retries' RuntimeError), and named
-        (
-            broker_url(SPARE_DB),
-            f"redis://127.0.0.1:{free_port()}/1",
-            r"the result backend at \S+ did not answer \(ConnectionError",
-        ),
-    ],
+        return broker_url(SPARE_DB), "foo://bar", r"the result backend at foo://bar is not usable"
+    # a result backend's Redis that is down, the broker up: asked first, within the patience
+    # (its own ConnectionError, not Celery's 20 retries' RuntimeError), and named
+    return (
+        broker_url(SPARE_DB),
+        f"redis://127.0.0.1:{free_port()}/1",
+        r"the result backend at \S+ did not answer \(ConnectionError",
+    )
+
+
+@pytest.mark.parametrize(
+    "case", ["redis-py-refuses-a-parameter", "backend-celery-cannot-load", "backend-down"]
 )
 def test_a_send_that_fails_for_any_reason_leaves_no_queued_row_and_names_what_failed(
-    stack: Stack, broker: str, backend: str | None, words: str
+    stack: Stack, case: str
 ) -> None:
+    broker, backend, words = send_failure_case(case)
     item = stack.note("Sent", "A note whose task cannot be sent.")
     before = counts(stack.db)
     app = host_app(broker, backend)
