@@ -271,7 +271,44 @@ def test_separator_and_fence_lines_are_escaped(line: str, escaped: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "line", ["- - -", "-- x", "a ---", "=x=", "    ----", "#hashtag", "``inline``", "* * *"]
+    ("line", "escaped"),
+    [
+        ("<!-- a comment", "\\<!-- a comment"),
+        ("<pre>", "\\<pre>"),
+        ("  <SCRIPT src=x>", "  \\<SCRIPT src=x>"),
+        ("<?php echo 1;", "\\<?php echo 1;"),
+        ("<![CDATA[ x", "\\<![CDATA[ x"),
+        ("<!DOCTYPE html", "\\<!DOCTYPE html"),  # its `>` on a later line
+        ("<textarea", "\\<textarea"),
+    ],
+)
+def test_an_html_block_opener_in_extracted_text_is_escaped(line: str, escaped: str) -> None:
+    """The chunker reads such a line as a literal HTML block that runs to its end marker (none
+    here): the headings a PDF's or a DOCX's reader writes after it (`# ...` from the font or
+    the style) were its text, and every chunk after it lost its heading path."""
+    body = f"Intro.\n{line}\n" + "More of the first section. " * 20
+    assert escape_markdown_lookalikes(body) == body.replace(line, escaped)
+    later = "\n\n# Later\n\n" + "Body under the later heading. " * 20
+    assert chunk_structure(body + later)[-1].headings == ()  # unescaped: lost
+    assert chunk_structure(escape_markdown_lookalikes(body) + later)[-1].headings == ("Later",)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "<prefix> x",
+        "<p>",
+        "a <pre>",
+        "<",
+        "- - -",
+        "-- x",
+        "a ---",
+        "=x=",
+        "    ----",
+        "#hashtag",
+        "``inline``",
+        "* * *",
+    ],
 )
 def test_lines_the_chunker_takes_for_nothing_are_left_alone(line: str) -> None:
     text = f"Some body text above.\n{line}\nSome below."

@@ -86,8 +86,14 @@ _LABELS = {
 }
 # Lines of plain text that the chunker would take for a heading (ATX, or a Setext underline of
 # `=` or `-` below a line) or a code fence (indented any amount: harmless where it is not one).
+# An HTML block opener (`<!--`, `<pre`, ...: CommonMark's types 1 to 5) too: the chunker takes
+# everything from it to its end marker, or to the text's end, as one literal block, and a PDF
+# about HTML would lose every heading and paragraph break after its first `<pre>` line.
 _MARKDOWN_LOOKALIKE = re.compile(
-    r"^[ \t]{0,3}(?=#{1,6}(?:[ \t]|$)|(?:=+|-+)[ \t]*$)|^[ \t]*(?=`{3}|~{3})", re.M
+    r"^[ \t]{0,3}(?=#{1,6}(?:[ \t]|$)|(?:=+|-+)[ \t]*$"
+    r"|<(?:!--|\?|!\[CDATA\[|![A-Za-z]|(?i:pre|script|style|textarea)(?:[ \t>]|$)))"
+    r"|^[ \t]*(?=`{3}|~{3})",
+    re.M,
 )
 
 
