@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ops.stack import data_dirs
+from ops.stack import data_dirs, fail
 from worker.errors import ConfigError
 from worker.settings import Settings, load_settings
 
@@ -82,16 +82,17 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     try:
         settings = load_settings()
-    except ConfigError as e:  # one line, as every kidx command says it
-        sys.exit(f"error: {e}")
+    except ConfigError as e:  # one line and status 2, as every kidx command says it
+        fail(f"error: {e}", 2)
     f = settings.flower
     user = f.user
     password = f.password.get_secret_value() if f.password else ""
     address = f.address
     if not args.demo and not (user and password):
-        sys.exit(
+        fail(
             "error: Flower needs KIDX_FLOWER__USER and KIDX_FLOWER__PASSWORD "
-            "(or --demo, for a local demo on 127.0.0.1)"
+            "(or --demo, for a local demo on 127.0.0.1)",
+            2,
         )
     data_dirs(settings.data_dir, Path(settings.data_dir).resolve())  # else one line, status 2
     if args.demo:

@@ -212,6 +212,24 @@ def test_flower_with_a_data_dir_that_is_a_file_says_so_in_one_line(tmp_path: Pat
     assert file.read_text() == "not a directory"
 
 
+def test_flower_without_credentials_or_with_a_bad_setting_is_a_configuration_error(tmp_path):
+    """Status 2 and one line, as `kidx` and `ops.stack` say a configuration error: ops.flower
+    ended with status 1, the status of a failure at run time."""
+    data_dir = tmp_path / "data"
+    result = run_module(tmp_path, data_dir, "ops.flower")  # no KIDX_FLOWER__USER/PASSWORD
+    assert "Traceback" not in result.stderr and result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "error: Flower needs KIDX_FLOWER__USER and KIDX_FLOWER__PASSWORD "
+        "(or --demo, for a local demo on 127.0.0.1)"
+    )
+    (tmp_path / ".env").write_text("KIDX_LOG_LEVEL=loud\n")  # read from the cwd
+    result = run_module(tmp_path, data_dir, "ops.flower", "--demo")
+    assert "Traceback" not in result.stderr and result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "KIDX_LOG_LEVEL" in line, line
+    assert "password" not in result.stdout
+
+
 # -- Flower's URL on IPv6 -------------------------------------------------------------------------
 
 
