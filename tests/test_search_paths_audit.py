@@ -368,6 +368,28 @@ def test_numpy_integers_are_integers_for_k_and_item_ids(notes, fake):
             Filters(item_ids=(wrong,))  # type: ignore[arg-type]
 
 
+def test_code_and_memory_search_take_a_numpy_k_as_prose_search_does(db, fake, tmp_path: Path):
+    """They refused np.int64(3) ("k must be an integer"), which prose search took."""
+    path = tmp_path / "m.py"
+    path.write_text("\n\n".join(f"def f{j}():\n    return 'alpha {j}'\n" for j in range(6)))
+    item = add_item(db, kind="code", title=path.name, content="", source=str(path))
+    index_item(
+        db,
+        item,
+        embedder=fake,
+        options=IndexOptions(reader=Reader(FilesSettings(roots=[tmp_path]))),
+    )
+    for text in ("alpha beta", "gamma delta", "omega", "alpha again"):
+        add_memory(db, text, fake)
+    for search in (search_code, search_memories):
+        plain, _, _ = search(db, "alpha", fake, k=3)
+        numpy, _, _ = search(db, "alpha", fake, k=np.int64(3))  # type: ignore[arg-type]
+        assert numpy == plain and len(plain) == 3
+        for wrong in (True, 2.0, "3", np.float64(3)):
+            with pytest.raises(InvalidInput, match="k must be an integer"):
+                search(db, "alpha", fake, k=wrong)  # type: ignore[arg-type]
+
+
 # -- F19: a source prefix holding NUL ---------------------------------------------------------
 
 

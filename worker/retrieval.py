@@ -192,15 +192,18 @@ class ChunkSearch:
     notes: list[str] = field(default_factory=list)
 
 
-def check_query(query: object, k: object) -> None:
+def check_query(query: object, k: object) -> int:
     """Every search's arguments, as a caller in any language may send them: a non-empty
-    string, and k from 1 to MAX_K (k=-1 would slice all hits but the last)."""
+    string, and k from 1 to MAX_K (k=-1 would slice all hits but the last), returned as an
+    int (a numpy integer is one too: bound as an int, never as its bytes)."""
     if not isinstance(query, str):
         raise InvalidInput(f"the query must be a string, not {type(query).__name__}")
     if not query.strip():
         raise InvalidInput("the query is empty")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+    whole = integer(k)
+    if whole is None or not 1 <= whole <= MAX_K:
         raise InvalidInput(f"k must be an integer from 1 to {MAX_K}, not {k!r}")
+    return whole
 
 
 def search_chunks(
@@ -216,9 +219,7 @@ def search_chunks(
 ) -> ChunkSearch:
     """The k chunks best matching `query` (with `per_item`: the best chunk of each of k items).
     `tuning`: the two-pass vector search's settings (`KIDX_SEARCH__*`; default: the defaults)."""
-    if (whole := integer(k)) is not None:
-        k = whole  # a numpy integer too: bound as an int, never as its bytes
-    check_query(query, k)
+    k = check_query(query, k)
     if filters is not None and not isinstance(filters, Filters):
         raise InvalidInput(
             "filters must be a worker.retrieval.Filters(kinds=..., item_ids=..., "

@@ -128,7 +128,7 @@ def search_code(
     (worker.retrieval: RRF, the keyword side trusted twice as much), since a query naming an
     identifier is what code search is asked most. `score`: the cosine similarity when only
     the vector side serves, else the fused score; the paths that served, joined by `+`."""
-    check_query(query, k)
+    k = check_query(query, k)
     vector = embedder.embed([query])[0]
     with db.reading():  # one snapshot from ranking to the rows read (retrieval's reason)
         return _search_code(db, query, vector, embedder.model_id, k)

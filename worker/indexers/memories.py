@@ -85,7 +85,7 @@ class Memories(Indexer):
     def search(
         self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10
     ) -> tuple[list[MemoryHit], str, str | None]:
-        check_query(query, k)
+        k = check_query(query, k)
         vector = embedder.embed([query])[0]
         hits = []
         with db.reading():  # one snapshot from ranking to the rows read (retrieval's reason)
