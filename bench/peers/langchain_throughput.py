@@ -1,12 +1,13 @@
 """LangChain's in-process pipeline over a corpus, for bench/throughput.py (its own process).
 
     python bench/peers/langchain_throughput.py --corpus DIR --base-url URL --db PATH
-        [--batch-size B] [--dimensions D]
+        [--batch-size B] [--dimensions D] [--chunk-size N]
 
-RecursiveCharacterTextSplitter(1500, 100), OpenAIEmbeddings pointed at the stand-in
-(chunk_size = the batch size, raw texts: no tiktoken, which would download its encoding), and
-SQLiteVec.add_documents into a fresh file. Python's sqlite3 here cannot load extensions, so the
-connection is pysqlite3's (a SQLite built with loading enabled), handed to SQLiteVec.
+RecursiveCharacterTextSplitter(1500, 100) (`--chunk-size`: another size, overlap 100),
+OpenAIEmbeddings pointed at the stand-in (chunk_size = the batch size, raw texts: no
+tiktoken, which would download its encoding), and SQLiteVec.add_documents into a fresh file.
+Python's sqlite3 here cannot load extensions, so the connection is pysqlite3's (a SQLite built
+with loading enabled), handed to SQLiteVec.
 
 Phases: `setup` (files read, objects built; SQLiteVec has already embedded one dummy text to
 learn the dimension), `run` (timed: split every file, embed and write every chunk), then the
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--db", type=Path, required=True)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--dimensions", type=int, default=384)
+    ap.add_argument("--chunk-size", type=int, default=1500)
     args = ap.parse_args()
 
     import sqlite_vec
@@ -43,7 +45,7 @@ def main() -> None:
     files = sorted(p for p in args.corpus.glob("*.md") if p.read_text(encoding="utf-8").strip())
     texts = [p.read_text(encoding="utf-8") for p in files]
     metadatas = [{"source": str(p.resolve())} for p in files]
-    splitter = RecursiveCharacterTextSplitter(chunk_size=1500, chunk_overlap=100)
+    splitter = RecursiveCharacterTextSplitter(chunk_size=args.chunk_size, chunk_overlap=100)
     embeddings = OpenAIEmbeddings(
         model=MODEL,
         base_url=args.base_url,
