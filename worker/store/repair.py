@@ -7,6 +7,7 @@ in another shape, or whose shadow tables it damaged (sqlite-vec then fails, or f
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -125,6 +126,7 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
 # sweep: keys compare in full each time, contents a slice at a time (a point lookup into vec0
 # a row: about 0.2 s for 10k), from where the last sweep stopped, round and round.
 VERIFY_SLICE = 10_000
+_KEY = re.compile(r"-?[0-9]+")  # a cursor kidx wrote: `str.isdigit` takes `²`, int() does not
 
 
 def _verify(db: Database, t: VecTable, dims: int, report: RepairReport, n: int) -> None:
@@ -132,9 +134,10 @@ def _verify(db: Database, t: VecTable, dims: int, report: RepairReport, n: int) 
     host wrote into the vec table, or a quantized row drifted): key checks never see them."""
     cursor = f"vec_verified:{t.name}"
     last = db.scalar("SELECT value FROM index_meta WHERE key = ?", (cursor,))
-    after = int(last) if isinstance(last, str) and last.lstrip("-").isdigit() else None
+    # (a host's value, `--5`, `²` or out of range: from the first key)
+    after = int(last) if isinstance(last, str) and _KEY.fullmatch(last) else None
     if after is not None and not -(2**63) <= after < 2**63:
-        after = None  # a host's value: from the first key
+        after = None
     rows = db.all(
         f"SELECT r.{t.source_key}, r.vector, {t.value('r.vector')} IS v.embedding "
         f"FROM {t.source} r JOIN {t.name} v ON v.{t.key} = r.{t.source_key} "

@@ -1,0 +1,27 @@
+"""The sweeps against values a host application wrote with plain SQL (tests/host.py: its own
+process, foreign keys off): each case below crashed a sweep, every time it ran, or was not
+reported. A real SQLite file with sqlite-vec; the provider is the stand-in over HTTP."""
+
+from __future__ import annotations
+
+import pytest
+
+from host import host
+from worker.reconcile import reconcile
+from worker.store.db import Database
+from worker.store.items import add_item
+
+CURSOR = "vec_verified:vec_chunk_embeddings"
+
+
+@pytest.mark.parametrize("value", ["--5", "²"])
+def test_a_verify_cursor_a_host_wrote_is_started_over_never_a_crash(db: Database, value):
+    """`_verify` took any string that was digits once its leading `-`s were stripped for a
+    number: `int('--5')` and `int('²')` (a digit to `str.isdigit`) raised ValueError, which no
+    one caught: every reconcile sweep crashed until the row went."""
+    add_item(db, kind="note", title="A note", content="Some text.")
+    host(db.path, ("INSERT INTO index_meta(key, value) VALUES (?, ?)", [CURSOR, value]))
+    drift = reconcile(db, model="standin-embed", max_items=10)
+    assert drift.repaired["replaced"] == {}
+    # read from the first key: every row was compared, so the cursor starts over
+    assert db.scalar("SELECT value FROM index_meta WHERE key = ?", (CURSOR,)) is None
