@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from host import host
-from worker.reconcile import reconcile
+from worker.reconcile import due_retries, reconcile
 from worker.store.db import Database
 from worker.store.items import add_item
 
@@ -25,3 +25,24 @@ def test_a_verify_cursor_a_host_wrote_is_started_over_never_a_crash(db: Database
     assert drift.repaired["replaced"] == {}
     # read from the first key: every row was compared, so the cursor starts over
     assert db.scalar("SELECT value FROM index_meta WHERE key = ?", (CURSOR,)) is None
+
+
+def test_a_failed_item_whose_updated_at_is_not_a_time_is_not_due_never_a_crash(db: Database):
+    """`due_retries` compared the wait (NULL: julianday of a host's text) with the backoff:
+    TypeError, and the retry sweep crashed every time; the reconcile sweep leaves such an
+    item resting (`_resting`), and so does the retry sweep now."""
+    bad, good = (add_item(db, kind="note", title=t, content="Text.") for t in ("bad", "good"))
+    host(
+        db.path,
+        (
+            "UPDATE item_index_state SET status = 'failed', attempts = 1, "
+            "updated_at = '2000-01-01T00:00:00Z' WHERE item_id = ?",
+            [good],
+        ),
+        (
+            "UPDATE item_index_state SET status = 'failed', attempts = 1, updated_at = 'soon' "
+            "WHERE item_id = ?",
+            [bad],
+        ),
+    )
+    assert due_retries(db, max_attempts=5, backoff=60.0, backoff_max=3600.0) == [good]

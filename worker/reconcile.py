@@ -291,7 +291,13 @@ def due_retries(
     attempts left; after the last attempt an item stays failed until an admin retries it."""
     policy = Backoff(max_attempts, backoff, backoff_max)
     rows = _failed_rows(db, max_attempts, horizon)
-    return [item_id for item_id, attempts, waited in rows if policy.due(attempts, waited)]
+    # (a wait that is not a number, of an `updated_at` a host wrote that is not a time: the
+    # item rests, as in `_resting`)
+    return [
+        item_id
+        for item_id, attempts, waited in rows
+        if isinstance(waited, float) and policy.due(attempts, waited)
+    ]
 
 
 def _failed_rows(db: Database, max_attempts: int, horizon: float) -> list[tuple[int, int, float]]:
