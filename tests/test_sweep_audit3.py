@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from host import host
-from worker.reconcile import due_retries, reconcile
+from worker.reconcile import due_retries, last_sweeps, reconcile, record_sweep
 from worker.store.db import Database
 from worker.store.items import add_item
 
@@ -46,3 +46,19 @@ def test_a_failed_item_whose_updated_at_is_not_a_time_is_not_due_never_a_crash(d
         ),
     )
     assert due_retries(db, max_attempts=5, backoff=60.0, backoff_max=3600.0) == [good]
+
+
+def test_last_sweeps_skips_what_is_not_a_sweep_record(db: Database):
+    """`kidx status` and `kidx doctor` read every `last_%` row of index_meta as a sweep's JSON
+    object: a host's row there (`_` is LIKE's any character: `lastly` matched too) that is not
+    JSON, or not an object, crashed both (JSONDecodeError; `.get` of a list)."""
+    record_sweep(db, "retry_sweep", {"sent": 2})
+    host(
+        db.path,
+        ("INSERT INTO index_meta(key, value) VALUES ('last_reconcile', 'yesterday')", []),
+        ("INSERT INTO index_meta(key, value) VALUES ('lastly', '[1, 2]')", []),
+        ("INSERT INTO index_meta(key, value) VALUES ('last_seen', '3')", []),
+        ("INSERT INTO index_meta(key, value) VALUES ('last_deep', ?)", ["[" * 100_000]),
+    )
+    sweeps = last_sweeps(db)
+    assert list(sweeps) == ["retry_sweep"] and sweeps["retry_sweep"]["sent"] == 2

@@ -317,7 +317,16 @@ def record_sweep(db: Database, kind: str, summary: dict[str, object]) -> None:
 
 
 def last_sweeps(db: Database) -> dict[str, dict[str, object]]:
-    return {
-        key[len("last_") :]: json.loads(value)
-        for key, value in db.all("SELECT key, value FROM index_meta WHERE key LIKE 'last_%'")
-    }
+    """The records of `record_sweep`; a row under such a key that is not one (a host's: not
+    JSON, or not an object) is left out, never a crash of `kidx status` or `kidx doctor`."""
+    found = {}
+    for key, value in db.all(
+        "SELECT key, value FROM index_meta WHERE substr(key, 1, 5) = 'last_'"  # LIKE: _ is any
+    ):
+        try:
+            record = json.loads(value) if isinstance(value, str) else None
+        except (ValueError, RecursionError):  # not JSON, too long a number, too deep
+            record = None
+        if isinstance(record, dict):
+            found[key[len("last_") :]] = record
+    return found
