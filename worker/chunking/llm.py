@@ -371,16 +371,23 @@ def _window_chunks(text: str, window: Window, llm: LLMChunker) -> list[tuple[int
             answer = llm.model.complete_json(messages, schema=SCHEMA, name="chunk_boundaries")
             chunks = validate(answer, text, window)
         except BadAnswer as e:
-            reason = str(e)
+            reason = _said(e)
             if attempt == 0:  # once more, saying what was wrong
                 continue
             raise ChunkingFailed(f"the chunk model's answer was unusable twice: {reason}") from None
         except ProviderError as e:
-            raise ChunkingFailed(f"the chunk model failed: {e}") from None
+            raise ChunkingFailed(f"the chunk model failed: {_said(e)}") from None
         if llm.cache is not None:
             llm.cache.put(model_id, window.key, chunks)
         return chunks
     raise ChunkingFailed(reason)  # pragma: no cover - the loop returns or raises
+
+
+def _said(error: Exception) -> str:
+    """An error's message, its lone surrogates replaced by U+FFFD: it may quote the server (a
+    refusal, an error message, JSON-escaped "\\ud800"), and it is sent back to the model as
+    the correction and stored as the fallback's reason, neither of which UTF-8 can carry."""
+    return _LONE_SURROGATE.sub("\ufffd", str(error))
 
 
 def _cached(text: str, window: Window, llm: LLMChunker) -> list[tuple[int, int, str | None]] | None:

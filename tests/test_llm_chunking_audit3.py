@@ -1,0 +1,85 @@
+"""LLM chunking and the chat provider against a hostile chat server (a third audit).
+
+Over real HTTP to the loopback stand-in (`testkit.standin.StandIn`) with a real SQLite file:
+what the server says that ends up in a fallback's reason (a refusal, an error message) must be
+storable and sendable; its answer's shape must not hide why LLM chunking fell back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from testkit.standin import StandIn
+from testkit.standin_chat import ChatReply
+from worker.bulk import index_item
+from worker.chunking.llm import windows_of
+from worker.indexers import IndexOptions
+from worker.providers.chat import ChatModel
+from worker.settings import ChunkSettings
+from worker.store.items import add_item, get_state
+
+TEXT = "# Title\n\n" + "\n\n".join(f"Paragraph {i}. " + "word " * 60 for i in range(20))
+
+
+def chat_model(standin: StandIn, **overrides: Any) -> ChatModel:
+    values: dict[str, Any] = {
+        "model": "standin-chat",
+        "base_url": standin.base_url,
+        "max_retries": 0,
+        "timeout": 5,
+    }
+    values.update(overrides)
+    return ChatModel(ChunkSettings(**values))
+
+
+@pytest.fixture
+def chat(standin: StandIn) -> Iterator[ChatModel]:
+    model = chat_model(standin)
+    yield model
+    model.close()
+
+
+def stored(db: Any, item_id: int) -> list[tuple[int, int, str, str]]:
+    return db.all(
+        "SELECT start_offset, end_offset, content, method FROM note_chunks WHERE item_id = ? "
+        "ORDER BY chunk_index",
+        (item_id,),
+    )
+
+
+# -- 1. a lone surrogate in what the server says ----------------------------------------------
+# JSON may escape a lone surrogate ("\ud800"): it parses, but UTF-8 cannot carry it. In a
+# refusal asked again, the correction could not be sent (the fallback blamed the item's text);
+# in the last answer's refusal or an HTTP error's message, the fallback's reason could not be
+# stored and the item failed.
+
+
+@pytest.mark.parametrize(
+    "last",
+    [ChatReply(refusal="I will not \ud800 do it"), ChatReply(status=400, content="bad \udfff")],
+    ids=["refusal", "http-400"],
+)
+def test_a_lone_surrogate_in_the_reason_is_replaced_and_the_item_indexed(
+    db, embedder, chat, standin, last
+):
+    standin.chat.script = ["not JSON at all", last]
+    item = add_item(db, kind="note", title="T", content=TEXT)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    assert result.status == "indexed" and result.chunk_method == "structure"
+    assert "\ufffd" in result.fallback
+    state = get_state(db, item)
+    assert state["status"] == "indexed" and "\ufffd" in state["last_error"]
+    assert all(content == TEXT[a:b] for a, b, content, _ in stored(db, item))
+
+
+def test_a_refusal_with_a_lone_surrogate_is_asked_again_with_the_reason(
+    db, embedder, chat, standin
+):
+    standin.chat.script = [ChatReply(refusal="I will not \ud800 do it")]  # then the automatic
+    item = add_item(db, kind="note", title="T", content=TEXT)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    assert standin.chat.requests == len(windows_of(TEXT, 6000)) + 1  # the first asked twice
+    assert result.chunk_method == "llm" and result.fallback is None
+    assert "refused: I will not \ufffd do it" in standin.chat.bodies[1]["messages"][-1]["content"]
