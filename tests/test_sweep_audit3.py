@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from host import host
-from worker.reconcile import due_retries, last_sweeps, reconcile, record_sweep
+from worker.reconcile import due_retries, last_sweeps, queued_jobs, reconcile, record_sweep
 from worker.store.db import Database
 from worker.store.items import add_item
 
@@ -62,3 +62,26 @@ def test_last_sweeps_skips_what_is_not_a_sweep_record(db: Database):
     )
     sweeps = last_sweeps(db)
     assert list(sweeps) == ["retry_sweep"] and sweeps["retry_sweep"]["sent"] == 2
+
+
+def test_queued_jobs_are_task_ids_a_broker_can_hold(db: Database):
+    """A queued row whose task id a host wrote as a BLOB came back as bytes, and the reconcile
+    sweep's look into the broker (scheduler.tasks._lost_jobs: `job.split(":")`) crashed on it
+    every time: no lost task was ever marked again; as TEXT that is not UTF-8, apsw's read
+    raised UnicodeDecodeError. Only a UTF-8 text id can be a Celery task's."""
+    host(
+        db.path,
+        *(
+            (
+                "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, state, queued_at) "
+                f"VALUES ({sql}, 0, 'kidx.index_item', 1, 'queued', '2000-01-01T00:00:00Z')",
+                [task_id],
+            )
+            for sql, task_id in (
+                ("?", {"hex": "01ff"}),
+                ("CAST(? AS TEXT)", {"hex": "ff41"}),
+                ("?", "a-task-id"),
+            )
+        ),
+    )
+    assert queued_jobs(db, older_than=120.0) == ["a-task-id"]

@@ -123,15 +123,20 @@ class Backoff:
 
 def queued_jobs(db: Database, *, older_than: float) -> list[str]:
     """Job ids recorded as queued (first attempt, not started) for at least `older_than`
-    seconds: those the caller may look for in the broker (`mark_lost`)."""
-    return [
-        r[0]
-        for r in db.all(
-            "SELECT task_id FROM index_jobs WHERE state = 'queued' AND attempt = 0 AND "
-            "(julianday('now') - julianday(queued_at)) * 86400 >= ?",
-            (older_than,),
-        )
-    ]
+    seconds: those the caller may look for in the broker (`mark_lost`). UTF-8 text ids only:
+    a host's BLOB, or TEXT that is not UTF-8 (apsw cannot read it), is no Celery task's (its
+    item is busy until the horizon, as any queued one's)."""
+    ids = []
+    for (raw,) in db.all(
+        "SELECT CAST(task_id AS BLOB) FROM index_jobs WHERE state = 'queued' AND attempt = 0 "
+        "AND typeof(task_id) = 'text' AND (julianday('now') - julianday(queued_at)) * 86400 >= ?",
+        (older_than,),
+    ):
+        try:
+            ids.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+    return ids
 
 
 def mark_lost(db: Database, job_ids: list[str]) -> None:
