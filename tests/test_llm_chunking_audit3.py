@@ -6,6 +6,7 @@ storable and sendable; its answer's shape must not hide why LLM chunking fell ba
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from testkit.standin import StandIn
 from testkit.standin_chat import ChatReply
 from worker.bulk import index_item
+from worker.chunking import ChunkMethod, LLMChunker, chunk
 from worker.chunking.llm import windows_of
 from worker.indexers import IndexOptions
 from worker.providers.chat import ChatModel
@@ -83,3 +85,32 @@ def test_a_refusal_with_a_lone_surrogate_is_asked_again_with_the_reason(
     assert standin.chat.requests == len(windows_of(TEXT, 6000)) + 1  # the first asked twice
     assert result.chunk_method == "llm" and result.fallback is None
     assert "refused: I will not \ufffd do it" in standin.chat.bodies[1]["messages"][-1]["content"]
+
+
+# -- 2. HTTP 200 with an error body -----------------------------------------------------------
+# Some gateways answer an upstream failure with 200 and an OpenAI-style {"error": ...}: the
+# fallback's reason said only "the answer has no choices[0].message", not what went wrong.
+
+KEY = "sk-audit3-SECRETSECRETSECRET0123456789"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        {"message": f"upstream model overloaded (key {KEY})", "code": 502},
+        f"upstream model overloaded (key {KEY})",
+    ],
+    ids=["object", "string"],
+)
+def test_a_200_answer_with_an_error_body_falls_back_saying_the_error(
+    standin: StandIn, error: object
+) -> None:
+    standin.raw_answer = (200, {}, json.dumps({"error": error}).encode())
+    model = chat_model(standin, api_key=KEY)
+    try:
+        outcome = chunk(TEXT, llm=LLMChunker(model))
+    finally:
+        model.close()
+    assert outcome.method == ChunkMethod.STRUCTURE
+    assert "upstream model overloaded" in outcome.fallback, outcome.fallback
+    assert KEY not in outcome.fallback and "***" in outcome.fallback

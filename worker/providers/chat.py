@@ -131,6 +131,12 @@ class ChatModel:
 
     def _content(self, answer: Any) -> Any:
         where = self.http.where
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if error and not answer.get("choices"):  # a gateway's upstream failure, sent as a 200
+            said = (error.get("message") or error.get("code")) if isinstance(error, dict) else None
+            raise BadAnswer(
+                f"{where}: the answer is an error: {self.http.shown(str(said or error))}"
+            )
         try:
             choice = answer["choices"][0]
             message = choice["message"]
