@@ -19,6 +19,7 @@ from worker.chunking import ChunkMethod, LLMChunker, chunk
 from worker.chunking.llm import windows_of
 from worker.indexers import IndexOptions
 from worker.providers.chat import ChatModel
+from worker.providers.http import ProviderHTTPError
 from worker.settings import ChunkSettings
 from worker.store.items import add_item, get_state
 
@@ -114,3 +115,37 @@ def test_a_200_answer_with_an_error_body_falls_back_saying_the_error(
     assert outcome.method == ChunkMethod.STRUCTURE
     assert "upstream model overloaded" in outcome.fallback, outcome.fallback
     assert KEY not in outcome.fallback and "***" in outcome.fallback
+
+
+# -- 3. a 400 taken for a refusal of the schema ----------------------------------------------
+# Whether a 400 was about `response_format` was read from the whole message, the model's name
+# and the base URL included: with "schema" in the model's name any 400 (a prompt over the
+# context) switched the process to json_object for good, and the call was made twice.
+
+
+def test_a_400_not_about_the_format_is_not_taken_for_a_schema_refusal(standin: StandIn) -> None:
+    standin.chat.script = [ChatReply(status=400, content="maximum context length exceeded")]
+    model = chat_model(standin, model="acme-json-schema-7b")
+    ask = [{"role": "user", "content": "[[1]] text"}]
+    try:
+        with pytest.raises(ProviderHTTPError, match="maximum context length"):
+            model.complete_json(ask, schema={}, name="n")
+        assert model.schema_supported and standin.chat.requests == 1
+        model.complete_json(ask, schema={}, name="n")  # still asked with the schema
+    finally:
+        model.close()
+    assert standin.chat.bodies[-1]["response_format"]["type"] == "json_schema"
+
+
+def test_a_schema_refusal_still_switches_to_json_object(standin: StandIn) -> None:
+    standin.chat.reject_json_schema = True
+    model = chat_model(standin, model="acme-json-schema-7b")
+    try:
+        answer = model.complete_json([{"role": "user", "content": "[[1]] a"}], schema={}, name="n")
+    finally:
+        model.close()
+    assert answer["chunks"][0]["end"] == 1 and not model.schema_supported
+    assert [b["response_format"]["type"] for b in standin.chat.bodies] == [
+        "json_schema",
+        "json_object",
+    ]

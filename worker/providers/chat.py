@@ -122,7 +122,8 @@ class ChatModel:
             try:
                 return self._content(self.http.post("/chat/completions", body))
             except ProviderHTTPError as e:
-                about_format = "response_format" in str(e) or "schema" in str(e)
+                said = str(e).removeprefix(self.http.where)  # not the model's name or URL
+                about_format = "response_format" in said or "schema" in said
                 if e.status not in (400, 422) or not about_format:
                     raise
                 self.schema_supported = False  # this server wants json_object: ask again
