@@ -85,3 +85,33 @@ def test_queued_jobs_are_task_ids_a_broker_can_hold(db: Database):
         ),
     )
     assert queued_jobs(db, older_than=120.0) == ["a-task-id"]
+
+
+NOT_UTF8 = {"hex": "ff41"}  # bound as a BLOB, stored by CAST(? AS TEXT): TEXT apsw cannot read
+
+
+def test_bookkeeping_text_that_is_not_utf8_is_read_as_no_value_never_a_crash(db: Database):
+    """TEXT that is not UTF-8 (a C host's bytes) raised UnicodeDecodeError where the sweep
+    read it: a verify cursor (every reconcile sweep), a sweep record (`kidx status`, `kidx
+    doctor`), a job's item id (the busy items of every reconcile sweep)."""
+    item = add_item(db, kind="note", title="A note", content="Some text.")
+    record_sweep(db, "retry_sweep", {"sent": 1})
+    host(
+        db.path,
+        ("INSERT INTO index_meta(key, value) VALUES (?, CAST(? AS TEXT))", [CURSOR, NOT_UTF8]),
+        ("INSERT INTO index_meta(key, value) VALUES ('last_x', CAST(? AS TEXT))", [NOT_UTF8]),
+        (
+            "INSERT INTO index_meta(key, value) VALUES (CAST(? AS TEXT), '{}')",
+            [{"hex": "6c6173745fff"}],
+        ),
+        (
+            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, state, queued_at) "
+            "VALUES ('t', 0, 'kidx.index_item', CAST(? AS TEXT), 'queued', "
+            "strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))",
+            [NOT_UTF8],
+        ),
+    )
+    drift = reconcile(db, model="standin-embed", max_items=10)
+    assert drift.to_index == [item] and drift.busy == 0
+    assert db.scalar("SELECT count(*) FROM index_meta WHERE key = ?", (CURSOR,)) == 0
+    assert list(last_sweeps(db)) == ["retry_sweep"]

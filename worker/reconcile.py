@@ -248,7 +248,10 @@ def reconcile(
         "tables_rebuilt": report.tables_rebuilt,
     }
     params = {"model": model, "dims": dims, "horizon": horizon}
-    busy = {r[0] for r in db.all(BUSY_JOBS, params)}
+    # (a job's item id a host wrote that is no integer names no item; as TEXT that is not
+    # UTF-8, apsw cannot even read it)
+    busy_jobs = f"SELECT item_id FROM ({BUSY_JOBS}) WHERE typeof(item_id) = 'integer'"
+    busy = {r[0] for r in db.all(busy_jobs, params)}
     marked = {item_id: bool(young) for item_id, young in db.all(INDEXING, params)}
     held = locked(sorted(marked)) if locked is not None and marked else set()
     running = held if locked is not None else {i for i, young in marked.items() if young}
@@ -323,15 +326,17 @@ def record_sweep(db: Database, kind: str, summary: dict[str, object]) -> None:
 
 def last_sweeps(db: Database) -> dict[str, dict[str, object]]:
     """The records of `record_sweep`; a row under such a key that is not one (a host's: not
-    JSON, or not an object) is left out, never a crash of `kidx status` or `kidx doctor`."""
+    UTF-8, not JSON, or not an object) is left out, never a crash of `kidx status` or `kidx
+    doctor`."""
     found = {}
     for key, value in db.all(
-        "SELECT key, value FROM index_meta WHERE substr(key, 1, 5) = 'last_'"  # LIKE: _ is any
+        "SELECT CAST(key AS BLOB), CAST(value AS BLOB) FROM index_meta "
+        "WHERE substr(key, 1, 5) = 'last_'"  # (LIKE 'last_%': `_` is any character)
     ):
         try:
-            record = json.loads(value) if isinstance(value, str) else None
-        except (ValueError, RecursionError):  # not JSON, too long a number, too deep
-            record = None
+            kind, record = key[len("last_") :].decode("utf-8"), json.loads(value)
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, too long a number, too deep
+            continue
         if isinstance(record, dict):
-            found[key[len("last_") :]] = record
+            found[kind] = record
     return found

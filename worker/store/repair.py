@@ -126,16 +126,16 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
 # sweep: keys compare in full each time, contents a slice at a time (a point lookup into vec0
 # a row: about 0.2 s for 10k), from where the last sweep stopped, round and round.
 VERIFY_SLICE = 10_000
-_KEY = re.compile(r"-?[0-9]+")  # a cursor kidx wrote: `str.isdigit` takes `²`, int() does not
+_KEY = re.compile(rb"-?[0-9]+")  # a cursor kidx wrote (`str.isdigit` takes `²`: int() not)
 
 
 def _verify(db: Database, t: VecTable, dims: int, report: RepairReport, n: int) -> None:
     """Replace the vec rows, of the next `n` keys, that are not their relational vector (a
     host wrote into the vec table, or a quantized row drifted): key checks never see them."""
     cursor = f"vec_verified:{t.name}"
-    last = db.scalar("SELECT value FROM index_meta WHERE key = ?", (cursor,))
-    # (a host's value, `--5`, `²` or out of range: from the first key)
-    after = int(last) if isinstance(last, str) and _KEY.fullmatch(last) else None
+    # (a host's value, `--5`, `²`, out of range or not UTF-8: from the first key)
+    last = db.scalar("SELECT CAST(value AS BLOB) FROM index_meta WHERE key = ?", (cursor,))
+    after = int(last) if isinstance(last, bytes) and _KEY.fullmatch(last) else None
     if after is not None and not -(2**63) <= after < 2**63:
         after = None
     rows = db.all(
