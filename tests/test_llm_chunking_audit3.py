@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from testkit.standin import StandIn
-from testkit.standin_chat import ChatReply
+from testkit.standin_chat import ChatReply, automatic_chunks
 from worker.bulk import index_item
 from worker.chunking import ChunkMethod, LLMChunker, chunk
 from worker.chunking.llm import windows_of
@@ -149,3 +149,42 @@ def test_a_schema_refusal_still_switches_to_json_object(standin: StandIn) -> Non
         "json_schema",
         "json_object",
     ]
+
+
+# -- 4. JSON in a code fence, or after the model's reasoning --------------------------------
+# A server that does not enforce the format (json_object ignored) lets many models answer
+# ```json ... ```, or <think>...</think> then the JSON: every answer was "not JSON", asked
+# again, then structure: with a working chunk model, LLM chunking never ran.
+
+
+def _fenced(units: list[str]) -> str:
+    return "```json\n" + json.dumps(automatic_chunks(units)) + "\n```"
+
+
+def _after_thinking(units: list[str]) -> str:
+    return "<think>\nGroup by size {not json}.\n</think>\n\n" + json.dumps(automatic_chunks(units))
+
+
+@pytest.mark.parametrize("wrap", [_fenced, _after_thinking], ids=["fence", "think"])
+def test_a_wrapped_json_answer_is_used(db, embedder, chat, standin, wrap) -> None:
+    windows = windows_of(TEXT, 6000)
+    standin.chat.script = [wrap] * len(windows)
+    item = add_item(db, kind="note", title="T", content=TEXT)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    assert result.chunk_method == "llm" and result.fallback is None
+    assert standin.chat.requests == len(windows)  # none asked again
+    rows = stored(db, item)
+    assert rows and all(content == TEXT[a:b] and m == "llm" for a, b, content, m in rows)
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["```json\n{not json}\n```", "```json\n{}", "<think>unfinished", "Sure: ```json\n{}\n```"],
+    ids=["fenced-garbage", "unclosed-fence", "unclosed-think", "prose-first"],
+)
+def test_a_wrapped_answer_that_is_not_json_still_falls_back(
+    standin: StandIn, chat: ChatModel, content: str
+) -> None:
+    standin.chat.script = [content, content]
+    outcome = chunk(TEXT, llm=LLMChunker(chat))
+    assert outcome.method == ChunkMethod.STRUCTURE and "not JSON" in outcome.fallback

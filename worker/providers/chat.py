@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,22 @@ def max_answer_bytes(window: int) -> int:
     short paragraph. The shared 64 MB cap let one answer cost hundreds of MB of memory; over
     this one the answer is `BadAnswer` (asked once more, then structure)."""
     return max(MIN_ANSWER_BYTES, ANSWER_BYTES_PER_WINDOW_CHAR * window)
+
+
+_THINKING = re.compile(r"\s*<think>.*?</think>", re.DOTALL)
+_FENCED = re.compile(r"\s*```[ \t]*(?:json)?[ \t]*\r?\n(.*)\n[ \t]*```\s*", re.DOTALL | re.I)
+
+
+def _unwrapped(content: str) -> str:
+    """The answer without the model's reasoning before it (<think>...</think>) and the code
+    fence around it (```json ... ```), which a server that does not enforce the format lets
+    many models write: without them every answer was "not JSON", and LLM chunking never ran.
+    Nothing else is taken out: prose around the JSON stays not JSON."""
+    if (m := _THINKING.match(content)) is not None:
+        content = content[m.end() :]
+    if (m := _FENCED.fullmatch(content)) is not None:
+        content = m[1]
+    return content
 
 
 class Refused(BadAnswer):
@@ -154,7 +171,7 @@ class ChatModel:
         if not isinstance(content, str) or not content.strip():
             raise BadAnswer(f"{where}: the answer is empty")
         try:
-            return json.loads(content)
+            return json.loads(_unwrapped(content))
         except json.JSONDecodeError as e:
             raise BadAnswer(f"{where}: the answer is not JSON ({e.msg} at {e.pos})") from None
         except ValueError as e:  # a number past Python's digit limit, a lone surrogate, ...
