@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import mirror_problems
 from host import host
+from worker.bulk import index_item
 from worker.reconcile import due_retries, last_sweeps, queued_jobs, reconcile, record_sweep
+from worker.store import connect
 from worker.store.db import Database
 from worker.store.items import add_item
+from worker.store.vec import VEC_TABLES, vec_behind
 
 CURSOR = "vec_verified:vec_chunk_embeddings"
 
@@ -115,3 +119,26 @@ def test_bookkeeping_text_that_is_not_utf8_is_read_as_no_value_never_a_crash(db:
     assert drift.to_index == [item] and drift.busy == 0
     assert db.scalar("SELECT count(*) FROM index_meta WHERE key = ?", (CURSOR,)) == 0
     assert list(last_sweeps(db)) == ["retry_sweep"]
+
+
+def test_a_sweep_that_rebuilt_the_vec_tables_says_so(db: Database, embedder, emb_settings):
+    """Vectors written by a process without sqlite-vec leave the database `vec_behind`; the
+    sweep rebuilds every vec table from the relational vectors, and its summary (`kidx
+    status`, the task's result) said nothing was repaired: the whole rebuild was in a
+    RepairReport field (`rebuilt`) the sweep never reported."""
+    first = add_item(db, kind="note", title="First", content="Zebras cross the plains.")
+    index_item(db, first, embedder=embedder)
+    bare = connect(db.path, embedding=emb_settings, vec=False)
+    try:
+        second = add_item(bare, kind="note", title="Second", content="Lava flows downhill.")
+        assert index_item(bare, second, embedder=embedder).status == "indexed"
+        assert vec_behind(bare)
+    finally:
+        bare.close()
+    drift = reconcile(db, model=embedder.model_id, max_items=10)
+    chunks = db.scalar("SELECT count(*) FROM note_chunk_embeddings")
+    assert chunks >= 2 and mirror_problems(db) == []
+    rebuilt = drift.repaired["tables_rebuilt"]
+    assert rebuilt["vec_chunk_embeddings"] == rebuilt["vec_chunk_bits"] == chunks
+    assert sorted(rebuilt) == sorted(t.name for t in VEC_TABLES)
+    assert reconcile(db, model=embedder.model_id, max_items=10).repaired["tables_rebuilt"] == {}

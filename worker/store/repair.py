@@ -178,7 +178,7 @@ def repair_vectors(
     caller's transaction when there is one.
     """
     report = RepairReport()
-    if item_id is None and db.vec_loaded and _remake(db, dimensions):
+    if item_id is None and db.vec_loaded and _remake(db, dimensions, report):
         report.rebuilt = True
     if not vec_ready(db, dimensions):
         return report
@@ -201,14 +201,30 @@ def repair_vectors(
     return report
 
 
-def _remake(db: Database, dimensions: int) -> bool:
+def _remake(db: Database, dimensions: int, report: RepairReport) -> bool:
     """Rebuild the vec tables when the database is marked `vec_behind`, or when some are
     missing or of another shape (a host dropped or made them) while the others have this
     process's dimension: never back to it from another (a process that has not seen a model
-    switch would undo it, and mark the new model's items pending)."""
+    switch would undo it, and mark the new model's items pending). The tables rebuilt go in
+    `report.tables_rebuilt` with the rows refilled, as a damaged one's do: the sweep's
+    summary said nothing of a rebuild of every table."""
     declared = vec_table_dimensions(db).values()
     remade = None in declared and all(d in (None, dimensions) for d in declared)
-    return (vec_behind(db) or remade) and sync_vec_tables(db, dimensions)
+    if not (vec_behind(db) or remade):
+        return False
+    with db.atomic():  # what sync_vec_tables rebuilds, read under its write lock
+        before, behind = vec_table_dimensions(db), vec_behind(db)
+        if not sync_vec_tables(db, dimensions):
+            return False
+        for t in VEC_TABLES:
+            if behind or before[t.name] != dimensions:
+                report.tables_rebuilt[t.name] = int(
+                    db.scalar(
+                        f"SELECT count(*) FROM {t.source} WHERE dimensions = ? AND {sound()}",
+                        (dimensions,),
+                    )
+                )
+    return True
 
 
 def _full(db: Database, t: VecTable, dims: int, report: RepairReport, verify: int) -> None:
