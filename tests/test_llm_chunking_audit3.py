@@ -188,3 +188,50 @@ def test_a_wrapped_answer_that_is_not_json_still_falls_back(
     standin.chat.script = [content, content]
     outcome = chunk(TEXT, llm=LLMChunker(chat))
     assert outcome.method == ChunkMethod.STRUCTURE and "not JSON" in outcome.fallback
+
+
+# -- 5. a model that accepts no temperature but its default ---------------------------------
+# OpenAI's reasoning models answer `temperature: 0` with a 400 ("Unsupported value:
+# 'temperature' does not support 0 with this model"); kidx has no setting for it, so with such
+# a chunk model every item fell back to structure, and every item paid the request again.
+
+NO_TEMPERATURE = ChatReply(
+    status=400,
+    content="Unsupported value: 'temperature' does not support 0 with this model. "
+    "Only the default (1) value is supported.",
+)
+
+
+def test_a_model_that_refuses_temperature_0_is_asked_without_it(db, embedder, chat, standin):
+    standin.chat.script = [NO_TEMPERATURE]  # then the automatic model
+    item = add_item(db, kind="note", title="T", content=TEXT)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    assert result.chunk_method == "llm" and result.fallback is None
+    bodies = standin.chat.bodies
+    assert bodies[0]["temperature"] == 0 and all("temperature" not in b for b in bodies[1:])
+    assert {b["response_format"]["type"] for b in bodies} == {"json_schema"}
+    assert standin.chat.requests == len(windows_of(TEXT, 6000)) + 1  # remembered
+
+
+def test_a_refused_temperature_and_schema_are_both_left_out(standin: StandIn) -> None:
+    standin.chat.reject_json_schema = True  # answered before the script is read
+    standin.chat.script = [NO_TEMPERATURE]
+    model = chat_model(standin)
+    try:
+        answer = model.complete_json([{"role": "user", "content": "[[1]] a"}], schema={}, name="n")
+    finally:
+        model.close()
+    assert answer["chunks"][0]["end"] == 1
+    sent = [(b.get("temperature"), b["response_format"]["type"]) for b in standin.chat.bodies]
+    assert sent == [(0, "json_schema"), (0, "json_object"), (None, "json_object")]
+
+
+def test_a_400_about_the_temperature_twice_is_not_a_loop(standin: StandIn) -> None:
+    standin.chat.script = [NO_TEMPERATURE, NO_TEMPERATURE]
+    model = chat_model(standin)
+    try:
+        with pytest.raises(ProviderHTTPError, match="temperature"):
+            model.complete_json([{"role": "user", "content": "[[1]] a"}], schema={}, name="n")
+    finally:
+        model.close()
+    assert standin.chat.requests == 2

@@ -1,7 +1,8 @@
 """An OpenAI-compatible `/v1/chat/completions` that answers in JSON, for LLM chunking.
 
 Structured output first (`response_format: json_schema`); a server that refuses the schema
-(many local servers) is asked again with `json_object`, and remembered. A refusal, an answer
+(many local servers) is asked again with `json_object`, and one that refuses `temperature: 0`
+(reasoning models take their default only) without it; each remembered. A refusal, an answer
 cut off by the length limit, or content that is not JSON raise `BadAnswer`; HTTP failures follow
 the shared retry policy (`worker.providers.http`).
 
@@ -93,6 +94,7 @@ class ChatModel:
             max_answer_bytes=max_answer_bytes(settings.window),
         )
         self.schema_supported = True
+        self.temperature_supported = True
         self.clock = clock
         self.down_after, self.cool_down = settings.down_after, settings.cool_down
         self.streak = Streak()  # calls in a row that failed transiently, and the last cause
@@ -130,22 +132,32 @@ class ChatModel:
     def _complete_json(
         self, messages: list[dict[str, str]], *, schema: dict[str, Any], name: str
     ) -> Any:
-        body: dict[str, Any] = {"model": self.model_id, "messages": messages, "temperature": 0}
-        if self.schema_supported:
-            body["response_format"] = {
-                "type": "json_schema",
-                "json_schema": {"name": name, "strict": True, "schema": schema},
-            }
+        """Asked with `temperature: 0` and the schema while the server takes them; a 400 or 422
+        that refuses one (its own message says which: not the model's name or URL) is asked
+        again without it, which is remembered. Each is left out once at most."""
+        while True:
+            body: dict[str, Any] = {"model": self.model_id, "messages": messages}
+            if self.temperature_supported:
+                body["temperature"] = 0
+            if self.schema_supported:
+                body["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": {"name": name, "strict": True, "schema": schema},
+                }
+            else:
+                body["response_format"] = {"type": "json_object"}
             try:
                 return self._content(self.http.post("/chat/completions", body))
             except ProviderHTTPError as e:
-                said = str(e).removeprefix(self.http.where)  # not the model's name or URL
-                about_format = "response_format" in said or "schema" in said
-                if e.status not in (400, 422) or not about_format:
+                said = str(e).removeprefix(self.http.where)
+                if e.status not in (400, 422):
                     raise
-                self.schema_supported = False  # this server wants json_object: ask again
-        body["response_format"] = {"type": "json_object"}
-        return self._content(self.http.post("/chat/completions", body))
+                if self.temperature_supported and "temperature" in said:
+                    self.temperature_supported = False  # a reasoning model: its default only
+                elif self.schema_supported and ("response_format" in said or "schema" in said):
+                    self.schema_supported = False  # this server wants json_object
+                else:
+                    raise
 
     def _content(self, answer: Any) -> Any:
         where = self.http.where
