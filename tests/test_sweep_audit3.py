@@ -142,3 +142,33 @@ def test_a_sweep_that_rebuilt_the_vec_tables_says_so(db: Database, embedder, emb
     assert rebuilt["vec_chunk_embeddings"] == rebuilt["vec_chunk_bits"] == chunks
     assert sorted(rebuilt) == sorted(t.name for t in VEC_TABLES)
     assert reconcile(db, model=embedder.model_id, max_items=10).repaired["tables_rebuilt"] == {}
+
+
+def test_the_full_repair_reads_only_the_vectors_it_writes(db: Database, embedder):
+    """Each sweep read every relational vector into memory (`_sweep`'s restore: a dict of all
+    of them, for the chunk table and again for its bit mirror; `_verify`: each row of its
+    slice), where only the missing or unlike ones are written: at 100k chunks of 1536
+    dimensions, 600 MB a table every five minutes. Now a vector is read only to be written."""
+    text = "\n\n".join(f"## Part {n}\n\n" + f"Sentence {n} about zebras. " * 40 for n in range(6))
+    item = add_item(db, kind="note", title="Zebras", content=text)
+    index_item(db, item, embedder=embedder)
+    assert db.scalar("SELECT count(*) FROM note_chunk_embeddings") >= 3
+    reconcile(db, model=embedder.model_id, max_items=10)  # the keyword rows' first check
+    width = 4 * db.dimensions
+    read: list[int] = []
+
+    def count(cursor: object, row: tuple) -> tuple:
+        read.extend(len(v) for v in row if isinstance(v, bytes) and len(v) == width)
+        return row
+
+    db.conn.row_trace = count
+    try:
+        clean = reconcile(db, model=embedder.model_id, max_items=10)
+        assert read == [] and clean.repaired["restored"] == clean.repaired["replaced"] == {}
+        chunk = db.scalar("SELECT min(chunk_id) FROM note_chunk_embeddings")
+        db.execute("DELETE FROM vec_chunk_embeddings WHERE chunk_id = ?", (chunk,))
+        mended = reconcile(db, model=embedder.model_id, max_items=10)
+    finally:
+        db.conn.row_trace = None
+    assert mended.repaired["restored"] == {"vec_chunk_embeddings": 1}
+    assert len(read) <= 1 and mirror_problems(db) == []
