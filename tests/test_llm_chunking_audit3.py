@@ -2,7 +2,9 @@
 
 Over real HTTP to the loopback stand-in (`testkit.standin.StandIn`) with a real SQLite file:
 what the server says that ends up in a fallback's reason (a refusal, an error message) must be
-storable and sendable; its answer's shape must not hide why LLM chunking fell back."""
+storable and sendable; a 200 carrying an error must say it; a 400 is read from the server's
+own words (not the model's name); JSON in a code fence or after <think> is JSON; a model that
+takes no temperature but its default is asked without one."""
 
 from __future__ import annotations
 
