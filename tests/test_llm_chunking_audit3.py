@@ -134,23 +134,13 @@ def test_a_400_not_about_the_format_is_not_taken_for_a_schema_refusal(standin: S
             model.complete_json(ask, schema={}, name="n")
         assert model.schema_supported and standin.chat.requests == 1
         model.complete_json(ask, schema={}, name="n")  # still asked with the schema
+        standin.chat.reject_json_schema = True  # a refusal of the schema still switches
+        assert model.complete_json(ask, schema={}, name="n")["chunks"][0]["end"] == 1
     finally:
         model.close()
-    assert standin.chat.bodies[-1]["response_format"]["type"] == "json_schema"
-
-
-def test_a_schema_refusal_still_switches_to_json_object(standin: StandIn) -> None:
-    standin.chat.reject_json_schema = True
-    model = chat_model(standin, model="acme-json-schema-7b")
-    try:
-        answer = model.complete_json([{"role": "user", "content": "[[1]] a"}], schema={}, name="n")
-    finally:
-        model.close()
-    assert answer["chunks"][0]["end"] == 1 and not model.schema_supported
-    assert [b["response_format"]["type"] for b in standin.chat.bodies] == [
-        "json_schema",
-        "json_object",
-    ]
+    kinds = [b["response_format"]["type"] for b in standin.chat.bodies]
+    assert kinds == ["json_schema", "json_schema", "json_schema", "json_object"]
+    assert not model.schema_supported
 
 
 # -- 4. JSON in a code fence, or after the model's reasoning --------------------------------
@@ -167,29 +157,26 @@ def _after_thinking(units: list[str]) -> str:
     return "<think>\nGroup by size {not json}.\n</think>\n\n" + json.dumps(automatic_chunks(units))
 
 
-@pytest.mark.parametrize("wrap", [_fenced, _after_thinking], ids=["fence", "think"])
-def test_a_wrapped_json_answer_is_used(db, embedder, chat, standin, wrap) -> None:
+@pytest.mark.parametrize(
+    ("garbage", "wrap"),
+    [
+        ("```json\n{not json}\n```", _fenced),
+        ("```json\n{}", _fenced),
+        ("Sure: ```json\n{}\n```", _fenced),
+        ("<think>unfinished {}", _after_thinking),
+    ],
+    ids=["fenced-garbage", "unclosed-fence", "prose-first", "unclosed-think"],
+)
+def test_a_wrapped_json_answer_is_used(db, embedder, chat, standin, garbage, wrap) -> None:
     windows = windows_of(TEXT, 6000)
-    standin.chat.script = [wrap] * len(windows)
+    standin.chat.script = [garbage] + [wrap] * len(windows)  # only the JSON inside is taken
     item = add_item(db, kind="note", title="T", content=TEXT)
     result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
     assert result.chunk_method == "llm" and result.fallback is None
-    assert standin.chat.requests == len(windows)  # none asked again
+    assert standin.chat.requests == len(windows) + 1  # the garbage asked again, no other
+    assert "not JSON" in standin.chat.bodies[1]["messages"][-1]["content"]
     rows = stored(db, item)
     assert rows and all(content == TEXT[a:b] and m == "llm" for a, b, content, m in rows)
-
-
-@pytest.mark.parametrize(
-    "content",
-    ["```json\n{not json}\n```", "```json\n{}", "<think>unfinished", "Sure: ```json\n{}\n```"],
-    ids=["fenced-garbage", "unclosed-fence", "unclosed-think", "prose-first"],
-)
-def test_a_wrapped_answer_that_is_not_json_still_falls_back(
-    standin: StandIn, chat: ChatModel, content: str
-) -> None:
-    standin.chat.script = [content, content]
-    outcome = chunk(TEXT, llm=LLMChunker(chat))
-    assert outcome.method == ChunkMethod.STRUCTURE and "not JSON" in outcome.fallback
 
 
 # -- 5. a model that accepts no temperature but its default ---------------------------------
