@@ -9,7 +9,14 @@ import pytest
 from conftest import mirror_problems
 from host import host
 from worker.bulk import index_item
-from worker.reconcile import due_retries, last_sweeps, queued_jobs, reconcile, record_sweep
+from worker.reconcile import (
+    due_retries,
+    last_sweeps,
+    mark_overrun,
+    queued_jobs,
+    reconcile,
+    record_sweep,
+)
 from worker.store import connect
 from worker.store.db import Database
 from worker.store.items import add_item
@@ -172,3 +179,34 @@ def test_the_full_repair_reads_only_the_vectors_it_writes(db: Database, embedder
         db.conn.row_trace = None
     assert mended.repaired["restored"] == {"vec_chunk_embeddings": 1}
     assert len(read) <= 1 and mirror_problems(db) == []
+
+
+def test_an_overrun_job_a_host_wrote_in_bytes_ends_failed_never_a_crash(db: Database):
+    """`mark_overrun` (run by every reconcile sweep first) read the task id, item id and batch
+    id of each overrun row: TEXT that is not UTF-8 in any of them raised UnicodeDecodeError,
+    the sweep crashed, and the row stayed `started` to crash the next one. The item whose run
+    it was still ends failed (its run's id compared as bytes)."""
+    item = add_item(db, kind="note", title="Stuck", content="Text.")
+    old = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-1 day')"
+    host(
+        db.path,
+        (
+            "UPDATE item_index_state SET status = 'indexing', last_task_id = CAST(? AS TEXT) "
+            "WHERE item_id = ?",
+            [{"hex": "ff41"}, item],
+        ),
+        (
+            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, state, started_at) "
+            f"VALUES (CAST(? AS TEXT), 0, 'kidx.index_item', ?, 'started', {old})",
+            [{"hex": "ff41"}, item],
+        ),
+        (
+            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
+            f"started_at) VALUES ('t2', CAST(? AS TEXT), 'kidx.index_item', CAST(? AS TEXT), "
+            f"CAST(? AS TEXT), 'started', {old})",
+            [NOT_UTF8, NOT_UTF8, NOT_UTF8],
+        ),
+    )
+    assert mark_overrun(db, 3600.0) == 2
+    assert db.scalar("SELECT count(*) FROM index_jobs WHERE state = 'failed'") == 2
+    assert db.scalar("SELECT status FROM item_index_state WHERE item_id = ?", (item,)) == "failed"

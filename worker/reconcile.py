@@ -121,6 +121,12 @@ class Backoff:
         return waited >= min(self.backoff_max, self.backoff * 2 ** max(0, (attempts or 1) - 1))
 
 
+def _integer(column: str) -> str:
+    """SQL: a job row's id column (an item's, a batch's) when it is an integer, else NULL: a
+    host may write any bytes there, and TEXT that is not UTF-8 apsw cannot even read."""
+    return f"CASE WHEN typeof({column}) = 'integer' THEN {column} END"
+
+
 def queued_jobs(db: Database, *, older_than: float) -> list[str]:
     """Job ids recorded as queued (first attempt, not started) for at least `older_than`
     seconds: those the caller may look for in the broker (`mark_lost`). UTF-8 text ids only:
@@ -155,7 +161,7 @@ def mark_lost(db: Database, job_ids: list[str]) -> None:
             rows = db.all(
                 f"UPDATE index_jobs SET state = 'failed', finished_at = {NOW}, error = ? "
                 "WHERE task_id = ? AND attempt = 0 AND state = 'queued' "
-                "RETURNING batch_id, item_id",
+                f"RETURNING {_integer('batch_id')}, {_integer('item_id')}",
                 (LOST, job_id),
             )
             db.executemany(
@@ -200,18 +206,21 @@ def mark_overrun(db: Database, run_limit: float) -> int:
         rows = db.all(
             f"UPDATE index_jobs SET state = 'failed', finished_at = {NOW}, error = :error "
             f"WHERE state = 'started' AND {age} "
-            "RETURNING task_id, attempt, item_id, batch_id",
+            f"RETURNING CAST(task_id AS BLOB), {_integer('attempt')}, {_integer('item_id')}, "
+            f"{_integer('batch_id')}",
             {"error": OVERRUN, "limit": run_limit},
         )
-        for job_id, attempt, item_id, batch_id in rows:
-            run = str(job_id).split(":", 1)[0]  # a group's item row: `<task id>:<item id>`
+        for raw, attempt, item_id, batch_id in rows:
+            run = raw.split(b":", 1)[0]  # a group's item row: `<task id>:<item id>`
             db.execute(
                 f"UPDATE item_index_state SET status = 'failed', last_error = ?, "
-                f"attempts = attempts + 1, updated_at = {NOW} "
-                "WHERE item_id = ? AND status = 'indexing' AND last_task_id = ?",
+                f"attempts = attempts + 1, updated_at = {NOW} WHERE item_id = ? "
+                "AND status = 'indexing' AND CAST(last_task_id AS BLOB) = ?",
                 (OVERRUN, item_id, run),
             )
-            if batch_id is not None:
+            job_id = raw.decode("utf-8", "replace")
+            if batch_id is not None and attempt is not None and job_id.encode() == raw:
+                # (a host's bytes in the row's key: no row to count it by, so not counted)
                 batch_outcome(
                     db, batch_id, "refused", OVERRUN, abort_after=0, job=(job_id, attempt)
                 )
