@@ -9,14 +9,16 @@ import pytest
 
 from conftest import FakeEmbedder
 from host import host
-from worker.bulk import index_item
+from worker.bulk import index_item, index_items
 from worker.chunking import text_hash
 from worker.chunking.code import chunk_code
 from worker.indexers import IndexOptions
+from worker.indexers.code import search_code
 from worker.settings import FilesSettings
 from worker.sources import Reader
 from worker.store.db import Database
 from worker.store.items import add_item
+from worker.store.repair import repair_vectors
 
 
 @pytest.fixture
@@ -73,3 +75,36 @@ def test_rows_keyed_as_before_serve_an_unchanged_file(
             ),
         )
     assert index_item(db, item, embedder=fake, options=options).embedded == 0
+
+
+def test_a_stray_vec_row_under_a_new_code_chunks_id_fails_that_vec_write_only(
+    db: Database, fake: FakeEmbedder, tmp_path: Path
+) -> None:
+    """A host's row in `vec_work_code_chunks_rowids` under the id the next code chunk gets
+    (plain SQL, without the extension: vec0 can neither delete nor insert over it). Code's vec
+    write was not caught as a note's is: every code item failed ("the database refused the
+    write"), each rolled back to give the next one the same id. A note in the same place is
+    partial, its vector kept, and indexed again once the sweep has rebuilt the table."""
+    items = []
+    for k in range(4):
+        path = tmp_path / f"m{k}.py"
+        path.write_text(f"def first():\n    return {k}\n\n\ndef second():\n    return -{k}\n")
+        items.append(add_item(db, kind="code", title=path.name, content="", source=str(path)))
+    stray = 1 + db.scalar("SELECT coalesce(max(id), 0) FROM code_chunks")
+    host(db.path, ("INSERT INTO vec_work_code_chunks_rowids(rowid) VALUES (?)", [stray]))
+    options = IndexOptions(reader=Reader(FilesSettings(roots=[tmp_path])), task_id="t1")
+
+    results = index_items(db, items, embedder=fake, options=options)
+
+    first = results[items[0]]
+    assert not isinstance(first, Exception), first
+    assert first.status == "partial" and "Could not fetch vector data" in str(first.error)
+    assert [results[i].status for i in items[1:]] == ["indexed"] * 3
+    assert db.scalar("SELECT count(*) FROM code_chunks") == 8
+    assert db.scalar("SELECT count(*) FROM code_chunk_embeddings") == 8  # kept relationally
+    repair_vectors(db, db.dimensions)  # the sweep rebuilds the table, as for a note's
+    again = index_items(db, items[:1], embedder=fake, options=options)[items[0]]
+    assert again.status == "indexed" and again.embedded == 0
+    assert db.scalar("SELECT count(*) FROM vec_work_code_chunks") == 8
+    hits, via, _ = search_code(db, "first", fake, k=8)
+    assert via == "vec+fts" and len(hits) == 8

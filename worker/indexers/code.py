@@ -13,7 +13,7 @@ import numpy as np
 
 from worker.chunking import ChunkMethod, text_hash
 from worker.chunking.code import CodeChunk, chunk_code
-from worker.embedding import Plan
+from worker.embedding import FailureCounter, Plan
 from worker.errors import InvalidInput
 from worker.indexers.base import Indexer, IndexOptions, Planned
 from worker.log import CHUNK
@@ -106,8 +106,11 @@ class Code(Indexer):
         *,
         orphans: bool,
     ) -> tuple[int, int]:
-        """Replace the item's code chunks, in the caller's transaction."""
+        """Replace the item's code chunks, in the caller's transaction. A vec row that cannot
+        be written fails alone, as a note's does (`prose._mirror_chunks`): its vector is kept
+        and the reason goes in `plan.unmirrored`; three in a row raise IndexAborted."""
         plan, dims = planned.plan, db.dimensions
+        counter = FailureCounter(options.max_consecutive_failures, ilog)
         mirror = mirror_ready(db, dims)
         old = [r[0] for r in db.all("SELECT id FROM code_chunks WHERE item_id = ?", (item.id,))]
         if mirror:
@@ -127,9 +130,20 @@ class Code(Indexer):
                 continue
             db.execute(_UPSERT_VECTOR, (chunk_id, model, dims, vector))
             if mirror:
-                vec_replace(db, "vec_work_code_chunks", chunk_id, vector)
+                try:  # a host's stray row under this id, which vec0 can neither replace
+                    # nor delete, failed every code item given the id in turn
+                    with db.atomic():
+                        vec_replace(db, "vec_work_code_chunks", chunk_id, vector)
+                except apsw.Error as e:
+                    plan.unmirrored[i] = f"vec write: {e}"
+                    counter.fail(c.index, plan.unmirrored[i])
+                else:
+                    counter.ok()
         fts_write_item(db, CODE, item.id, old)
-        return repair_vectors(db, dims, item_id=item.id, orphans=orphans).total, 0
+        # kept=(): every vector of the item was just written (a point lookup each was all the
+        # restore did, and read the stray row that the write could not replace)
+        repaired = repair_vectors(db, dims, item_id=item.id, orphans=orphans, kept=()).total
+        return repaired, len(plan.unmirrored)
 
     def search(self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> Any:
         return search_code(db, query, embedder, k=k)
