@@ -8,7 +8,9 @@ import pytest
 
 from conftest import mirror_problems
 from host import host
+from tasks.producer import delete_item
 from worker.bulk import index_item
+from worker.errors import InvalidInput
 from worker.reconcile import (
     due_retries,
     last_sweeps,
@@ -210,3 +212,15 @@ def test_an_overrun_job_a_host_wrote_in_bytes_ends_failed_never_a_crash(db: Data
     assert mark_overrun(db, 3600.0) == 2
     assert db.scalar("SELECT count(*) FROM index_jobs WHERE state = 'failed'") == 2
     assert db.scalar("SELECT status FROM item_index_state WHERE item_id = ?", (item,)) == "failed"
+
+
+@pytest.mark.parametrize("wrong", [True, "1", 1.0, 2**64])
+def test_delete_item_refuses_an_id_that_is_no_integer_and_deletes_nothing(db: Database, wrong):
+    """`delete_item(db, True)` deleted item 1 (and "1" or 1.0 did too: SQLite's affinity
+    makes them 1), where every send of the producer refuses them (`_check_id`: "True would
+    be item 1"); 2**64 raised a bare OverflowError. Refused now, before anything is deleted."""
+    first = add_item(db, kind="note", title="Keep me", content="Text.")
+    assert first == 1
+    with pytest.raises(InvalidInput, match="64-bit integer"):
+        delete_item(db, wrong)
+    assert db.scalar("SELECT count(*) FROM knowledge_items WHERE id = 1") == 1
