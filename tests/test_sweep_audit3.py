@@ -224,3 +224,26 @@ def test_delete_item_refuses_an_id_that_is_no_integer_and_deletes_nothing(db: Da
     with pytest.raises(InvalidInput, match="64-bit integer"):
         delete_item(db, wrong)
     assert db.scalar("SELECT count(*) FROM knowledge_items WHERE id = 1") == 1
+
+
+def test_a_job_row_without_an_item_does_not_stop_the_retry_sweep(db: Database):
+    """A run of a task whose arguments were no item id records its row with no item (NULL);
+    while it was queued, started or waiting for a retry, `s.item_id NOT IN (... NULL ...)`
+    was NULL for every failed item: the retry sweep sent none of them (for up to the
+    visibility timeout, or for good while a dead worker's row stayed `started`)."""
+    item = add_item(db, kind="note", title="Failed", content="Text.")
+    host(
+        db.path,
+        (
+            "UPDATE item_index_state SET status = 'failed', attempts = 1, "
+            "updated_at = '2000-01-01T00:00:00Z' WHERE item_id = ?",
+            [item],
+        ),
+        (
+            "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, state, started_at) "
+            "VALUES ('junk', 0, 'kidx.index_item', NULL, 'started', "
+            "strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))",
+            [],
+        ),
+    )
+    assert due_retries(db, max_attempts=5, backoff=60.0, backoff_max=3600.0) == [item]

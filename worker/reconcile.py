@@ -29,11 +29,15 @@ from worker.store.vec import set_meta, sound
 # timeout less the time limit, tasks.run.longest_countdown). Not lost: younger than the
 # visibility timeout, after which Redis would have redelivered it anyway; a task the broker no
 # longer holds at all is marked failed first, `mark_lost`. A send the broker refused leaves
-# no `queued` row (tasks.producer), so its item is not taken for busy.
+# no `queued` row (tasks.producer), so its item is not taken for busy. A row without an
+# integer item id (a task whose arguments were none: NULL) names no item: a NULL in `NOT IN`
+# (the retry sweep's) made every item look busy, and TEXT that is not UTF-8 cannot be read.
 _AGE = "(julianday('now') - julianday(coalesce(j.started_at, j.queued_at))) * 86400"
+_ITEM = "typeof(j.item_id) = 'integer'"
 BUSY_JOBS = f"""
 SELECT item_id FROM index_jobs j WHERE state IN ('queued', 'started') AND {_AGE} < :horizon
-UNION SELECT item_id FROM index_jobs j WHERE state = 'retry' AND {_AGE} < :horizon
+ AND {_ITEM}
+UNION SELECT item_id FROM index_jobs j WHERE state = 'retry' AND {_AGE} < :horizon AND {_ITEM}
  AND NOT EXISTS (SELECT 1 FROM index_jobs k WHERE k.item_id = j.item_id
   AND (coalesce(k.started_at, k.queued_at) > coalesce(j.started_at, j.queued_at)
    OR (k.task_id = j.task_id AND k.attempt > j.attempt)))
@@ -257,10 +261,7 @@ def reconcile(
         "tables_rebuilt": report.tables_rebuilt,
     }
     params = {"model": model, "dims": dims, "horizon": horizon}
-    # (a job's item id a host wrote that is no integer names no item; as TEXT that is not
-    # UTF-8, apsw cannot even read it)
-    busy_jobs = f"SELECT item_id FROM ({BUSY_JOBS}) WHERE typeof(item_id) = 'integer'"
-    busy = {r[0] for r in db.all(busy_jobs, params)}
+    busy = {r[0] for r in db.all(BUSY_JOBS, params)}
     marked = {item_id: bool(young) for item_id, young in db.all(INDEXING, params)}
     held = locked(sorted(marked)) if locked is not None and marked else set()
     running = held if locked is not None else {i for i, young in marked.items() if young}
