@@ -3,9 +3,13 @@ minified sources, and what a re-index costs."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_code_chunking import check_chunks
 
 from conftest import FakeEmbedder
 from host import host
@@ -108,3 +112,42 @@ def test_a_stray_vec_row_under_a_new_code_chunks_id_fails_that_vec_write_only(
     assert db.scalar("SELECT count(*) FROM vec_work_code_chunks") == 8
     hits, via, _ = search_code(db, "first", fake, k=8)
     assert via == "vec+fts" and len(hits) == 8
+
+
+def test_a_line_longer_than_the_maximum_is_not_cut_inside_a_word() -> None:
+    """Minified JavaScript, JSON on one line: a line over the maximum was cut at exactly the
+    maximum, in the middle of an identifier about two cuts in three; the halves of
+    `customer_balance` in two chunks, a keyword search for it found neither."""
+    names = [f"customer_balance_{i}" for i in range(400)]
+    text = "var " + ",".join(f"{n}=f({i})" for i, n in enumerate(names)) + ";\n"
+    for path, max_size in (("app.min.js", 1500), ("data.json", 700), ("x.py", 97)):
+        chunks = chunk_code(text, path, max_size=max_size)
+        assert len(chunks) > 3
+        assert "".join(c.content for c in chunks) == text.strip()
+        assert all(len(c.content) <= max_size for c in chunks)
+        found = {w for c in chunks for w in re.findall(r"\w+", c.content)}
+        assert set(names) <= found
+    # Where the window holds no other place to cut, the word is cut (as before).
+    long_word = "x" * 50
+    assert [c.content for c in chunk_code(long_word, "w.js", max_size=20)] == [
+        "x" * 20,
+        "x" * 20,
+        "x" * 10,
+    ]
+
+
+@settings(deadline=None, max_examples=200)
+@given(
+    st.lists(st.text("abcé_0", min_size=1, max_size=9), min_size=1, max_size=300),
+    st.text(" ,.;(){}=\n\t", min_size=1, max_size=2),
+    st.integers(20, 200),
+    st.sampled_from(["m.js", "m.py", "m.json"]),
+)
+def test_words_shorter_than_half_the_maximum_are_never_cut(
+    words: list[str], sep: str, max_size: int, path: str
+) -> None:
+    text = sep.join(words)
+    chunks = chunk_code(text, path, max_size=max_size)
+    check_chunks(text, chunks, max_size)
+    found = {w for c in chunks for w in re.findall(r"[\wé]+", c.content)}
+    assert set(re.findall(r"[\wé]+", text)) <= found

@@ -8,7 +8,7 @@ Why it looks the way it does:
   `TARGET_SIZE`; two definitions are never merged, so each chunk answers "which function".
 * A definition over the maximum is split: a class by its members (header, then one chunk per
   method, `Class.method`), anything else by whole lines, preferring a blank line; a line is cut
-  only when it alone exceeds the maximum.
+  only when it alone exceeds the maximum, and then between words where it can.
 * Other languages, and Python that does not parse, are cut before each line that starts at
   column 0 after a blank line (where top-level declarations start in almost every language),
   packed up to `TARGET_SIZE`.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import itertools
 import re
+import unicodedata
 import warnings
 from bisect import bisect_right
 from typing import NamedTuple
@@ -91,9 +92,26 @@ def _skip_blank(text: str, s: int, e: int) -> int:
     return s if line_start < 0 else line_start + 1
 
 
+def _glued(ch: str) -> bool:
+    """Part of a word: a letter, a digit, `_` (what `\\w` matches), or a combining mark."""
+    return ch.isalnum() or ch == "_" or unicodedata.category(ch)[0] == "M"
+
+
+def _word_cut(text: str, lo: int, limit: int) -> int:
+    """Where a line is cut hard before `limit`: there, unless that is inside a word, then
+    after the last character of `text[lo:limit]` that is not part of one (a keyword search
+    finds an identifier cut in two in neither chunk); `limit` when every one is."""
+    if not (_glued(text[limit - 1]) and _glued(text[limit])):
+        return limit
+    for i in range(limit - 1, lo - 1, -1):
+        if not _glued(text[i]):
+            return i + 1
+    return limit
+
+
 def _split(text: str, s: int, e: int, max_size: int) -> list[Span]:
     """Whole lines packed up to `max_size`, cut at a blank line when one lies in the second half
-    of the window; a line longer than `max_size` is cut hard."""
+    of the window; a line longer than `max_size` is cut hard, between words if it can."""
     parts: list[Span] = []
     s, e = _trim(text, s, e)
     while s < e:
@@ -107,7 +125,7 @@ def _split(text: str, s: int, e: int, max_size: int) -> list[Span]:
         if cut <= s:
             cut = text.rfind("\n", s + 1, limit + 1)
         if cut <= s:
-            cut = limit
+            cut = _word_cut(text, s + max_size // 2, limit)
         a, b = _trim(text, s, cut)
         if a < b:
             parts.append((a, b))
