@@ -87,8 +87,9 @@ def test_a_stray_vec_row_under_a_new_code_chunks_id_fails_that_vec_write_only(
     """A host's row in `vec_work_code_chunks_rowids` under the id the next code chunk gets
     (plain SQL, without the extension: vec0 can neither delete nor insert over it). Code's vec
     write was not caught as a note's is: every code item failed ("the database refused the
-    write"), each rolled back to give the next one the same id. A note in the same place is
-    partial, its vector kept, and indexed again once the sweep has rebuilt the table."""
+    write"), each rolled back to give the next one the same id. Now that item is partial, as
+    a note in the same place is, its vector kept relationally; the sweep rebuilds the table
+    and the next run indexes it."""
     items = []
     for k in range(4):
         path = tmp_path / f"m{k}.py"
@@ -136,7 +137,7 @@ def test_a_line_longer_than_the_maximum_is_not_cut_inside_a_word() -> None:
     ]
 
 
-@settings(deadline=None, max_examples=200)
+@settings(deadline=None)
 @given(
     st.lists(st.text("abcé_0", min_size=1, max_size=9), min_size=1, max_size=300),
     st.text(" ,.;(){}=\n\t", min_size=1, max_size=2),
@@ -146,6 +147,7 @@ def test_a_line_longer_than_the_maximum_is_not_cut_inside_a_word() -> None:
 def test_words_shorter_than_half_the_maximum_are_never_cut(
     words: list[str], sep: str, max_size: int, path: str
 ) -> None:
+    """A window's second half always holds a place between two words then."""
     text = sep.join(words)
     chunks = chunk_code(text, path, max_size=max_size)
     check_chunks(text, chunks, max_size)
