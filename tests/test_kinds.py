@@ -274,17 +274,24 @@ def test_a_python_package_becomes_code_chunks_that_only_code_search_returns(
     query = f"{row[1]}:{row[2]}-{row[3]}"
     hits, via, _ = search_code(db, query, embedder, k=50)
     assert "vec" in via.split("+") and all(h.path and h.start_line <= h.end_line for h in hits)
-    # A name only the keyword side can find (the stand-in's vectors know no meaning): the first
-    # hit holds it, found by its keywords.
+    # A name only the keyword side can find (the stand-in's vectors know no meaning): a hit of
+    # the first five, found by its keywords, holds it. (Not necessarily the first: a chunk whose
+    # comment says "vec table dimensions" matches the phrase too, and the stand-in's vectors,
+    # which any edit to these files moves, break the ties of the fused order.)
     for name in ("repair_vectors", "vec_table_dimensions", "sync_vec_tables"):
         hits, via, _ = search_code(db, name, embedder, k=5)
         assert via == "vec+fts"
-        for hit in hits[:1]:
-            content = db.scalar(
+        held = [
+            h
+            for h in hits
+            if "fts" in h.via.split("+")
+            and name
+            in db.scalar(
                 "SELECT content FROM code_chunks WHERE path = ? AND start_line = ?",
-                (hit.path, hit.start_line),
+                (h.path, h.start_line),
             )
-            assert "fts" in hit.via.split("+") and name in content, (name, hit)
+        ]
+        assert held, (name, hits)
     notes = search(db, "anything about code", embedder, k=50)
     assert {h.item_id for h in notes.hits} == {note}  # note search never returns code
 
