@@ -205,8 +205,9 @@ VEC_BEHIND = "vec_behind"
 
 
 def vec_behind(db: Database) -> bool:
-    """Whether vectors were written while the mirror could not be (the module doc)."""
-    return db.scalar("SELECT value FROM index_meta WHERE key = ?", (VEC_BEHIND,)) is not None
+    """Whether vectors were written while the mirror could not be (the module doc). The mark
+    is the row, not its value (which a host may have written as any bytes)."""
+    return db.scalar("SELECT 1 FROM index_meta WHERE key = ?", (VEC_BEHIND,)) is not None
 
 
 def mirror_ready(db: Database, dimensions: int) -> bool:
@@ -260,6 +261,7 @@ def sync_vec_tables(db: Database, dimensions: int) -> bool:
     return True
 
 
+_VEC0 = re.compile(rb"(?is)\s*create\s+virtual\s+table\s.*?\busing\s+vec0\b")
 # sqlite-vec 0.1's shadow tables of a vec0 table `{t}`: their declarations, as it makes them.
 SHADOWS = {
     "info": "(key text primary key, value any)",
@@ -275,11 +277,24 @@ def rebuild_vec_table(db: Database, t: VecTable, dimensions: int) -> int:
     that dimension (no provider call); how many rows. Inside the caller's transaction.
 
     vec0 cannot drop a table one of whose shadow tables a host dropped ("SQL logic error",
-    and from then on for as long as the connection lasts): those are made again, empty, first."""
-    if db.table_exists(t.name):
+    and from then on for as long as the connection lasts): those are made again, empty, first.
+    A plain table or a view a host put in its place is dropped as what it is, with any table
+    named as a shadow of this one (vec0 would refuse to make its own: "already exists")."""
+    found = db.one(
+        "SELECT type, CAST(sql AS BLOB) FROM sqlite_master WHERE name = ? "
+        "AND type IN ('table', 'view')",
+        (t.name,),
+    )
+    if found is not None and found[0] == "view":
+        db.execute(f"DROP VIEW {t.name}")
+    elif found is not None and _VEC0.match(bytes(found[1] or b"")):
         for shadow, declaration in SHADOWS.items():
             db.execute(f'CREATE TABLE IF NOT EXISTS "{t.name}_{shadow}"{declaration}')
-    db.execute(f"DROP TABLE IF EXISTS {t.name}")
+        db.execute(f"DROP TABLE {t.name}")
+    else:
+        db.execute(f"DROP TABLE IF EXISTS {t.name}")
+        for shadow in SHADOWS:
+            db.execute(f'DROP TABLE IF EXISTS "{t.name}_{shadow}"')
     db.execute(
         f"CREATE VIRTUAL TABLE {t.name} USING vec0({t.key} INTEGER PRIMARY KEY, "
         f"{t.column(dimensions)})"
