@@ -25,7 +25,7 @@ from worker.store.fts import CODE, fts_write_item, keyword_query
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
 from worker.store.text import shown
-from worker.store.vec import VEC, mirror_ready, sound, vec_delete, vec_replace
+from worker.store.vec import VEC, mirror_ready, sound, vec_delete, vec_insert, vec_replace
 
 SNIPPET = 160
 # Candidates each side of a code search gives the fusion (as deep as prose search goes).
@@ -106,9 +106,8 @@ class Code(Indexer):
         *,
         orphans: bool,
     ) -> tuple[int, int]:
-        """Replace the item's code chunks, in the caller's transaction. A vec row that cannot
-        be written fails alone, as a note's does (`prose._mirror_chunks`): its vector is kept
-        and the reason goes in `plan.unmirrored`; three in a row raise IndexAborted."""
+        """Replace the item's code chunks, in the caller's transaction: (vec rows repaired,
+        vec writes that failed; why each failed goes in `plan.unmirrored`)."""
         plan, dims = planned.plan, db.dimensions
         counter = FailureCounter(options.max_consecutive_failures, ilog)
         mirror = mirror_ready(db, dims)
@@ -116,6 +115,7 @@ class Code(Indexer):
         if mirror:
             vec_delete(db, "vec_work_code_chunks", old)
         db.execute("DELETE FROM code_chunks WHERE item_id = ?", (item.id,))
+        vectors: list[tuple[int, int, bytes]] = []  # (position in the plan, chunk id, vector)
         for i, c in enumerate(plan.chunks):
             chunk_id = db.scalar(
                 "INSERT INTO code_chunks(item_id, chunk_index, path, start_line, end_line, "
@@ -129,16 +129,9 @@ class Code(Indexer):
                     vec_delete(db, "vec_work_code_chunks", [chunk_id])
                 continue
             db.execute(_UPSERT_VECTOR, (chunk_id, model, dims, vector))
-            if mirror:
-                try:  # a host's stray row under this id, which vec0 can neither replace
-                    # nor delete, failed every code item given the id in turn
-                    with db.atomic():
-                        vec_replace(db, "vec_work_code_chunks", chunk_id, vector)
-                except apsw.Error as e:
-                    plan.unmirrored[i] = f"vec write: {e}"
-                    counter.fail(c.index, plan.unmirrored[i])
-                else:
-                    counter.ok()
+            vectors.append((i, chunk_id, vector))
+        if mirror and vectors:
+            _mirror_chunks(db, vectors, plan, counter)
         fts_write_item(db, CODE, item.id, old)
         # kept=(): every vector of the item was just written (a point lookup each was all the
         # restore did, and read the stray row that the write could not replace)
@@ -147,6 +140,32 @@ class Code(Indexer):
 
     def search(self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> Any:
         return search_code(db, query, embedder, k=k)
+
+
+def _mirror_chunks(
+    db: Database, vectors: list[tuple[int, int, bytes]], plan: Plan, counter: FailureCounter
+) -> None:
+    """The new chunks' vec rows, all at once; when that fails, row by row, a row that fails
+    kept out with why in `plan.unmirrored` (three in a row raise IndexAborted), as a note's
+    (`prose._mirror_chunks`). A host's stray row under a new chunk's id, which vec0 can
+    neither replace nor delete, failed every code item given that id in turn."""
+    try:
+        with db.atomic():
+            vec_delete(db, "vec_work_code_chunks", [chunk_id for _, chunk_id, _ in vectors])
+            vec_insert(db, "vec_work_code_chunks", [(chunk_id, v) for _, chunk_id, v in vectors])
+        counter.ok()
+        return
+    except apsw.Error:
+        pass
+    for i, chunk_id, vector in vectors:
+        try:
+            with db.atomic():
+                vec_replace(db, "vec_work_code_chunks", chunk_id, vector)
+        except apsw.Error as e:
+            plan.unmirrored[i] = f"vec write: {e}"
+            counter.fail(plan.chunks[i].index, plan.unmirrored[i])
+        else:
+            counter.ok()
 
 
 @dataclass
