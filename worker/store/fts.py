@@ -255,6 +255,9 @@ def _drop(db: Database, table: FtsTable) -> None:
     tables, plain tables, are dropped as such, then its own schema row (a virtual table's
     holds no page) is deleted with writable_schema and the schema read again. The caller
     creates the table again, which moves the schema cookie: other connections see it."""
+    if db.scalar("SELECT 1 FROM sqlite_master WHERE type = 'view' AND name = ?", (table.name,)):
+        db.execute(f"DROP VIEW {table.name}")  # a host's, in the table's place
+        return
     try:
         with db.atomic():
             db.execute(f"DROP TABLE {table.name}")
@@ -291,16 +294,17 @@ def _unlike(db: Database, table: FtsTable, *, every: bool) -> list[tuple]:
         f"CAST(f.{c} AS BLOB) IS NOT c.{c}" for c in ("title", "headings", "content")
     )
     sql = (
-        "SELECT c.id, c.title, c.headings, c.content, f.title, f.headings, f.content, f.parts, "
+        "SELECT c.id, c.title, c.headings, c.content, CAST(f.title AS BLOB), "
+        "CAST(f.headings AS BLOB), CAST(f.content AS BLOB), CAST(f.parts AS BLOB), "
         f"{differs} FROM ({table.rows}) c JOIN {table.name} f ON f.rowid = c.id"
     )
     out = []
-    for *chunk, title, headings, content, parts, text_differs in db.execute(
-        sql if every else f"{sql} WHERE {differs}"
-    ):
+    for row in db.execute(sql if every else f"{sql} WHERE {differs}"):
+        chunk, held, text_differs = row[:4], list(row[4:8]), row[8]
         if not text_differs and all(v is None or v.isascii() for v in chunk[1:]):
             continue  # its chunk's ASCII text: made as now
-        if _row(*chunk) != (chunk[0], title, headings, content, parts):
+        made = [v.encode("utf-8", "surrogatepass") for v in _row(*chunk)[1:]]
+        if made != held:  # compared as bytes: a host's may not be UTF-8
             out.append(tuple(chunk))
     return out
 
@@ -315,10 +319,9 @@ def sync_fts(db: Database, *, verify: bool = False) -> dict[str, int]:
     compared with its chunk's, and a row that is not the chunk's is made again."""
     changed: dict[str, int] = {}
     with db.atomic():
-        every = (
-            verify
-            and db.scalar("SELECT value FROM index_meta WHERE key = ?", ROWS_MADE[:1])
-            != ROWS_MADE[1]
+        every = verify and not db.scalar(  # as bytes: a host's value may not be UTF-8
+            "SELECT 1 FROM index_meta WHERE key = ? AND CAST(value AS BLOB) = ?",
+            (ROWS_MADE[0], ROWS_MADE[1].encode()),
         )
         for t in FTS_TABLES:
             if verify and db.table_exists(t.name) and not fts_intact(db, t):
