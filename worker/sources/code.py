@@ -15,7 +15,9 @@ Why it looks the way it does:
 
 from __future__ import annotations
 
+import codecs
 import os
+import re
 from pathlib import Path
 
 import pathspec
@@ -242,11 +244,38 @@ def list_code_files(
     return sorted(found)
 
 
+# A declared encoding (PEP 263, and Emacs's and Vim's `-*- coding: ... -*-`, `fileencoding=`):
+# a comment on the first line, or on the second after a comment or blank first line.
+_CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")
+_BLANK_OR_COMMENT = re.compile(rb"^[ \t\f]*(?:[#\r\n]|$)")
+
+
+# Text codecs that are no character set: they would read `\\n` in the code as a line end.
+_NOT_CHARSETS = frozenset(("unicode-escape", "raw-unicode-escape", "undefined", "idna", "punycode"))
+
+
+def _declared(data: bytes) -> str | None:
+    """The character set a file's coding comment names, if Python has a codec for it."""
+    lines = data[:1024].splitlines()[:2]
+    for n, line in enumerate(lines):
+        if n == 1 and not _BLANK_OR_COMMENT.match(lines[0]):
+            break
+        if found := _CODING.match(line):
+            try:
+                info = codecs.lookup(found.group(1).decode("ascii"))
+            except (LookupError, UnicodeDecodeError):
+                return None
+            text = getattr(info, "_is_text_encoding", True)  # not base64, zlib, rot13...
+            return info.name if text and info.name not in _NOT_CHARSETS else None
+    return None
+
+
 def read_code(path: str | Path, settings: FilesSettings) -> str:
     """The text of a source file under the allowed roots (the guard files have:
-    `read_under_roots`): UTF-8, or UTF-16/32 with a byte-order mark (a BOM is dropped), never
-    binary, newlines normalised to `\\n` so that chunk offsets and line numbers mean the same
-    thing whatever the line endings."""
+    `read_under_roots`): UTF-8, or UTF-16/32 with a byte-order mark (a BOM is dropped), or
+    what its coding comment declares when it is not UTF-8 (`# -*- coding: latin-1 -*-`, legal
+    Python 3); never binary; newlines normalised to `\\n` so that chunk offsets and line
+    numbers mean the same thing whatever the line endings."""
     _, data = read_under_roots(path, settings)
     if _binary(data[:_SNIFF]):
         raise InvalidInput(f"{path}: binary, not source code")
@@ -255,6 +284,15 @@ def read_code(path: str | Path, settings: FilesSettings) -> str:
     try:
         text = data[skip:].decode(encoding)
     except UnicodeDecodeError as e:
-        label = encoding.upper() if wide else "UTF-8"
-        raise InvalidInput(f"{path}: is not {label} text (byte {skip + e.start})") from None
+        declared = None if wide else _declared(data)
+        if declared is None or declared in ("utf-8", "utf-8-sig"):
+            label = encoding.upper() if wide else "UTF-8"
+            raise InvalidInput(f"{path}: is not {label} text (byte {skip + e.start})") from None
+        try:
+            text = data.decode(declared)
+        except (UnicodeDecodeError, UnicodeError) as d:
+            at = f" (byte {d.start})" if isinstance(d, UnicodeDecodeError) else ""
+            raise InvalidInput(
+                f"{path}: is not UTF-8, nor the {declared} it declares{at}"
+            ) from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
