@@ -166,10 +166,16 @@ def end_discarded(
             f"UPDATE index_jobs SET state = 'revoked', finished_at = {NOW}, error = ? "
             "WHERE attempt = ? AND state = 'queued' "
             "AND (task_id = ? OR (task_id > ? AND task_id < ?)) "
-            "RETURNING task_id, item_id, batch_id",
+            "RETURNING CAST(task_id AS BLOB), "  # a host's bytes, which apsw cannot read as text
+            "CASE WHEN typeof(item_id) = 'integer' THEN item_id END, "
+            "CASE WHEN typeof(batch_id) = 'integer' THEN batch_id END",
             (error, attempt, task_id, f"{task_id}:", f"{task_id};"),
         )
-        for job_id, item_id, batch_id in rows:
+        for raw, item_id, batch_id in rows:
+            try:
+                job_id = raw.decode("utf-8")
+            except (AttributeError, UnicodeDecodeError):
+                continue  # no row of kidx's: ended, nothing to count it by
             if batch_id is not None:
                 batch_outcome(db, batch_id, "skipped", error, abort_after=0, job=(job_id, attempt))
             if item_id is not None:
