@@ -32,6 +32,7 @@ from typing import Any
 import apsw
 import numpy as np
 
+from worker.chunking import heading_titles
 from worker.errors import InvalidInput
 from worker.hamming import nearest_bits
 from worker.nearest import (
@@ -609,7 +610,7 @@ def _hit(
         kind=str(kind),
         source=shown(source) if source is not None else None,
         chunk_index=int(index),
-        headings=path.split(" > ") if path else [],
+        headings=heading_titles(path),
         start_offset=int(start),
         end_offset=int(end),
         content=shown(content),

@@ -12,6 +12,8 @@ from worker.chunking.base import (
     OVERLAP_SIZE,
     Chunk,
     ChunkMethod,
+    heading_path,
+    heading_titles,
     text_hash,
 )
 from worker.chunking.llm import ChunkingFailed, LLMChunker, chunk_llm
@@ -28,6 +30,8 @@ __all__ = [
     "LLMChunker",
     "chunk",
     "chunk_structure",
+    "heading_path",
+    "heading_titles",
     "text_hash",
 ]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import re
 from typing import NamedTuple
 
 MAX_CHUNK_SIZE = 1500
@@ -69,6 +70,25 @@ class Chunk(NamedTuple):
         if self.fence_close:
             body = f"{body}\n{self.fence_close}"
         return "\n".join(head) + "\n\n" + body if head else body
+
+
+# A heading path as `note_chunks.headings` stores it: the titles joined by " > ". In a title,
+# a `>` that a space (or the title's start) is before gets one more backslash in front (`>` is
+# stored `\>`, `\>` is stored `\\>`), so that " > " is only ever the separator: a heading
+# "When n > 0" came back from search as the two titles "When n" and "0".
+_OPENS_SEPARATOR = re.compile(r"(?:^|(?<= ))(\\*)>")
+_ESCAPED = re.compile(r"(?:^|(?<= ))\\(\\*)>")
+
+
+def heading_path(titles: tuple[str, ...] | list[str]) -> str:
+    """The stored form of a chunk's headings (`heading_titles` reads it back)."""
+    return " > ".join(_OPENS_SEPARATOR.sub(lambda m: f"\\{m[1]}>", t) for t in titles)
+
+
+def heading_titles(path: str) -> list[str]:
+    """The titles of a stored heading path (written by `heading_path`, or by a host: a path
+    with no escapes is split at each " > " as before)."""
+    return [_ESCAPED.sub(lambda m: f"{m[1]}>", t) for t in path.split(" > ")] if path else []
 
 
 def text_hash(text: str) -> str:

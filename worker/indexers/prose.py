@@ -11,7 +11,7 @@ from typing import Any
 
 import apsw
 
-from worker.chunking import LLMChunker, chunk
+from worker.chunking import LLMChunker, chunk, heading_path
 from worker.embedding import FailureCounter, Plan
 from worker.errors import StoreError
 from worker.indexers.base import Indexer, IndexOptions, Planned, plan_vectors
@@ -162,7 +162,7 @@ def _new_chunk_ids(db: Database, n: int) -> list[int]:
 
 
 def _headings(chunk: Any) -> str:
-    return " > ".join(chunk.headings)
+    return heading_path(chunk.headings)
 
 
 def write_notes(
