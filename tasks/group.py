@@ -34,11 +34,11 @@ from tasks.run import (
     retry_busy,
     stored_reason,
     valid_batch,
-    valid_id,
 )
 from tasks.runtime import Runtime, runtime
 from worker.errors import IndexAborted, KidxError
 from worker.log import KI_EMBED, get_logger
+from worker.store.items import valid_item_id
 from worker.store.jobs import (
     JobState,
     batch_outcome,
@@ -68,7 +68,7 @@ def index_group(
     cancellation.reset()
     try:
         rt = runtime(self.app)
-        listed = isinstance(item_ids, list) and bool(item_ids) and all(map(valid_id, item_ids))
+        listed = isinstance(item_ids, list) and bool(item_ids) and all(map(valid_item_id, item_ids))
         if listed:
             problem = bad_arguments(
                 rt, item_ids[0], reason, batch_id, structure_only, extra, unknown

@@ -31,11 +31,11 @@ from tasks.run import (
     retry_busy,
     retry_task,
     stored_reason,
-    valid_id,
 )
 from tasks.runtime import close_runtime, runtime
 from worker.errors import IndexAborted
 from worker.log import KI_EMBED, get_logger
+from worker.store.items import valid_item_id
 from worker.store.jobs import JobState, record_start
 
 log = get_logger("kidx.tasks")
@@ -115,7 +115,7 @@ def start(
 ) -> dict[str, Any]:
     started = time.monotonic()
     task_id, attempt = str(task.request.id), int(task.request.retries or 0)
-    valid = valid_id(item_id)
+    valid = valid_item_id(item_id)
     structlog.contextvars.bind_contextvars(
         task_id=task_id, item_id=item_id if valid else f"{item_id!r:.60}"
     )

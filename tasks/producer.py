@@ -30,7 +30,7 @@ from tasks import GROUP, KNOWLEDGE_ITEM, NOTE, TASK_FOR_KIND
 from worker.errors import BrokerUnavailable, InvalidInput, ItemNotFound, WrongTaskKind
 from worker.sources.urls import check_url, safe_url
 from worker.store import Database
-from worker.store.items import add_item, get_item
+from worker.store.items import add_item, check_item_id, get_item
 from worker.store.jobs import (
     abort_batch,
     create_batch,
@@ -53,13 +53,6 @@ def _default_app() -> Celery:
 # What the tasks take (tasks.run.bad_arguments): refused here, before any row is written, rather
 # than sent to fail in a worker.
 MAX_ROWID = 2**63
-
-
-def _check_id(item_id: object) -> int:
-    """An item id SQLite can hold (a 64-bit integer, not a bool: True would be item 1)."""
-    if type(item_id) is not int or not -MAX_ROWID <= item_id < MAX_ROWID:
-        raise InvalidInput(f"the item id must be a 64-bit integer, not {item_id!r:.60}")
-    return item_id
 
 
 def _check_reason(reason: object) -> None:
@@ -119,7 +112,7 @@ def _send(
     ItemNotFound and nothing is sent. `promise`: a refused send says what becomes of the item
     (a batch says what becomes of the batch instead). Bad arguments are InvalidInput, before
     any row is written."""
-    _check_id(item_id)
+    check_item_id(item_id)
     _check_reason(reason)
     _check_batch(db, batch_id)
     app = app or _default_app()
@@ -350,7 +343,7 @@ def send_batch(
     item, or an argument the tasks would refuse, is InvalidInput, and no batch is made."""
     if isinstance(item_ids, (str, bytes)) or not isinstance(item_ids, Iterable):
         raise InvalidInput(f"the item ids must be a list of integers, not {item_ids!r:.60}")
-    ids = list(dict.fromkeys(map(_check_id, item_ids)))
+    ids = list(dict.fromkeys(map(check_item_id, item_ids)))
     if not ids:
         raise InvalidInput("a batch needs at least one item")
     if not isinstance(kind, str) or not kind:

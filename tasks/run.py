@@ -37,7 +37,7 @@ from worker.indexers import IndexOptions, kind_of
 from worker.log import KI_EMBED, get_logger
 from worker.pipeline import IndexResult
 from worker.settings import TaskSettings
-from worker.store.items import Status, get_item, mark_not_run, name_failure
+from worker.store.items import Status, get_item, mark_not_run, name_failure, valid_item_id
 from worker.store.jobs import (
     BatchState,
     JobState,
@@ -464,13 +464,6 @@ class Run:
         raise NotImplementedError
 
 
-def valid_id(item_id: object) -> bool:
-    """An item id SQLite can hold: a JSON message may carry "abc", 1.5, true or 2**70 (a 64-bit
-    overflow that would otherwise fail before the run is recorded). Zero and negative ids are
-    rows a host may write (SQLite takes any 64-bit rowid) and the sweep finds: indexed as any."""
-    return type(item_id) is int and -(2**63) <= item_id < 2**63
-
-
 def valid_batch(batch_id: object) -> bool:
     """A batch id: kidx's own, from 1 up."""
     return type(batch_id) is int and 0 < batch_id < 2**63
@@ -507,7 +500,7 @@ def bad_arguments(
     """What is wrong with a task's arguments (a host may send anything a JSON message
     holds), in one line; None when they are fine. Arguments the task does not take are
     refused here, not by Python's TypeError, so that the run still gets its job row."""
-    if not valid_id(item_id):
+    if not valid_item_id(item_id):  # a JSON message may carry "abc", 1.5, true or 2**70
         return f"the item id must be a 64-bit integer, not {item_id!r:.60}"
     if extra:
         return f"the task takes at most 4 arguments, not {4 + len(extra)}"

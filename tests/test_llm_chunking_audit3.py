@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from test_llm_chunking_audit import chat_model
 
 from testkit.standin import StandIn
 from testkit.standin_chat import ChatReply, automatic_chunks
@@ -22,21 +23,9 @@ from worker.chunking.llm import windows_of
 from worker.indexers import IndexOptions
 from worker.providers.chat import ChatModel
 from worker.providers.http import ProviderHTTPError
-from worker.settings import ChunkSettings
 from worker.store.items import add_item, get_state
 
 TEXT = "# Title\n\n" + "\n\n".join(f"Paragraph {i}. " + "word " * 60 for i in range(20))
-
-
-def chat_model(standin: StandIn, **overrides: Any) -> ChatModel:
-    values: dict[str, Any] = {
-        "model": "standin-chat",
-        "base_url": standin.base_url,
-        "max_retries": 0,
-        "timeout": 5,
-    }
-    values.update(overrides)
-    return ChatModel(ChunkSettings(**values))
 
 
 @pytest.fixture

@@ -217,7 +217,7 @@ def test_an_overrun_job_a_host_wrote_in_bytes_ends_failed_never_a_crash(db: Data
 @pytest.mark.parametrize("wrong", [True, "1", 1.0, 2**64])
 def test_delete_item_refuses_an_id_that_is_no_integer_and_deletes_nothing(db: Database, wrong):
     """`delete_item(db, True)` deleted item 1 (and "1" or 1.0 did too: SQLite's affinity
-    makes them 1), where every send of the producer refuses them (`_check_id`: "True would
+    makes them 1), where every send of the producer refuses them (`check_item_id`: "True would
     be item 1"); 2**64 raised a bare OverflowError. Refused now, before anything is deleted."""
     first = add_item(db, kind="note", title="Keep me", content="Text.")
     assert first == 1

@@ -42,6 +42,7 @@ from worker.chunking.structure import (
     safe_cut,
 )
 from worker.errors import BadAnswer, Cancelled, KidxError, ProviderError
+from worker.store.text import without_lone_surrogates
 
 PROMPT_VERSION = "1"
 UNIT_MAX = 700  # a paragraph longer than this is shown as its sentences
@@ -52,7 +53,6 @@ SUMMARY_MAX = 200
 # cut after the white space), then hard (minified JSON, CJK without stops, a log paragraph were
 # one unit, and one prompt, of up to the whole text).
 _UNIT_BREAKS = (re.compile(r"(?:\r\n?|\n)\s*"), re.compile(r"\s+"))
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -325,7 +325,7 @@ def _summary(value: Any) -> str | None:
     UTF-8, so the chunk could be neither stored nor embedded."""
     if not isinstance(value, str):
         return None
-    value = " ".join(_LONE_SURROGATE.sub("\ufffd", value).split())
+    value = " ".join(without_lone_surrogates(value).split())
     if len(value) > SUMMARY_MAX:
         cut = value.rfind(" ", 0, SUMMARY_MAX)
         value = value[: cut if cut > SUMMARY_MAX // 2 else SUMMARY_MAX].rstrip(" ,.;:")
@@ -387,7 +387,7 @@ def _said(error: Exception) -> str:
     """An error's message, its lone surrogates replaced by U+FFFD: it may quote the server (a
     refusal, an error message, JSON-escaped "\\ud800"), and it is sent back to the model as
     the correction and stored as the fallback's reason, neither of which UTF-8 can carry."""
-    return _LONE_SURROGATE.sub("\ufffd", str(error))
+    return without_lone_surrogates(str(error))
 
 
 def _cached(text: str, window: Window, llm: LLMChunker) -> list[tuple[int, int, str | None]] | None:
@@ -402,7 +402,7 @@ def _cached(text: str, window: Window, llm: LLMChunker) -> list[tuple[int, int, 
     try:
         answer = {"chunks": [{"start": s, "end": e, "summary": summary} for s, e, summary in value]}
         if any(
-            isinstance(c["summary"], str) and _LONE_SURROGATE.search(c["summary"])
+            isinstance(c["summary"], str) and without_lone_surrogates(c["summary"]) != c["summary"]
             for c in answer["chunks"]
         ):
             return None  # an older version cached a summary it could not store: ask again

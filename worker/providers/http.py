@@ -21,7 +21,6 @@ import email.utils
 import json
 import math
 import random
-import re
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -41,6 +40,7 @@ from worker.errors import (
 from worker.log import get_logger
 from worker.providers.base import backoff_delay
 from worker.settings import HTTPProviderSettings
+from worker.store.text import without_lone_surrogates
 
 log = get_logger("kidx.providers")
 
@@ -51,9 +51,6 @@ ACCEPT_ENCODING = "gzip, deflate"  # what `read_body` decodes (httpx would also 
 MAX_ANSWER_BYTES = 64 * 1024 * 1024  # a provider's answer, decompressed; over it: BadAnswer
 MAX_ERROR_BYTES = 1024 * 1024  # an error answer is read this far, for its message
 DETAIL_CHARS = 200  # what is shown of a server's own text
-# A lone surrogate: JSON may escape one ("\ud800"), which json.loads keeps and UTF-8 cannot
-# carry into a log line, a stored error or a request.
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -208,7 +205,7 @@ def shorten(text: str, secrets: Sequence[str] = (), limit: int = DETAIL_CHARS) -
     """`text` on one line, `secrets` masked, then cut to `limit` characters (cut before the
     masking, a secret crossing the cut would keep its first part); a lone surrogate a server
     sent JSON-escaped is U+FFFD: the item's stored error is UTF-8 (it raised there)."""
-    return _LONE_SURROGATE.sub("\ufffd", mask(" ".join(text.split()), secrets)[:limit])
+    return without_lone_surrogates(mask(" ".join(text.split()), secrets)[:limit])
 
 
 def _credentials(settings: HTTPProviderSettings) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from worker.chunking.base import ChunkMethod, text_hash
 from worker.errors import InvalidInput, ItemNotFound
@@ -14,6 +14,20 @@ from worker.store.text import NotText, given_text, shown, strict
 from worker.store.vec import sound
 
 NOW = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
+
+
+def valid_item_id(item_id: object) -> TypeGuard[int]:
+    """An item id SQLite can hold: a 64-bit integer, not a bool (True would be item 1), nor
+    "1" or 1.0 (SQLite's affinity makes them 1), nor 2**70 (an overflow). Zero and negative
+    ids are rows a host may write (SQLite takes any 64-bit rowid): ids as any."""
+    return type(item_id) is int and -(2**63) <= item_id < 2**63
+
+
+def check_item_id(item_id: object) -> int:
+    """`item_id`, or InvalidInput saying what it is when it is no `valid_item_id`."""
+    if not valid_item_id(item_id):
+        raise InvalidInput(f"the item id must be a 64-bit integer, not {item_id!r:.60}")
+    return item_id
 
 
 class Status(enum.StrEnum):

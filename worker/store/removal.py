@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from worker.errors import InvalidInput, ItemNotFound
+from worker.errors import ItemNotFound
 from worker.store.db import Database
 from worker.store.fts import CODE, FTS_TABLES, NOTES, fts_delete
+from worker.store.items import check_item_id
 from worker.store.vec import vec_delete, vec_ready
 
 # Items whose index lives in the prose tables, and in the code tables.
@@ -70,10 +71,7 @@ def delete_items(db: Database, item_ids: Iterable[int]) -> list[int]:
     or nothing (ItemNotFound names the first unknown id). A run still under way for one of
     them finds it gone when it writes, and writes nothing. An id that is not a 64-bit integer
     is InvalidInput, before anything is deleted: True, "1" or 1.0 would be item 1 to SQLite."""
-    ids = list(dict.fromkeys(item_ids))
-    for item_id in ids:
-        if type(item_id) is not int or not -(2**63) <= item_id < 2**63:
-            raise InvalidInput(f"the item id must be a 64-bit integer, not {item_id!r:.60}")
+    ids = list(dict.fromkeys(map(check_item_id, item_ids)))
     with db.atomic():
         for item_id in ids:
             if db.one("SELECT 1 FROM knowledge_items WHERE id = ?", (item_id,)) is None:

@@ -14,9 +14,20 @@ such a TEXT value. The rule kidx follows:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from worker.errors import InvalidInput
+
+# A lone surrogate: JSON may escape one ("\ud800"), which json.loads keeps and UTF-8 cannot
+# carry into a request, a log line or a stored row.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_lone_surrogates(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD: what a server or a model sent, made
+    text that can be stored and sent on."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 class NotText(ValueError):
