@@ -15,15 +15,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import apsw
+
 from worker.chunking import ChunkMethod, text_hash
 from worker.chunking.base import CONTEXT_CHARS
 from worker.chunking.llm import ChatModelLike
-from worker.embedding import CancelCheck, Plan, Streak
+from worker.embedding import CancelCheck, FailureCounter, Plan, Streak
 from worker.providers.base import EmbeddingModel
 from worker.sources import Reader
 from worker.store.db import Database
 from worker.store.items import Item
-from worker.store.vec import sound
+from worker.store.vec import sound, vec_delete, vec_insert, vec_replace
 
 MAX_CONSECUTIVE_FAILURES = 3
 
@@ -134,3 +136,36 @@ def plan_vectors(
             plan.reuse[i] = pool[h].pop(0)
             plan.vectors[i] = plan.reuse[i][1]
     return plan
+
+
+def mirror_chunks(
+    db: Database,
+    table: str,
+    rows: list[tuple[int, int, bytes]],
+    plan: Plan,
+    counter: FailureCounter,
+) -> dict[int, str]:
+    """New chunks' vec rows, (position in the plan, chunk id, vector) each, in `table` (DELETE +
+    INSERT: a stray row may hold an id), all at once; when that fails, row by row, each failure
+    counted (three in a row abort). Returns the rows that failed, by position, with why: the
+    item's state and result name the cause, as they do an embedding's. A host's stray row
+    under a new chunk's id, which vec0 can neither replace nor delete, fails that row only."""
+    try:
+        with db.atomic():
+            vec_delete(db, table, [chunk_id for _, chunk_id, _ in rows])
+            vec_insert(db, table, [(chunk_id, vector) for _, chunk_id, vector in rows])
+        counter.ok()
+        return {}
+    except apsw.Error:
+        pass
+    failed: dict[int, str] = {}
+    for i, chunk_id, vector in rows:
+        try:
+            with db.atomic():
+                vec_replace(db, table, chunk_id, vector)
+        except apsw.Error as e:
+            failed[i] = f"vec write: {e}"
+            counter.fail(plan.chunks[i].index, failed[i])
+        else:
+            counter.ok()
+    return failed

@@ -15,7 +15,7 @@ from worker.chunking import ChunkMethod, text_hash
 from worker.chunking.code import CodeChunk, chunk_code
 from worker.embedding import FailureCounter, Plan
 from worker.errors import InvalidInput
-from worker.indexers.base import Indexer, IndexOptions, Planned
+from worker.indexers.base import Indexer, IndexOptions, Planned, mirror_chunks
 from worker.log import CHUNK
 from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel
@@ -25,7 +25,7 @@ from worker.store.fts import CODE, fts_write_item, keyword_query
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
 from worker.store.text import shown
-from worker.store.vec import VEC, mirror_ready, sound, vec_delete, vec_insert, vec_replace
+from worker.store.vec import VEC, mirror_ready, sound, vec_delete
 
 SNIPPET = 160
 # Candidates each side of a code search gives the fusion (as deep as prose search goes).
@@ -131,7 +131,7 @@ class Code(Indexer):
             db.execute(_UPSERT_VECTOR, (chunk_id, model, dims, vector))
             vectors.append((i, chunk_id, vector))
         if mirror and vectors:
-            _mirror_chunks(db, vectors, plan, counter)
+            plan.unmirrored = mirror_chunks(db, "vec_work_code_chunks", vectors, plan, counter)
         fts_write_item(db, CODE, item.id, old)
         # kept=(): every vector of the item was just written (a point lookup each was all the
         # restore did, and read the stray row that the write could not replace)
@@ -140,32 +140,6 @@ class Code(Indexer):
 
     def search(self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> Any:
         return search_code(db, query, embedder, k=k)
-
-
-def _mirror_chunks(
-    db: Database, vectors: list[tuple[int, int, bytes]], plan: Plan, counter: FailureCounter
-) -> None:
-    """The new chunks' vec rows, all at once; when that fails, row by row, a row that fails
-    kept out with why in `plan.unmirrored` (three in a row raise IndexAborted), as a note's
-    (`prose._mirror_chunks`). A host's stray row under a new chunk's id, which vec0 can
-    neither replace nor delete, failed every code item given that id in turn."""
-    try:
-        with db.atomic():
-            vec_delete(db, "vec_work_code_chunks", [chunk_id for _, chunk_id, _ in vectors])
-            vec_insert(db, "vec_work_code_chunks", [(chunk_id, v) for _, chunk_id, v in vectors])
-        counter.ok()
-        return
-    except apsw.Error:
-        pass
-    for i, chunk_id, vector in vectors:
-        try:
-            with db.atomic():
-                vec_replace(db, "vec_work_code_chunks", chunk_id, vector)
-        except apsw.Error as e:
-            plan.unmirrored[i] = f"vec write: {e}"
-            counter.fail(plan.chunks[i].index, plan.unmirrored[i])
-        else:
-            counter.ok()
 
 
 @dataclass

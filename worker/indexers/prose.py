@@ -9,12 +9,10 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-import apsw
-
 from worker.chunking import LLMChunker, chunk, heading_path
 from worker.embedding import FailureCounter, Plan
 from worker.errors import StoreError
-from worker.indexers.base import Indexer, IndexOptions, Planned, plan_vectors
+from worker.indexers.base import Indexer, IndexOptions, Planned, mirror_chunks, plan_vectors
 from worker.log import CHUNK, KI_EMBED
 from worker.providers.base import EmbeddingModel
 from worker.store.boundaries import SqliteBoundaryCache
@@ -222,7 +220,9 @@ def write_notes(
         if mirror:
             vec_delete(db, "vec_chunk_embeddings", bare)
     if mirror and vectors:
-        plan.unmirrored = _mirror_chunks(db, vectors, plan, ids, counter)
+        position = {chunk_id: i for i, chunk_id in ids.items()}
+        rows = [(position[chunk_id], chunk_id, vector) for chunk_id, vector in vectors]
+        plan.unmirrored = mirror_chunks(db, "vec_chunk_embeddings", rows, plan, counter)
         vec_failed = len(plan.unmirrored)
     _write_whole_item(db, item_id, plan, model, dims, mirror)
     fts_write_item(db, NOTES, item_id, current)
@@ -293,40 +293,6 @@ def write_new_notes(db: Database, items: Sequence[tuple[int, Planned]], model: s
         db.execute(f"DELETE FROM {NOTES.name} WHERE rowid >= ?", (first,))
         fts_insert(db, NOTES, keywords)
     return [item_id for item_id, _ in new]
-
-
-def _mirror_chunks(
-    db: Database,
-    vectors: list[tuple[int, bytes]],
-    plan: Plan,
-    ids: dict[int, int],
-    counter: FailureCounter,
-) -> dict[int, str]:
-    """The new chunks' vec rows (DELETE + INSERT: a stray row may hold an id), all at once;
-    when that fails, row by row, each failure counted (three in a row abort). Returns the
-    rows that failed, by chunk (its position in the plan), with why: the item's state and
-    result name the cause, as they do an embedding's."""
-    try:
-        with db.atomic():
-            vec_delete(db, "vec_chunk_embeddings", [chunk_id for chunk_id, _ in vectors])
-            vec_insert(db, "vec_chunk_embeddings", vectors)
-        counter.ok()
-        return {}
-    except apsw.Error:
-        pass
-    position = {chunk_id: i for i, chunk_id in ids.items()}
-    failed: dict[int, str] = {}
-    for chunk_id, vector in vectors:
-        try:
-            with db.atomic():
-                vec_replace(db, "vec_chunk_embeddings", chunk_id, vector)
-        except apsw.Error as e:
-            i = position[chunk_id]
-            failed[i] = f"vec write: {e}"
-            counter.fail(plan.chunks[i].index, failed[i])
-        else:
-            counter.ok()
-    return failed
 
 
 def _write_whole_item(
