@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,16 +110,20 @@ def plan_vectors(
     *,
     chunks_table: str,
     vectors_table: str,
+    key: Callable[[Any], str] | None = None,
+    older_key: Callable[[Any], str] | None = None,
 ) -> Plan:
     """The chunks' embedder inputs (each chunk's `embedding_input(title, context)`) and, for
     each, a vector made before for the same input and model, wherever that chunk was (the
     item's rows of `chunks_table` / `vectors_table`). An inserted paragraph moves every later
-    chunk: keyed on the position, all of them would be embedded again."""
+    chunk: keyed on the position, all of them would be embedded again. `key`: what a chunk's
+    vector is kept under (default: the hash of its input); `older_key`: what an earlier
+    version kept it under, looked up when `key` finds nothing."""
     title, context = item.title, options.context_chars
     plan = Plan(
         chunks,
         lambda i: chunks[i].embedding_input(title, context),
-        [text_hash(c.embedding_input(title, context)) for c in chunks],
+        [key(c) if key else text_hash(c.embedding_input(title, context)) for c in chunks],
         item_id=item.id,
     )
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
@@ -132,8 +136,9 @@ def plan_vectors(
     ):
         pool[embed_hash].append((chunk_id, vector))
     for i, h in enumerate(plan.hashes):
-        if pool.get(h):
-            plan.reuse[i] = pool[h].pop(0)
+        found = pool.get(h) or (pool.get(older_key(chunks[i])) if older_key else None)
+        if found:
+            plan.reuse[i] = found.pop(0)
             plan.vectors[i] = plan.reuse[i][1]
     return plan
 

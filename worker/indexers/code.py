@@ -4,7 +4,6 @@ crowds out the notes' nearest neighbours; searched on its own (`search_code`).""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -13,9 +12,9 @@ import numpy as np
 
 from worker.chunking import ChunkMethod, text_hash
 from worker.chunking.code import CodeChunk, chunk_code
-from worker.embedding import FailureCounter, Plan
+from worker.embedding import FailureCounter
 from worker.errors import InvalidInput
-from worker.indexers.base import Indexer, IndexOptions, Planned, mirror_chunks
+from worker.indexers.base import Indexer, IndexOptions, Planned, mirror_chunks, plan_vectors
 from worker.log import CHUNK
 from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel
@@ -25,7 +24,7 @@ from worker.store.fts import CODE, fts_write_item, keyword_query
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
 from worker.store.text import shown
-from worker.store.vec import VEC, mirror_ready, sound, vec_delete
+from worker.store.vec import VEC, mirror_ready, vec_delete
 
 SNIPPET = 160
 # Candidates each side of a code search gives the fusion (as deep as prose search goes).
@@ -48,35 +47,6 @@ def _reuse_key(chunk: CodeChunk, path: str, context: int) -> str:
     return text_hash(chunk._replace(start_line=0, end_line=0).embedding_input(path, context))
 
 
-def plan_code_vectors(
-    db: Database, item: Item, chunks: list[CodeChunk], model: str, options: IndexOptions
-) -> Plan:
-    """`plan_vectors` for code, reusing by `_reuse_key`; a row keyed on the whole input (as
-    kidx wrote them before) still serves a chunk that has not moved, so an upgrade embeds
-    nothing again."""
-    title, context = item.title, options.context_chars
-    plan = Plan(
-        chunks,
-        lambda i: chunks[i].embedding_input(title, context),
-        [_reuse_key(c, title, context) for c in chunks],
-        item_id=item.id,
-    )
-    pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
-    for chunk_id, embed_hash, vector in db.all(
-        "SELECT c.id, c.embed_hash, e.vector FROM code_chunks c JOIN code_chunk_embeddings e "
-        f"ON e.chunk_id = c.id AND e.model = ? AND e.dimensions = ? AND {sound('e')} "
-        "WHERE c.item_id = ? ORDER BY c.chunk_index",
-        (model, db.dimensions, item.id),
-    ):
-        pool[embed_hash].append((chunk_id, vector))
-    for i, c in enumerate(chunks):
-        found = pool.get(plan.hashes[i]) or pool.get(text_hash(c.embedding_input(title, context)))
-        if found:
-            plan.reuse[i] = found.pop(0)
-            plan.vectors[i] = plan.reuse[i][1]
-    return plan
-
-
 class Code(Indexer):
     """Code items."""
 
@@ -93,7 +63,21 @@ class Code(Indexer):
             chunk_count=len(chunks),
             dimensions=db.dimensions,
         )
-        return Planned(plan_code_vectors(db, item, chunks, model, options))
+        title, context = item.title, options.context_chars
+        plan = plan_vectors(
+            db,
+            item,
+            chunks,
+            model,
+            options,
+            chunks_table="code_chunks",
+            vectors_table="code_chunk_embeddings",
+            key=lambda c: _reuse_key(c, title, context),
+            # rows keyed on the whole input (as kidx wrote them before): an upgrade embeds
+            # nothing again
+            older_key=lambda c: text_hash(c.embedding_input(title, context)),
+        )
+        return Planned(plan)
 
     def write(
         self,
