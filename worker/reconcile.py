@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from worker.store.db import Database
 from worker.store.fts import sync_fts
 from worker.store.items import NOW
-from worker.store.jobs import batch_outcome
+from worker.store.jobs import batch_outcome, integer_or_null
 from worker.store.removal import remove_leftovers
 from worker.store.repair import repair_vectors
 from worker.store.vec import set_meta, sound
@@ -125,12 +125,6 @@ class Backoff:
         return waited >= min(self.backoff_max, self.backoff * 2 ** max(0, (attempts or 1) - 1))
 
 
-def _integer(column: str) -> str:
-    """SQL: a job row's id column (an item's, a batch's) when it is an integer, else NULL: a
-    host may write any bytes there, and TEXT that is not UTF-8 apsw cannot even read."""
-    return f"CASE WHEN typeof({column}) = 'integer' THEN {column} END"
-
-
 def queued_jobs(db: Database, *, older_than: float) -> list[str]:
     """Job ids recorded as queued (first attempt, not started) for at least `older_than`
     seconds: those the caller may look for in the broker (`mark_lost`). UTF-8 text ids only:
@@ -165,7 +159,7 @@ def mark_lost(db: Database, job_ids: list[str]) -> None:
             rows = db.all(
                 f"UPDATE index_jobs SET state = 'failed', finished_at = {NOW}, error = ? "
                 "WHERE task_id = ? AND attempt = 0 AND state = 'queued' "
-                f"RETURNING {_integer('batch_id')}, {_integer('item_id')}",
+                f"RETURNING {integer_or_null('batch_id')}, {integer_or_null('item_id')}",
                 (LOST, job_id),
             )
             db.executemany(
@@ -210,8 +204,8 @@ def mark_overrun(db: Database, run_limit: float) -> int:
         rows = db.all(
             f"UPDATE index_jobs SET state = 'failed', finished_at = {NOW}, error = :error "
             f"WHERE state = 'started' AND {age} "
-            f"RETURNING CAST(task_id AS BLOB), {_integer('attempt')}, {_integer('item_id')}, "
-            f"{_integer('batch_id')}",
+            f"RETURNING CAST(task_id AS BLOB), {integer_or_null('attempt')}, "
+            f"{integer_or_null('item_id')}, {integer_or_null('batch_id')}",
             {"error": OVERRUN, "limit": run_limit},
         )
         for raw, attempt, item_id, batch_id in rows:

@@ -50,6 +50,13 @@ JOB_COLUMNS = (
 )
 
 
+def integer_or_null(column: str) -> str:
+    """SQL: a job row's id column (an item's, a batch's, an attempt) when it is an integer,
+    else NULL: a host may write any bytes there, and TEXT that is not UTF-8 apsw cannot even
+    read."""
+    return f"CASE WHEN typeof({column}) = 'integer' THEN {column} END"
+
+
 def record_queued(
     db: Database,
     task_id: str,
@@ -167,8 +174,7 @@ def end_discarded(
             "WHERE attempt = ? AND state = 'queued' "
             "AND (task_id = ? OR (task_id > ? AND task_id < ?)) "
             "RETURNING CAST(task_id AS BLOB), "  # a host's bytes, which apsw cannot read as text
-            "CASE WHEN typeof(item_id) = 'integer' THEN item_id END, "
-            "CASE WHEN typeof(batch_id) = 'integer' THEN batch_id END",
+            f"{integer_or_null('item_id')}, {integer_or_null('batch_id')}",
             (error, attempt, task_id, f"{task_id}:", f"{task_id};"),
         )
         for raw, item_id, batch_id in rows:
