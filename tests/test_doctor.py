@@ -39,6 +39,7 @@ from stack import (
 )
 from testkit.standin import StandIn
 from worker.store import connect, repair_vectors
+from worker.store.fts import sync_fts
 from worker.store.schema import SCHEMA_VERSION
 
 # Real worker processes (not in make test-quick); one xdist worker runs the whole module, so
@@ -257,6 +258,24 @@ def test_vec_rows_deleted_behind_kidx_s_back_are_counted(stack):
         "3 vectors missing from vec_chunk_embeddings; 1 orphan in vec_chunk_embeddings: "
         "run a reconcile sweep"
     )
+
+
+def test_chunks_deleted_behind_kidx_s_back_name_their_item(stack):
+    """The vec rows of deleted chunks are orphans (`rows`); the item they were cut from looks
+    indexed and is found no more: `leftovers` names it, until it is indexed again."""
+    stack.db.execute("DELETE FROM note_chunks WHERE item_id = ? AND chunk_index = 0", (stack.item,))
+    try:
+        out, lines = stack.doctor()
+    finally:  # as a sweep mends it: the stale keyword row, then the item indexed again
+        sync_fts(stack.db)
+        stack.app.send_task("GenerateEmbedding", args=[stack.item]).get(timeout=60)
+    assert out.returncode == 1
+    assert failing(lines) == ["rows", "leftovers", "keywords"], out.stdout
+    assert lines["leftovers"][1].startswith(
+        f"1 indexed item without the chunks its run wrote ({stack.item}): run a reconcile sweep"
+    )
+    out, lines = stack.doctor()
+    assert [lines[c][0] for c in ("rows", "leftovers", "keywords")] == ["ok"] * 3, out.stdout
 
 
 def test_failed_and_stuck_jobs_are_two_problems_on_two_lines(stack):

@@ -11,10 +11,13 @@ from collections.abc import Iterator
 import apsw
 import pytest
 
-from conftest import corpus_text, mirror_problems
+from conftest import FakeEmbedder, corpus_text, mirror_problems
 from worker.bulk import index_item
+from worker.indexers import IndexOptions
 from worker.reconcile import Backoff, reconcile
 from worker.retrieval import search_chunks
+from worker.settings import FilesSettings
+from worker.sources import Reader
 from worker.store.db import Database
 from worker.store.items import add_item, get_state
 
@@ -156,3 +159,61 @@ def test_after_a_model_switch_a_failed_item_is_the_retry_sweeps_and_a_partial_on
     drift = reconcile(db, model="standin-embed", max_items=100, backoff=BACKOFF)
     assert drift.found["other_model"] == [items["partial"]]
     assert drift.to_index == [items["partial"]]
+
+
+def test_chunks_a_host_deletes_or_adds_send_their_item_to_be_indexed_again(db, embedder, host):
+    """A plain DELETE of an indexed item's chunks (some or all): the sweep deleted their vec
+    rows as orphans and found nothing to send, so the item stayed `indexed` and its text was
+    never found again. A chunk row a host adds under an item is the same drift."""
+    text = corpus_text("ch01-01-installation.md")
+    items = {
+        name: add_item(db, kind="note", title=name.title(), content=f"{name}\n\n{text}")
+        for name in ("whole", "one", "all", "added", "untouched")
+    }
+    for item in items.values():
+        assert index_item(db, item, embedder=embedder).status == "indexed"
+    assert (
+        db.scalar("SELECT chunk_count FROM item_index_state WHERE item_id = ?", (items["one"],))
+        >= 3
+    )
+    host.execute("DELETE FROM note_chunks WHERE item_id = ? AND chunk_index = 1", (items["one"],))
+    host.execute("DELETE FROM note_chunks WHERE item_id = ?", (items["all"],))
+    host.execute(
+        "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
+        "end_offset, embed_hash) VALUES (?, 999, 'a stray row', 'structure', 0, 5, 'x')",
+        (items["added"],),
+    )
+    drift = reconcile(db, model=embedder.model_id, max_items=100, backoff=BACKOFF)
+    lost = sorted(items[n] for n in ("one", "all", "added"))
+    assert drift.found["chunks_lost"] == lost
+    assert drift.to_index == lost
+    for item in lost:
+        assert index_item(db, item, embedder=embedder).status == "indexed"
+    rows = dict(db.all("SELECT item_id, count(*) FROM note_chunks GROUP BY item_id"))
+    states = dict(db.all("SELECT item_id, chunk_count FROM item_index_state"))
+    assert all(rows.get(item, 0) == states[item] > 0 for item in items.values())
+    assert db.scalar("SELECT count(*) FROM note_chunks WHERE chunk_index = 999") == 0
+    assert mirror_problems(db) == []
+    again = reconcile(db, model=embedder.model_id, max_items=100, backoff=BACKOFF)
+    assert again.found["chunks_lost"] == [] and again.to_index == []  # sent once, not forever
+    hits = search_chunks(db, text[:300], embedder, k=10).hits
+    assert items["all"] in {h.item_id for h in hits}
+
+
+def test_code_chunks_a_host_deletes_send_their_item_and_only_they_are_embedded(db, tmp_path):
+    """The same for a code item, whose chunks are in `code_chunks`: the lost function is cut
+    and embedded again, the others keep their vectors."""
+    path = tmp_path / "m.py"
+    path.write_text("\n\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(6)))
+    item = add_item(db, kind="code", title="m.py", content="", source=str(path))
+    options = IndexOptions(reader=Reader(FilesSettings(roots=[tmp_path])))
+    fake = FakeEmbedder()
+    assert index_item(db, item, embedder=fake, options=options).chunks == 6
+    db.execute("PRAGMA foreign_keys = OFF")  # as a host's connection: the vectors stay
+    db.execute("DELETE FROM code_chunks WHERE item_id = ? AND chunk_index = 3", (item,))
+    db.execute("PRAGMA foreign_keys = ON")
+    drift = reconcile(db, model=fake.model_id, max_items=100, backoff=BACKOFF)
+    assert drift.found["chunks_lost"] == [item] and drift.to_index == [item]
+    again = index_item(db, item, embedder=fake, options=options)
+    assert (again.status, again.chunks, again.embedded) == ("indexed", 6, 1)
+    assert reconcile(db, model=fake.model_id, max_items=100, backoff=BACKOFF).to_index == []

@@ -3,10 +3,10 @@
 A record of what was indexed that never checks the vector store drifts silently (seen in
 LangChain #39937). The reconcile sweep looks at both sides: it mends what needs no provider at
 once (vec rows missing or orphaned) and returns the items that need a run (content changed,
-pending or partial, chunks without vectors, vectors of another model or dimension, skipped while
-no provider was configured). Rows that deleted items left behind (worker.store.removal) are
-removed first. The retry
-sweep returns failed items whose backoff has passed, until their attempts run out.
+pending or partial, chunks without vectors, chunk rows deleted or added by hand, vectors of
+another model or dimension, skipped while no provider was configured). Rows that deleted items
+left behind (worker.store.removal) are removed first. The retry sweep returns failed items
+whose backoff has passed, until their attempts run out.
 """
 
 from __future__ import annotations
@@ -87,6 +87,16 @@ FINDINGS = {
         ON e.chunk_id = c.id WHERE e.model != :model OR e.dimensions != :dims
         UNION SELECT DISTINCT c.item_id FROM code_chunks c JOIN code_chunk_embeddings e
         ON e.chunk_id = c.id WHERE e.model != :model OR e.dimensions != :dims""",
+    # An indexed item whose chunk rows are not the ones its run wrote: a host's plain DELETE
+    # of some (or all) of them, or rows added under its id. Their vec rows go as orphans, and
+    # nothing else would ever bring the chunks back: the item looked indexed and was not found.
+    "chunks_lost": """SELECT s.item_id FROM item_index_state s
+        LEFT JOIN (SELECT item_id, count(*) AS n FROM note_chunks GROUP BY item_id) c
+        ON c.item_id = s.item_id
+        LEFT JOIN (SELECT item_id, count(*) AS n FROM code_chunks GROUP BY item_id) k
+        ON k.item_id = s.item_id
+        WHERE s.status = 'indexed' AND typeof(s.item_id) = 'integer'
+        AND s.chunk_count IS NOT coalesce(c.n, 0) + coalesce(k.n, 0)""",
 }
 # Items of any kind a run skipped because no provider was configured (a file's or URL's text is
 # read only by its run, so no hash says whether it changed): sent once a provider is. Without
@@ -319,6 +329,11 @@ def _failed_rows(db: Database, max_attempts: int, horizon: float) -> list[tuple[
         f"AND s.item_id NOT IN ({BUSY}) ORDER BY s.item_id",
         {"max": max_attempts, "horizon": horizon},
     )
+
+
+def chunks_lost(db: Database) -> list[int]:
+    """Indexed items whose chunk rows are not the ones their run wrote (`kidx doctor`)."""
+    return sorted(r[0] for r in db.all(FINDINGS["chunks_lost"]))
 
 
 def record_sweep(db: Database, kind: str, summary: dict[str, object]) -> None:
