@@ -32,7 +32,7 @@ from worker.chunking.llm import INSTRUCTIONS, SCHEMA, SYSTEM
 from worker.errors import BadAnswer, StoreError
 from worker.log import Redact
 from worker.providers import build_chat, build_embedder
-from worker.reconcile import chunks_lost, last_sweeps
+from worker.reconcile import changed_by_hand, last_sweeps
 from worker.settings import Settings
 from worker.sources.urls import safe_url
 from worker.store import VEC_TABLES, Database, resolve_dimensions, vec_table_dimensions
@@ -213,19 +213,24 @@ def check_rows(settings: Settings, timeout: float) -> str:
 
 def check_leftovers(settings: Settings, timeout: float) -> str:
     """Rows that no live item reaches: what a deleted item left (worker.store.removal); and
-    indexed items whose chunks were deleted outside kidx (the sweep indexes them again)."""
+    indexed items whose chunks or whole-item vector were deleted (or added) outside kidx: the
+    sweep indexes them again."""
     with _store(settings, timeout) as db:
         found = leftovers(db)
-        lost = chunks_lost(db)
+        by_hand = changed_by_hand(db)
     problems = []
     if found:
         shown = ", ".join(f"{kind} {n}" for kind, n in found.items())
         problems.append(f"rows of deleted items left behind: {shown}")
-    if lost:
-        shown = ", ".join(map(str, lost[:5])) + (", ..." if len(lost) > 5 else "")
-        problems.append(
-            f"{_n(len(lost), 'indexed item')} without the chunks its run wrote ({shown})"
-        )
+    for name, what in (
+        ("chunks_lost", "chunk rows"),
+        ("whole_vector", "a whole-item vector"),
+    ):
+        if ids := by_hand[name]:
+            shown = ", ".join(map(str, ids[:5])) + (", ..." if len(ids) > 5 else "")
+            problems.append(
+                f"{_n(len(ids), 'indexed item')} with {what} deleted or added by hand ({shown})"
+            )
     if problems:
         raise Fail("; ".join(problems), RECONCILE)
     return "no rows of deleted items, no chunks lost"

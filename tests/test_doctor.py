@@ -272,7 +272,7 @@ def test_chunks_deleted_behind_kidx_s_back_name_their_item(stack):
     assert out.returncode == 1
     assert failing(lines) == ["rows", "leftovers", "keywords"], out.stdout
     assert lines["leftovers"][1].startswith(
-        f"1 indexed item without the chunks its run wrote ({stack.item}): run a reconcile sweep"
+        f"1 indexed item with chunk rows deleted or added by hand ({stack.item}): run a reconcile"
     )
     out, lines = stack.doctor()
     assert [lines[c][0] for c in ("rows", "leftovers", "keywords")] == ["ok"] * 3, out.stdout

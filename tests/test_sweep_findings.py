@@ -217,3 +217,35 @@ def test_code_chunks_a_host_deletes_send_their_item_and_only_they_are_embedded(d
     again = index_item(db, item, embedder=fake, options=options)
     assert (again.status, again.chunks, again.embedded) == ("indexed", 6, 1)
     assert reconcile(db, model=fake.model_id, max_items=100, backoff=BACKOFF).to_index == []
+
+
+def test_a_whole_item_vector_a_host_deletes_or_adds_is_mended_without_an_embedding(
+    db, embedder, host, standin
+):
+    """A one-chunk note is recalled whole by its row in `note_embeddings` (the seed's extra
+    whole-note vector). A host's DELETE of that row: the sweep deleted its vec rows as orphans
+    and the note was never recalled whole again. A row a host adds for a note of several
+    chunks is the same drift. The run writes the chunk's vector again: no request."""
+    short = add_item(db, kind="note", title="Zebras", content="Zebra migration on the plains.")
+    long = add_item(
+        db, kind="note", title="Install", content=corpus_text("ch01-01-installation.md")
+    )
+    for item in (short, long):
+        assert index_item(db, item, embedder=embedder).status == "indexed"
+    vector = db.scalar("SELECT vector FROM note_embeddings WHERE item_id = ?", (short,))
+    host.execute("DELETE FROM note_embeddings WHERE item_id = ?", (short,))
+    host.execute(
+        "INSERT INTO note_embeddings(item_id, model, dimensions, vector) "
+        "SELECT ?, model, dimensions, vector FROM note_chunk_embeddings LIMIT 1",
+        (long,),
+    )
+    drift = reconcile(db, model=embedder.model_id, max_items=100, backoff=BACKOFF)
+    assert drift.found["whole_vector"] == [short, long] and drift.to_index == [short, long]
+    standin.reset()
+    for item in (short, long):
+        assert index_item(db, item, embedder=embedder).embedded == 0
+    assert standin.requests == 0
+    wholes = dict(db.all("SELECT item_id, vector FROM note_embeddings"))
+    assert wholes == {short: vector}
+    assert mirror_problems(db) == []
+    assert reconcile(db, model=embedder.model_id, max_items=100, backoff=BACKOFF).to_index == []

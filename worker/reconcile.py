@@ -3,10 +3,10 @@
 A record of what was indexed that never checks the vector store drifts silently (seen in
 LangChain #39937). The reconcile sweep looks at both sides: it mends what needs no provider at
 once (vec rows missing or orphaned) and returns the items that need a run (content changed,
-pending or partial, chunks without vectors, chunk rows deleted or added by hand, vectors of
-another model or dimension, skipped while no provider was configured). Rows that deleted items
-left behind (worker.store.removal) are removed first. The retry sweep returns failed items
-whose backoff has passed, until their attempts run out.
+pending or partial, chunks without vectors, chunk rows or a whole-item vector deleted or added
+by hand, vectors of another model or dimension, skipped while no provider was configured).
+Rows that deleted items left behind (worker.store.removal) are removed first. The retry sweep
+returns failed items whose backoff has passed, until their attempts run out.
 """
 
 from __future__ import annotations
@@ -97,6 +97,14 @@ FINDINGS = {
         ON k.item_id = s.item_id
         WHERE s.status = 'indexed' AND typeof(s.item_id) = 'integer'
         AND s.chunk_count IS NOT coalesce(c.n, 0) + coalesce(k.n, 0)""",
+    # An indexed item of one chunk without its whole-item vector (a host deleted the row: its
+    # vec row went as an orphan, and the note was never recalled whole again), or one of
+    # another count of chunks with such a row. The run writes it from the chunk's vector.
+    "whole_vector": """SELECT s.item_id FROM item_index_state s
+        WHERE s.status = 'indexed' AND typeof(s.item_id) = 'integer'
+        AND ((SELECT count(*) FROM (SELECT 1 FROM note_chunks c WHERE c.item_id = s.item_id
+              LIMIT 2)) = 1)
+        != EXISTS (SELECT 1 FROM note_embeddings e WHERE e.item_id = s.item_id)""",
 }
 # Items of any kind a run skipped because no provider was configured (a file's or URL's text is
 # read only by its run, so no hash says whether it changed): sent once a provider is. Without
@@ -331,9 +339,13 @@ def _failed_rows(db: Database, max_attempts: int, horizon: float) -> list[tuple[
     )
 
 
-def chunks_lost(db: Database) -> list[int]:
-    """Indexed items whose chunk rows are not the ones their run wrote (`kidx doctor`)."""
-    return sorted(r[0] for r in db.all(FINDINGS["chunks_lost"]))
+# The findings of rows a host deleted or added under an indexed item (`kidx doctor`).
+BY_HAND = ("chunks_lost", "whole_vector")
+
+
+def changed_by_hand(db: Database) -> dict[str, list[int]]:
+    """Indexed items whose chunks or whole-item vector are not what their run wrote."""
+    return {name: sorted(r[0] for r in db.all(FINDINGS[name])) for name in BY_HAND}
 
 
 def record_sweep(db: Database, kind: str, summary: dict[str, object]) -> None:
