@@ -8,11 +8,18 @@ from pathlib import Path
 import apsw
 
 from worker.errors import StoreError
+from worker.log import get_logger
 from worker.settings import EmbeddingSettings, Settings
 from worker.store.db import Database, Resolution
 from worker.store.fts import sync_fts
 from worker.store.repair import RepairReport, repair_vectors
-from worker.store.schema import FTS_MIGRATION, MIGRATIONS, migrate, schema_version
+from worker.store.schema import (
+    FTS_MIGRATION,
+    MIGRATIONS,
+    migrate,
+    restore_dropped,
+    schema_version,
+)
 from worker.store.vec import (
     VEC_TABLES,
     resolve_dimensions,
@@ -21,6 +28,8 @@ from worker.store.vec import (
     vec_ready,
     vec_table_dimensions,
 )
+
+log = get_logger("kidx.store")
 
 __all__ = [
     "VEC_TABLES",
@@ -63,6 +72,11 @@ def connect(
     try:
         before = schema_version(db)
         migrate(db)
+        if restored := restore_dropped(db):
+            log.warning(
+                "kidx's tables dropped outside kidx were created again: the sweep refills them",
+                restored=restored,
+            )
         db.instance()  # named once, by whichever process opens it first
         if before < FTS_MIGRATION:
             sync_fts(db)  # the chunks a database already had get their keyword rows
@@ -119,9 +133,15 @@ def _refuse_foreign(path: Path, *, must_be_kidx: bool) -> None:
     theirs = sorted(n for n in names if not n.startswith("sqlite_"))
     clash = sorted(set(theirs) & _KIDX_TABLES)
     if clash:
+        lost = (
+            "the schema_version row of its index_meta was deleted"
+            if "index_meta" in names
+            else "its index_meta table was dropped"
+        )
         raise StoreError(
             f"{path} is not a kidx database but has tables of kidx's names ({', '.join(clash)}): "
-            "it belongs to another application; point KIDX_DB at another file"
+            "it belongs to another application (point KIDX_DB at another file), or it is kidx's "
+            f"and {lost} (restore a backup)"
         )
     if must_be_kidx:
         shown = ", ".join(theirs[:5]) + (", ..." if len(theirs) > 5 else "")

@@ -4,6 +4,7 @@ the resolved dimension and on the extension, so `worker.store.vec` creates them.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from worker.errors import StoreError
@@ -567,3 +568,56 @@ def _statements(sql: str) -> list[str]:
     if tail:
         out.append(tail)
     return out
+
+
+# kidx's tables that hold what only a host or a user gave (the items, the memories) or the
+# schema's version. Dropped, they cannot be made again: the database is refused, and the rows
+# derived from them are kept for a restore (recreated empty, the sweep would delete them all).
+SOURCE_TABLES = ("index_meta", "knowledge_items", "memories")
+
+
+@functools.cache
+def _reference() -> tuple[tuple[str, str, str, str], ...]:
+    """kidx's tables, indexes and triggers as the migrations leave a new database: (type,
+    name, table, sql). The keyword tables are left out: `sync_fts` makes and mends those."""
+    ref = Database(":memory:")
+    try:
+        migrate(ref)
+        rows = ref.all(
+            "SELECT type, name, tbl_name, sql FROM sqlite_schema WHERE sql IS NOT NULL "
+            "AND type IN ('table', 'index', 'trigger') AND name NOT LIKE 'sqlite_%'"
+        )
+    finally:
+        ref.close()
+    fts = tuple(t.name for t in FTS_TABLES)
+    order = {"table": 0, "index": 1, "trigger": 2}
+    kept = [r for r in rows if not str(r[2]).startswith(fts)]
+    return tuple(sorted(kept, key=lambda r: (order[r[0]], r[1])))
+
+
+def restore_dropped(db: Database) -> list[str]:
+    """Create again kidx's tables, indexes and triggers that a host dropped (a `DROP TABLE
+    note_chunks` made every later sweep and task fail on `no such table`); returns their names.
+    A derived table comes back empty and the reconcile sweep indexes what it held again. A
+    dropped source table (SOURCE_TABLES) is a StoreError naming it; so is a name kidx needs that
+    another object has taken (a host's view called `note_chunks`)."""
+    there = {(t, n) for t, n in db.all("SELECT type, name FROM sqlite_schema")}
+    missing = [r for r in _reference() if (r[0], r[1]) not in there]
+    if not missing:
+        return []
+    lost = [n for t, n, _, _ in missing if t == "table" and n in SOURCE_TABLES]
+    if lost:
+        raise StoreError(
+            f"{db.path} has kidx's tables but not {', '.join(lost)} (dropped outside kidx?): "
+            "what it held cannot be made again; restore a backup (`kidx backup` makes one)"
+        )
+    taken = {n for t, n in there} & {n for _, n, _, _ in missing}
+    if taken:
+        raise StoreError(
+            f"{db.path}: {', '.join(sorted(taken))} is not what kidx made (another object took "
+            "the name): drop or rename it, or restore a backup"
+        )
+    with db.atomic():
+        for _, _, _, sql in missing:
+            db.execute(sql)
+    return [n for _, n, _, _ in missing]
