@@ -188,3 +188,45 @@ def test_a_lost_schema_version_says_so_beside_another_application(
     as_host(db_path, statement)
     with pytest.raises(StoreError, match=f"another application.*or it is kidx's and {says}"):
         connect(db_path, embedding=emb_settings)
+
+
+def test_two_processes_finding_the_table_dropped_at_once_both_open_the_file(
+    db_path, emb_settings, monkeypatch
+) -> None:
+    """The other one made the table while this one waited for the write lock: it is looked
+    for again under the lock, not created twice (`table note_chunks already exists`)."""
+    import threading
+
+    db = connect(db_path, embedding=emb_settings)
+    sql = db.scalar("SELECT sql FROM sqlite_schema WHERE name = 'note_chunks'")
+    db.close()
+    as_host(db_path, "DROP TABLE note_chunks")
+    waiting = threading.Event()
+    busy = Database._busy
+
+    def noticed(self: Database, prior_calls: int) -> bool:
+        waiting.set()
+        return busy(self, prior_calls)
+
+    monkeypatch.setattr(Database, "_busy", noticed)
+    other = apsw.Connection(str(db_path))  # the other process, first to the lock
+    other.execute("BEGIN IMMEDIATE")
+    other.execute(sql)
+    opened: list[object] = []
+    thread = threading.Thread(target=lambda: opened.append(_connect(db_path, emb_settings)))
+    thread.start()
+    try:
+        assert waiting.wait(30), "the connection never waited for the write lock"
+    finally:
+        other.execute("COMMIT")
+        other.close()
+        thread.join(30)
+    assert len(opened) == 1 and not isinstance(opened[0], Exception), opened
+
+
+def _connect(db_path: Path, emb_settings: EmbeddingSettings) -> object:
+    try:
+        connect(db_path, embedding=emb_settings).close()
+        return "opened"
+    except Exception as e:
+        return e

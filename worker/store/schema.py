@@ -601,23 +601,38 @@ def restore_dropped(db: Database) -> list[str]:
     A derived table comes back empty and the reconcile sweep indexes what it held again. A
     dropped source table (SOURCE_TABLES) is a StoreError naming it; so is a name kidx needs that
     another object has taken (a host's view called `note_chunks`)."""
-    there = {(t, n) for t, n in db.all("SELECT type, name FROM sqlite_schema")}
-    missing = [r for r in _reference() if (r[0], r[1]) not in there]
-    if not missing:
+    if not _missing(db):
         return []
+    with db.atomic():  # again, under the write lock: another process may have made them
+        missing = _missing(db)
+        _refuse_lost(db, missing)
+        for _, _, _, sql in missing:
+            db.execute(sql)
+    return [n for _, n, _, _ in missing]
+
+
+def _missing(db: Database) -> list[tuple[str, str, str, str]]:
+    there = {(t, n) for t, n in db.all("SELECT type, name FROM sqlite_schema")}
+    return [r for r in _reference() if (r[0], r[1]) not in there]
+
+
+def _refuse_lost(db: Database, missing: list[tuple[str, str, str, str]]) -> None:
     lost = [n for t, n, _, _ in missing if t == "table" and n in SOURCE_TABLES]
     if lost:
         raise StoreError(
             f"{db.path} has kidx's tables but not {', '.join(lost)} (dropped outside kidx?): "
             "what it held cannot be made again; restore a backup (`kidx backup` makes one)"
         )
-    taken = {n for t, n in there} & {n for _, n, _, _ in missing}
+    names = [n for _, n, _, _ in missing]
+    taken = sorted(
+        r[0]
+        for r in db.all(
+            f"SELECT name FROM sqlite_schema WHERE name IN ({', '.join('?' * len(names))})",
+            names,
+        )
+    )
     if taken:
         raise StoreError(
-            f"{db.path}: {', '.join(sorted(taken))} is not what kidx made (another object took "
+            f"{db.path}: {', '.join(taken)} is not what kidx made (another object took "
             "the name): drop or rename it, or restore a backup"
         )
-    with db.atomic():
-        for _, _, _, sql in missing:
-            db.execute(sql)
-    return [n for _, n, _, _ in missing]
