@@ -327,3 +327,28 @@ def test_the_restore_runbook_stops_the_workers_and_removes_wal_and_shm_first():
     assert "worker and beat" in restore
     assert restore.index("`kidx.db-wal`") < put and restore.index("`kidx.db-shm`") < put
     assert "replay" in restore
+
+
+@pytest.mark.parametrize("suffix", ["-wal", "-shm", "-journal"])
+def test_force_does_not_write_over_the_databases_own_wal_shm_or_journal(
+    tmp_path: Path, suffix: str
+):
+    """An empty WAL (after a checkpoint) passed for a file `--force` may replace: the backup
+    went there, where SQLite's next connection truncates it, and the live database's WAL was
+    swapped for a copy of the database while other connections held it."""
+    source = tmp_path / "live.db"
+    db = connect(source, vec=False)
+    try:
+        item = add_item(db, kind="note", title="Kept", content="A note that must survive.")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        companion = Path(f"{source}{suffix}")
+        before = companion.read_bytes() if companion.exists() else None
+        assert suffix != "-wal" or before == b""  # the case that passed for a SQLite file
+        out = _backup(source, tmp_path, str(companion), "--force")
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert f"the database's {suffix} file" in out.stderr
+        assert (companion.read_bytes() if companion.exists() else None) == before
+        assert not list(tmp_path.glob("*.partial"))
+        assert db.scalar("SELECT title FROM knowledge_items WHERE id = ?", (item,)) == "Kept"
+    finally:
+        db.close()

@@ -147,6 +147,13 @@ def _backup(ctx: Ctx, dest: Path, force: bool) -> None:
         raise InvalidInput(f"{dest} exists (use --force to replace it)")
     if dest.resolve() == source.resolve():
         raise InvalidInput("the backup cannot be the database itself")
+    for suffix in ("-wal", "-shm", "-journal"):
+        # SQLite's own file beside the database: an empty WAL passed for a SQLite file one
+        # may replace, and SQLite would truncate the backup written there at its next open.
+        if dest.resolve() == source.resolve().with_name(source.resolve().name + suffix):
+            raise InvalidInput(
+                f"{dest} is the database's {suffix} file, SQLite's own: not a backup"
+            )
     if dest.exists() and not _is_sqlite_or_empty(dest):
         raise InvalidInput(f"{dest} is not a SQLite database: not replacing it")
     dest.parent.mkdir(parents=True, exist_ok=True)
