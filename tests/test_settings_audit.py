@@ -330,6 +330,14 @@ def test_a_tilde_in_the_paths_is_the_home_folder(monkeypatch, tmp_path):
     assert settings.vec_path == home / "lib" / "vec0"
 
 
+def test_an_in_memory_database_is_refused(monkeypatch):
+    """KIDX_DB=:memory: gave each process a database of its own, gone when it closed: `kidx
+    init` said all was well, and what a worker indexed was lost."""
+    monkeypatch.setenv("KIDX_DB", ":memory:")
+    with pytest.raises(ConfigError, match="':memory:' is a database of one connection"):
+        load_settings()
+
+
 # -- G: blank values ------------------------------------------------------------------------
 
 

@@ -630,6 +630,11 @@ class Settings(BaseSettings):
         v = v.expanduser()  # no shell expands ~ in a .env or an env_file (as FILES__ROOTS)
         if v.name in {"", ".."}:
             raise ValueError("must name the database file, such as ./data/kidx.db")
+        if str(v) == ":memory:":  # each process its own, gone when it closes: all lost
+            raise ValueError(
+                "':memory:' is a database of one connection, gone when it closes: kidx's "
+                "processes share one file, such as ./data/kidx.db"
+            )
         return v
 
     @field_validator("data_dir", "vec_path", mode="before")
