@@ -188,6 +188,15 @@ def store_failure(e: apsw.Error) -> KidxError:
     cause = f"{type(e).__name__}: {e}"
     if isinstance(e, apsw.FullError | apsw.IOError | apsw.BusyError | apsw.ReadOnlyError):
         return IndexAborted(f"the database could not be written ({cause})", transient=True)
+    # SQLite's words when a host damaged a keyword table (FTS5's shadow tables): derived data
+    damaged = isinstance(e, apsw.CorruptError) or any(
+        w in str(e) for w in ("fts5", "_fts", "vtable constructor failed")
+    )
+    if damaged:
+        return StoreError(
+            f"the database refused the write ({cause}): a keyword index a host damaged is "
+            "rebuilt by the reconcile sweep and the item sent again; `kidx doctor` says more"
+        )
     return StoreError(f"the database refused the write ({cause})")
 
 

@@ -259,11 +259,20 @@ class Database:
             yield self
             return
         self.execute("BEGIN")
+        changes = self.conn.total_changes()
         try:
             yield self
         finally:
             if not self.conn.get_autocommit():
-                self.execute("COMMIT")  # nothing written: it only ends the snapshot
+                try:
+                    self.execute("COMMIT")  # nothing written: it only ends the snapshot
+                except apsw.Error:
+                    # A keyword table whose index FTS5 found corrupt (search went on without
+                    # it) fails the COMMIT of a read as well: what was read stands.
+                    if not self.conn.get_autocommit():
+                        self.execute("ROLLBACK")
+                    if self.conn.total_changes() != changes:
+                        raise
 
     @contextmanager
     def committing(self) -> Iterator[Database]:

@@ -318,13 +318,19 @@ def sync_fts(db: Database, *, verify: bool = False) -> dict[str, int]:
     built again from the chunks: derived data, so mended, not lost. Then each row's text is
     compared with its chunk's, and a row that is not the chunk's is made again."""
     changed: dict[str, int] = {}
+    # Checked before the transaction, each in its own: once FTS5 found its index corrupt (a
+    # host dropped its `_idx`), every later statement of that transaction failed the same way,
+    # the DROP below included, and the sweep failed at every run.
+    broken = {
+        t.name for t in FTS_TABLES if verify and db.table_exists(t.name) and not fts_intact(db, t)
+    }
     with db.atomic():
         every = verify and not db.scalar(  # as bytes: a host's value may not be UTF-8
             "SELECT 1 FROM index_meta WHERE key = ? AND CAST(value AS BLOB) = ?",
             (ROWS_MADE[0], ROWS_MADE[1].encode()),
         )
         for t in FTS_TABLES:
-            if verify and db.table_exists(t.name) and not fts_intact(db, t):
+            if t.name in broken and db.table_exists(t.name):
                 _drop(db, t)  # refilled below from the chunks
                 changed[f"{t.name} rebuilt"] = 1
             if not db.table_exists(t.name):
