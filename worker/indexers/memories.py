@@ -160,7 +160,9 @@ REFUSAL_TTL_S = 86_400
 
 # Memories with no vector of this model and dimension: written by a host with plain SQL, changed
 # since (a trigger drops the vector of a changed text), or embedded by a model used before;
-# but not those refused lately as they are now (`memory_refusals`, migration 9). Empty means
+# but not those refused lately as they are now (`memory_refusals`, migration 9): a refusal
+# dated in the future (a host's row, a clock set back since) is none, or it hid its memory
+# until that date (year 9999: for good). Empty means
 # whitespace only, measured in bytes: `length()` of a text stops at its first NUL, and a memory
 # that starts with one was never embedded, counted or recorded. The content of a row longer
 # than `_MAX_BYTES` is not read (NULL), only its size.
@@ -173,7 +175,7 @@ _MISSING = (
     "AND length(CAST(trim(CAST(m.content AS TEXT), ' ' || char(9, 10, 11, 12, 13)) AS BLOB)) > 0 "
     "AND NOT EXISTS (SELECT 1 FROM memory_refusals r WHERE r.memory_id = m.id "
     "AND r.model = :model AND r.content IS CAST(m.content AS BLOB) "
-    f"AND (julianday('now') - julianday(r.refused_at)) * 86400 < {REFUSAL_TTL_S})"
+    f"AND (julianday('now') - julianday(r.refused_at)) * 86400 BETWEEN 0 AND {REFUSAL_TTL_S})"
 )
 
 

@@ -1,0 +1,39 @@
+"""Memories against a careless or hostile host application, found by an audit: a bare apsw
+connection (foreign keys off, no sqlite-vec) writes kidx's memory tables with plain SQL, and
+`search_memories`, `embed_memories` and `memories_missing` must neither crash, nor return a
+memory twice or deleted, nor leave one without its vector for good."""
+
+from __future__ import annotations
+
+import apsw
+import pytest
+
+from worker.indexers.memories import embed_memories, memories_missing
+
+
+def host(db_path) -> apsw.Connection:
+    """A host application's connection: plain SQLite, foreign keys off, no sqlite-vec."""
+    return apsw.Connection(str(db_path))
+
+
+@pytest.mark.parametrize("refused_at", ["9999-01-01T00:00:00Z", 2_999_999.5])
+def test_a_refusal_dated_in_the_future_does_not_hide_its_memory_for_good(
+    db, db_path, embedder, standin, refused_at
+):
+    """A refusal was skipped while younger than a day, measured as now less its date: one
+    dated in the future (a host's row; a Julian day number, which SQLite takes as a date; a
+    clock set back since) was younger than a day until that date. Its memory was never
+    embedded (year 9999: for good) and no sweep sent a run for it. Such a refusal is none."""
+    h = host(db_path)
+    h.execute("INSERT INTO memories(id, content) VALUES (1, 'The user likes tea.')")
+    h.execute(
+        "INSERT INTO memory_refusals(memory_id, model, content, reason, refused_at) "
+        "SELECT id, ?, CAST(content AS BLOB), 'refused', ? FROM memories",
+        (embedder.model_id, refused_at),
+    )
+    h.close()
+    assert memories_missing(db, embedder.model_id) == 1
+    report = embed_memories(db, embedder)
+    assert (report.embedded, report.left, report.refused) == (1, 0, 0)
+    assert standin.texts == ["The user likes tea."]
+    assert db.scalar("SELECT count(*) FROM memory_refusals") == 0
