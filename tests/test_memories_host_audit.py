@@ -8,7 +8,8 @@ from __future__ import annotations
 import apsw
 import pytest
 
-from worker.indexers.memories import embed_memories, memories_missing
+from worker.indexers.memories import add_memory, embed_memories, memories_missing, search_memories
+from worker.reconcile import reconcile
 
 
 def host(db_path) -> apsw.Connection:
@@ -37,3 +38,27 @@ def test_a_refusal_dated_in_the_future_does_not_hide_its_memory_for_good(
     assert (report.embedded, report.left, report.refused) == (1, 0, 0)
     assert standin.texts == ["The user likes tea."]
     assert db.scalar("SELECT count(*) FROM memory_refusals") == 0
+
+
+def test_a_memory_is_never_found_twice_when_a_host_emptied_vec_memories_rowids(
+    db, db_path, embedder
+):
+    """vec0 finds a key through its `_rowids` table: a host's DELETE there left the vector in
+    its chunk, which the next write of that memory (its text changed) could not delete, and
+    the new vector went beside it. Search returned the memory twice, once scored by its old
+    text, until a sweep rebuilt the table. A KNN that gives a key twice is storage that
+    cannot be trusted: the exact path serves, with the reason."""
+    texts = ["The user likes tea.", "The user lives in Oslo.", "The user has a cat."]
+    ids = [add_memory(db, text, embedder) for text in texts]
+    h = host(db_path)
+    h.execute("DELETE FROM vec_memories_rowids WHERE rowid = ?", (ids[0],))
+    h.execute("UPDATE memories SET content = 'The user likes coffee.' WHERE id = ?", (ids[0],))
+    h.close()
+    assert embed_memories(db, embedder).embedded == 1
+    hits, via, reason = search_memories(db, "The user likes coffee.", embedder, k=4)
+    assert sorted(h.memory_id for h in hits) == sorted(ids)  # each once
+    assert hits[0].memory_id == ids[0] and hits[0].score > 0.99
+    assert via == "fallback" and "vec_memories" in str(reason)
+    reconcile(db, model=embedder.model_id, max_items=10)  # the sweep rebuilds the table
+    again, via, _ = search_memories(db, "The user likes coffee.", embedder, k=4)
+    assert via == "vec" and [h.memory_id for h in again] == [h.memory_id for h in hits]

@@ -191,7 +191,9 @@ def _knn(
 ) -> tuple[list[tuple[int, float]] | None, str | None]:
     """The k nearest through sqlite-vec, or None and why not. Only a row whose relational
     vector is live, of `model`, sound and of the query's dimension counts, as on the exact
-    path: a host may make a vector unreadable and leave its vec row."""
+    path: a host may make a vector unreadable and leave its vec row. A key it gives twice is
+    storage a host wrote into (a `_rowids` row deleted: the next write of that key leaves its
+    old vector beside the new one), which answered a memory twice, once by its old text."""
     if undirected(db, table.name):
         return None, f"{table.name} holds a vector without a direction, which sqlite-vec misranks"
     live = LIVE.get(table.name, "")
@@ -207,6 +209,11 @@ def _knn(
         )
         if len(rows) < fetch:
             knn_ended(db, table, len(q), len(rows))
+        if len({r[0] for r in rows}) < len(rows):
+            raise VecUnreadable(
+                f"{table.name} gives a key twice (its storage was written behind sqlite-vec): "
+                "the sweep mends it"
+            )
         found = [(int(key), float(d)) for key, d, ok in rows if ok][:k]
         return found, past_ties(rows, found, k) or len(rows) < fetch
 
