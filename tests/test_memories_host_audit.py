@@ -8,6 +8,7 @@ from __future__ import annotations
 import apsw
 import pytest
 
+from conftest import mirror_problems
 from worker.indexers.memories import add_memory, embed_memories, memories_missing, search_memories
 from worker.reconcile import reconcile
 
@@ -62,3 +63,31 @@ def test_a_memory_is_never_found_twice_when_a_host_emptied_vec_memories_rowids(
     reconcile(db, model=embedder.model_id, max_items=10)  # the sweep rebuilds the table
     again, via, _ = search_memories(db, "The user likes coffee.", embedder, k=4)
     assert via == "vec" and [h.memory_id for h in again] == [h.memory_id for h in hits]
+
+
+def test_a_memory_whose_vec_row_cannot_be_written_keeps_its_vector_and_the_run_goes_on(
+    db, db_path, embedder
+):
+    """A host that emptied vec0's storage of vec_memories (its `_vector_chunks00` rows) made
+    every write of a memory's vec row fail ("Could not fetch vector data"): `embed_memories`
+    raised apsw.SQLError, its batch's vectors rolled back, and `add_memory` (`kidx add
+    memory`) failed the same way. The relational vector is written all the same now, the
+    database marked `vec_behind`, and the sweep rebuilds the mirror from it."""
+    first = add_memory(db, "The user likes tea.", embedder)
+    other = add_memory(db, "The user lives in Oslo.", embedder)
+    h = host(db_path)
+    h.execute("DELETE FROM vec_memories_vector_chunks00")
+    h.execute("UPDATE memories SET content = 'The user likes coffee.' WHERE id = ?", (first,))
+    h.close()
+    report = embed_memories(db, embedder)
+    assert (report.embedded, report.left, report.error) == (1, 0, None)
+    added = add_memory(db, "The user has a cat.", embedder)
+    assert memories_missing(db, embedder.model_id) == 0
+    assert db.scalar("SELECT 1 FROM index_meta WHERE key = 'vec_behind'") == 1
+    hits, via, _ = search_memories(db, "The user likes coffee.", embedder, k=3)
+    assert hits[0].memory_id == first and hits[0].score > 0.99 and via == "fallback"
+    reconcile(db, model=embedder.model_id, max_items=10)
+    assert mirror_problems(db) == []
+    again, via, _ = search_memories(db, "The user has a cat.", embedder, k=3)
+    assert via == "vec" and again[0].memory_id == added
+    assert {h.memory_id for h in again} == {first, other, added}

@@ -8,18 +8,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import apsw
+
 from worker.chunking import Chunk, text_hash
 from worker.embedding import FailureCounter, Plan
 from worker.errors import IndexAborted, InvalidInput, KidxError, PermanentProviderError
 from worker.indexers.base import MAX_CONSECUTIVE_FAILURES, Indexer, IndexOptions, Planned
-from worker.log import get_logger
+from worker.log import KI_EMBED, get_logger
 from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel, to_blob
 from worker.retrieval import check_query
 from worker.store.db import Database
 from worker.store.items import Item
 from worker.store.text import NotText, given_text, shown, strict
-from worker.store.vec import VEC, mirror_ready, sound, vec_replace
+from worker.store.vec import VEC, VEC_BEHIND, mirror_ready, set_meta, sound, vec_replace
 
 MAX_MEMORY = 2000  # characters: longer texts are notes, which are chunked
 # A stored memory longer than this in bytes is over MAX_MEMORY characters whatever its text (UTF-8
@@ -79,7 +81,7 @@ class Memories(Indexer):
             (item.id, model, dims, vector),
         )
         if mirror_ready(db, dims):
-            vec_replace(db, "vec_memories", item.id, vector)
+            _mirror(db, item.id, vector)
         return 0, 0
 
     def search(
@@ -101,6 +103,25 @@ class Memories(Indexer):
 
 
 MEMORIES = Memories()
+
+
+def _mirror(db: Database, memory_id: int, vector: bytes) -> None:
+    """A memory's vec row, in a savepoint of the caller's transaction. vec0 fails on storage a
+    host wrote into (its shadow tables: "Could not fetch vector data"); that failed the whole
+    write, `embed_memories` and `add_memory` with it, until a sweep rebuilt the table. The
+    relational vector is the truth and stands: the database is marked `vec_behind`, so that
+    the sweep (or the next writer's connection) rebuilds the mirror from it, an old vector
+    left under this key included."""
+    try:
+        with db.atomic():
+            vec_replace(db, "vec_memories", memory_id, vector)
+    except (apsw.SQLError, apsw.CorruptError) as e:
+        set_meta(db, VEC_BEHIND, "1")
+        log.warning(
+            f"{KI_EMBED} a memory's vec row could not be written",
+            memory_id=memory_id,
+            reason=str(e),
+        )
 
 
 def add_memory(db: Database, text: str, embedder: EmbeddingModel) -> int:
