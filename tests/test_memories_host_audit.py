@@ -11,6 +11,7 @@ import pytest
 from conftest import mirror_problems
 from worker.indexers.memories import add_memory, embed_memories, memories_missing, search_memories
 from worker.reconcile import reconcile
+from worker.store import connect
 
 
 def host(db_path) -> apsw.Connection:
@@ -91,3 +92,35 @@ def test_a_memory_whose_vec_row_cannot_be_written_keeps_its_vector_and_the_run_g
     again, via, _ = search_memories(db, "The user has a cat.", embedder, k=3)
     assert via == "vec" and again[0].memory_id == added
     assert {h.memory_id for h in again} == {first, other, added}
+
+
+def test_a_deleted_memory_s_vector_never_answers_for_the_memory_given_its_id(
+    db, db_path, emb_settings, embedder
+):
+    """`memories.id` is SQLite's rowid: a host that deletes the last memory and inserts
+    another gets the same id. Embedded by a worker without sqlite-vec (KIDX_VEC=off), the new
+    vector is relational only and the database marked `vec_behind`; the deleted memory's vec
+    row stayed under that id. A search connection opened before (a long-lived process) ranked
+    by it: the new memory came first, at 1.0, for the deleted memory's text. Only a connection
+    opened afterwards (read-only) knew not to use the vec tables. Every search checks the mark
+    now: the exact path serves until the sweep rebuilds them."""
+    texts = ["The user lives in Oslo.", "The user has a cat.", "The user likes tea."]
+    ids = [add_memory(db, text, embedder) for text in texts]
+    h = host(db_path)
+    h.execute("DELETE FROM memories WHERE id = ?", (ids[-1],))
+    new = h.execute("INSERT INTO memories(content) VALUES ('Never tea.') RETURNING id").get
+    h.close()
+    assert new == ids[-1]
+    without_vec = connect(db_path, embedding=emb_settings, vec=False)
+    try:
+        assert embed_memories(without_vec, embedder).embedded == 1
+    finally:
+        without_vec.close()
+    hits, via, reason = search_memories(db, "The user likes tea.", embedder, k=3)
+    assert via == "fallback" and "vec_behind" in str(reason)
+    assert not any(h.score > 0.99 for h in hits)
+    reconcile(db, model=embedder.model_id, max_items=10)  # the sweep rebuilds the mirror
+    again, via, _ = search_memories(db, "The user likes tea.", embedder, k=3)
+    assert via == "vec" and [(h.memory_id, h.score) for h in again] == [
+        (h.memory_id, h.score) for h in hits
+    ]

@@ -16,15 +16,24 @@ import numpy as np
 
 from worker import hamming
 from worker.store.db import Database
-from worker.store.vec import VecTable, sound, vec_table_dimensions
+from worker.store.vec import VecTable, sound, vec_behind, vec_table_dimensions
 
 BLOCK = 20_000
 
 
 def unavailable(db: Database, table: VecTable, dims: int) -> str | None:
-    """Why the vec0 path cannot serve this table now, or None."""
+    """Why the vec0 path cannot serve this table now, or None. A database marked `vec_behind`
+    since this connection opened (a worker without sqlite-vec wrote vectors, or one could not
+    write its vec row) may hold an old vector under a live key: a deleted memory's, under the
+    id SQLite gave the next one, ranked that one first for the deleted text. A connection
+    opened read-only checks the mark once (store.connect); a long-lived one, each search."""
     if not db.vec_loaded:
         return f"sqlite-vec is not loaded ({db.vec_error or 'unknown reason'})"
+    if vec_behind(db):
+        return (
+            "vectors were written while the vec tables could not be (vec_behind): "
+            "a writer or the sweep rebuilds them"
+        )
     have = vec_table_dimensions(db)[table.name]
     if have is None:
         return f"{table.name} is missing"
