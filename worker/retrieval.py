@@ -587,10 +587,17 @@ def _load(
                 loaded[chunk_id] = hit
 
 
+def _int(column: str) -> str:
+    """SQL: `column` when it holds an integer, else NULL: apsw raises UnicodeDecodeError on a
+    host's TEXT there that is not UTF-8, which failed the whole search (`_hit` leaves out a
+    chunk whose place is no integer)."""
+    return f"CASE WHEN typeof({column}) = 'integer' THEN {column} END"
+
+
 _HIT_COLUMNS = (
     "c.id, c.item_id, CAST(i.title AS BLOB), i.kind, CAST(i.source AS BLOB), "
-    "c.chunk_index, CAST(c.headings AS BLOB), c.start_offset, c.end_offset, "
-    "CAST(c.content AS BLOB)"
+    f"{_int('c.chunk_index')}, CAST(c.headings AS BLOB), {_int('c.start_offset')}, "
+    f"{_int('c.end_offset')}, CAST(c.content AS BLOB)"
 )
 
 

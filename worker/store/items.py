@@ -10,7 +10,7 @@ from worker.chunking.base import ChunkMethod, text_hash
 from worker.errors import InvalidInput, ItemNotFound
 from worker.store.db import Database
 from worker.store.schema import ITEM_KINDS
-from worker.store.text import NotText, given_text, shown, strict
+from worker.store.text import NotText, given_text, readable, shown, shown_row, strict
 from worker.store.vec import sound
 
 NOW = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
@@ -318,24 +318,31 @@ def mark_not_run(
 
 
 def get_state(db: Database, item_id: int) -> dict[str, Any]:
+    """The item's state row (STATE_COLUMNS); whatever a host wrote in it is shown as text,
+    never raised (`readable`)."""
     get_item(db, item_id)
     rows = db.dicts(
-        f"SELECT {', '.join('s.' + c for c in STATE_COLUMNS)} FROM item_index_state s "
-        "WHERE s.item_id = ?",
+        f"SELECT {', '.join(readable('s.' + c) for c in STATE_COLUMNS)} "
+        "FROM item_index_state s WHERE s.item_id = ?",
         (item_id,),
     )
     if rows:
-        return rows[0]
+        return shown_row(rows[0])
     return {c: None for c in STATE_COLUMNS} | {"item_id": item_id, "status": "pending"}
 
 
+PENDING = "coalesce(s.status, 'pending')"  # an item with no state row has not been indexed
+
+
 def list_states(db: Database) -> list[dict[str, Any]]:
-    cols = ", ".join(f"s.{c}" for c in STATE_COLUMNS[2:])
-    return db.dicts(
-        f"SELECT i.id AS item_id, coalesce(s.status, 'pending') AS status, {cols} "
-        "FROM knowledge_items i "
+    """Every item's state, as `get_state` shows one."""
+    cols = ", ".join(readable(f"s.{c}") for c in STATE_COLUMNS[2:])
+    rows = db.dicts(
+        f"SELECT i.id AS item_id, {readable(PENDING, 'status')}, "
+        f"{cols} FROM knowledge_items i "
         "LEFT JOIN item_index_state s ON s.item_id = i.id ORDER BY i.id"
     )
+    return [shown_row(r) for r in rows]
 
 
 # The chunk's embedding row (`e`, LEFT JOINed) holds a vector of the index's dimension
@@ -357,36 +364,37 @@ def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
     if get_item(db, item_id, content=False).kind == "code":
         return _code_chunks(db, item_id)
     rows = db.dicts(
-        "SELECT c.chunk_index, CAST(c.method AS BLOB) AS chunk_method, "
+        f"SELECT {readable('c.chunk_index')}, CAST(c.method AS BLOB) AS chunk_method, "
         f"({_USABLE}) AS has_embedding, CAST(c.summary AS BLOB) AS summary, "
-        "c.start_offset, c.end_offset, "
+        f"{readable('c.start_offset')}, {readable('c.end_offset')}, "
         # Not length(content): SQLite's length() stops at a NUL character.
         "c.end_offset - c.start_offset AS length FROM note_chunks c "
         "LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id "
         "WHERE c.item_id = :item ORDER BY c.chunk_index",
         {"item": item_id, "dims": _dimensions(db)},
     )
-    for row in rows:  # a host's bytes are shown, never raised (worker.store.text)
+    rows = [shown_row(row) for row in rows]  # a host's bytes are shown, never raised
+    for row in rows:
         row["has_embedding"] = bool(row["has_embedding"])
         row["chunk_method"] = shown(row["chunk_method"])
-        row["summary"] = None if row["summary"] is None else shown(row["summary"])
     return rows
 
 
 def _code_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
     rows = db.all(
-        f"SELECT c.chunk_index, ({_USABLE}), CAST(c.path AS BLOB), c.start_line, "
-        "c.end_line, CAST(c.content AS BLOB) FROM code_chunks c "
+        f"SELECT {readable('c.chunk_index')}, ({_USABLE}), CAST(c.path AS BLOB), "
+        f"{readable('c.start_line')}, {readable('c.end_line')}, CAST(c.content AS BLOB) "
+        "FROM code_chunks c "
         "LEFT JOIN code_chunk_embeddings e ON e.chunk_id = c.id "
         "WHERE c.item_id = :item ORDER BY c.chunk_index",
         {"item": item_id, "dims": _dimensions(db)},
     )
     return [
         {
-            "chunk_index": index,
+            "chunk_index": shown(index) if isinstance(index, bytes) else index,
             "chunk_method": ChunkMethod.STRUCTURE.value,  # code is cut at its definitions
             "has_embedding": bool(embedded),
-            "summary": f"{shown(path)}:{first}-{last}",
+            "summary": f"{shown(path)}:{shown(first)}-{shown(last)}",
             "start_offset": None,
             "end_offset": None,
             "length": len(shown(content)),  # in Python: SQLite's length() stops at a NUL
@@ -399,35 +407,48 @@ def all_item_ids(db: Database) -> list[int]:
     return [r[0] for r in db.all("SELECT id FROM knowledge_items ORDER BY id")]
 
 
+RUNNING = ("id", "kind", "total", "ok", "failed", "skipped", "created_at")  # a batch's
+
+
 def summary(db: Database) -> dict[str, Any]:
     """Counts per status, chunk method and model; the running batches; the memories per model
     of their vector (for `kidx status`)."""
 
     def counts(sql: str) -> dict[str, int]:
-        return {str(k): int(n) for k, n in db.all(sql)}
+        """`sql`'s (key, count) rows; a key is read as its bytes (`readable`: a host's TEXT
+        that is not UTF-8 raised) and shown as text, the counts of keys shown alike summed."""
+        found: dict[str, int] = {}
+        for k, n in db.all(f"SELECT {readable('k')}, n FROM ({sql}) ORDER BY 1"):
+            key = shown(k) if isinstance(k, bytes) else str(k)
+            found[key] = found.get(key, 0) + int(n)
+        return found
 
     return {
         "items": int(db.scalar("SELECT count(*) FROM knowledge_items") or 0),
         "by_status": counts(
-            "SELECT coalesce(s.status, 'pending'), count(*) FROM knowledge_items i "
+            "SELECT coalesce(s.status, 'pending') AS k, count(*) AS n FROM knowledge_items i "
             "LEFT JOIN item_index_state s ON s.item_id = i.id GROUP BY 1 ORDER BY 1"
         ),
         "by_chunk_method": counts(
-            "SELECT chunk_method, count(*) FROM item_index_state WHERE chunk_method IS NOT NULL "
-            "GROUP BY 1 ORDER BY 1"
+            "SELECT chunk_method AS k, count(*) AS n FROM item_index_state "
+            "WHERE chunk_method IS NOT NULL GROUP BY 1 ORDER BY 1"
         ),
         "by_model": counts(
-            "SELECT model || ' (' || dimensions || ')', count(*) FROM item_index_state "
+            "SELECT model || ' (' || dimensions || ')' AS k, count(*) AS n FROM item_index_state "
             "WHERE model IS NOT NULL GROUP BY 1 ORDER BY 1"
         ),
-        "running_batches": db.dicts(
-            "SELECT id, kind, total, ok, failed, skipped, created_at FROM index_batches "
-            "WHERE state = 'running' ORDER BY id"
-        ),
+        "running_batches": [
+            shown_row(b)
+            for b in db.dicts(
+                f"SELECT {', '.join(map(readable, RUNNING))} FROM index_batches "
+                "WHERE state = 'running' ORDER BY id"
+            )
+        ],
         "memories": int(db.scalar("SELECT count(*) FROM memories") or 0),
         # `no vector`: a host's new or changed memories, until kidx.embed_memories runs
         "memories_by_model": counts(
-            "SELECT coalesce(e.model || ' (' || e.dimensions || ')', 'no vector'), count(*) "
+            "SELECT coalesce(e.model || ' (' || e.dimensions || ')', 'no vector') AS k, "
+            "count(*) AS n "
             "FROM memories m LEFT JOIN memory_embeddings e ON e.memory_id = m.id "
             "GROUP BY 1 ORDER BY 1"
         ),

@@ -12,6 +12,7 @@ from typing import Any
 
 from worker.store.db import Database
 from worker.store.items import NOW, Status, mark_not_run
+from worker.store.text import readable, shown_row
 
 
 class JobState(enum.StrEnum):
@@ -216,16 +217,19 @@ def list_jobs(
 ) -> list[dict[str, Any]]:
     where, params = [], []
     if failed:
-        where.append("state = 'failed'")
+        where.append("j.state = 'failed'")
     if batch_id is not None:
-        where.append("batch_id = ?")
+        where.append("j.batch_id = ?")
         params.append(batch_id)
     clause = ("WHERE " + " AND ".join(where)) if where else ""
-    return db.dicts(
-        f"SELECT {', '.join(JOB_COLUMNS)} FROM index_jobs {clause} "
-        "ORDER BY coalesce(started_at, '9999') DESC, rowid DESC LIMIT ?",
+    # The table's columns named with `j.`: a bare name in ORDER BY is the result's column
+    # of that name, which `readable` made a BLOB (sorted after every text, '9999' included).
+    rows = db.dicts(
+        f"SELECT {', '.join(readable('j.' + c) for c in JOB_COLUMNS)} FROM index_jobs j "
+        f"{clause} ORDER BY coalesce(j.started_at, '9999') DESC, j.rowid DESC LIMIT ?",
         (*params, limit),
     )
+    return [shown_row(r) for r in rows]  # what a host wrote is shown, never raised
 
 
 # -- batches ---------------------------------------------------------------------------------
@@ -268,9 +272,10 @@ def abort_batch(db: Database, batch_id: int, reason: str) -> bool:
 
 def get_batch(db: Database, batch_id: int) -> dict[str, Any] | None:
     rows = db.dicts(
-        f"SELECT {', '.join(BATCH_COLUMNS)} FROM index_batches WHERE id = ?", (batch_id,)
+        f"SELECT {', '.join(map(readable, BATCH_COLUMNS))} FROM index_batches WHERE id = ?",
+        (batch_id,),
     )
-    return rows[0] if rows else None
+    return shown_row(rows[0]) if rows else None  # what a host wrote is shown, never raised
 
 
 def batch_outcome(

@@ -73,3 +73,22 @@ def given_text(value: object, name: str) -> str:
             f"character {e.start}"
         ) from None
     return value
+
+
+def readable(column: str, name: str | None = None) -> str:
+    """SQL: `column` as apsw can always read it, named `name` (default: the column's own name,
+    without its table's alias). apsw raises UnicodeDecodeError on a TEXT value that is not
+    UTF-8, in any column a host wrote (`status`, `last_error`, even `chunk_count`), which
+    failed a whole listing: TEXT is read as its bytes, for `shown_row` to make text again;
+    any other value as it is."""
+    name = name or column.rsplit(".", 1)[-1]
+    return (
+        f"CASE WHEN typeof({column}) = 'text' THEN CAST({column} AS BLOB) ELSE {column} END "
+        f"AS {name}"
+    )
+
+
+def shown_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row read through `readable`, with its bytes (a TEXT's, or a host's BLOB) as text
+    (`shown`: U+FFFD where they are not UTF-8)."""
+    return {k: shown(v) if isinstance(v, bytes) else v for k, v in row.items()}

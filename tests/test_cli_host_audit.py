@@ -1,0 +1,128 @@
+"""`kidx` reading a database a careless host application wrote with plain SQL (foreign keys
+off, any value in any column): TEXT that is not UTF-8 in kidx's state, job, batch and chunk
+rows, and infinity (SQLite stores it) in integer columns. The read-only commands (`status`,
+`jobs`, `chunks`, `search --mode keyword`) show what is there, with U+FFFD for what is not
+text, and `--json` stays JSON a strict parser takes; never "unexpected UnicodeDecodeError ... (a
+bug in kidx)". The console script in a subprocess (`test_cli.Kidx`: no traceback on any
+stream); the HTTP stand-in as the provider; the host's writes through a bare apsw connection.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import apsw
+import pytest
+from test_cli import Kidx, base_env
+
+BAD = "CAST(x'ff41' AS TEXT)"  # TEXT whose first byte is no UTF-8: apsw cannot decode it
+
+
+@pytest.fixture
+def kidx(tmp_path: Path, standin) -> Kidx:
+    work = tmp_path / "work"
+    work.mkdir()
+    env = base_env(tmp_path / "kidx.db", standin.base_url) | {"KIDX_FILES__ROOTS": str(tmp_path)}
+    return Kidx(work, env, process=True)
+
+
+def host(db: Path, *statements: str) -> None:
+    """Plain SQL as a host runs it: foreign keys off, CHECK constraints not enforced."""
+    conn = apsw.Connection(str(db))
+    try:
+        conn.execute("PRAGMA foreign_keys = OFF")
+        conn.execute("PRAGMA ignore_check_constraints = ON")
+        for sql in statements:
+            conn.execute(sql)
+    finally:
+        conn.close()
+
+
+def strict_json(text: str) -> Any:
+    """JSON as a strict parser reads it: `Infinity` and `NaN` are no JSON."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def clean(result: Any, args: tuple[str, ...]) -> str:
+    """The run ended well, with no bug message; its stdout."""
+    shown = f"kidx {' '.join(args)}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    assert result.returncode == 0, shown
+    assert "bug in kidx" not in result.stderr, shown
+    return result.stdout
+
+
+def test_status_and_jobs_show_state_job_and_batch_text_that_is_not_utf8(kidx, tmp_path):
+    """A host's TEXT that is not UTF-8 in `item_index_state` (last_error, model, chunk_method,
+    even chunk_count), `index_jobs` and a running `index_batches` row: every listing failed
+    as a bug, for one bad row. Each is shown with U+FFFD; the rows beside it as they are."""
+    db = tmp_path / "kidx.db"
+    bad_item = kidx.add("Bad", "--text", "hello damaged state")
+    good_item = kidx.add("Good", "--text", "hello intact state")
+    host(
+        db,
+        f"UPDATE item_index_state SET status = 'failed', last_error = {BAD}, model = {BAD}, "
+        f"chunk_method = {BAD}, chunk_count = {BAD}, dimensions = 64 WHERE item_id = {bad_item}",
+        f"INSERT INTO index_batches(id, kind, state, total, abort_reason) "
+        f"VALUES (7, {BAD}, 'running', {BAD}, {BAD})",
+        "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, error, "
+        f"started_at) VALUES ({BAD}, 0, {BAD}, {bad_item}, 7, 'failed', {BAD}, '2026-01-02')",
+        "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, state, queued_at) "
+        f"VALUES ('queued-task', 0, 'GenerateEmbedding', {good_item}, 'queued', '2026-01-01')",
+    )
+    for args in (("status",), ("status", str(bad_item)), ("jobs",), ("jobs", "--batch", "7")):
+        assert "\ufffdA" in clean(kidx(*args), args), args
+
+    every = strict_json(clean(kidx("status", "--json"), ("status", "--json")))
+    states = {s["item_id"]: s for s in every}
+    assert states[bad_item]["last_error"] == "\ufffdA"
+    assert states[bad_item]["status"] == "failed"
+    assert states[good_item]["status"] == "pending"
+    one = strict_json(clean(kidx("status", str(bad_item), "--json"), ("status", "--json")))
+    assert one["model"] == "\ufffdA" and one["chunk_count"] == "\ufffdA"
+    counts = strict_json(clean(kidx("status", "--summary", "--json"), ("status", "--summary")))
+    assert counts["by_model"] == {"\ufffdA (64)": 1}
+    assert counts["by_chunk_method"].get("\ufffdA") == 1
+    [running] = counts["running_batches"]
+    assert running["kind"] == "\ufffdA" and running["total"] == "\ufffdA"
+
+    jobs = strict_json(clean(kidx("jobs", "--json"), ("jobs", "--json")))
+    # A job not started yet comes first (newest first, as before); the host's row after it.
+    assert [j["task_id"] for j in jobs] == ["queued-task", "\ufffdA"]
+    assert jobs[1]["error"] == "\ufffdA" and jobs[1]["item_id"] == bad_item
+    batch = strict_json(clean(kidx("jobs", "--batch", "7", "--json"), ("jobs", "--batch")))
+    assert batch["batch"]["abort_reason"] == "\ufffdA"
+    assert [j["task_id"] for j in batch["jobs"]] == ["\ufffdA"]
+
+
+def test_chunks_and_keyword_search_pass_over_a_chunk_place_that_is_not_utf8(kidx, tmp_path):
+    """A chunk whose offsets (or a code chunk whose lines) a host overwrote with TEXT that is
+    not UTF-8: `kidx chunks` failed as a bug, and so did every keyword search that ranked the
+    chunk, whatever else it found. `chunks` shows the value with U+FFFD; search leaves that
+    chunk out (it has no place to show it at) and returns the others."""
+    db = tmp_path / "kidx.db"
+    bad_item = kidx.add("Damaged", "--text", "lantern keeper of the damaged note", inline=True)
+    good_item = kidx.add("Intact", "--text", "lantern keeper of the intact note", inline=True)
+    source = tmp_path / "lamp.py"
+    source.write_text("def lantern():\n    return 'keeper'\n", encoding="utf-8")
+    code_item = int(kidx.ok("add", "code", str(source), "--inline").stdout)
+    host(
+        db,
+        f"UPDATE note_chunks SET start_offset = {BAD}, chunk_index = {BAD} "
+        f"WHERE item_id = {bad_item}",
+        f"UPDATE code_chunks SET start_line = {BAD} WHERE item_id = {code_item}",
+    )
+    rows = strict_json(clean(kidx("chunks", str(bad_item), "--json"), ("chunks",)))
+    assert [(r["chunk_index"], r["start_offset"]) for r in rows] == [("\ufffdA", "\ufffdA")]
+    assert "\ufffdA" in clean(kidx("chunks", str(bad_item)), ("chunks",))
+    [code] = strict_json(clean(kidx("chunks", str(code_item), "--json"), ("chunks", "code")))
+    assert code["summary"].endswith(":\ufffdA-2"), code
+    for chunks in ((), ("--chunks",)):
+        args = ("search", "lantern", "--mode", "keyword", *chunks, "--json")
+        hits = strict_json(clean(kidx(*args), args))
+        assert [h["item_id"] for h in hits] == [good_item], hits
