@@ -126,3 +126,33 @@ def test_chunks_and_keyword_search_pass_over_a_chunk_place_that_is_not_utf8(kidx
         args = ("search", "lantern", "--mode", "keyword", *chunks, "--json")
         hits = strict_json(clean(kidx(*args), args))
         assert [h["item_id"] for h in hits] == [good_item], hits
+
+
+def test_json_output_stays_json_when_a_host_stored_infinity(kidx, tmp_path):
+    """SQLite keeps 9e999 as infinity in an INTEGER column; `--json` wrote it as `Infinity`
+    (Python's json), which no strict JSON parser takes. It is null, as JSON.stringify makes
+    it; the table shows it as Python does (`inf`)."""
+    db = tmp_path / "kidx.db"
+    item = kidx.add("Endless", "--text", "a note that took forever", inline=True)
+    host(
+        db,
+        f"UPDATE item_index_state SET duration_ms = 9e999, dimensions = -9e999 "
+        f"WHERE item_id = {item}",
+        f"UPDATE note_chunks SET end_offset = 9e999 WHERE item_id = {item}",
+        "INSERT INTO index_batches(id, kind, state, total) VALUES (3, 'reindex', 'running', 9e999)",
+        "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
+        f"duration_ms) VALUES ('t', 0, 'GenerateEmbedding', {item}, 3, 'failed', 9e999)",
+    )
+    state = strict_json(clean(kidx("status", str(item), "--json"), ("status",)))
+    assert state["duration_ms"] is None and state["dimensions"] is None
+    strict_json(clean(kidx("status", "--json"), ("status",)))
+    counts = strict_json(clean(kidx("status", "--summary", "--json"), ("status", "--summary")))
+    assert counts["running_batches"][0]["total"] is None
+    [chunk] = strict_json(clean(kidx("chunks", str(item), "--json"), ("chunks",)))
+    assert chunk["end_offset"] is None and chunk["length"] is None
+    jobs = strict_json(clean(kidx("jobs", "--json"), ("jobs",)))
+    [job] = [j for j in jobs if j["task_id"] == "t"]
+    assert job["duration_ms"] is None
+    batch = strict_json(clean(kidx("jobs", "--batch", "3", "--json"), ("jobs", "--batch")))
+    assert batch["batch"]["total"] is None
+    assert "inf" in clean(kidx("status", str(item)), ("status",))

@@ -68,6 +68,20 @@ def printable(text: object) -> str:
     return _CONTROL.sub("\ufffd", str(text))
 
 
+def finite(data: Any) -> Any:
+    """`data` with every float that is not finite as None (null), as JavaScript's
+    JSON.stringify does: SQLite stores infinity (a host's 9e999 in `duration_ms` or
+    `chunk_index`), and json.dumps wrote it as `Infinity`, which is no JSON: a strict reader
+    of `--json` refused the whole output."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: finite(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [finite(v) for v in data]
+    return data
+
+
 def fit_width() -> None:
     """COLUMNS=0 (or a terminal a few columns wide) would blank every table: 80 instead."""
     for console in (out, err):
@@ -248,7 +262,8 @@ class Ctx:
         either way (a provider's error text may quote the key)."""
         if self.json:
             # ASCII (still the same JSON): a stdout whose encoding is not UTF-8 takes it.
-            click.echo(json.dumps(self.redact.scrub(data), ensure_ascii=True, default=str))
+            data = finite(self.redact.scrub(data))
+            click.echo(json.dumps(data, ensure_ascii=True, default=str))
         else:
             human()
 
