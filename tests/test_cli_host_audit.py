@@ -156,3 +156,25 @@ def test_json_output_stays_json_when_a_host_stored_infinity(kidx, tmp_path):
     batch = strict_json(clean(kidx("jobs", "--batch", "3", "--json"), ("jobs", "--batch")))
     assert batch["batch"]["total"] is None
     assert "inf" in clean(kidx("status", str(item)), ("status",))
+
+
+@pytest.mark.parametrize("key", ["schema_version", "instance"])
+def test_index_meta_text_that_is_not_utf8_is_said_not_raised(kidx, tmp_path, key):
+    """`index_meta`'s schema_version or instance overwritten with TEXT that is not UTF-8:
+    every command that opens the database failed as a bug, `kidx init` too. A schema_version
+    that is no number is refused naming it, as a number spelled wrong was; an instance name is
+    used as shown (every process decodes it alike, so all name the same Redis keys)."""
+    db = tmp_path / "kidx.db"
+    item = kidx.add("Note", "--text", "hello meta")
+    host(db, f"UPDATE index_meta SET value = {BAD} WHERE key = '{key}'")
+    for args in (("init",), ("status",), ("jobs",), ("search", "hello", "--mode", "keyword")):
+        result = kidx(*args)
+        assert "bug in kidx" not in result.stderr, (args, result.stderr)
+        if key == "schema_version":
+            assert result.returncode == 1, (args, result.stderr)
+            assert "has schema_version '\ufffdA' in index_meta, not a number" in result.stderr
+        else:
+            assert result.returncode == 0, (args, result.stderr)
+    if key == "instance":
+        [state] = strict_json(clean(kidx("status", "--json"), ("status",)))
+        assert state["item_id"] == item

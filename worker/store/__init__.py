@@ -121,8 +121,8 @@ def _refuse_foreign(path: Path, *, must_be_kidx: bool) -> None:
     try:
         names = [r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")]
         if "index_meta" in names:
-            row = conn.execute(
-                "SELECT value FROM index_meta WHERE key = 'schema_version'"
+            row = conn.execute(  # (not its value: a host's may not be UTF-8)
+                "SELECT 1 FROM index_meta WHERE key = 'schema_version'"
             ).fetchone()
             if row is not None:
                 return  # kidx's (schema_version says more, once open)

@@ -176,7 +176,9 @@ class Database:
         count), so that two kidx databases sharing a Redis never meet there, and a worker in a
         container and a CLI on the host, which see the file under two paths, always do."""
         if self._instance is None:
-            query = "SELECT value FROM index_meta WHERE key = 'instance'"
+            # As bytes: apsw cannot read a host's TEXT there that is not UTF-8 (every command
+            # failed as a bug); every process decodes them alike, so all name the same keys.
+            query = "SELECT CAST(value AS BLOB) FROM index_meta WHERE key = 'instance'"
             try:
                 with self.atomic():
                     self.execute(
@@ -188,6 +190,8 @@ class Database:
                 value = self.scalar(query) if self.table_exists("index_meta") else None
             if value is None:  # (only a database kidx could never write to)
                 value = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
+            if isinstance(value, bytes):
+                value = value.decode("utf-8", errors="replace")
             self._instance = str(value)[:64]  # a host may have written anything there
         return self._instance
 

@@ -474,14 +474,17 @@ def schema_version(db: Database) -> int:
     (StoreError): migrations decided on it would run against a schema nobody knows."""
     if not db.table_exists("index_meta"):
         return 0
-    value = db.scalar("SELECT value FROM index_meta WHERE key = 'schema_version'")
+    # As bytes: apsw cannot read a host's TEXT that is not UTF-8 (every command failed as a
+    # bug), and a BLOB's digits are the number they spell, not "b'13'".
+    value = db.scalar("SELECT CAST(value AS BLOB) FROM index_meta WHERE key = 'schema_version'")
     if value is None:
         return 0
+    text = bytes(value).decode("utf-8", errors="replace")
     try:
-        return int(str(value).strip())
+        return int(text.strip())
     except ValueError:
         raise StoreError(
-            f"{db.path} has schema_version {str(value)[:40]!r} in index_meta, not a number: "
+            f"{db.path} has schema_version {text[:40]!r} in index_meta, not a number: "
             "not a kidx database, or damaged (restore a backup)"
         ) from None
 
