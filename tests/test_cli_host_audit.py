@@ -17,6 +17,8 @@ import apsw
 import pytest
 from test_cli import Kidx, base_env
 
+from stack import SPARE_DB, broker_url, flush
+
 BAD = "CAST(x'ff41' AS TEXT)"  # TEXT whose first byte is no UTF-8: apsw cannot decode it
 
 
@@ -178,3 +180,25 @@ def test_index_meta_text_that_is_not_utf8_is_said_not_raised(kidx, tmp_path, key
     if key == "instance":
         [state] = strict_json(clean(kidx("status", "--json"), ("status",)))
         assert state["item_id"] == item
+
+
+def test_retry_failed_passes_over_a_failed_state_row_of_no_item(kidx, tmp_path):
+    """A host's `item_index_state` row marked failed for an item that is not there (written by
+    hand, foreign keys off): `kidx retry --failed` refused the whole retry with "no item with
+    id 999" and sent nothing. The failed items that are there are sent; the row is the
+    sweep's. (The tasks go to a Redis database of this test's own, emptied after it.)"""
+    db = tmp_path / "kidx.db"
+    item = kidx.add("Failed", "--text", "hello failed")
+    host(
+        db,
+        f"UPDATE item_index_state SET status = 'failed' WHERE item_id = {item}",
+        "INSERT INTO item_index_state(item_id, status) VALUES (999, 'failed')",
+    )
+    broker = {"KIDX_BROKER_URL": broker_url(SPARE_DB)}
+    try:
+        sent = strict_json(clean(kidx("retry", "--failed", "--json", env=broker), ("retry",)))
+    finally:
+        flush(SPARE_DB)
+    assert sent["items"] == 1, sent
+    [job] = strict_json(clean(kidx("jobs", "--json"), ("jobs",)))
+    assert job["item_id"] == item and job["state"] == "queued"

@@ -219,10 +219,14 @@ def retry(
     ids = list(dict.fromkeys(items))
     with ctx.store() as db:
         if failed:
+            # The failed items that are there: a state row a host left for no item (written
+            # by hand, or its item deleted with the trigger gone) refused the whole retry with
+            # "no item with id N"; the reconcile sweep removes such rows.
             ids = [
                 r[0]
                 for r in db.all(
-                    "SELECT item_id FROM item_index_state WHERE status = 'failed' ORDER BY item_id"
+                    "SELECT s.item_id FROM item_index_state s JOIN knowledge_items i "
+                    "ON i.id = s.item_id WHERE s.status = 'failed' ORDER BY s.item_id"
                 )
             ]
         for item_id in ids:
