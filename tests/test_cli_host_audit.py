@@ -202,3 +202,19 @@ def test_retry_failed_passes_over_a_failed_state_row_of_no_item(kidx, tmp_path):
     assert sent["items"] == 1, sent
     [job] = strict_json(clean(kidx("jobs", "--json"), ("jobs",)))
     assert job["item_id"] == item and job["state"] == "queued"
+
+
+def test_reindex_all_sends_a_batch_beside_an_item_whose_kind_is_not_utf8(kidx, tmp_path):
+    """An item whose `kind` a host overwrote with TEXT that is not UTF-8 (CHECK constraints
+    not enforced): `kidx reindex --all` failed as a bug before any batch was made, for every
+    item. The batch is sent; that item goes to a group, which refuses it and counts it."""
+    db = tmp_path / "kidx.db"
+    bad = kidx.add("Bad kind", "--text", "hello kind")
+    kidx.add("Good kind", "--text", "hello note")
+    host(db, f"UPDATE knowledge_items SET kind = {BAD} WHERE id = {bad}")
+    broker = {"KIDX_BROKER_URL": broker_url(SPARE_DB)}
+    try:
+        sent = strict_json(clean(kidx("reindex", "--all", "--json", env=broker), ("reindex",)))
+    finally:
+        flush(SPARE_DB)
+    assert sent["items"] == 2 and sent["tasks"] >= 1, sent
