@@ -1,10 +1,13 @@
-"""`kidx` reading a database a careless host application wrote with plain SQL (foreign keys
-off, any value in any column): TEXT that is not UTF-8 in kidx's state, job, batch and chunk
-rows, and infinity (SQLite stores it) in integer columns. The read-only commands (`status`,
+"""`kidx` on a database a careless host application wrote with plain SQL (foreign keys off,
+CHECK constraints not enforced, any value in any column): TEXT that is not UTF-8 in kidx's
+state, job, batch, chunk and index_meta rows and in an item's kind or title, infinity (SQLite
+stores it) in integer columns, a state row of no item. The read-only commands (`status`,
 `jobs`, `chunks`, `search --mode keyword`) show what is there, with U+FFFD for what is not
-text, and `--json` stays JSON a strict parser takes; never "unexpected UnicodeDecodeError ... (a
-bug in kidx)". The console script in a subprocess (`test_cli.Kidx`: no traceback on any
-stream); the HTTP stand-in as the provider; the host's writes through a bare apsw connection.
+text, and `--json` stays JSON a strict parser takes; `init`, `add`, `retry --failed` and
+`reindex --all` do their work beside such rows; none fails with "unexpected UnicodeDecodeError
+... (a bug in kidx)". The console script in a subprocess (`test_cli.Kidx`: no traceback on any
+stream); the HTTP stand-in as the provider; the host's writes through a bare apsw connection;
+tasks sent go to a Redis database of the tests' own (SPARE_DB), emptied after each.
 """
 
 from __future__ import annotations
@@ -218,3 +221,30 @@ def test_reindex_all_sends_a_batch_beside_an_item_whose_kind_is_not_utf8(kidx, t
     finally:
         flush(SPARE_DB)
     assert sent["items"] == 2 and sent["tasks"] >= 1, sent
+
+
+def test_add_again_of_a_source_whose_title_is_not_utf8_reuses_its_item(kidx, tmp_path):
+    """A URL item whose title a host wrote as TEXT that is not UTF-8: adding the URL again
+    (`kidx add url`, with or without --title) failed as a bug. The item is the same one; a
+    --title given replaces the title."""
+    db = tmp_path / "kidx.db"
+    url = "https://example.com/host-title"
+    kidx.ok("init")
+    host(
+        db,
+        f"INSERT INTO knowledge_items(id, kind, title, source) VALUES (5, 'url', {BAD}, '{url}')",
+    )
+    broker = {"KIDX_BROKER_URL": broker_url(SPARE_DB)}
+    try:
+        again = clean(kidx("add", "url", url, env=broker), ("add", "url"))
+        titled = clean(kidx("add", "url", url, "--title", "Fixed", env=broker), ("add", "url"))
+    finally:
+        flush(SPARE_DB)
+    assert again.split() == ["5"] and titled.split() == ["5"]
+    conn = apsw.Connection(str(db))
+    try:
+        assert conn.execute("SELECT title FROM knowledge_items WHERE id = 5").fetchall() == [
+            ("Fixed",)
+        ]
+    finally:
+        conn.close()

@@ -21,13 +21,15 @@ def _item_for(db: Any, kind: str, title: str, source: str, *, retitle: bool = Fa
     from worker.store.items import NOW, add_item
     from worker.store.text import given_text
 
+    # The title as bytes: a host's TEXT there that is not UTF-8 failed the add as a bug.
     row = db.one(
-        "SELECT id, title FROM knowledge_items WHERE kind = ? AND source = ?", (kind, source)
+        "SELECT id, CAST(title AS BLOB) FROM knowledge_items WHERE kind = ? AND source = ?",
+        (kind, source),
     )
     if row is None:
         return add_item(db, kind=kind, title=title, content="", source=source)
     item_id = int(row[0])
-    if retitle and row[1] != title:
+    if retitle and row[1] != title.encode("utf-8"):
         with db.atomic():  # a trigger makes the item pending: the index takes the new title
             db.execute(
                 f"UPDATE knowledge_items SET title = ?, updated_at = {NOW} WHERE id = ?",
