@@ -39,6 +39,7 @@ from worker.store import VEC_TABLES, Database, resolve_dimensions, vec_table_dim
 from worker.store.fts import FTS_TABLES, fts_counts, fts_intact
 from worker.store.removal import leftovers
 from worker.store.schema import SCHEMA_VERSION, schema_version
+from worker.store.text import shown
 
 DEFAULT_TIMEOUT = 5.0
 # A WAL past this is not being checkpointed (workers cut it back to 16 MB once emptied; a bulk
@@ -260,12 +261,14 @@ def check_keywords(settings: Settings, timeout: float) -> str:
 
 def check_failed(settings: Settings, timeout: float) -> str:
     with _store(settings, timeout) as db:
+        # The error as bytes: a host's TEXT there that is not UTF-8 made this check report
+        # apsw's UnicodeDecodeError in place of the failed items.
         rows = db.all(
-            "SELECT item_id, last_error FROM item_index_state WHERE status = 'failed' "
-            "ORDER BY updated_at DESC"
+            "SELECT item_id, CAST(last_error AS BLOB) FROM item_index_state "
+            "WHERE status = 'failed' ORDER BY updated_at DESC"
         )
     if rows:
-        last = f" (last: {rows[0][1]})" if rows[0][1] else ""
+        last = f" (last: {shown(rows[0][1])})" if rows[0][1] else ""
         raise Fail(
             f"{_n(len(rows), 'item')} failed to index{last}",
             "see `kidx jobs --failed`, then `kidx retry --failed`",
@@ -278,8 +281,9 @@ def check_stuck(settings: Settings, timeout: float) -> str:
     older = "(julianday('now') - julianday({})) * 86400 > ?"
     with _store(settings, timeout) as db:
         runs = db.all(
-            "SELECT DISTINCT item_id FROM index_jobs WHERE state = 'started' AND "
-            + older.format("started_at"),
+            # (an item id that is no integer, a host's, as NULL: it may be TEXT apsw cannot read)
+            "SELECT DISTINCT CASE WHEN typeof(item_id) = 'integer' THEN item_id END "
+            "FROM index_jobs WHERE state = 'started' AND " + older.format("started_at"),
             (limit,),
         )
         items = db.all(

@@ -2,7 +2,7 @@
 CHECK constraints not enforced, any value in any column): TEXT that is not UTF-8 in kidx's
 state, job, batch, chunk and index_meta rows and in an item's kind or title, infinity (SQLite
 stores it) in integer columns, a state row of no item. The read-only commands (`status`,
-`jobs`, `chunks`, `search --mode keyword`) show what is there, with U+FFFD for what is not
+`jobs`, `chunks`, `search --mode keyword`, `doctor`) show what is there, with U+FFFD for what is not
 text, and `--json` stays JSON a strict parser takes; `init`, `add`, `retry --failed` and
 `reindex --all` do their work beside such rows; none fails with "unexpected UnicodeDecodeError
 ... (a bug in kidx)". The console script in a subprocess (`test_cli.Kidx`: no traceback on any
@@ -248,3 +248,24 @@ def test_add_again_of_a_source_whose_title_is_not_utf8_reuses_its_item(kidx, tmp
         ]
     finally:
         conn.close()
+
+
+def test_doctor_reports_failed_and_stuck_items_whose_rows_hold_text_that_is_not_utf8(
+    kidx, tmp_path
+):
+    """A failed item whose last_error a host wrote as TEXT that is not UTF-8, and a job row
+    started long ago whose item id is such TEXT: `kidx doctor`'s `failed` and `stuck` checks
+    said "UnicodeDecodeError: ... see the message" in place of what they check. They count the
+    failed item (its error with U+FFFD) and the stuck run."""
+    db = tmp_path / "kidx.db"
+    item = kidx.add("Failed", "--text", "hello doctor")
+    host(
+        db,
+        f"UPDATE item_index_state SET status = 'failed', last_error = {BAD} WHERE item_id = {item}",
+        "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, state, started_at) "
+        f"VALUES ('stuck', 0, 'GenerateEmbedding', {BAD}, 'started', '2000-01-01')",
+    )
+    result = kidx("doctor", "--json", "--timeout", "1", env={"KIDX_FLOWER__PORT": "1"})
+    checks = {c["check"]: c for c in strict_json(result.stdout)}
+    assert checks["failed"]["detail"] == "1 item failed to index (last: \ufffdA)", checks["failed"]
+    assert checks["stuck"]["detail"].startswith("stuck: 1 run started"), checks["stuck"]
