@@ -1,13 +1,14 @@
 """`kidx` on a database a careless host application wrote with plain SQL (foreign keys off,
 CHECK constraints not enforced, any value in any column): TEXT that is not UTF-8 in kidx's
 state, job, batch, chunk and index_meta rows and in an item's kind or title, infinity (SQLite
-stores it) in integer columns, a state row of no item. The read-only commands (`status`,
-`jobs`, `chunks`, `search --mode keyword`, `doctor`) show what is there, with U+FFFD for what is not
-text, and `--json` stays JSON a strict parser takes; `init`, `add`, `retry --failed` and
-`reindex --all` do their work beside such rows; none fails with "unexpected UnicodeDecodeError
-... (a bug in kidx)". The console script in a subprocess (`test_cli.Kidx`: no traceback on any
-stream); the HTTP stand-in as the provider; the host's writes through a bare apsw connection;
-tasks sent go to a Redis database of the tests' own (SPARE_DB), emptied after each.
+stores it) in integer columns, a state row of no item, an item at the largest id. The
+read-only commands (`status`, `jobs`, `chunks`, `search --mode keyword`, `doctor`) show what is
+there, with U+FFFD for what is not text, and `--json` stays JSON a strict parser takes;
+`init`, `add`, `retry --failed` and `reindex --all` do their work beside such rows, or say
+what is wrong; none fails with "unexpected UnicodeDecodeError ... (a bug in kidx)". The
+console script in a subprocess (`test_cli.Kidx`: no traceback on any stream); the HTTP stand-in
+as the provider; the host's writes through a bare apsw connection; tasks sent go to a Redis
+database of the tests' own (SPARE_DB), emptied after each.
 """
 
 from __future__ import annotations
@@ -269,3 +270,26 @@ def test_doctor_reports_failed_and_stuck_items_whose_rows_hold_text_that_is_not_
     checks = {c["check"]: c for c in strict_json(result.stdout)}
     assert checks["failed"]["detail"] == "1 item failed to index (last: \ufffdA)", checks["failed"]
     assert checks["stuck"]["detail"].startswith("stuck: 1 run started"), checks["stuck"]
+
+
+def test_add_after_a_host_took_the_largest_id_says_ids_are_used_up_not_the_disk(kidx, tmp_path):
+    """A host's item at id 2**63 - 1 leaves AUTOINCREMENT no id to give: `kidx add note`
+    failed with "the disk holding ... is full", and the disk had room. It says the ids are used
+    up and what to do; done, the next add works."""
+    db = tmp_path / "kidx.db"
+    kidx.add("First", "--text", "hello first")
+    host(
+        db,
+        "INSERT INTO knowledge_items(id, kind, title, content) "
+        f"VALUES ({2**63 - 1}, 'note', 'Last', 'hello last')",
+    )
+    result = kidx("add", "note", "--title", "Next", "--text", "hello next")
+    assert result.returncode == 1, result.stderr
+    assert "no item id left to give" in result.stderr and "disk" not in result.stderr
+    host(
+        db,
+        f"UPDATE knowledge_items SET id = 1000 WHERE id = {2**63 - 1}",
+        "UPDATE sqlite_sequence SET seq = (SELECT max(id) FROM knowledge_items) "
+        "WHERE name = 'knowledge_items'",
+    )
+    assert kidx.add("Next", "--text", "hello next") == 1001

@@ -6,8 +6,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+import apsw
+
 from worker.chunking.base import ChunkMethod, text_hash
-from worker.errors import InvalidInput, ItemNotFound
+from worker.errors import InvalidInput, ItemNotFound, StoreError
 from worker.store.db import Database
 from worker.store.schema import ITEM_KINDS
 from worker.store.text import NotText, given_text, readable, shown, shown_row, strict
@@ -186,16 +188,34 @@ def add_item(
     if kind == "note" and not content.strip():
         raise InvalidInput("the note is empty")
     with db.atomic():
-        item_id = db.scalar(
-            "INSERT INTO knowledge_items(kind, title, source, content, content_hash) "
-            "VALUES (?, ?, ?, ?, ?) RETURNING id",
-            (kind, title, source, content, text_hash(content)),
-        )
+        try:
+            item_id = db.scalar(
+                "INSERT INTO knowledge_items(kind, title, source, content, content_hash) "
+                "VALUES (?, ?, ?, ?, ?) RETURNING id",
+                (kind, title, source, content, text_hash(content)),
+            )
+        except apsw.FullError:
+            _ids_used_up(db)
+            raise
         # A state row a host left under this id (ids are never reused, but a host may write
         # any row) is not this item's.
         db.execute("DELETE FROM item_index_state WHERE item_id = ?", (item_id,))
         db.execute("INSERT INTO item_index_state(item_id) VALUES (?)", (item_id,))
     return int(item_id)
+
+
+def _ids_used_up(db: Database) -> None:
+    """StoreError when SQLITE_FULL on adding an item means that its ids are used up, not the
+    disk: a host's row at the largest id, 2**63 - 1, leaves AUTOINCREMENT no id to give (ever
+    after, even once the row is gone, as `sqlite_sequence` keeps it), and "the disk holding
+    the database is full" sent the user to look at a disk with room to spare."""
+    last = db.scalar("SELECT seq FROM sqlite_sequence WHERE name = 'knowledge_items'")
+    if last == 2**63 - 1:
+        raise StoreError(
+            "no item id left to give: knowledge_items has had an item with the largest id "
+            "SQLite holds (9223372036854775807, written by a host); give that row a smaller id, "
+            "then set sqlite_sequence's seq for knowledge_items to the largest id left"
+        )
 
 
 def get_item(db: Database, item_id: int, *, content: bool = True) -> Item:
