@@ -191,7 +191,11 @@ def _search_code(
         if len(hits) == k:
             break
         row = db.one(  # an item a host turned into a note keeps these until the sweep
-            "SELECT c.item_id, CAST(c.path AS BLOB), c.start_line, c.end_line, "
+            # A line that is no integer as NULL: a host's TEXT there that is not UTF-8, which
+            # apsw cannot read, failed the whole search
+            "SELECT c.item_id, CAST(c.path AS BLOB), "
+            "CASE WHEN typeof(c.start_line) = 'integer' THEN c.start_line END, "
+            "CASE WHEN typeof(c.end_line) = 'integer' THEN c.end_line END, "
             "CAST(c.content AS BLOB) FROM code_chunks c "
             "JOIN knowledge_items i ON i.id = c.item_id AND i.kind = 'code' WHERE c.id = ?",
             (chunk_id,),
