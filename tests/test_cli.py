@@ -784,3 +784,32 @@ def test_on_a_terminal_index_shows_a_progress_bar_and_a_summary(tmp_path, standi
         r"4 items in \d+\.\d s: 4 indexed; \d+ chunks \(\d+ embedded, 0 reused\)", text
     )
     assert "[KI Embed]" not in text and '{"' not in text, text
+
+
+def test_an_item_asked_to_run_again_during_an_inline_run_runs_again_only_if_it_changed(
+    db, embedder, tmp_path
+):
+    """`kidx index --inline` runs once more the items another run asked for while it held
+    them: it compared the indexed hash `get_state` never returns, so every item asked ran
+    again, a URL fetched again, though nothing had changed."""
+    from ops.cli.engine import _changed
+    from worker.bulk import index_item
+    from worker.store.items import add_item
+
+    still = add_item(db, kind="note", title="Still", content="Nothing changes here.")
+    edited = add_item(db, kind="note", title="Edited", content="The first text.")
+    renamed = add_item(db, kind="note", title="Renamed", content="A title is embedded too.")
+    for item in (still, edited, renamed):
+        assert index_item(db, item, embedder=embedder).status == "indexed"
+    path = tmp_path / "f.txt"
+    path.write_text("a file's text is read by its run")
+    file = add_item(db, kind="file", title="f.txt", content="", source=str(path))
+    db.execute("UPDATE knowledge_items SET content = 'The second text.' WHERE id = ?", (edited,))
+    db.execute("UPDATE knowledge_items SET title = 'Named anew' WHERE id = ?", (renamed,))
+    assert [_changed(db, i) for i in (still, edited, renamed, file, 10**6)] == [
+        False,
+        True,
+        True,
+        True,
+        False,
+    ]

@@ -304,16 +304,20 @@ def _locked_group(
     return results
 
 
-def _changed(db: Any, item_id: int) -> bool:
-    from worker.chunking import text_hash
-    from worker.store.items import get_item, get_state
+# An item another run asked to run again while this one held it, that still needs it: what the
+# reconcile sweep calls `changed` or `pending` (an edit's trigger clears `content_hash` and sets
+# the state `pending`; a title is in what is embedded), or any item but a note (a file's or
+# URL's text is read only by its run). `get_state` has no `indexed_hash`: every item asked was
+# run again, a URL fetched again, though nothing had changed.
+_STILL_WANTED = """SELECT 1 FROM knowledge_items i LEFT JOIN item_index_state s ON s.item_id = i.id
+    WHERE i.id = ? AND (CAST(i.kind AS BLOB) IS NOT CAST('note' AS BLOB)
+    OR coalesce(CAST(s.status AS BLOB), CAST('pending' AS BLOB)) IS NOT CAST('indexed' AS BLOB)
+    OR i.content_hash IS NULL OR s.indexed_hash IS NULL
+    OR CAST(i.content_hash AS BLOB) IS NOT CAST(s.indexed_hash AS BLOB))"""
 
-    try:
-        item = get_item(db, item_id)
-    except KidxError:
-        return False
-    content_hash = item.content_hash or text_hash(item.content)
-    return get_state(db, item_id).get("indexed_hash") != content_hash
+
+def _changed(db: Any, item_id: int) -> bool:
+    return db.one(_STILL_WANTED, (item_id,)) is not None
 
 
 @command(cli)
