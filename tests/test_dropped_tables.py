@@ -230,3 +230,28 @@ def _connect(db_path: Path, emb_settings: EmbeddingSettings) -> object:
         return "opened"
     except Exception as e:
         return e
+
+
+@pytest.mark.parametrize("version", range(13))
+def test_a_schema_version_set_back_runs_the_migrations_again_and_keeps_every_row(
+    version: int, db_path, emb_settings, embedder
+) -> None:
+    """A version older than the tables (a host's write, a file restored beside newer tables)
+    runs the migrations again. Those of comment-led ADD COLUMNs (3, 4) were not seen as done
+    and failed every connection: `duplicate column name: queued_at`."""
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        indexed(db, embedder)
+        counts = {t: db.scalar(f"SELECT count(*) FROM {t}") for t in DERIVED + SOURCE_TABLES}
+    finally:
+        db.close()
+    as_host(db_path, f"UPDATE index_meta SET value = '{version}' WHERE key = 'schema_version'")
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        assert db.scalar("SELECT value FROM index_meta WHERE key = 'schema_version'") == "13"
+        assert {t: db.scalar(f"SELECT count(*) FROM {t}") for t in counts} == counts
+        assert mirror_problems(db) == []
+        hits = search_chunks(db, "Zebra migration on the plains.", embedder, k=3).hits
+        assert hits and hits[0].title == "Zebras"
+    finally:
+        db.close()

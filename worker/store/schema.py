@@ -535,14 +535,17 @@ def migrate(db: Database) -> int:
     return SCHEMA_VERSION
 
 
-_ADD_COLUMN = re.compile(r"ALTER\s+TABLE\s+(\w+)\s+ADD\s+COLUMN\s+(\w+)", re.IGNORECASE)
+# At a line's start: a statement may begin with the comment lines above it.
+_ADD_COLUMN = re.compile(
+    r"^\s*ALTER\s+TABLE\s+(\w+)\s+ADD\s+COLUMN\s+(\w+)", re.IGNORECASE | re.MULTILINE
+)
 
 
 def _column_there(db: Database, statement: str) -> bool:
     """Whether `statement` adds a column the table has already: SQLite has no `ADD COLUMN IF
     NOT EXISTS`, and a database whose recorded version is older than its tables (restored
     from a copy, or set back by hand) runs its migrations again."""
-    m = _ADD_COLUMN.match(statement.strip())
+    m = _ADD_COLUMN.search(statement)  # (`match` missed the comment-led ones: migrations 3, 4)
     if m is None:
         return False
     table, column = m.groups()
