@@ -255,3 +255,65 @@ def test_a_schema_version_set_back_runs_the_migrations_again_and_keeps_every_row
         assert hits and hits[0].title == "Zebras"
     finally:
         db.close()
+
+
+@pytest.mark.parametrize(
+    ("table", "column"),
+    [
+        ("note_chunks", "content"),
+        ("note_chunks", "item_id"),  # named by the triggers of knowledge_items
+        ("item_index_state", "indexed_hash"),
+        ("note_chunk_embeddings", "vector"),
+        ("index_jobs", "queued_at"),
+    ],
+)
+def test_a_derived_table_a_host_took_a_column_from_is_made_again(
+    table: str, column: str, db_path: Path, emb_settings: EmbeddingSettings, embedder
+) -> None:
+    """`ALTER TABLE ... RENAME COLUMN` (or DROP COLUMN) on a derived table failed every run
+    with `no such column`; a rename also rewrote the triggers that name the column, so they
+    failed too once the table had its column again."""
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        items = indexed(db, embedder)
+    finally:
+        db.close()
+    as_host(db_path, f"ALTER TABLE {table} RENAME COLUMN {column} TO renamed_by_host")
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        columns = {r[1] for r in db.all(f"PRAGMA table_info({table})")}
+        assert column in columns and "renamed_by_host" not in columns
+        drift = reconcile(db, model=embedder.model_id, max_items=100)
+        for item in drift.to_index:
+            assert index_item(db, item, embedder=embedder).status == "indexed"
+        counts = dict(db.all("SELECT item_id, chunk_count FROM item_index_state"))
+        chunks = dict(db.all("SELECT item_id, count(*) FROM note_chunks GROUP BY item_id"))
+        assert chunks == counts and set(chunks) == set(items.values())
+        assert mirror_problems(db) == []
+        db.execute("DELETE FROM knowledge_items WHERE id = ?", (items["long"],))  # its triggers
+        assert (
+            db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (items["long"],)) == 0
+        )
+        hits = search_chunks(db, "Zebra migration on the plains.", embedder, k=3).hits
+        assert [h.item_id for h in hits] == [items["short"]]
+    finally:
+        db.close()
+
+
+def test_a_source_table_a_host_took_a_column_from_is_refused_naming_it(
+    db_path, emb_settings, embedder
+) -> None:
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        indexed(db, embedder)
+    finally:
+        db.close()
+    as_host(db_path, "ALTER TABLE knowledge_items RENAME COLUMN content TO body")
+    with pytest.raises(StoreError, match=r"knowledge_items lacks content .*restore a backup"):
+        connect(db_path, embedding=emb_settings)
+    conn = apsw.Connection(str(db_path))
+    try:  # nothing was dropped or rewritten
+        assert conn.execute("SELECT count(*) FROM note_chunks").fetchone()[0] > 1
+        assert conn.execute("SELECT count(*) FROM knowledge_items").fetchone()[0] == 2
+    finally:
+        conn.close()

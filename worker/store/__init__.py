@@ -74,7 +74,8 @@ def connect(
         migrate(db)
         if restored := restore_dropped(db):
             log.warning(
-                "kidx's tables dropped outside kidx were created again: the sweep refills them",
+                "kidx's tables, indexes or triggers dropped or altered outside kidx were made "
+                "again: the sweep refills them",
                 restored=restored,
             )
         db.instance()  # named once, by whichever process opens it first

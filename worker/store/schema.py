@@ -604,17 +604,66 @@ def _reference() -> tuple[tuple[str, str, str, str], ...]:
 def restore_dropped(db: Database) -> list[str]:
     """Create again kidx's tables, indexes and triggers that a host dropped (a `DROP TABLE
     note_chunks` made every later sweep and task fail on `no such table`); returns their names.
-    A derived table comes back empty and the reconcile sweep indexes what it held again. A
-    dropped source table (SOURCE_TABLES) is a StoreError naming it; so is a name kidx needs that
-    another object has taken (a host's view called `note_chunks`)."""
-    if not _missing(db):
+    A derived table comes back empty and the reconcile sweep indexes what it held again; so
+    does one a host took a column from (renamed or dropped: `no such column` at every run),
+    with every trigger made again (a rename rewrites the triggers that name the column). A
+    dropped or altered source table (SOURCE_TABLES) is a StoreError naming it; so is a name
+    kidx needs that another object has taken (a host's view called `note_chunks`)."""
+    if not _missing(db) and not _altered(db):
         return []
-    with db.atomic():  # again, under the write lock: another process may have made them
-        missing = _missing(db)
-        _refuse_lost(db, missing)
-        for _, _, _, sql in missing:
-            db.execute(sql)
+    db.execute("PRAGMA foreign_keys = OFF")  # a DROP must not delete through the cascades
+    try:
+        with db.atomic():  # again, under the write lock: another process may have made them
+            altered = _altered(db)
+            _refuse_altered(db, altered)
+            for table in altered:
+                db.execute(f'DROP TABLE "{table}"')
+            if altered:
+                for _, name, _, _ in (r for r in _reference() if r[0] == "trigger"):
+                    db.execute(f'DROP TRIGGER IF EXISTS "{name}"')
+            missing = _missing(db)
+            _refuse_lost(db, missing)
+            for _, _, _, sql in missing:
+                db.execute(sql)
+    finally:
+        db.execute("PRAGMA foreign_keys = ON")
     return [n for _, n, _, _ in missing]
+
+
+@functools.cache
+def _columns() -> dict[str, frozenset[str]]:
+    """The columns of each of kidx's tables as the migrations make them."""
+    ref = Database(":memory:")
+    try:
+        migrate(ref)
+        tables = [n for t, n, _, _ in _reference() if t == "table"]
+        return {t: frozenset(r[1] for r in ref.all(f'PRAGMA table_info("{t}")')) for t in tables}
+    finally:
+        ref.close()
+
+
+def _altered(db: Database) -> dict[str, list[str]]:
+    """kidx's tables that lack columns kidx made (a host renamed or dropped them): the names of
+    those columns, per table. Columns a host added are its own."""
+    want = _columns()
+    have: dict[str, set[str]] = {}
+    for table, column in db.all(
+        "SELECT m.name, p.name FROM sqlite_schema m, pragma_table_info(m.name) p "
+        f"WHERE m.type = 'table' AND m.name IN ({', '.join('?' * len(want))})",
+        list(want),
+    ):
+        have.setdefault(table, set()).add(column)
+    return {t: sorted(want[t] - cols) for t, cols in have.items() if want[t] - cols}
+
+
+def _refuse_altered(db: Database, altered: dict[str, list[str]]) -> None:
+    lost = {t: cols for t, cols in altered.items() if t in SOURCE_TABLES}
+    if lost:
+        shown = "; ".join(f"{t} lacks {', '.join(cols)}" for t, cols in sorted(lost.items()))
+        raise StoreError(
+            f"{db.path}: {shown} (renamed or dropped outside kidx?): what it holds cannot be "
+            "made again; put the column back as it was, or restore a backup"
+        )
 
 
 def _missing(db: Database) -> list[tuple[str, str, str, str]]:
