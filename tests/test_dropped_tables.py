@@ -63,6 +63,21 @@ def indexed(db: Database, embedder) -> dict[str, int]:
     return items
 
 
+def indexed_file(db_path: Path, emb_settings: EmbeddingSettings, embedder) -> dict[str, int]:
+    """`indexed` in a database of its own, closed again before the host's SQL."""
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        return indexed(db, embedder)
+    finally:
+        db.close()
+
+
+def swept(db: Database, embedder) -> None:
+    """A reconcile sweep, then a run of every item it sends."""
+    for item in reconcile(db, model=embedder.model_id, max_items=100).to_index:
+        assert index_item(db, item, embedder=embedder).status == "indexed"
+
+
 def test_every_kidx_table_is_derived_or_a_source() -> None:
     """The two lists below cover kidx's tables: a new table must be put in one of them."""
     ref = Database(":memory:")
@@ -86,18 +101,12 @@ def test_every_kidx_table_is_derived_or_a_source() -> None:
 def test_a_dropped_derived_table_comes_back_and_the_sweep_refills_it(
     table: str, db_path: Path, emb_settings: EmbeddingSettings, embedder
 ) -> None:
-    db = connect(db_path, embedding=emb_settings)
-    try:
-        items = indexed(db, embedder)
-    finally:
-        db.close()
+    items = indexed_file(db_path, emb_settings, embedder)
     as_host(db_path, f"DROP TABLE {table}")
     db = connect(db_path, embedding=emb_settings)
     try:
         assert db.table_exists(table)
-        drift = reconcile(db, model=embedder.model_id, max_items=100)
-        for item in drift.to_index:
-            assert index_item(db, item, embedder=embedder).status == "indexed"
+        swept(db, embedder)
         states = dict(db.all("SELECT item_id, status FROM item_index_state"))
         assert states == {items["short"]: "indexed", items["long"]: "indexed"}
         chunks = dict(db.all("SELECT item_id, count(*) FROM note_chunks GROUP BY item_id"))
@@ -115,11 +124,7 @@ def test_a_dropped_derived_table_comes_back_and_the_sweep_refills_it(
 def test_a_dropped_index_and_trigger_come_back(db_path, emb_settings, embedder) -> None:
     """Without `knowledge_items_content_changed`, a host's edit left the item `indexed` with
     the old text for good."""
-    db = connect(db_path, embedding=emb_settings)
-    try:
-        items = indexed(db, embedder)
-    finally:
-        db.close()
+    items = indexed_file(db_path, emb_settings, embedder)
     as_host(
         db_path,
         "DROP TRIGGER knowledge_items_content_changed",
@@ -273,19 +278,13 @@ def test_a_derived_table_a_host_took_a_column_from_is_made_again(
     """`ALTER TABLE ... RENAME COLUMN` (or DROP COLUMN) on a derived table failed every run
     with `no such column`; a rename also rewrote the triggers that name the column, so they
     failed too once the table had its column again."""
-    db = connect(db_path, embedding=emb_settings)
-    try:
-        items = indexed(db, embedder)
-    finally:
-        db.close()
+    items = indexed_file(db_path, emb_settings, embedder)
     as_host(db_path, f"ALTER TABLE {table} RENAME COLUMN {column} TO renamed_by_host")
     db = connect(db_path, embedding=emb_settings)
     try:
         columns = {r[1] for r in db.all(f"PRAGMA table_info({table})")}
         assert column in columns and "renamed_by_host" not in columns
-        drift = reconcile(db, model=embedder.model_id, max_items=100)
-        for item in drift.to_index:
-            assert index_item(db, item, embedder=embedder).status == "indexed"
+        swept(db, embedder)
         counts = dict(db.all("SELECT item_id, chunk_count FROM item_index_state"))
         chunks = dict(db.all("SELECT item_id, count(*) FROM note_chunks GROUP BY item_id"))
         assert chunks == counts and set(chunks) == set(items.values())
@@ -303,11 +302,7 @@ def test_a_derived_table_a_host_took_a_column_from_is_made_again(
 def test_a_source_table_a_host_took_a_column_from_is_refused_naming_it(
     db_path, emb_settings, embedder
 ) -> None:
-    db = connect(db_path, embedding=emb_settings)
-    try:
-        indexed(db, embedder)
-    finally:
-        db.close()
+    indexed_file(db_path, emb_settings, embedder)
     as_host(db_path, "ALTER TABLE knowledge_items RENAME COLUMN content TO body")
     with pytest.raises(StoreError, match=r"knowledge_items lacks content .*restore a backup"):
         connect(db_path, embedding=emb_settings)
