@@ -39,7 +39,7 @@ from worker.store import VEC_TABLES, Database, resolve_dimensions, vec_table_dim
 from worker.store.fts import FTS_TABLES, fts_counts, fts_intact
 from worker.store.removal import leftovers
 from worker.store.schema import SCHEMA_VERSION, schema_version
-from worker.store.text import shown
+from worker.store.text import integer_or_null, shown
 
 DEFAULT_TIMEOUT = 5.0
 # A WAL past this is not being checkpointed (workers cut it back to 16 MB once emptied; a bulk
@@ -282,7 +282,7 @@ def check_stuck(settings: Settings, timeout: float) -> str:
     with _store(settings, timeout) as db:
         runs = db.all(
             # (an item id that is no integer, a host's, as NULL: it may be TEXT apsw cannot read)
-            "SELECT DISTINCT CASE WHEN typeof(item_id) = 'integer' THEN item_id END "
+            f"SELECT DISTINCT {integer_or_null('item_id')} "
             "FROM index_jobs WHERE state = 'started' AND " + older.format("started_at"),
             (limit,),
         )

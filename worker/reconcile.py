@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass, field
 from worker.store.db import Database
 from worker.store.fts import sync_fts
 from worker.store.items import NOW
-from worker.store.jobs import batch_outcome, integer_or_null
+from worker.store.jobs import batch_outcome
 from worker.store.removal import remove_leftovers
 from worker.store.repair import repair_vectors
+from worker.store.text import integer_or_null
 from worker.store.vec import set_meta, sound
 
 # Items a sweep must not send: a task for them is queued or running, or waits for its retry's

@@ -52,7 +52,7 @@ from worker.providers.base import EmbeddingModel
 from worker.settings import SearchSettings
 from worker.store.db import Database
 from worker.store.fts import NOTES, keyword_query
-from worker.store.text import shown
+from worker.store.text import integer_or_null, shown
 from worker.store.vec import VEC, sound, vec_table_dimensions
 
 SNIPPET = 160
@@ -587,17 +587,13 @@ def _load(
                 loaded[chunk_id] = hit
 
 
-def _int(column: str) -> str:
-    """SQL: `column` when it holds an integer, else NULL: apsw raises UnicodeDecodeError on a
-    host's TEXT there that is not UTF-8, which failed the whole search (`_hit` leaves out a
-    chunk whose place is no integer)."""
-    return f"CASE WHEN typeof({column}) = 'integer' THEN {column} END"
-
-
+# A chunk's place as NULL when it is no integer (`_hit` leaves that chunk out): a host's TEXT
+# there that is not UTF-8, which apsw cannot read, failed the whole search.
 _HIT_COLUMNS = (
     "c.id, c.item_id, CAST(i.title AS BLOB), i.kind, CAST(i.source AS BLOB), "
-    f"{_int('c.chunk_index')}, CAST(c.headings AS BLOB), {_int('c.start_offset')}, "
-    f"{_int('c.end_offset')}, CAST(c.content AS BLOB)"
+    f"{integer_or_null('c.chunk_index')}, CAST(c.headings AS BLOB), "
+    f"{integer_or_null('c.start_offset')}, "
+    f"{integer_or_null('c.end_offset')}, CAST(c.content AS BLOB)"
 )
 
 

@@ -23,7 +23,7 @@ from worker.store.db import Database
 from worker.store.fts import CODE, fts_write_item, keyword_query
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
-from worker.store.text import shown
+from worker.store.text import integer_or_null, shown
 from worker.store.vec import VEC, mirror_ready, vec_delete
 
 SNIPPET = 160
@@ -194,8 +194,7 @@ def _search_code(
             # A line that is no integer as NULL: a host's TEXT there that is not UTF-8, which
             # apsw cannot read, failed the whole search
             "SELECT c.item_id, CAST(c.path AS BLOB), "
-            "CASE WHEN typeof(c.start_line) = 'integer' THEN c.start_line END, "
-            "CASE WHEN typeof(c.end_line) = 'integer' THEN c.end_line END, "
+            f"{integer_or_null('c.start_line')}, {integer_or_null('c.end_line')}, "
             "CAST(c.content AS BLOB) FROM code_chunks c "
             "JOIN knowledge_items i ON i.id = c.item_id AND i.kind = 'code' WHERE c.id = ?",
             (chunk_id,),

@@ -12,7 +12,7 @@ from typing import Any
 
 from worker.store.db import Database
 from worker.store.items import NOW, Status, mark_not_run
-from worker.store.text import readable, shown_row
+from worker.store.text import integer_or_null, readable, shown_row
 
 
 class JobState(enum.StrEnum):
@@ -49,13 +49,6 @@ JOB_COLUMNS = (
     "duration_ms",
     "error",
 )
-
-
-def integer_or_null(column: str) -> str:
-    """SQL: a job row's id column (an item's, a batch's, an attempt) when it is an integer,
-    else NULL: a host may write any bytes there, and TEXT that is not UTF-8 apsw cannot even
-    read."""
-    return f"CASE WHEN typeof({column}) = 'integer' THEN {column} END"
 
 
 def record_queued(

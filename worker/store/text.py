@@ -75,6 +75,13 @@ def given_text(value: object, name: str) -> str:
     return value
 
 
+def integer_or_null(column: str) -> str:
+    """SQL: `column` when it holds an integer, else NULL: a host may write any bytes in an id,
+    a line or an offset, and TEXT that is not UTF-8 apsw cannot even read (it failed a whole
+    search or sweep)."""
+    return f"CASE WHEN typeof({column}) = 'integer' THEN {column} END"
+
+
 def readable(column: str, name: str | None = None) -> str:
     """SQL: `column` as apsw can always read it, named `name` (default: the column's own name,
     without its table's alias). apsw raises UnicodeDecodeError on a TEXT value that is not
