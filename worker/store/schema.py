@@ -583,9 +583,10 @@ SOURCE_TABLES = ("index_meta", "knowledge_items", "memories")
 
 
 @functools.cache
-def _reference() -> tuple[tuple[str, str, str, str], ...]:
-    """kidx's tables, indexes and triggers as the migrations leave a new database: (type,
-    name, table, sql). The keyword tables are left out: `sync_fts` makes and mends those."""
+def _made() -> tuple[tuple[tuple[str, str, str, str], ...], dict[str, frozenset[str]]]:
+    """kidx's tables, indexes and triggers as the migrations leave a new database (type, name,
+    table, sql; the keyword tables left out: `sync_fts` makes and mends those), and the
+    columns of each table; from one database in memory."""
     ref = Database(":memory:")
     try:
         migrate(ref)
@@ -593,12 +594,22 @@ def _reference() -> tuple[tuple[str, str, str, str], ...]:
             "SELECT type, name, tbl_name, sql FROM sqlite_schema WHERE sql IS NOT NULL "
             "AND type IN ('table', 'index', 'trigger') AND name NOT LIKE 'sqlite_%'"
         )
+        fts = tuple(t.name for t in FTS_TABLES)
+        order = {"table": 0, "index": 1, "trigger": 2}
+        kept = [r for r in rows if not str(r[2]).startswith(fts)]
+        objects = tuple(sorted(kept, key=lambda r: (order[r[0]], r[1])))
+        columns = {
+            n: frozenset(r[1] for r in ref.all(f'PRAGMA table_info("{n}")'))
+            for t, n, _, _ in objects
+            if t == "table"
+        }
     finally:
         ref.close()
-    fts = tuple(t.name for t in FTS_TABLES)
-    order = {"table": 0, "index": 1, "trigger": 2}
-    kept = [r for r in rows if not str(r[2]).startswith(fts)]
-    return tuple(sorted(kept, key=lambda r: (order[r[0]], r[1])))
+    return objects, columns
+
+
+def _reference() -> tuple[tuple[str, str, str, str], ...]:
+    return _made()[0]
 
 
 def restore_dropped(db: Database) -> list[str]:
@@ -630,22 +641,10 @@ def restore_dropped(db: Database) -> list[str]:
     return [n for _, n, _, _ in missing]
 
 
-@functools.cache
-def _columns() -> dict[str, frozenset[str]]:
-    """The columns of each of kidx's tables as the migrations make them."""
-    ref = Database(":memory:")
-    try:
-        migrate(ref)
-        tables = [n for t, n, _, _ in _reference() if t == "table"]
-        return {t: frozenset(r[1] for r in ref.all(f'PRAGMA table_info("{t}")')) for t in tables}
-    finally:
-        ref.close()
-
-
 def _altered(db: Database) -> dict[str, list[str]]:
     """kidx's tables that lack columns kidx made (a host renamed or dropped them): the names of
     those columns, per table. Columns a host added are its own."""
-    want = _columns()
+    want = _made()[1]
     have: dict[str, set[str]] = {}
     for table, column in db.all(
         "SELECT m.name, p.name FROM sqlite_schema m, pragma_table_info(m.name) p "
