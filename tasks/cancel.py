@@ -8,8 +8,9 @@ SIGTERM, mid-write. So:
   running task looks between steps, then calls Celery's handler (which keeps revokes of queued
   tasks, and with `--statedb` across restarts).
 * While a task runs, SIGTERM sets a flag instead of killing it mid-write: the run stops at its
-  next step (within one provider call), rolls back, and the task marks itself REVOKED. With no
-  task running, SIGTERM does what it always did.
+  next step (a provider call in flight ends within a quarter second of it, one through a proxy
+  at its timeout), rolls back, and the task marks itself REVOKED. With no task running, SIGTERM
+  does what it always did.
 * The check also covers waiting: a provider's backoff sleeps on the token, not on time.sleep.
 * A task revoked while queued or reserved never reaches kidx code: Celery discards it. Its
   `task_revoked` signal (in the worker's main process) records what its run would have: its
@@ -96,6 +97,11 @@ class RunScope:
 
     def __init__(self) -> None:
         self.token: CancelToken | None = None
+
+    def cancelled(self) -> bool:
+        """Whether the run under way was cancelled (a provider's call in flight looks)."""
+        token = self.token
+        return token is not None and token()
 
     def sleep(self, seconds: float) -> None:
         token = self.token

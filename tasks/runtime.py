@@ -63,7 +63,7 @@ def build_runtime(settings: Settings) -> Runtime:
         _share_cpus(settings.tasks.concurrency)
     db = open_store(settings)
     scope = RunScope()
-    hooks = Hooks(sleep=scope.sleep, observe=observe_provider)
+    hooks = Hooks(sleep=scope.sleep, observe=observe_provider, cancelled=scope.cancelled)
     return Runtime(
         settings=settings,
         db=db,

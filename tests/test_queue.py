@@ -205,6 +205,26 @@ def test_kidx_cancel_revokes_a_running_task_and_keeps_the_previous_index(stack):
     assert not [x for x in lines if x.get("task_id") == task_id and x["level"] == "error"]
 
 
+def test_kidx_cancel_ends_a_provider_call_in_flight_not_at_its_answer(stack):
+    """The stand-in holds its answer past any wait here (the provider's timeout is 10 s): the
+    run ends at the cancellation, within the quarter second the call looks at it."""
+    item = stack.note("Held", "A note whose embedding the provider holds.")
+    seen = stack.standin.requests
+    stack.standin.delay = 9.0
+    try:
+        task_id = enqueue(stack.db, item, app=stack.app)
+        wait_for(lambda: stack.standin.requests > seen, 30, "the run to reach the provider")
+        out = stack.kidx("cancel", task_id)
+        assert out.returncode == 0, out.stderr
+        result = stack.app.AsyncResult(task_id)
+        wait_for(lambda: result.state == "REVOKED", 4, "REVOKED before the provider answers")
+    finally:
+        stack.standin.delay = 0
+    assert stack.state(item)["status"] == "cancelled"
+    assert stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
+    assert stack.standin.requests == seen + 1  # not retried
+
+
 def test_a_queued_revoked_task_never_runs_even_after_a_worker_restart(stack):
     item = stack.note("Never", "A note that is never indexed.")
     due = time.monotonic() + 6

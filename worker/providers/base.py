@@ -20,11 +20,14 @@ from worker.errors import BadAnswer
 @dataclass(frozen=True)
 class Hooks:
     """What the caller gives a provider when it builds it, rather than patching a built one:
-    how to wait before a retry (a wait that a cancellation can end) and where the time of each
-    call goes (`observe(kind, seconds)`, kind `embedding` or `chat`: metrics)."""
+    how to wait before a retry (a wait that a cancellation can end), whether the run is
+    cancelled (`cancelled()`: a call in flight then ends within a fraction of a second rather
+    than at the provider's timeout) and where the time of each call goes (`observe(kind,
+    seconds)`, kind `embedding` or `chat`: metrics)."""
 
     sleep: Callable[[float], None] = time.sleep
     observe: Callable[[str, float], None] | None = None
+    cancelled: Callable[[], bool] | None = None
 
 
 class EmbeddingModel(ABC):

@@ -90,6 +90,7 @@ class ChatModel:
             log_prefix=CHUNK,
             client=client,
             sleep=self.hooks.sleep,
+            cancel=self.hooks.cancelled,
             rand=rand,
             max_answer_bytes=max_answer_bytes(settings.window),
         )

@@ -333,7 +333,9 @@ def _error_detail(data: bytes, secrets: Sequence[str] = ()) -> tuple[str, str]:
 
 
 class JSONClient:
-    """POST JSON, get JSON, with retries; `sleep` may be replaced (a cancellable wait)."""
+    """POST JSON, get JSON, with retries; `sleep` may be replaced (a cancellable wait), and
+    `cancel` ends a call in flight (Cancelled) when it turns true (it is looked at every
+    quarter second of a wait; a client through a proxy waits on httpx's own timeouts)."""
 
     def __init__(
         self,
@@ -343,10 +345,12 @@ class JSONClient:
         log_prefix: str,
         client: httpx.Client | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        cancel: Callable[[], bool] | None = None,
         rand: Callable[[], float] = random.random,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         self.settings = settings
+        self.cancel = cancel
         self.max_answer_bytes = max_answer_bytes
         self.sleep = sleep
         self._rand = rand
@@ -384,7 +388,8 @@ class JSONClient:
             wait = None
             try:
                 with (
-                    net.deadline(s.timeout),  # in all: a server trickling bytes included
+                    # in all (a server trickling bytes included), and cut by a cancellation
+                    net.deadline(s.timeout, self.cancel),
                     self.client.stream(
                         "POST", path, content=content, headers=JSON_HEADERS
                     ) as response,

@@ -62,6 +62,7 @@ class OpenAIEmbeddings(EmbeddingModel):
             log_prefix=KI_EMBED,
             client=client,
             sleep=self.hooks.sleep,
+            cancel=self.hooks.cancelled,
             rand=rand,
             # a batch of float vectors may be big (2048 x 16000 dimensions as JSON numbers)
             max_answer_bytes=max(MAX_ANSWER_BYTES, self.batch_size * (dimensions or 16000) * 24),
