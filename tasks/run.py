@@ -89,6 +89,7 @@ class Run:
             chat=rt.chat,
             reader=rt.reader,
             chunk_window=self.settings.chunk.window,
+            chunk_deadline=self.settings.chunk.deadline,
             structure_only=structure_only,
             cancel=self.token,
             task_id=self.task_id,

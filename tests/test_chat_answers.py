@@ -96,7 +96,7 @@ class Broken:
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
-    def complete_json(self, messages: Any, *, schema: Any, name: str) -> Any:
+    def complete_json(self, messages: Any, *, schema: Any, name: str, until: Any = None) -> Any:
         raise self.error
 
 

@@ -191,7 +191,7 @@ class _Counting:
     def __init__(self) -> None:
         self.sizes: list[int] = []
 
-    def complete_json(self, messages, *, schema, name):
+    def complete_json(self, messages, *, schema, name, until=None):
         body = messages[-1]["content"]
         self.sizes.append(len(body))
         n = int(re.search(r"cut into (\d+) numbered", body)[1])

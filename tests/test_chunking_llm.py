@@ -4,13 +4,14 @@ the chat API over real HTTP (scripted answers, faults), and the structural fallb
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import structlog
 
 from conftest import CORPUS, corpus_text
-from testkit.standin_chat import ChatReply
+from testkit.standin_chat import ChatReply, automatic_chunks
 from worker.bulk import index_item
 from worker.chunking.llm import SUMMARY_MAX, units_of, windows_of
 from worker.indexers import IndexOptions
@@ -345,3 +346,74 @@ def test_a_junk_cached_row_and_a_failing_chunk_model_fall_back_to_structure(
     assert result.status == "indexed" and result.chunk_method == "structure"
     assert "HTTP 500" in result.fallback
     assert_exact_and_covering(text, rows(db, item))
+
+
+# -- the deadline of LLM chunking (KIDX_CHUNK__DEADLINE) --------------------------------------
+
+
+@pytest.fixture
+def patient_chat(standin) -> Iterator[ChatModel]:
+    """A chunk model that would wait a minute for an answer: only the deadline cuts sooner."""
+    model = ChatModel(
+        ChunkSettings(
+            model="standin-chat",
+            base_url=standin.base_url,
+            timeout=60,
+            max_retries=2,
+            backoff=30,
+            backoff_max=30,
+        ),
+        rand=lambda: 1.0,  # every backoff its whole 30 s
+    )
+    yield model
+    model.close()
+
+
+def test_llm_chunking_past_its_deadline_falls_back_and_keeps_the_answers_it_had(
+    db, embedder, patient_chat, standin
+):
+    """The second window's answer is held far past the deadline: the call in flight is cut
+    at it, the item is chunked structurally (indexed, the reason kept), the chat model is not
+    counted as failing, and the next run asks only the windows not answered yet."""
+    text = corpus_text(CHAPTER)
+    windows = len(windows_of(text, 6000))
+    item = add_item(db, kind="note", title="Ownership", content=text)
+    standin.chat.script = [automatic_chunks, ChatReply(delay=30, content="{}")]
+    options = IndexOptions(chat=patient_chat, chunk_deadline=1.0)
+    started = time.monotonic()
+    result = index_item(db, item, embedder=embedder, options=options)
+    assert time.monotonic() - started < 10  # not the held answer's 30 s, nor the timeout
+    assert result.status == "indexed" and result.chunk_method == "structure"
+    assert f"1 of {windows} windows answered" in result.fallback
+    assert "KIDX_CHUNK__DEADLINE" in get_state(db, item)["last_error"]
+    assert {c["method"] for c in rows(db, item)} == {"structure"}
+    assert standin.chat.requests == 2
+    assert patient_chat.streak.current()[0] == 0  # the model is not taken for failing
+    standin.chat.script = []  # the automatic model answers at once
+    again = index_item(db, item, embedder=embedder, options=options)
+    assert again.chunk_method == "llm" and again.fallback is None
+    assert standin.chat.requests == 2 + windows - 1  # the first window's answer was kept
+
+
+def test_a_retry_that_would_wait_past_the_deadline_is_not_waited_for(
+    db, embedder, patient_chat, standin
+):
+    item = add_item(db, kind="note", title="T", content=corpus_text("ch04-03-slices.md"))
+    standin.chat.fail_status, standin.chat.fail_times = 503, 1  # then it would answer
+    started = time.monotonic()
+    result = index_item(
+        db, item, embedder=embedder, options=IndexOptions(chat=patient_chat, chunk_deadline=2.0)
+    )
+    assert time.monotonic() - started < 10  # the 30 s backoff was not slept
+    assert result.chunk_method == "structure" and "KIDX_CHUNK__DEADLINE" in result.fallback
+    assert standin.chat.requests == 1
+
+
+def test_without_a_deadline_a_slow_answer_is_waited_for(db, embedder, patient_chat, standin):
+    text = "First paragraph of a short note.\n\nSecond paragraph, a little longer than that."
+    item = add_item(db, kind="note", title="T", content=text)
+    standin.chat.delay = 1.5
+    result = index_item(
+        db, item, embedder=embedder, options=IndexOptions(chat=patient_chat, chunk_deadline=30)
+    )
+    assert result.chunk_method == "llm" and standin.chat.requests == 1

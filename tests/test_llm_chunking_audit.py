@@ -156,7 +156,9 @@ class AnyBoundaries:
     def __init__(self, seed: int) -> None:
         self.rand = random.Random(seed)
 
-    def complete_json(self, messages: list[dict[str, str]], *, schema: Any, name: str) -> Any:
+    def complete_json(
+        self, messages: list[dict[str, str]], *, schema: Any, name: str, until: Any = None
+    ) -> Any:
         n = int(re.search(r"cut into (\d+) numbered units", messages[-1]["content"])[1])
         ends = sorted({*self.rand.sample(range(1, n), self.rand.randint(0, n - 1)), n})
         starts = [1, *(e + 1 for e in ends[:-1])]

@@ -39,6 +39,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "KIDX_CHUNK__BASE_URL": standin.base_url,
             "KIDX_CHUNK__TIMEOUT": "120",
             "KIDX_CHUNK__MAX_RETRIES": "0",
+            # past the soft limit, as an operator may set it: the limit comes first
+            "KIDX_CHUNK__DEADLINE": "600",
         }
         return Stack(tmp, standin, env=env)
 
@@ -64,6 +66,36 @@ def test_the_soft_time_limit_during_llm_chunking_fails_the_run_not_falls_back(st
     job = stack.db.scalar("SELECT error FROM index_jobs WHERE task_id = ?", (result.id,))
     assert f"ran over the soft time limit of {SOFT_LIMIT} s" in job  # the task's
     assert stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
+
+
+def test_llm_chunking_past_its_deadline_falls_back_in_a_worker_before_the_limit(stack, tmp_path):
+    """A worker whose chunk deadline comes before its soft time limit: the same held answer
+    ends in structural chunks, the item indexed, the deadline named as the reason."""
+    env = {
+        "KIDX_TASKS__SOFT_TIME_LIMIT": "30",
+        "KIDX_TASKS__TIME_LIMIT": "60",
+        "KIDX_CHUNK__MODEL": "standin-chat",
+        "KIDX_CHUNK__BASE_URL": stack.standin.base_url,
+        "KIDX_CHUNK__TIMEOUT": "120",
+        "KIDX_CHUNK__MAX_RETRIES": "0",
+        "KIDX_CHUNK__DEADLINE": "1",
+    }
+    flush(SPARE_DB)
+    beside = Stack(tmp_path, stack.standin, worker="deadline", env=env, redis_db=SPARE_DB)
+    stack.standin.chat.delay = 600
+    try:
+        item = beside.note("Slow chunking", "A note to chunk with the model. " * 30)
+        chats = stack.standin.chat.requests
+        result = beside.app.AsyncResult(enqueue_note(beside.db, item, app=beside.app))
+        assert result.get(timeout=30)["status"] == "indexed"
+        state = beside.state(item)
+        assert state["chunk_method"] == "structure"
+        assert "KIDX_CHUNK__DEADLINE" in state["last_error"], state
+        assert stack.standin.chat.requests == chats + 1
+    finally:
+        stack.standin.chat.delay = 0
+        beside.close()
+        flush(SPARE_DB)
 
 
 @pytest.mark.model

@@ -11,6 +11,7 @@
     ├── KeyConflict              a key kidx uses in Redis holds another program's value
     ├── ProviderError            an embedding or chat provider failed
     │   ├── TransientProviderError   retrying later may help: 408/409/429/5xx, timeouts, resets
+    │   ├── OutOfTime                the caller's time for the call ran out: not the provider's
     │   └── PermanentProviderError   retrying cannot help: 400/401/403, exhausted quota
     │       └── BadAnswer            the answer was unusable: wrong count, dimension, non-finite
     └── IndexAborted             too many vectors failed in a row; the previous index is intact
@@ -75,6 +76,10 @@ class ProviderError(KidxError):
 
 class TransientProviderError(ProviderError):
     """The provider failed in a way that may pass: retry later."""
+
+
+class OutOfTime(ProviderError):
+    """The time its caller gave a call ran out: says nothing of the provider's health."""
 
 
 class PermanentProviderError(ProviderError):

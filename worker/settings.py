@@ -365,6 +365,10 @@ class ChunkSettings(HTTPProviderSettings):
     timeout: float = Field(default=60.0, gt=0, le=DAY)
     max_retries: int = Field(default=2, ge=0, le=20)
     window: int = Field(default=6000, ge=1000, le=100_000)  # characters shown per request
+    # What LLM chunking of one item may take in all, its calls and their retries: past it the
+    # item falls back to structure (the answers received are kept for its next run). Keep it
+    # well under KIDX_TASKS__SOFT_TIME_LIMIT, which fails the item instead.
+    deadline: float = Field(default=240.0, gt=0, le=DAY)
     # After `down_after` calls in a row failed transiently the model is taken for down for
     # `cool_down` seconds (worker/providers/chat.py): items fall back to structure at once.
     down_after: int = Field(default=3, ge=1, le=1000)

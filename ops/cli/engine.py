@@ -268,6 +268,7 @@ def _locked_group(
         chat=chat,
         reader=ctx.reader(),
         chunk_window=ctx.settings.chunk.window,
+        chunk_deadline=ctx.settings.chunk.deadline,
         structure_only=structure_only,
         context_chars=ctx.settings.embedding.context_chars,
     )

@@ -16,7 +16,8 @@ index. Here:
 * Every answer is validated (shape, ids in range, ascending, covering the window without gaps or
   overlaps, no rewritten text); an invalid one is asked for once more with the reason; then, or on
   a refusal, a timeout or an HTTP error, `ChunkingFailed` says why and the caller falls back to
-  structural chunking.
+  structural chunking. So it does once the text's `deadline` has passed (the call in flight is
+  cut at it): a slow model costs an item some seconds, never its soft time limit.
 * Answers are cached by (model, hash of the window's units): unchanged text never calls the model
   again, and its chunks do not reshuffle. A cached answer is validated as a fresh one is: a
   row that does not fit (junk a host or an older version wrote) is a miss, not an error.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ from worker.chunking.structure import (
     fence_context,
     safe_cut,
 )
-from worker.errors import BadAnswer, Cancelled, KidxError, ProviderError
+from worker.errors import BadAnswer, Cancelled, KidxError, OutOfTime, ProviderError
 from worker.store.text import without_lone_surrogates
 
 PROMPT_VERSION = "1"
@@ -97,7 +99,12 @@ class ChatModelLike(Protocol):
     model_id: str
 
     def complete_json(
-        self, messages: list[dict[str, str]], *, schema: dict[str, Any], name: str
+        self,
+        messages: list[dict[str, str]],
+        *,
+        schema: dict[str, Any],
+        name: str,
+        until: float | None = None,
     ) -> Any: ...
 
 
@@ -334,12 +341,14 @@ def _summary(value: Any) -> str | None:
 
 @dataclass
 class LLMChunker:
-    """The chat model, its answer cache, and a cancellation check, for `chunk_llm`."""
+    """The chat model, its answer cache, a cancellation check and the seconds one text may
+    take in all (`deadline`: the calls in flight are cut at it), for `chunk_llm`."""
 
     model: ChatModelLike
     cache: BoundaryCache | None = None
     window: int = 6000
     cancel: Callable[[], bool] | None = None
+    deadline: float | None = None
     calls: int = 0  # chat calls made (cache hits make none)
 
 
@@ -348,28 +357,47 @@ def chunk_llm(text: str, llm: LLMChunker) -> list[Chunk]:
     lay = scan(text)
     spans: list[tuple[int, int, str | None]] = []
     starts: list[int] = []
-    for window in windows_of(text, llm.window, lay):
+    windows = windows_of(text, llm.window, lay)
+    until = None if llm.deadline is None else time.monotonic() + llm.deadline
+    for done, window in enumerate(windows):
         if llm.cancel is not None and llm.cancel():
             raise Cancelled("cancelled")
-        for s, e, summary in _window_chunks(text, window, llm):
+        try:
+            chunks = _window_chunks(text, window, llm, until)
+        except OutOfTime:
+            raise ChunkingFailed(
+                f"the chunk model did not finish within {llm.deadline:g} s "
+                f"(KIDX_CHUNK__DEADLINE): {done} of {len(windows)} windows answered, "
+                "kept for the next run"
+            ) from None
+        for s, e, summary in chunks:
             a, b = _trimmed(text, window.units[s - 1].start, window.units[e - 1].end)
             spans.append((a, b, summary))
         starts.extend(u.start for u in window.units)
     return _finish(text, _merge_small(spans, len(text.strip())), lay, starts)
 
 
-def _window_chunks(text: str, window: Window, llm: LLMChunker) -> list[tuple[int, int, str | None]]:
+def _window_chunks(
+    text: str, window: Window, llm: LLMChunker, until: float | None
+) -> list[tuple[int, int, str | None]]:
+    """The window's boundaries, cached or asked for before `until` (OutOfTime past it)."""
     model_id = llm.model.model_id
     cached = _cached(text, window, llm)
     if cached is not None:
         return cached
     reason = ""
     for attempt in range(2):
+        if until is not None and time.monotonic() >= until:
+            raise OutOfTime("no time left to ask the chunk model")
         llm.calls += 1
         messages = prompt(text, window, reason or None)
         try:
-            answer = llm.model.complete_json(messages, schema=SCHEMA, name="chunk_boundaries")
+            answer = llm.model.complete_json(
+                messages, schema=SCHEMA, name="chunk_boundaries", until=until
+            )
             chunks = validate(answer, text, window)
+        except OutOfTime:
+            raise
         except BadAnswer as e:
             reason = _said(e)
             if attempt == 0:  # once more, saying what was wrong

@@ -37,6 +37,7 @@ class IndexOptions:
     chat: ChatModelLike | None = None  # the chunk model (LLM chunking; structure without)
     reader: Reader = field(default_factory=Reader)  # files, URLs and code: roots and limits
     chunk_window: int = 6000  # characters the chunk model is shown a request
+    chunk_deadline: float | None = None  # seconds LLM chunking of an item may take in all
     structure_only: bool = False  # no chunk model for this run
     cancel: CancelCheck | None = None  # true once the run is cancelled
     task_id: str | None = None  # recorded with the item's state

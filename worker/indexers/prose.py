@@ -33,7 +33,11 @@ class Prose(Indexer):
         llm = None
         if options.chat is not None and not options.structure_only:
             llm = LLMChunker(
-                options.chat, SqliteBoundaryCache(db), options.chunk_window, options.cancel
+                options.chat,
+                SqliteBoundaryCache(db),
+                options.chunk_window,
+                options.cancel,
+                deadline=options.chunk_deadline,
             )
         # (only a hint for where to cut: a host's row of another type is left out, its bytes
         # are read as text to show)

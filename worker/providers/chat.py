@@ -102,10 +102,17 @@ class ChatModel:
         self.down_until = 0.0  # a `clock` time; 0: not taken for down
 
     def complete_json(
-        self, messages: list[dict[str, str]], *, schema: dict[str, Any], name: str
+        self,
+        messages: list[dict[str, str]],
+        *,
+        schema: dict[str, Any],
+        name: str,
+        until: float | None = None,
     ) -> Any:
         """The JSON object the model answered (its time reported to the hooks); `ChatDown`
-        without a request while the model is taken for down."""
+        without a request while the model is taken for down; `OutOfTime` at `until` (a
+        `time.monotonic()` instant; the call in flight is cut), which is not counted against
+        the model."""
         failed, last = self.streak.current()
         if failed >= self.down_after and self.clock() < self.down_until:
             left = self.down_until - self.clock()
@@ -115,7 +122,7 @@ class ChatModel:
             )
         started = time.perf_counter()
         try:
-            answer = self._complete_json(messages, schema=schema, name=name)
+            answer = self._complete_json(messages, schema=schema, name=name, until=until)
         except TransientProviderError as e:
             if self.streak.failed(str(e)) >= self.down_after:
                 self.down_until = self.clock() + self.cool_down
@@ -131,7 +138,12 @@ class ChatModel:
                 self.hooks.observe("chat", time.perf_counter() - started)
 
     def _complete_json(
-        self, messages: list[dict[str, str]], *, schema: dict[str, Any], name: str
+        self,
+        messages: list[dict[str, str]],
+        *,
+        schema: dict[str, Any],
+        name: str,
+        until: float | None,
     ) -> Any:
         """Asked with `temperature: 0` and the schema while the server takes them; a 400 or 422
         that refuses one (its own message says which: not the model's name or URL) is asked
@@ -148,7 +160,7 @@ class ChatModel:
             else:
                 body["response_format"] = {"type": "json_object"}
             try:
-                return self._content(self.http.post("/chat/completions", body))
+                return self._content(self.http.post("/chat/completions", body, until=until))
             except ProviderHTTPError as e:
                 said = str(e).removeprefix(self.http.where)
                 if e.status not in (400, 422):

@@ -34,6 +34,7 @@ from worker import net
 from worker.errors import (
     BadAnswer,
     InvalidInput,
+    OutOfTime,
     PermanentProviderError,
     TransientProviderError,
 )
@@ -373,9 +374,17 @@ class JSONClient:
         self.where = f"{model} at {safe_url(settings.base_url)}"
         self._secrets = _credentials(settings)
 
-    def post(self, path: str, body: dict[str, Any], *, max_answer_bytes: int | None = None) -> Any:
+    def post(
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        max_answer_bytes: int | None = None,
+        until: float | None = None,
+    ) -> Any:
         """The JSON answer to `body`; `max_answer_bytes`: a tighter bound on the answer than
-        the client's (what this request can need), never a looser one."""
+        the client's (what this request can need), never a looser one; `until`: the
+        `time.monotonic()` instant past which no attempt goes on and none is made (OutOfTime)."""
         s = self.settings
         limit = self.max_answer_bytes
         if max_answer_bytes is not None:
@@ -386,10 +395,15 @@ class JSONClient:
         wait: float | None = None
         for attempt in range(attempts):
             wait = None
+            budget = s.timeout
+            if until is not None:
+                budget = min(budget, until - time.monotonic())
+                if budget <= 0:
+                    raise OutOfTime(f"{self.where}: no time left for another attempt ({cause})")
             try:
                 with (
                     # in all (a server trickling bytes included), and cut by a cancellation
-                    net.deadline(s.timeout, self.cancel),
+                    net.deadline(budget, self.cancel),
                     self.client.stream(
                         "POST", path, content=content, headers=JSON_HEADERS
                     ) as response,
@@ -413,10 +427,13 @@ class JSONClient:
                         data = b""  # an error answer cut short: its status says enough
             except BodyIncomplete as e:
                 cause = f"the answer was cut short ({e})"
-            except httpx.ConnectTimeout:
-                cause = f"connect timed out after {s.connect_timeout:g}s"
-            except httpx.TimeoutException:
-                cause = f"timed out after {s.timeout:g}s"
+            except httpx.TimeoutException as e:
+                if until is not None and budget < s.timeout and time.monotonic() >= until - 0.01:
+                    raise OutOfTime(f"{self.where}: cut at its caller's deadline") from None
+                if isinstance(e, httpx.ConnectTimeout):
+                    cause = f"connect timed out after {s.connect_timeout:g}s"
+                else:
+                    cause = f"timed out after {s.timeout:g}s"
             except httpx.TransportError as e:  # its text may quote a header or the URL
                 cause = mask(f"connection failed ({type(e).__name__}: {e})", self._secrets)
             else:
@@ -442,6 +459,8 @@ class JSONClient:
             if attempt + 1 < attempts:
                 if wait is None:
                     wait = backoff_delay(attempt, s.backoff, s.backoff_max, self._rand())
+                if until is not None and time.monotonic() + wait >= until:
+                    raise OutOfTime(f"{self.where}: no time left to retry after {cause}")
                 log.warning(
                     f"{self._prefix} provider call failed, retrying",
                     provider=self.where,
