@@ -5,7 +5,7 @@ stores it) in integer columns, a state row of no item, an item at the largest id
 read-only commands (`status`, `jobs`, `chunks`, `search`, `doctor`) show what is
 there, with U+FFFD for what is not text, and `--json` stays JSON a strict parser takes;
 `init`, `add`, `retry --failed` and `reindex --all` do their work beside such rows, or say
-what is wrong; none fails with "unexpected UnicodeDecodeError ... (a bug in kidx)". The
+what is wrong (`reindex --wait` too, over a batch row rewritten or deleted while it waits); none fails with "unexpected UnicodeDecodeError ... (a bug in kidx)". The
 console script in a subprocess (`test_cli.Kidx`: no traceback on any stream); the HTTP stand-in
 as the provider; the host's writes through a bare apsw connection; tasks sent go to a Redis
 database of the tests' own (SPARE_DB), emptied after each.
@@ -14,14 +14,15 @@ database of the tests' own (SPARE_DB), emptied after each.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import apsw
 import pytest
-from test_cli import Kidx, base_env
+from test_cli import KIDX, Kidx, base_env
 
-from stack import SPARE_DB, broker_url, flush
+from stack import SPARE_DB, broker_url, flush, wait_for
 
 BAD = "CAST(x'ff41' AS TEXT)"  # TEXT whose first byte is no UTF-8: apsw cannot decode it
 
@@ -312,3 +313,78 @@ def test_code_search_passes_over_a_code_chunk_whose_lines_are_not_utf8(kidx, tmp
     args = ("search", "--code", "lantern keeper", "--json")
     hits = strict_json(clean(kidx(*args), args))
     assert [h["item_id"] for h in hits] == [ids[1]], hits
+
+
+def _waiting_reindex(kidx: Kidx, db: Path, broker: dict[str, str]) -> subprocess.Popen:
+    """`kidx reindex --all --wait` with no worker to run its tasks: it waits, polling the
+    batch row, until the test ends the batch by hand (or 60 s pass)."""
+    proc = subprocess.Popen(
+        [str(KIDX), "reindex", "--all", "--wait", "--timeout", "60"],
+        env={**kidx.env, **broker},
+        cwd=kidx.cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    conn = apsw.Connection(str(db))
+    try:
+        wait_for(
+            lambda: conn.execute("SELECT count(*) FROM index_batches").fetchone()[0] == 1,
+            30,
+            "the batch row",
+        )
+    finally:
+        conn.close()
+    return proc
+
+
+@pytest.mark.parametrize("count", ["'x'", BAD, "9e999"], ids=["text", "bytes", "infinity"])
+def test_reindex_wait_reads_a_batch_whose_counts_a_host_rewrote(kidx, tmp_path, count):
+    """A host rewrote the counts of the batch `kidx reindex --wait` watches: the wait failed as
+    a bug (adding text to a number). It goes on, counting such a value 0, and ends with the
+    batch."""
+    db = tmp_path / "kidx.db"
+    kidx.add("Waited", "--text", "hello wait")
+    broker = {"KIDX_BROKER_URL": broker_url(SPARE_DB)}
+    try:
+        proc = _waiting_reindex(kidx, db, broker)
+        host(db, f"UPDATE index_batches SET ok = {count}, failed = {count}, skipped = {count}")
+        host(db, "UPDATE index_batches SET state = 'aborted', abort_reason = 'by hand'")
+        out, errs = proc.communicate(timeout=60)
+    finally:
+        flush(SPARE_DB)
+    assert proc.returncode == 1, errs  # aborted: not done
+    assert "bug in kidx" not in errs and "Traceback" not in errs, errs
+    assert "aborted" in out and "why: by hand" in out, out
+
+
+def test_reindex_wait_says_when_a_host_deleted_its_batch(kidx, tmp_path):
+    db = tmp_path / "kidx.db"
+    kidx.add("Waited", "--text", "hello wait")
+    broker = {"KIDX_BROKER_URL": broker_url(SPARE_DB)}
+    try:
+        proc = _waiting_reindex(kidx, db, broker)
+        host(db, "DELETE FROM index_batches")
+        _, errs = proc.communicate(timeout=60)
+    finally:
+        flush(SPARE_DB)
+    assert proc.returncode == 1, errs
+    assert "bug in kidx" not in errs and "Traceback" not in errs, errs
+    assert "was deleted while waiting for it" in errs, errs
+
+
+def test_update_text_of_a_file_item_whose_source_a_host_emptied_names_no_none(kidx, tmp_path):
+    """`kidx update --text` on a file item is refused (its text comes from its source); with
+    the source a host set to NULL, the refusal read "its source (None)"."""
+    db = tmp_path / "kidx.db"
+    (tmp_path / "a.md").write_text("# A\n\nA file's words.\n", encoding="utf-8")
+    added = kidx("add", "file", str(tmp_path / "a.md"))
+    assert added.returncode == 0, added.stderr
+    item = int(added.stdout)
+    host(db, f"UPDATE knowledge_items SET source = NULL WHERE id = {item}")
+    result = kidx("update", str(item), "--text", "new words")
+    assert result.returncode == 1, result.stderr
+    assert "None" not in result.stderr, result.stderr
+    assert f"item {item} is a file item: its text comes from its source, read again" in (
+        result.stderr
+    )

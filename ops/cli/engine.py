@@ -110,9 +110,11 @@ def update(ctx: Ctx, item: int, text: str | None, file: Path | None, title: str 
                     (title, item),
                 )
         elif found.kind != "note":
+            # (a host may have left a file's or URL's source NULL: there is none to name)
+            where = f" ({found.source})" if found.source else ""
             raise InvalidInput(
-                f"item {item} is a {found.kind} item: its text comes from its source "
-                f"({found.source}), read again at each index; edit that (--title alone is fine)"
+                f"item {item} is a {found.kind} item: its text comes from its source{where}, "
+                "read again at each index; edit that (--title alone is fine)"
             )
         else:
             update_content(db, item, content, title=title)

@@ -12,7 +12,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ops.cli.base import BATCH, ID, Ctx, Seconds, cli, command, err
-from worker.errors import InvalidInput
+from worker.errors import InvalidInput, StoreError
 
 JOB_SHOWN = (
     "task_id",
@@ -128,9 +128,15 @@ def _send_batch(ctx: Ctx, ids: list[int], kind: str, wait: bool, timeout: float 
     ):
         bar = progress.add_task(kind, total=len(ids), detail="")
         while True:
-            batch = get_batch(db, batch_id) or {}
-            done = batch["ok"] + batch["failed"] + batch["skipped"]
-            detail = f"ok {batch['ok']} failed {batch['failed']} skipped {batch['skipped']}"
+            batch = get_batch(db, batch_id)
+            if batch is None:  # a host's DELETE while this waited: nothing more to show
+                raise StoreError(
+                    f"batch {batch_id} was deleted while waiting for it; its tasks go on, "
+                    "`kidx jobs` shows them"
+                )
+            ok, failed, skipped = (_count(batch[k]) for k in ("ok", "failed", "skipped"))
+            done = ok + failed + skipped
+            detail = f"ok {ok} failed {failed} skipped {skipped}"
             progress.update(bar, completed=done, detail=detail)
             if batch["state"] != BatchState.RUNNING and (
                 batch["state"] == BatchState.ABORTED or done >= len(ids)
@@ -141,6 +147,12 @@ def _send_batch(ctx: Ctx, ids: list[int], kind: str, wait: bool, timeout: float 
                 break
             time.sleep(0.25)
     _summary(ctx, batch, timeout if timed_out else None)
+
+
+def _count(value: Any) -> int:
+    """A batch's count as progress reads it: what a host wrote in its place (text, NULL, a
+    float) counts 0, where it failed the wait as a bug."""
+    return value if type(value) is int else 0
 
 
 def _summary(ctx: Ctx, batch: dict[str, Any], timed_out: float | None = None) -> None:
