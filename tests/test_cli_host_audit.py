@@ -1,14 +1,14 @@
-"""`kidx` on a database a careless host application wrote with plain SQL (foreign keys off,
-CHECK constraints not enforced, any value in any column): TEXT that is not UTF-8 in kidx's
-state, job, batch, chunk and index_meta rows and in an item's kind or title, infinity (SQLite
-stores it) in integer columns, a state row of no item, an item at the largest id. The
-read-only commands (`status`, `jobs`, `chunks`, `search`, `doctor`) show what is
-there, with U+FFFD for what is not text, and `--json` stays JSON a strict parser takes;
-`init`, `add`, `retry --failed` and `reindex --all` do their work beside such rows, or say
-what is wrong (`reindex --wait` too, over a batch row rewritten or deleted while it waits); none fails with "unexpected UnicodeDecodeError ... (a bug in kidx)". The
-console script in a subprocess (`test_cli.Kidx`: no traceback on any stream); the HTTP stand-in
-as the provider; the host's writes through a bare apsw connection; tasks sent go to a Redis
-database of the tests' own (SPARE_DB), emptied after each.
+"""`kidx` on a database a careless host application wrote with plain SQL (foreign keys off, CHECK
+constraints not enforced, any value in any column): TEXT that is not UTF-8 in kidx's state, job,
+batch, chunk and index_meta rows and in an item's kind or title, infinity (SQLite stores it) in
+integer columns, a state row of no item, an item at the largest id. The read-only commands
+(`status`, `jobs`, `chunks`, `search`, `doctor`) show what is there, with U+FFFD for what is not
+text, and `--json` stays JSON a strict parser takes; `init`, `add`, `retry --failed` and
+`reindex --all` do their work beside such rows, or say what is wrong (`reindex --wait` too, over
+a batch row rewritten or deleted while it waits); none fails with "unexpected UnicodeDecodeError
+... (a bug in kidx)". The console script in a subprocess (`test_cli.Kidx`: no traceback on any
+stream); the HTTP stand-in as the provider; the host's writes through a bare apsw connection;
+tasks sent go to a Redis database of the tests' own (SPARE_DB), emptied after each.
 """
 
 from __future__ import annotations

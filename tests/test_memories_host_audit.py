@@ -124,3 +124,31 @@ def test_a_deleted_memory_s_vector_never_answers_for_the_memory_given_its_id(
     assert via == "vec" and [(h.memory_id, h.score) for h in again] == [
         (h.memory_id, h.score) for h in hits
     ]
+
+
+def test_a_host_holding_the_write_lock_past_the_busy_timeout_stops_the_run_with_a_reason(
+    db, db_path, emb_settings, embedder, standin
+):
+    """A host's transaction held the write lock past the busy timeout while `embed_memories`
+    ran: the task failed with apsw's BusyError, the vectors it had paid for gone and no reason
+    in its result. The run stops with the reason as its error, what it wrote before kept; the
+    next run embeds the rest."""
+    h = host(db_path)
+    h.executemany(
+        "INSERT INTO memories(content) VALUES (?)", [(f"memory {i} of the host",) for i in range(5)]
+    )
+    patient = connect(db_path, embedding=emb_settings, busy_timeout_ms=1000)
+    try:
+        h.execute("BEGIN IMMEDIATE")  # held while the run embeds and tries to write
+        report = embed_memories(patient, embedder)
+        h.execute("COMMIT")
+        assert report.embedded == 0 and report.left == 5, report
+        assert "BusyError" in report.error and "the next run embeds the rest" in report.error
+        assert len(standin.texts) == 5  # asked for, then not written
+        again = embed_memories(patient, embedder)
+    finally:
+        patient.close()
+        h.close()
+    assert (again.embedded, again.left, again.error) == (5, 0, None)
+    assert db.scalar("SELECT count(*) FROM memory_embeddings") == 5
+    assert mirror_problems(db) == []

@@ -270,9 +270,10 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
     until its text or the model changes, or for `REFUSAL_TTL_S`: three refused memories in a
     row stop one run, not every run at the same place, and the sweep does not send a run for
     them every time.
-    Any other provider error stops the run, as does the third refusal in a row
-    (`FailureCounter`: a provider that refuses every text is not asked once per memory), with
-    what was written kept: the error is returned, not raised, for a sweep to report and try
+    Any other provider error stops the run, as do the third refusal in a row
+    (`FailureCounter`: a provider that refuses every text is not asked once per memory) and a
+    write the database refuses for a reason that may pass (`_written`), with what was written
+    kept: the error is returned, not raised, for a sweep to report and try
     again later."""
     report = MemoryBackfill()
     refusals: list[Refusal] = []
@@ -290,10 +291,11 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
         else:
             counter.ok()
             done = list(zip(batch, vectors, strict=True))
-        _write(db, done, embedder.model_id, report)
+        if not _written(report, _write, db, done, embedder.model_id, report):
+            break
         if report.error:
             break
-    _record_refusals(db, refusals, embedder.model_id)
+    _written(report, _record_refusals, db, refusals, embedder.model_id)
     report.left = memories_missing(db, embedder.model_id)
     if report.embedded or report.error or report.refused or report.unreadable or report.too_long:
         log.info("memories embedded", **report.as_dict())
@@ -435,6 +437,28 @@ def _record_refusals(db: Database, refusals: list[Refusal], model: str) -> None:
 def _per_input(error: Exception) -> bool:
     """Whether the provider's refusal may concern one text only: worth trying each alone."""
     return isinstance(error, PermanentProviderError) and error.per_input
+
+
+# What a write may meet and the next run not: the write lock held past the busy timeout (a
+# host's long transaction), a full disk, an I/O error, a file made read-only.
+_PASSING = (apsw.BusyError, apsw.LockedError, apsw.FullError, apsw.IOError, apsw.ReadOnlyError)
+
+
+def _written(report: MemoryBackfill, write: Any, *args: Any) -> bool:
+    """Run a write; when the database refuses it for a reason that may pass, stop the run
+    with that reason as its error (what was written before stays; the next run embeds the
+    rest) rather than failing the task with SQLite's exception."""
+    embedded = report.embedded
+    try:
+        write(*args)
+    except _PASSING as e:
+        report.embedded = embedded  # counted in the transaction that was rolled back
+        report.error = report.error or (
+            f"the database could not be written ({_why(e)}); {report.embedded} memories "
+            "written are kept, the next run embeds the rest"
+        )
+        return False
+    return True
 
 
 def _why(error: Exception) -> str:
