@@ -373,8 +373,8 @@ def test_llm_chunking_past_its_deadline_falls_back_and_keeps_the_answers_it_had(
     db, embedder, patient_chat, standin
 ):
     """The second window's answer is held far past the deadline: the call in flight is cut
-    at it, the item is chunked structurally (indexed, the reason kept), the chat model is not
-    counted as failing, and the next run asks only the windows not answered yet."""
+    at it, the item is chunked structurally (indexed, the reason kept), the call counts as
+    one the model failed, and the next run asks only the windows not answered yet."""
     text = corpus_text(CHAPTER)
     windows = len(windows_of(text, 6000))
     item = add_item(db, kind="note", title="Ownership", content=text)
@@ -388,7 +388,7 @@ def test_llm_chunking_past_its_deadline_falls_back_and_keeps_the_answers_it_had(
     assert "KIDX_CHUNK__DEADLINE" in get_state(db, item)["last_error"]
     assert {c["method"] for c in rows(db, item)} == {"structure"}
     assert standin.chat.requests == 2
-    assert patient_chat.streak.current()[0] == 0  # the model is not taken for failing
+    assert patient_chat.streak.current()[0] == 1  # it had the request and did not answer
     standin.chat.script = []  # the automatic model answers at once
     again = index_item(db, item, embedder=embedder, options=options)
     assert again.chunk_method == "llm" and again.fallback is None
@@ -417,3 +417,43 @@ def test_without_a_deadline_a_slow_answer_is_waited_for(db, embedder, patient_ch
         db, item, embedder=embedder, options=IndexOptions(chat=patient_chat, chunk_deadline=30)
     )
     assert result.chunk_method == "llm" and standin.chat.requests == 1
+
+
+def test_a_model_that_never_answers_within_the_deadline_is_taken_for_down(db, embedder, standin):
+    """Every call cut unanswered counts: after `down_after` of them the model is not asked
+    (each item would otherwise wait the whole deadline)."""
+    chat = ChatModel(
+        ChunkSettings(model="standin-chat", base_url=standin.base_url, timeout=60, down_after=2)
+    )
+    standin.chat.delay = 30
+    options = IndexOptions(chat=chat, chunk_deadline=0.5)
+    try:
+        results = [
+            index_item(
+                db,
+                add_item(db, kind="note", title=f"T{i}", content=corpus_text("ch04-03-slices.md")),
+                embedder=embedder,
+                options=options,
+            )
+            for i in range(3)
+        ]
+    finally:
+        chat.close()
+    assert [r.chunk_method for r in results] == ["structure"] * 3
+    assert "KIDX_CHUNK__DEADLINE" in results[1].fallback
+    assert "taken for down" in results[2].fallback
+    assert standin.chat.requests == 2  # the third item asked nothing
+
+
+def test_a_deadline_passed_before_any_call_is_not_the_model_s_failure(db, embedder, standin):
+    chat = ChatModel(ChunkSettings(model="standin-chat", base_url=standin.base_url))
+    item = add_item(db, kind="note", title="T", content=corpus_text("ch04-03-slices.md"))
+    try:
+        result = index_item(
+            db, item, embedder=embedder, options=IndexOptions(chat=chat, chunk_deadline=1e-9)
+        )
+        assert chat.streak.current()[0] == 0
+    finally:
+        chat.close()
+    assert result.chunk_method == "structure" and "0 of" in result.fallback
+    assert standin.chat.requests == 0

@@ -11,7 +11,7 @@
     ├── KeyConflict              a key kidx uses in Redis holds another program's value
     ├── ProviderError            an embedding or chat provider failed
     │   ├── TransientProviderError   retrying later may help: 408/409/429/5xx, timeouts, resets
-    │   ├── OutOfTime                the caller's time for the call ran out: not the provider's
+    │   ├── OutOfTime                the caller's time for the call ran out
     │   └── PermanentProviderError   retrying cannot help: 400/401/403, exhausted quota
     │       └── BadAnswer            the answer was unusable: wrong count, dimension, non-finite
     └── IndexAborted             too many vectors failed in a row; the previous index is intact
@@ -79,7 +79,13 @@ class TransientProviderError(ProviderError):
 
 
 class OutOfTime(ProviderError):
-    """The time its caller gave a call ran out: says nothing of the provider's health."""
+    """The time its caller gave a call ran out. `unanswered`: the provider had the request (or
+    failed an attempt) and did not answer in that time, which says it is slow or down; else
+    no request was made."""
+
+    def __init__(self, message: str, *, unanswered: bool) -> None:
+        super().__init__(message)
+        self.unanswered = unanswered
 
 
 class PermanentProviderError(ProviderError):

@@ -388,7 +388,7 @@ def _window_chunks(
     reason = ""
     for attempt in range(2):
         if until is not None and time.monotonic() >= until:
-            raise OutOfTime("no time left to ask the chunk model")
+            raise OutOfTime("no time left to ask the chunk model", unanswered=False)
         llm.calls += 1
         messages = prompt(text, window, reason or None)
         try:

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from worker.embedding import Streak
-from worker.errors import BadAnswer, TransientProviderError
+from worker.errors import BadAnswer, OutOfTime, TransientProviderError
 from worker.log import CHUNK
 from worker.providers.base import Hooks
 from worker.providers.http import JSONClient, ProviderHTTPError
@@ -111,8 +111,8 @@ class ChatModel:
     ) -> Any:
         """The JSON object the model answered (its time reported to the hooks); `ChatDown`
         without a request while the model is taken for down; `OutOfTime` at `until` (a
-        `time.monotonic()` instant; the call in flight is cut), which is not counted against
-        the model."""
+        `time.monotonic()` instant; the call in flight is cut), counted as a failed call when
+        the model had the request and did not answer."""
         failed, last = self.streak.current()
         if failed >= self.down_after and self.clock() < self.down_until:
             left = self.down_until - self.clock()
@@ -123,8 +123,11 @@ class ChatModel:
         started = time.perf_counter()
         try:
             answer = self._complete_json(messages, schema=schema, name=name, until=until)
-        except TransientProviderError as e:
-            if self.streak.failed(str(e)) >= self.down_after:
+        except (TransientProviderError, OutOfTime) as e:
+            # a call the deadline cut unanswered counts as failed: a model that never answers
+            # within it is taken for down, not waited for at every item
+            counts = not isinstance(e, OutOfTime) or e.unanswered
+            if counts and self.streak.failed(str(e)) >= self.down_after:
                 self.down_until = self.clock() + self.cool_down
             raise
         except (BadAnswer, ProviderHTTPError):

@@ -399,7 +399,10 @@ class JSONClient:
             if until is not None:
                 budget = min(budget, until - time.monotonic())
                 if budget <= 0:
-                    raise OutOfTime(f"{self.where}: no time left for another attempt ({cause})")
+                    said = f" after {cause}" if cause else ""
+                    raise OutOfTime(
+                        f"{self.where}: no time left to ask{said}", unanswered=bool(cause)
+                    )
             try:
                 with (
                     # in all (a server trickling bytes included), and cut by a cancellation
@@ -429,7 +432,9 @@ class JSONClient:
                 cause = f"the answer was cut short ({e})"
             except httpx.TimeoutException as e:
                 if until is not None and budget < s.timeout and time.monotonic() >= until - 0.01:
-                    raise OutOfTime(f"{self.where}: cut at its caller's deadline") from None
+                    raise OutOfTime(
+                        f"{self.where}: no answer before its caller's deadline", unanswered=True
+                    ) from None
                 if isinstance(e, httpx.ConnectTimeout):
                     cause = f"connect timed out after {s.connect_timeout:g}s"
                 else:
@@ -460,7 +465,9 @@ class JSONClient:
                 if wait is None:
                     wait = backoff_delay(attempt, s.backoff, s.backoff_max, self._rand())
                 if until is not None and time.monotonic() + wait >= until:
-                    raise OutOfTime(f"{self.where}: no time left to retry after {cause}")
+                    raise OutOfTime(
+                        f"{self.where}: no time left to retry after {cause}", unanswered=True
+                    )
                 log.warning(
                     f"{self._prefix} provider call failed, retrying",
                     provider=self.where,
