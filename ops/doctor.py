@@ -463,6 +463,16 @@ def check_chunk(settings: Settings, timeout: float) -> str:
             f"chunk model {model} answered without chunks",
             "use a model that follows JSON instructions, or unset KIDX_CHUNK__MODEL",
         )
+    # A group starts items until half its soft time limit: a deadline past that half lets a
+    # slow chunk model run an item into the limit, which fails it rather than falling back.
+    deadline, limit = settings.chunk.deadline, settings.tasks.soft_time_limit
+    if deadline >= limit / 2:
+        raise Warn(
+            f"{model} answers, but KIDX_CHUNK__DEADLINE ({deadline:g} s) is not under half of "
+            f"KIDX_TASKS__SOFT_TIME_LIMIT ({limit} s): a slow chunk model fails items there "
+            "instead of falling back to structure",
+            f"set KIDX_CHUNK__DEADLINE under {limit / 2:g}",
+        )
     return f"{model} answers"
 
 

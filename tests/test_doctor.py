@@ -159,6 +159,17 @@ def test_a_healthy_stack_is_all_ok_and_exits_0(stack):
     assert stack.standin.texts == ["kidx doctor"]
 
 
+def test_a_chunk_deadline_past_half_the_soft_time_limit_is_a_warning(stack):
+    out, lines = stack.doctor(
+        **CHUNK_ENV, KIDX_TASKS__SOFT_TIME_LIMIT="100", KIDX_CHUNK__DEADLINE="50"
+    )
+    assert out.returncode == 0, out.stdout + out.stderr  # a warning, not a failure
+    level, text = lines["chunk"]
+    assert level == "WARN", text
+    assert "KIDX_CHUNK__DEADLINE (50 s) is not under half of KIDX_TASKS__SOFT_TIME_LIMIT" in text
+    assert text.endswith("set KIDX_CHUNK__DEADLINE under 50"), text
+
+
 def test_json_is_a_list_of_checks_and_shows_the_last_sweeps(stack):
     from worker.reconcile import record_sweep
 
