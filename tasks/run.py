@@ -29,7 +29,7 @@ from tasks.cancel import TERMINATED, CancelToken, running
 from tasks.lock import LockSet
 from tasks.producer import enqueue, send_group
 from tasks.runtime import Runtime
-from tasks.streak import BatchStreak, streak_key
+from tasks.streak import SharedStreak, streak_key
 from worker.bulk import index_items
 from worker.chunking import text_hash
 from worker.errors import Cancelled, IndexAborted, KidxError, WrongTaskKind
@@ -96,7 +96,7 @@ class Run:
             context_chars=self.settings.embedding.context_chars,
             streak=None
             if batch_id is None
-            else BatchStreak(rt.redis, streak_key(rt.db.instance(), batch_id)),
+            else SharedStreak(rt.redis, streak_key(rt.db.instance(), batch_id)),
         )
         self.locks: LockSet | None = None
         # re-runs other tasks asked of this run (item -> the task that asked) and not served

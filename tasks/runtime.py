@@ -12,6 +12,7 @@ from typing import Any
 import redis
 
 from tasks.cancel import RunScope
+from tasks.streak import SharedStreak, chat_streak_key
 from worker.log import Redact
 from worker.providers import EmbeddingModel, Hooks, build_chat, build_embedder
 from worker.providers.chat import ChatModel
@@ -64,13 +65,15 @@ def build_runtime(settings: Settings) -> Runtime:
     db = open_store(settings)
     scope = RunScope()
     hooks = Hooks(sleep=scope.sleep, observe=observe_provider, cancelled=scope.cancelled)
+    client = redis_client(settings)
+    chat_streak = SharedStreak(client, chat_streak_key(db.instance()))
     return Runtime(
         settings=settings,
         db=db,
         embedder=build_embedder(settings.embedding, dimensions=db.dimensions, hooks=hooks),
-        chat=build_chat(settings.chunk, hooks=hooks),
+        chat=build_chat(settings.chunk, hooks=hooks, streak=chat_streak),
         reader=Reader(settings.files, settings.urls),
-        redis=redis_client(settings),
+        redis=client,
         scope=scope,
         redact=Redact(settings.secrets()),
         pid=os.getpid(),

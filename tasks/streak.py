@@ -1,6 +1,10 @@
-"""A batch's failed provider requests in a row, shared by its runs in every worker process (the
-engine's `Streak`, kept in Redis): a dead provider stops the whole batch after three failed
-requests, plus at most the one each process already had in flight, rather than three a group.
+"""Failed provider requests in a row, shared by every worker process (the engine's `Streak`,
+kept in Redis):
+
+* a batch's (`streak_key`): a dead embedding provider stops the whole batch after three failed
+  requests, plus at most the one each process already had in flight, rather than three a group;
+* the chunk model's (`chat_streak_key`): a chunk model taken for down by one process is by all
+  (`KIDX_CHUNK__DOWN_AFTER` failed calls in all, not that many in each process).
 
 Redis not answering does not fail a run: the count is then the run's own, as with no batch.
 Nor does another program's value at the key (a string where the hash goes, a count that is no
@@ -26,8 +30,13 @@ def streak_key(space: str, batch_id: int) -> str:
     return f"kidx:{space}:streak:batch:{batch_id}"
 
 
-class BatchStreak(Streak):
-    """The shared count: a hash of `n` (failed requests in a row) and `cause` (the last one)."""
+def chat_streak_key(space: str) -> str:
+    return f"kidx:{space}:streak:chat"
+
+
+class SharedStreak(Streak):
+    """The shared count: a hash of `n` (failed requests in a row) and `cause` (the last one).
+    Thread-safe as its Redis client is (the chunk model's is asked from one thread a run)."""
 
     def __init__(self, client: redis.Redis, key: str) -> None:
         super().__init__()

@@ -38,7 +38,7 @@ from tasks.run import (
     stored_reason,
 )
 from tasks.runtime import Runtime
-from tasks.streak import BatchStreak, streak_key
+from tasks.streak import SharedStreak, streak_key
 from worker.app import create_app
 from worker.errors import PermanentProviderError, TransientProviderError
 from worker.log import Redact
@@ -439,7 +439,7 @@ def test_a_batchs_runs_share_their_count_of_failed_provider_requests(rt) -> None
     rt.settings.tasks.max_retries = 0
     ids = notes(rt.db, 4)
     batch = create_batch(rt.db, "reindex", len(ids))
-    streak = BatchStreak(rt.redis, streak_key(rt.db.instance(), batch))
+    streak = SharedStreak(rt.redis, streak_key(rt.db.instance(), batch))
     streak.failed("HTTP 500 (another process)")
     streak.ok()  # a success in between: the count starts again
     assert streak.current() == (0, "HTTP 500 (another process)")
@@ -453,7 +453,7 @@ def test_a_batchs_runs_share_their_count_of_failed_provider_requests(rt) -> None
     assert get_batch(rt.db, batch)["state"] == "aborted"
     assert streak.current()[0] == 3
     # Another database's batch of the same id has a count of its own.
-    assert BatchStreak(rt.redis, streak_key("another-database", batch)).current() == (0, "")
+    assert SharedStreak(rt.redis, streak_key("another-database", batch)).current() == (0, "")
     late, _ = group(rt, ids[2:], batch)
     assert late.execute()["skipped"] == 2
     assert len(rt.embedder.calls) == 1  # type: ignore[union-attr]

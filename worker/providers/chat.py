@@ -81,6 +81,7 @@ class ChatModel:
         client: httpx.Client | None = None,
         rand: Callable[[], float] = random.random,
         clock: Callable[[], float] = time.monotonic,
+        streak: Streak | None = None,
     ) -> None:
         self.model_id = settings.model
         self.hooks = hooks or Hooks()
@@ -98,7 +99,9 @@ class ChatModel:
         self.temperature_supported = True
         self.clock = clock
         self.down_after, self.cool_down = settings.down_after, settings.cool_down
-        self.streak = Streak()  # calls in a row that failed transiently, and the last cause
+        # Calls in a row that failed transiently, and the last cause: this process's, or one
+        # its caller shares between processes (tasks/streak.py).
+        self.streak = streak or Streak()
         self.down_until = 0.0  # a `clock` time; 0: not taken for down
 
     def complete_json(
@@ -114,6 +117,10 @@ class ChatModel:
         `time.monotonic()` instant; the call in flight is cut), counted as a failed call when
         the model had the request and did not answer."""
         failed, last = self.streak.current()
+        if failed < self.down_after:
+            self.down_until = 0.0
+        elif self.down_until == 0.0:  # taken for down elsewhere (a shared streak): here too
+            self.down_until = self.clock() + self.cool_down
         if failed >= self.down_after and self.clock() < self.down_until:
             left = self.down_until - self.clock()
             raise ChatDown(

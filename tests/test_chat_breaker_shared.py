@@ -1,0 +1,121 @@
+"""The chunk model's breaker is shared by a worker's processes: its failed calls in a row are
+counted in Redis (`tasks.streak.SharedStreak` at `chat_streak_key`), so a model one process
+took for down is not asked by the others (`KIDX_CHUNK__DOWN_AFTER` failed calls in all, not
+that many in each process). Two `ChatModel`s stand for two pool processes, each with its own
+clock; the stand-in's chat API over real HTTP; the real Redis (this test process's database)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from stack import REDIS_DB, broker_url, flush
+from tasks.streak import SharedStreak, chat_streak_key
+from testkit.standin import StandIn
+from worker.providers.chat import ChatDown, ChatModel
+from worker.settings import ChunkSettings
+
+ASK = [{"role": "user", "content": "[[1]] text"}]
+ANSWER = {"chunks": [{"start": 1, "end": 1, "summary": "s"}]}
+
+
+@pytest.fixture
+def client() -> Iterator[redis.Redis]:
+    flush(REDIS_DB)
+    c = redis.Redis.from_url(broker_url(REDIS_DB))
+    yield c
+    c.close()
+    flush(REDIS_DB)
+
+
+@pytest.fixture
+def standin() -> Iterator[StandIn]:
+    with StandIn(dimensions=8) as server:
+        yield server
+
+
+class Process:
+    """A pool process's chunk model: its own clock, the shared streak."""
+
+    def __init__(self, standin: StandIn, client: redis.Redis, key: str) -> None:
+        self.now = 0.0
+        settings = ChunkSettings(
+            model="standin-chat", base_url=standin.base_url, max_retries=0, cool_down=60
+        )
+        self.chat = ChatModel(settings, clock=lambda: self.now, streak=SharedStreak(client, key))
+
+    def ask(self) -> object:
+        return self.chat.complete_json(ASK, schema={}, name="n")
+
+
+@pytest.fixture
+def two(standin: StandIn, client: redis.Redis) -> Iterator[tuple[Process, Process]]:
+    key = chat_streak_key("test-instance")
+    a, b = Process(standin, client, key), Process(standin, client, key)
+    yield a, b
+    a.chat.close()
+    b.chat.close()
+
+
+def test_a_chunk_model_one_process_took_for_down_is_not_asked_by_another(standin, two):
+    a, b = two
+    standin.chat.fail_status = 503
+    for _ in range(3):
+        with pytest.raises(Exception, match="HTTP 503"):
+            a.ask()
+    with pytest.raises(ChatDown, match=r"3 failed calls in a row, last: .*HTTP 503"):
+        b.ask()  # never failed a call itself
+    assert standin.chat.requests == 3
+
+
+def test_a_call_that_succeeds_anywhere_puts_it_up_for_every_process(standin, two):
+    a, b = two
+    standin.chat.fail_status = 503
+    for _ in range(3):
+        with pytest.raises(Exception, match="HTTP 503"):
+            a.ask()
+    with pytest.raises(ChatDown):
+        b.ask()
+    a.now = 61.0  # a's cool-down is over: it tries again, and the model answers
+    standin.chat.fail_status = None
+    standin.chat.script = [ANSWER, ANSWER]
+    assert a.ask() == ANSWER
+    assert b.ask() == ANSWER  # within b's cool-down, but the model answered since
+    assert standin.chat.requests == 5
+
+
+def test_failed_calls_of_two_processes_add_up(standin, two):
+    a, b = two
+    standin.chat.fail_status = 503
+    for p in (a, b, a):
+        with pytest.raises(Exception, match="HTTP 503"):
+            p.ask()
+    for p in (a, b):
+        with pytest.raises(ChatDown):
+            p.ask()
+    assert standin.chat.requests == 3  # not three a process
+
+
+def test_a_worker_process_s_chunk_model_counts_in_redis(tmp_path: Path, client) -> None:
+    """The runtime a pool process builds gives its chunk model the shared streak."""
+    from tasks.runtime import build_runtime
+    from worker.settings import load_settings
+
+    settings = load_settings(
+        db=tmp_path / "kidx.db",
+        broker_url=broker_url(REDIS_DB),
+        chunk={"model": "standin-chat", "base_url": "http://127.0.0.1:9/v1"},
+    )
+    rt = build_runtime(settings)
+    try:
+        assert rt.chat is not None
+        streak = rt.chat.streak
+        assert isinstance(streak, SharedStreak)
+        assert streak.key == chat_streak_key(rt.db.instance())
+        streak.failed("a cause")
+        assert client.hget(streak.key, "n") == b"1"
+    finally:
+        rt.close()
