@@ -239,3 +239,42 @@ def test_a_lone_surrogate_in_a_query_or_memory_is_invalid_input(
     with pytest.raises(KidxError):
         index_item(db, item, embedder=embedder)
     assert "not UTF-8" in get_state(db, item)["last_error"]
+
+
+@pytest.mark.parametrize(
+    ("no_proxy", "url", "through_proxy"),
+    [
+        ("127.0.0.0/8", "http://127.0.0.1:8080/v1", False),
+        ("10.0.0.0/8, 192.168.0.0/16", "http://192.168.3.4/v1", False),
+        ("10.0.0.0/8", "http://192.168.3.4/v1", True),
+        ("fd00::/8", "http://[fd12::1]:9000/v1", False),
+        ("10.0.0.0/8", "http://ten.example/v1", True),  # a name is not looked up
+        ("not/a-network,10.0.0.0/33", "http://10.1.2.3/v1", True),  # bad entries ignored
+    ],
+)
+def test_a_network_in_no_proxy_exempts_its_addresses(
+    no_proxies: pytest.MonkeyPatch, no_proxy: str, url: str, through_proxy: bool
+) -> None:
+    from worker.providers.http import proxied
+
+    no_proxies.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    no_proxies.setenv("NO_PROXY", no_proxy)
+    assert proxied(url) is through_proxy
+
+
+def test_a_provider_in_a_no_proxy_network_is_reached_directly(
+    no_proxies: pytest.MonkeyPatch, standin: StandIn
+) -> None:
+    """The proxy refuses every connection: the provider answers only when reached directly."""
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    no_proxies.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+    no_proxies.setenv("NO_PROXY", "127.0.0.0/8")
+    embedder = build_embedder(standin_settings(standin, max_retries=0), dimensions=DIMS)
+    assert embedder is not None
+    try:
+        assert embedder.embed(["direct"]).shape == (1, DIMS)
+    finally:
+        embedder.close()
+    assert standin.texts == ["direct"]

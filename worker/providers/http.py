@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import datetime
 import email.utils
+import ipaddress
 import json
 import math
 import random
@@ -225,9 +226,11 @@ def _credentials(settings: HTTPProviderSettings) -> list[str]:
 
 
 def proxied(url: str) -> bool:
-    """Whether httpx, trusting the environment, sends requests for `url` through a proxy: one
-    is set for its scheme (HTTP(S)_PROXY, ALL_PROXY) and NO_PROXY does not exempt its host.
-    NO_PROXY alone names no proxy (`getproxies()` lists it, under "no")."""
+    """Whether requests for `url` go through a proxy from the environment: one is set for its
+    scheme (HTTP(S)_PROXY, ALL_PROXY) and NO_PROXY does not exempt its host. NO_PROXY alone
+    names no proxy (`getproxies()` lists it, under "no"). A network in NO_PROXY (`10.0.0.0/8`,
+    as curl and requests read it) exempts the addresses in it: neither urllib nor httpx reads
+    one, and a provider on the private network went through the proxy."""
     parts = urlsplit(url)
     proxies = getproxies()
     if not (proxies.get(parts.scheme) or proxies.get("all")):
@@ -237,7 +240,26 @@ def proxied(url: str) -> bool:
         port = parts.port
     except ValueError:
         port = None
-    return not (proxy_bypass(host) or (port is not None and proxy_bypass(f"{host}:{port}")))
+    if proxy_bypass(host) or (port is not None and proxy_bypass(f"{host}:{port}")):
+        return False
+    return not _in_networks(host, proxies.get("no", ""))
+
+
+def _in_networks(host: str, no_proxy: str) -> bool:
+    """Whether `host` is an IP address in one of NO_PROXY's networks (`a.b.c.d/n`, `::/n`)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    for entry in no_proxy.split(","):
+        if "/" not in (entry := entry.strip()):
+            continue
+        try:
+            if address in ipaddress.ip_network(entry, strict=False):
+                return True
+        except ValueError:  # not a network (a path, a typo): NO_PROXY's other entries stand
+            continue
+    return False
 
 
 def _lone_surrogate(value: Any) -> tuple[str, int] | None:
