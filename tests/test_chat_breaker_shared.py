@@ -60,12 +60,17 @@ def two(standin: StandIn, client: redis.Redis) -> Iterator[tuple[Process, Proces
     b.chat.close()
 
 
+def fail(standin: StandIn, *processes: Process) -> None:
+    """Each of `processes` in turn asks the model, which fails (HTTP 503)."""
+    standin.chat.fail_status = 503
+    for p in processes:
+        with pytest.raises(Exception, match="HTTP 503"):
+            p.ask()
+
+
 def test_a_chunk_model_one_process_took_for_down_is_not_asked_by_another(standin, two):
     a, b = two
-    standin.chat.fail_status = 503
-    for _ in range(3):
-        with pytest.raises(Exception, match="HTTP 503"):
-            a.ask()
+    fail(standin, a, a, a)
     with pytest.raises(ChatDown, match=r"3 failed calls in a row, last: .*HTTP 503"):
         b.ask()  # never failed a call itself
     assert standin.chat.requests == 3
@@ -73,10 +78,7 @@ def test_a_chunk_model_one_process_took_for_down_is_not_asked_by_another(standin
 
 def test_a_call_that_succeeds_anywhere_puts_it_up_for_every_process(standin, two):
     a, b = two
-    standin.chat.fail_status = 503
-    for _ in range(3):
-        with pytest.raises(Exception, match="HTTP 503"):
-            a.ask()
+    fail(standin, a, a, a)
     with pytest.raises(ChatDown):
         b.ask()
     a.now = 61.0  # a's cool-down is over: it tries again, and the model answers
@@ -89,10 +91,7 @@ def test_a_call_that_succeeds_anywhere_puts_it_up_for_every_process(standin, two
 
 def test_failed_calls_of_two_processes_add_up(standin, two):
     a, b = two
-    standin.chat.fail_status = 503
-    for p in (a, b, a):
-        with pytest.raises(Exception, match="HTTP 503"):
-            p.ask()
+    fail(standin, a, b, a)
     for p in (a, b):
         with pytest.raises(ChatDown):
             p.ask()
