@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 
 from worker.errors import StoreError
 from worker.store.db import Database
@@ -517,6 +518,7 @@ def migrate(db: Database) -> int:
         with db.atomic():
             current = schema_version(db)  # again, under the write lock: another may have won
             check_not_newer(db, current)
+            _refuse_taken(db, current)
             for number, sql in MIGRATIONS:
                 if number <= current:
                     continue
@@ -533,6 +535,25 @@ def migrate(db: Database) -> int:
         db.execute("PRAGMA legacy_alter_table = OFF")
         db.execute("PRAGMA foreign_keys = ON")
     return SCHEMA_VERSION
+
+
+_CREATES = re.compile(r"CREATE TABLE IF NOT EXISTS (\w+)")
+
+
+def _refuse_taken(db: Database, current: int) -> None:
+    """A table that a migration still to run creates `IF NOT EXISTS`, which the file has
+    already, is kidx's (a schema_version set back) or a host's own of that name: that one
+    `IF NOT EXISTS` took for kidx's, the migration's triggers then named it (the host's own
+    DELETEs failed), and `restore_dropped` dropped it, its rows with it. Refused before any
+    migration runs, so that the host can still rename it."""
+    names = {n for number, sql in MIGRATIONS if number > current for n in _CREATES.findall(sql)}
+    there = [
+        n
+        for n in sorted(names)
+        if db.scalar("SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = ?", (n,))
+    ]
+    if there:  # (never in `_made`'s empty database: it calls this)
+        _refuse_foreign(db, there)
 
 
 # At a line's start: a statement may begin with the comment lines above it.
@@ -582,11 +603,105 @@ def _statements(sql: str) -> list[str]:
 SOURCE_TABLES = ("index_meta", "knowledge_items", "memories")
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What kidx's SQL relies on in a table, beyond its columns' names: a host that made the
+    table again (`CREATE TABLE new ...; INSERT ... SELECT; DROP; RENAME`, or `CREATE TABLE AS`)
+    may keep every name and lose the rest, and then kidx's writes fail (`ON CONFLICT clause
+    does not match`, `foreign key mismatch`) or its ids are NULL, at every run."""
+
+    columns: dict[str, tuple[str, bool, str | None]]  # name: (affinity, NOT NULL, default)
+    rowid: str | None  # the column that is the rowid (`INTEGER PRIMARY KEY`), if any
+    unique: frozenset[frozenset[str]]  # PRIMARY KEY and UNIQUE column sets (any origin)
+    declared: frozenset[frozenset[str]]  # those of the table's own definition
+    without_rowid: bool
+    references: frozenset[tuple[str, str, str]]  # (column, table, column) of its foreign keys
+
+
+def _affinity(declared: str) -> str:
+    """A declared type's affinity (SQLite's rules, in their order)."""
+    t = declared.upper()
+    if "INT" in t:
+        return "INTEGER"
+    if any(w in t for w in ("CHAR", "CLOB", "TEXT")):
+        return "TEXT"
+    if "BLOB" in t or not t:
+        return "BLOB"
+    if any(w in t for w in ("REAL", "FLOA", "DOUB")):
+        return "REAL"
+    return "NUMERIC"
+
+
+def _shape(db: Database, table: str) -> _Shape:
+    info = db.all(f'PRAGMA table_info("{table}")')
+    columns = {r[1]: (_affinity(str(r[2] or "")), bool(r[3]), r[4]) for r in info}
+    keys = [r for r in sorted(info, key=lambda r: r[5]) if r[5]]
+    without_rowid = any(r[0] == "main" and r[4] for r in db.all(f'PRAGMA table_list("{table}")'))
+    rowid = None
+    if len(keys) == 1 and str(keys[0][2]).upper() == "INTEGER" and not without_rowid:
+        rowid = keys[0][1]
+    unique: set[frozenset[str]] = {frozenset(r[1] for r in keys)} if keys else set()
+    declared = set(unique)
+    for _, index, is_unique, origin, partial in db.all(f'PRAGMA index_list("{table}")'):
+        names = [r[2] for r in db.all(f'PRAGMA index_info("{index}")')]
+        if is_unique and not partial and None not in names:
+            unique.add(frozenset(names))
+            if origin != "c":
+                declared.add(frozenset(names))
+    references = frozenset(
+        (r[3], r[2], r[4]) for r in db.all(f'PRAGMA foreign_key_list("{table}")')
+    )
+    return _Shape(columns, rowid, frozenset(unique), frozenset(declared), without_rowid, references)
+
+
+def _unlike(have: _Shape, want: _Shape, *, source: bool) -> list[str]:
+    """What in `have` (a table kidx has made) breaks kidx's SQL, as `want` made it: its
+    columns missing (`lacks`) or of another affinity (a TEXT column made NUMERIC turns the
+    text '42' into a number), its rowid or uniqueness lost, WITHOUT ROWID; in a derived table
+    also what fails some of kidx's writes: NOT NULL where kidx's column is not, or on a
+    column a host added without a default, a default lost, a uniqueness kidx did not declare
+    (`source`: a source table is refused for those, and indexing can go on with them). Empty:
+    as kidx made it."""
+    lacks = sorted(set(want.columns) - set(have.columns))
+    out = [f"lacks {', '.join(lacks)}"] if lacks else []
+    strict = not source
+    for name, (affinity, not_null, default) in sorted(want.columns.items()):
+        if name not in have.columns:
+            continue
+        h_affinity, h_not_null, h_default = have.columns[name]
+        if h_affinity != affinity:
+            out.append(f"{name} is {h_affinity}, not {affinity}")
+        if strict and h_not_null and not not_null:
+            out.append(f"{name} is NOT NULL")
+        if strict and default is not None and h_default is None:
+            out.append(f"{name} has no default")
+    extra = sorted(
+        n for n, (_, nn, d) in have.columns.items() if n not in want.columns and nn and d is None
+    )
+    if strict and extra:
+        out.append(f"{', '.join(extra)} NOT NULL without a default")
+    if want.rowid and have.rowid != want.rowid:
+        out.append(f"{want.rowid} is not its INTEGER PRIMARY KEY")
+    for cols in sorted(sorted(c) for c in want.unique - have.unique):
+        if want.rowid is None or cols != [want.rowid]:  # (said just above)
+            out.append(f"no PRIMARY KEY or UNIQUE ({', '.join(cols)})")
+    for cols in sorted(sorted(c) for c in have.declared - want.unique):
+        if strict:
+            out.append(f"UNIQUE ({', '.join(cols)}) is not kidx's")
+    if have.without_rowid and not want.without_rowid:
+        out.append("WITHOUT ROWID")
+    # A host's `ALTER TABLE note_chunks RENAME TO old` rewrote the REFERENCES of the tables
+    # that name it: once `old` was dropped, every write there failed on `no such table`.
+    for column, table, to in sorted(want.references - have.references):
+        out.append(f"{column} does not reference {table}({to})")
+    return out
+
+
 @functools.cache
-def _made() -> tuple[tuple[tuple[str, str, str, str], ...], dict[str, frozenset[str]]]:
+def _made() -> tuple[tuple[tuple[str, str, str, str], ...], dict[str, _Shape]]:
     """kidx's tables, indexes and triggers as the migrations leave a new database (type, name,
     table, sql; the keyword tables left out: `sync_fts` makes and mends those), and the
-    columns of each table; from one database in memory."""
+    shape of each table; from one database in memory."""
     ref = Database(":memory:")
     try:
         migrate(ref)
@@ -598,14 +713,10 @@ def _made() -> tuple[tuple[tuple[str, str, str, str], ...], dict[str, frozenset[
         order = {"table": 0, "index": 1, "trigger": 2}
         kept = [r for r in rows if not str(r[2]).startswith(fts)]
         objects = tuple(sorted(kept, key=lambda r: (order[r[0]], r[1])))
-        columns = {
-            n: frozenset(r[1] for r in ref.all(f'PRAGMA table_info("{n}")'))
-            for t, n, _, _ in objects
-            if t == "table"
-        }
+        shapes = {n: _shape(ref, n) for t, n, _, _ in objects if t == "table"}
     finally:
         ref.close()
-    return objects, columns
+    return objects, shapes
 
 
 def _reference() -> tuple[tuple[str, str, str, str], ...]:
@@ -616,11 +727,14 @@ def restore_dropped(db: Database) -> list[str]:
     """Create again kidx's tables, indexes and triggers that a host dropped (a `DROP TABLE
     note_chunks` made every later sweep and task fail on `no such table`); returns their names.
     A derived table comes back empty and the reconcile sweep indexes what it held again; so
-    does one a host took a column from (renamed or dropped: `no such column` at every run),
-    with every trigger made again (a rename rewrites the triggers that name the column). A
-    dropped or altered source table (SOURCE_TABLES) is a StoreError naming it; so is a name
-    kidx needs that another object has taken (a host's view called `note_chunks`)."""
-    if not _missing(db) and not _altered(db):
+    does one a host took a column from (renamed or dropped: `no such column` at every run) or
+    made again otherwise than kidx did (`_unlike`), with every trigger made again (a rename
+    rewrites the triggers that name the column). A trigger or index of kidx's name whose SQL
+    is not kidx's (a host renamed a table away and back: the triggers named the old one) is
+    made again too. A dropped or altered source table (SOURCE_TABLES) is a StoreError naming
+    it; so is a name kidx needs that another object has taken (a host's view called
+    `note_chunks`, or a host's own table of a name a later migration gave kidx's)."""
+    if not _missing(db) and not _altered(db) and not _rewritten(db):
         return []
     db.execute("PRAGMA foreign_keys = OFF")  # a DROP must not delete through the cascades
     try:
@@ -629,6 +743,9 @@ def restore_dropped(db: Database) -> list[str]:
             _refuse_altered(db, altered)
             for table in altered:
                 db.execute(f'DROP TABLE "{table}"')
+            rewritten = _rewritten(db)
+            for kind, name in rewritten:
+                db.execute(f'DROP {kind.upper()} IF EXISTS "{name}"')
             if altered:
                 for _, name, _, _ in (r for r in _reference() if r[0] == "trigger"):
                     db.execute(f'DROP TRIGGER IF EXISTS "{name}"')
@@ -638,30 +755,66 @@ def restore_dropped(db: Database) -> list[str]:
                 db.execute(sql)
     finally:
         db.execute("PRAGMA foreign_keys = ON")
-    return [n for _, n, _, _ in missing]
+    return sorted({n for _, n, _, _ in missing} | {n for _, n in rewritten})
 
 
 def _altered(db: Database) -> dict[str, list[str]]:
-    """kidx's tables that lack columns kidx made (a host renamed or dropped them): the names of
-    those columns, per table. Columns a host added are its own."""
+    """kidx's tables that are not as kidx made them (`_unlike`: a host renamed or dropped a
+    column, or made the table again without its key): what differs, per table. Columns a host
+    added are its own, unless no INSERT of kidx's can leave them out."""
     want = _made()[1]
-    have: dict[str, set[str]] = {}
-    for table, column in db.all(
-        "SELECT m.name, p.name FROM sqlite_schema m, pragma_table_info(m.name) p "
-        f"WHERE m.type = 'table' AND m.name IN ({', '.join('?' * len(want))})",
-        list(want),
-    ):
-        have.setdefault(table, set()).add(column)
-    return {t: sorted(want[t] - cols) for t, cols in have.items() if want[t] - cols}
+    there = [
+        r[0]
+        for r in db.all(
+            f"SELECT name FROM sqlite_schema WHERE type = 'table' AND name IN "
+            f"({', '.join('?' * len(want))})",
+            list(want),
+        )
+    ]
+    out = {t: _unlike(_shape(db, t), want[t], source=t in SOURCE_TABLES) for t in there}
+    return {t: d for t, d in out.items() if d}
+
+
+def _rewritten(db: Database) -> list[tuple[str, str]]:
+    """kidx's triggers and indexes whose SQL is not what kidx made: a host's `ALTER TABLE
+    note_chunks RENAME TO old` rewrote the triggers that name it, and once `old` was dropped
+    every DELETE of an item failed on `no such table: main.old`."""
+    want = {(t, n): sql for t, n, _, sql in _reference() if t in ("index", "trigger")}
+    return sorted(
+        (t, n)
+        for t, n, sql in db.all(
+            "SELECT type, name, sql FROM sqlite_schema WHERE type IN ('index', 'trigger')"
+        )
+        if (t, n) in want and sql != want[(t, n)]
+    )
 
 
 def _refuse_altered(db: Database, altered: dict[str, list[str]]) -> None:
-    lost = {t: cols for t, cols in altered.items() if t in SOURCE_TABLES}
+    lost = {t: d for t, d in altered.items() if t in SOURCE_TABLES}
     if lost:
-        shown = "; ".join(f"{t} lacks {', '.join(cols)}" for t, cols in sorted(lost.items()))
+        shown = "; ".join(f"{t} {', '.join(d)}" for t, d in sorted(lost.items()))
         raise StoreError(
-            f"{db.path}: {shown} (renamed or dropped outside kidx?): what it holds cannot be "
-            "made again; put the column back as it was, or restore a backup"
+            f"{db.path}: {shown} (altered outside kidx?): what it holds cannot be made again; "
+            "put the table back as kidx made it, or restore a backup"
+        )
+    _refuse_foreign(db, list(altered))
+
+
+def _refuse_foreign(db: Database, tables: list[str]) -> None:
+    """A table of kidx's name with fewer than half of kidx's columns is not kidx's table with
+    a column renamed but another's (a host's table of a name a later migration gives kidx's):
+    refused, never dropped."""
+    want = _made()[1]
+    foreign = sorted(
+        t
+        for t in tables
+        if 2 * len(set(want[t].columns) & set(_shape(db, t).columns)) < len(want[t].columns)
+    )
+    if foreign:
+        raise StoreError(
+            f"{db.path}: table {', '.join(foreign)} is not kidx's (it has few of kidx's "
+            "columns: another application's?): kidx needs the name; rename it, or restore "
+            "a backup"
         )
 
 

@@ -1,0 +1,223 @@
+"""kidx's schema changed by a careless host application, found by an audit: a bare apsw
+connection (foreign keys off, no sqlite-vec) that does not drop kidx's tables but makes them
+again otherwise, renames them away and back, adds its own triggers and indexes, or takes a
+name a later migration gives kidx. Indexing goes on where it safely can; where it cannot,
+every run fails with one line naming the table (or trigger, or index) and what to do, and no
+row of the host's is lost. A real SQLite file with sqlite-vec; the provider is the stand-in
+over HTTP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import apsw
+import pytest
+from test_cli import Kidx, base_env
+from test_dropped_tables import as_host, indexed_file, swept
+
+from conftest import mirror_problems
+from worker.bulk import index_item
+from worker.errors import StoreError
+from worker.retrieval import search_chunks
+from worker.settings import EmbeddingSettings
+from worker.store import connect
+from worker.store.items import add_item
+
+
+def host_sql(db_path: Path, sql: str) -> str:
+    conn = apsw.Connection(str(db_path))
+    try:
+        return conn.execute(sql).fetchone()[0]
+    finally:
+        conn.close()
+
+
+def remake(db_path: Path, table: str, old: str = "", new: str = "", fill: str = "*") -> None:
+    """The host makes `table` again, its rows kept: by `CREATE TABLE AS` (`old` empty: the
+    names and the rows, without the keys, NOT NULL, defaults and REFERENCES), or by kidx's
+    own CREATE with `old` replaced by `new`."""
+    conn = apsw.Connection(str(db_path))
+    try:
+        conn.execute("PRAGMA legacy_alter_table = ON")  # (else the rename checks kidx's triggers)
+        sql = conn.execute("SELECT sql FROM sqlite_schema WHERE name = ?", (table,)).fetchone()[0]
+        assert old in sql
+        conn.execute(f"ALTER TABLE {table} RENAME TO host_old")
+        if old:
+            conn.execute(sql.replace(old, new))
+            conn.execute(f"INSERT INTO {table} SELECT {fill} FROM host_old")
+        else:
+            conn.execute(f"CREATE TABLE {table} AS SELECT * FROM host_old")
+        conn.execute("DROP TABLE host_old")
+    finally:
+        conn.close()
+
+
+def works(db_path: Path, emb_settings: EmbeddingSettings, embedder, items: dict[str, int]) -> None:
+    """Every item indexed again by the sweep, a new one indexed, search finds them, and a
+    DELETE of an item takes what it had."""
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        swept(db, embedder)
+        new = add_item(db, kind="note", title="Otters", content="Otters hold hands asleep.")
+        assert index_item(db, new, embedder=embedder).status == "indexed"
+        states = dict(db.all("SELECT item_id, status FROM item_index_state"))
+        assert states == {**{i: "indexed" for i in items.values()}, new: "indexed"}
+        counts = dict(db.all("SELECT item_id, chunk_count FROM item_index_state"))
+        chunks = dict(db.all("SELECT item_id, count(*) FROM note_chunks GROUP BY item_id"))
+        assert chunks == counts
+        assert db.scalar("SELECT count(*) FROM note_chunks WHERE id IS NULL") == 0
+        assert mirror_problems(db) == []
+        hits = search_chunks(db, "Zebra migration on the plains.", embedder, k=3).hits
+        assert hits[0].item_id == items["short"]
+        db.execute("DELETE FROM knowledge_items WHERE id = ?", (items["long"],))
+        assert not db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (items["long"],))
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize(
+    ("table", "old", "new", "fill"),
+    [
+        # note_chunks without its INTEGER PRIMARY KEY: every write of an item, the sweep and
+        # `add_item` failed on `foreign key mismatch - "note_chunk_embeddings" referencing
+        # "note_chunks"`, a raw apsw error
+        ("note_chunks", "", "", ""),
+        # item_index_state without its key: `ON CONFLICT clause does not match any PRIMARY KEY
+        # or UNIQUE constraint`, and the items stayed `indexing` for good
+        ("item_index_state", "", "", ""),
+        # a column of the host's that no INSERT of kidx's gives: every item failed on
+        # `NOT NULL constraint failed: note_chunks.host_tag`
+        (
+            "note_chunks",
+            "embed_hash   TEXT NOT NULL,",
+            "embed_hash TEXT NOT NULL, host_tag TEXT NOT NULL,",
+            "*, 'x'",
+        ),
+        # content of NUMERIC affinity: a chunk '42' was stored as the number 42
+        ("note_chunks", "content      TEXT NOT NULL", "content NUMERIC NOT NULL", "*"),
+    ],
+    ids=["note_chunks-copied", "item_index_state-copied", "extra-not-null", "numeric-content"],
+)
+def test_a_derived_table_a_host_made_again_otherwise_is_made_again_and_refilled(
+    table: str,
+    old: str,
+    new: str,
+    fill: str,
+    db_path: Path,
+    emb_settings: EmbeddingSettings,
+    embedder,
+) -> None:
+    items = indexed_file(db_path, emb_settings, embedder)
+    remake(db_path, table, old, new, fill)
+    works(db_path, emb_settings, embedder, items)
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        n = add_item(db, kind="note", title="Number", content="42")
+        assert index_item(db, n, embedder=embedder).status == "indexed"
+        kind = db.scalar("SELECT typeof(content) FROM note_chunks WHERE item_id = ?", (n,))
+        assert kind == "text"
+    finally:
+        db.close()
+
+
+def test_a_table_a_host_renamed_away_and_made_again_leaves_no_reference_to_the_old_name(
+    db_path: Path, emb_settings: EmbeddingSettings, embedder
+) -> None:
+    """`ALTER TABLE note_chunks RENAME TO old`, kidx's CREATE again, the rows copied, `DROP
+    TABLE old`: SQLite's rename rewrote kidx's triggers and the REFERENCES of
+    note_chunk_embeddings to name `old`, and every write (an item's, the host's own DELETE
+    of an item) failed on `no such table: main.old`, a raw apsw error at every run."""
+    items = indexed_file(db_path, emb_settings, embedder)
+    conn = apsw.Connection(str(db_path))
+    try:
+        sql = host_sql(db_path, "SELECT sql FROM sqlite_schema WHERE name = 'note_chunks'")
+        conn.execute("ALTER TABLE note_chunks RENAME TO old")
+        conn.execute(sql)
+        conn.execute("INSERT INTO note_chunks SELECT * FROM old")
+        conn.execute("DROP TABLE old")
+    finally:
+        conn.close()
+    works(db_path, emb_settings, embedder, items)
+
+
+def test_a_trigger_a_rename_rewrote_is_made_again(
+    db_path: Path, emb_settings: EmbeddingSettings, embedder
+) -> None:
+    """memory_refusals renamed away and made again: `memories_deleted_refusal` named the
+    dropped table, and every DELETE of a memory failed, the host's too, for good."""
+    indexed_file(db_path, emb_settings, embedder)
+    sql = host_sql(db_path, "SELECT sql FROM sqlite_schema WHERE name = 'memory_refusals'")
+    as_host(db_path, "ALTER TABLE memory_refusals RENAME TO old", sql, "DROP TABLE old")
+    connect(db_path, embedding=emb_settings).close()
+    as_host(db_path, "DELETE FROM memories")  # the host's own, foreign keys off
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        assert db.scalar("SELECT count(*) FROM memories") == 0
+        triggers = db.all("SELECT name FROM sqlite_schema WHERE sql LIKE '%\"old\"%'")
+        assert triggers == []
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize(
+    ("table", "says"),
+    [
+        ("knowledge_items", "knowledge_items id is not its INTEGER PRIMARY KEY"),
+        ("memories", "memories id is not its INTEGER PRIMARY KEY"),
+    ],
+)
+def test_a_source_table_made_again_without_its_key_is_refused_naming_it(
+    table: str, says: str, db_path: Path, emb_settings: EmbeddingSettings, embedder, tmp_path
+) -> None:
+    """knowledge_items copied by `CREATE TABLE AS` (its `id` no longer the rowid): every
+    write failed on `foreign key mismatch` (`kidx add` told it as a bug); a new memory got the
+    id NULL. What it holds cannot be made again: every process refuses the file, naming the
+    table, and nothing is dropped."""
+    indexed_file(db_path, emb_settings, embedder)
+    remake(db_path, table)
+    for _ in range(2):
+        with pytest.raises(StoreError, match=f"{says}.*restore a backup"):
+            connect(db_path, embedding=emb_settings)
+    kidx = Kidx(tmp_path, base_env(db_path, "http://127.0.0.1:9/v1"))
+    for args in (("status",), ("add", "note", "--title", "T", "--text", "x")):
+        result = kidx(*args)
+        assert result.returncode != 0
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0] and "bug" not in lines[0], result.stderr
+    conn = apsw.Connection(str(db_path))
+    try:
+        assert conn.execute("SELECT count(*) FROM knowledge_items").fetchone()[0] == 2
+        assert conn.execute("SELECT count(*) FROM memories").fetchone()[0] == 1
+        assert conn.execute("SELECT count(*) FROM note_chunks").fetchone()[0] == 18
+    finally:
+        conn.close()
+
+
+def test_a_host_table_under_a_name_a_later_migration_gives_kidx_is_kept_and_named(
+    db_path: Path, emb_settings: EmbeddingSettings, embedder
+) -> None:
+    """A file of schema 8 (before memory_refusals) where the host had a table of its own
+    called `memory_refusals`: migration 9's `CREATE TABLE IF NOT EXISTS` took it for kidx's,
+    and the next check dropped it as a kidx table missing its columns, the host's rows with
+    it. It is refused, named, and kept."""
+    indexed_file(db_path, emb_settings, embedder)
+    as_host(
+        db_path,
+        "DROP TABLE memory_refusals",  # and what named it: schema 8 had neither
+        "DROP TRIGGER memories_deleted_refusal",
+        "DROP TRIGGER memories_inserted",
+        "UPDATE index_meta SET value = '8' WHERE key = 'schema_version'",
+        "CREATE TABLE memory_refusals(id INTEGER PRIMARY KEY, note TEXT)",
+        "INSERT INTO memory_refusals(note) VALUES ('the host''s own row')",
+    )
+    with pytest.raises(StoreError, match=r"table memory_refusals is not kidx's.*rename it"):
+        connect(db_path, embedding=emb_settings)
+    rows = apsw.Connection(str(db_path)).execute("SELECT note FROM memory_refusals").fetchall()
+    assert rows == [("the host's own row",)]
+    as_host(db_path, "ALTER TABLE memory_refusals RENAME TO host_refusals")
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        assert db.scalar("SELECT count(*) FROM host_refusals") == 1
+        assert {r[1] for r in db.all("PRAGMA table_info(memory_refusals)")} >= {"memory_id"}
+    finally:
+        db.close()
