@@ -221,3 +221,109 @@ def test_a_host_table_under_a_name_a_later_migration_gives_kidx_is_kept_and_name
         assert {r[1] for r in db.all("PRAGMA table_info(memory_refusals)")} >= {"memory_id"}
     finally:
         db.close()
+
+
+OTTERS = "Otters hold hands asleep."
+ZEBRAS = "Zebra migration on the plains."  # the text of an indexed note's one chunk
+
+
+@pytest.mark.parametrize(
+    ("statements", "text", "named", "cause"),
+    [
+        (
+            (
+                "CREATE TRIGGER host_check BEFORE INSERT ON note_chunks "
+                "WHEN new.content LIKE '%otter%' BEGIN SELECT RAISE(ABORT, 'host says no'); END",
+            ),
+            OTTERS,
+            "trigger host_check on note_chunks",
+            "host says no",
+        ),
+        (  # an index on what the host writes as JSON, which some notes only look like
+            (
+                "CREATE INDEX host_json ON note_chunks(json_extract(content, '$.kind')) "
+                "WHERE content LIKE '{%'",
+            ),
+            "{Otters} hold hands asleep.",
+            "index host_json on note_chunks",
+            "malformed JSON",
+        ),
+        (  # unique chunks, which kidx never promised: the same paragraph in two notes
+            ("CREATE UNIQUE INDEX host_unique ON note_chunks(content)",),
+            ZEBRAS,
+            "index host_unique on note_chunks",
+            "UNIQUE constraint failed: note_chunks.content",
+        ),
+        (  # a log table the host dropped since: every INSERT there fails, whatever its WHEN
+            (
+                "CREATE TABLE host_log(chunk_id)",
+                "CREATE TRIGGER host_logged AFTER INSERT ON note_chunks "
+                "WHEN new.content LIKE '%otter%' BEGIN INSERT INTO host_log VALUES (new.id); END",
+                "DROP TABLE host_log",
+            ),
+            None,
+            "trigger host_logged on note_chunks",
+            "no such table: main.host_log",
+        ),
+    ],
+    ids=["raise", "json-index", "unique-index", "dropped-log"],
+)
+def test_a_host_trigger_or_index_that_refuses_kidx_writes_is_named_in_the_failure(
+    statements: tuple[str, ...],
+    text: str | None,
+    named: str,
+    cause: str,
+    db_path: Path,
+    emb_settings: EmbeddingSettings,
+    embedder,
+) -> None:
+    """A host's trigger or index on a kidx table that refuses some of kidx's writes failed
+    those items with SQLite's words only ("host says no", "malformed JSON"), which name
+    neither the trigger or index nor its table, nor say that it is not kidx's. The other
+    items are indexed (`text`: the one refused; None: every one is); the failure names the
+    host's object and what to do, and the item's previous index stands."""
+    items = indexed_file(db_path, emb_settings, embedder)
+    as_host(db_path, *statements)
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        if text is not None:
+            fine = add_item(db, kind="note", title="Beavers", content="Beavers build dams.")
+            assert index_item(db, fine, embedder=embedder).status == "indexed"
+        refused = add_item(db, kind="note", title="Refused", content=text or OTTERS)
+        with pytest.raises(StoreError) as failure:
+            index_item(db, refused, embedder=embedder)
+        message = str(failure.value)
+        assert cause in message and named in message and "drop" in message, message
+        assert "\n" not in message
+        state = db.one(
+            "SELECT status, last_error FROM item_index_state WHERE item_id = ?", (refused,)
+        )
+        assert state == ("failed", message)
+        assert not db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (refused,))
+        kept = db.scalar("SELECT status FROM item_index_state WHERE item_id = ?", (items["short"],))
+        assert kept == "indexed"
+    finally:
+        db.close()
+
+
+def test_a_host_trigger_that_refuses_new_items_is_named_by_kidx_add(
+    db_path: Path, emb_settings: EmbeddingSettings, embedder, tmp_path
+) -> None:
+    """`add_item` (`kidx add`) failed on a host's trigger on item_index_state with
+    `database ...: ConstraintError: read only`, naming neither the trigger nor its table."""
+    indexed_file(db_path, emb_settings, embedder)
+    as_host(
+        db_path,
+        "CREATE TRIGGER host_frozen BEFORE INSERT ON item_index_state "
+        "BEGIN SELECT RAISE(ABORT, 'read only'); END",
+    )
+    kidx = Kidx(tmp_path, base_env(db_path, "http://127.0.0.1:9/v1"))
+    result = kidx("add", "note", "--title", "T", "--text", "Otters.")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert "read only" in lines[0] and "trigger host_frozen on item_index_state" in lines[0]
+    conn = apsw.Connection(str(db_path))
+    try:  # nothing of it was written
+        assert conn.execute("SELECT count(*) FROM knowledge_items").fetchone()[0] == 2
+    finally:
+        conn.close()

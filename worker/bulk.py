@@ -217,7 +217,7 @@ def _index_pass(
                 try:
                     together = _new_items(ready)
                 except apsw.Error as e:  # the transaction went with it: the cause is reported
-                    halt = store_failure(e)
+                    halt = store_failure(e, db)
                     raise
                 for w, result in together:
                     works.remove(w)
@@ -252,7 +252,7 @@ def _index_pass(
                 w.claim, w.marked = read[id(w)], False
             # The cause, when an item met it first (a full disk), rather than its echo ("the
             # transaction was rolled back").
-            halt = halt or (store_failure(e) if isinstance(e, apsw.Error) else e)
+            halt = halt or (store_failure(e, db) if isinstance(e, apsw.Error) else e)
             log.error(
                 f"{KI_EMBED} a write transaction did not commit: its items keep their "
                 "previous index",

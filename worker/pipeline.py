@@ -63,6 +63,7 @@ from worker.store.items import (
     set_state,
 )
 from worker.store.removal import remove_other_kind
+from worker.store.schema import refused_by_host
 
 log = get_logger("kidx.pipeline")
 
@@ -152,7 +153,7 @@ def recorded_outcome(
         ilog.info(f"{KI_EMBED} the item was deleted; nothing written", reason=str(e))
         raise
     except apsw.Error as e:
-        failure = store_failure(e)
+        failure = store_failure(e, db)
         failed(str(failure))
         ilog.error(
             f"{KI_EMBED} the write failed; the previous index is intact",
@@ -181,10 +182,11 @@ def recorded_outcome(
         raise
 
 
-def store_failure(e: apsw.Error) -> KidxError:
+def store_failure(e: apsw.Error, db: Database | None = None) -> KidxError:
     """What a write the database refused means for the run: a full disk or an I/O error may
     pass (IndexAborted, transient: the task retries, a batch counts it towards its abort);
-    anything else is a StoreError."""
+    anything else is a StoreError (naming a host's triggers and indexes on kidx's tables, if
+    `db` has any: one of them may be what refused it)."""
     cause = f"{type(e).__name__}: {e}"
     if isinstance(e, apsw.FullError | apsw.IOError | apsw.BusyError | apsw.ReadOnlyError):
         return IndexAborted(f"the database could not be written ({cause})", transient=True)
@@ -197,6 +199,8 @@ def store_failure(e: apsw.Error) -> KidxError:
             f"the database refused the write ({cause}): a keyword index a host damaged is "
             "rebuilt by the reconcile sweep and the item sent again; `kidx doctor` says more"
         )
+    if db is not None and (theirs := refused_by_host(db, e)) is not None:
+        return theirs
     return StoreError(f"the database refused the write ({cause})")
 
 

@@ -8,6 +8,8 @@ import functools
 import re
 from dataclasses import dataclass
 
+import apsw
+
 from worker.errors import StoreError
 from worker.store.db import Database
 from worker.store.fts import FTS_TABLES, create_sql
@@ -843,3 +845,35 @@ def _refuse_lost(db: Database, missing: list[tuple[str, str, str, str]]) -> None
             f"{db.path}: {', '.join(taken)} is not what kidx made (another object took "
             "the name): drop or rename it, or restore a backup"
         )
+
+
+def host_objects(db: Database) -> list[str]:
+    """Triggers and indexes on kidx's tables that kidx did not make (a host's): one that
+    refuses kidx's writes (a RAISE, an INSERT into a table the host dropped since, a UNIQUE
+    kidx does not keep, an expression that fails on some text) fails every such write alike,
+    and SQLite's words ("host says no", "malformed JSON") name neither it nor its table."""
+    ours = {n for _, n, _, _ in _reference()}
+    tables = set(_made()[1])
+    try:
+        rows = db.all(
+            "SELECT type, name, tbl_name FROM sqlite_schema "
+            "WHERE type IN ('trigger', 'index') AND sql IS NOT NULL"
+        )
+    except apsw.Error:
+        return []
+    return [f"{t} {n} on {tbl}" for t, n, tbl in rows if tbl in tables and n not in ours]
+
+
+def refused_by_host(db: Database, e: apsw.Error) -> StoreError | None:
+    """A write SQLite refused (a constraint, or an error in a trigger or an index's
+    expression) while a host has its own triggers or indexes on kidx's tables: the error
+    naming them, and what to do; None when there are none, or the cause is another."""
+    if not isinstance(e, apsw.ConstraintError | apsw.SQLError):
+        return None
+    theirs = host_objects(db)
+    if not theirs:
+        return None
+    return StoreError(
+        f"the database refused the write ({type(e).__name__}: {e}); not kidx's, on its tables: "
+        f"{', '.join(theirs)}: drop (or fix) the one that refuses kidx's writes"
+    )
