@@ -327,3 +327,36 @@ def test_a_host_trigger_that_refuses_new_items_is_named_by_kidx_add(
         assert conn.execute("SELECT count(*) FROM knowledge_items").fetchone()[0] == 2
     finally:
         conn.close()
+
+
+def test_a_host_trigger_that_writes_the_state_again_fails_the_run_naming_it(
+    db_path: Path, emb_settings: EmbeddingSettings, embedder
+) -> None:
+    """A host's `touch updated_at` trigger on item_index_state wrote each row again as kidx
+    wrote it: every run took that for another run's write (the claim token changed) and
+    wrote nothing (`coalesced`), and the items stayed `indexing` for good, with no error
+    anywhere. The run fails, naming the trigger; the item's previous index stands."""
+    items = indexed_file(db_path, emb_settings, embedder)
+    as_host(
+        db_path,
+        "CREATE TRIGGER host_touch AFTER UPDATE ON item_index_state BEGIN "
+        "UPDATE item_index_state SET updated_at = datetime('now') "
+        "WHERE item_id = new.item_id; END",
+    )
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        db.execute(
+            "UPDATE knowledge_items SET content = 'Lava flows.' WHERE id = ?", (items["short"],)
+        )
+        with pytest.raises(StoreError, match=r"trigger host_touch on item_index_state.*drop"):
+            index_item(db, items["short"], embedder=embedder)
+        status, error = db.one(
+            "SELECT status, last_error FROM item_index_state WHERE item_id = ?", (items["short"],)
+        )
+        assert status == "failed" and "trigger host_touch" in error
+        chunk = db.scalar("SELECT content FROM note_chunks WHERE item_id = ?", (items["short"],))
+        assert chunk == "Zebra migration on the plains."
+        as_host(db_path, "DROP TRIGGER host_touch")
+        assert index_item(db, items["short"], embedder=embedder).status == "indexed"
+    finally:
+        db.close()

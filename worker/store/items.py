@@ -11,7 +11,7 @@ import apsw
 from worker.chunking.base import ChunkMethod, text_hash
 from worker.errors import InvalidInput, ItemNotFound, StoreError
 from worker.store.db import Database
-from worker.store.schema import ITEM_KINDS, refused_by_host
+from worker.store.schema import ITEM_KINDS, host_objects, refused_by_host
 from worker.store.text import NotText, given_text, readable, shown, shown_row, strict
 from worker.store.vec import sound
 
@@ -136,26 +136,45 @@ def claim_items(
     read (by another run, or anything that wrote its state), or is gone: what the run read of
     it may be older than what that run read."""
     held: dict[int, Claim] = {}
-    for item_id, claim in claims:
-        if claim == NO_ROW:
-            row = db.one(
-                "INSERT INTO item_index_state(item_id, status, last_task_id) "
-                "SELECT id, 'indexing', ?1 FROM knowledge_items WHERE id = ?2 "
-                "ON CONFLICT(item_id) DO NOTHING RETURNING item_id",
-                (task_id, item_id),
-            )
-            if row is not None:  # its token is the insert trigger's
-                row = db.one("SELECT claim FROM item_index_state WHERE item_id = ?", (item_id,))
-        else:
-            row = db.one(
-                f"UPDATE item_index_state SET status = 'indexing', last_task_id = ?1, "
-                f"updated_at = {NOW}, claim = random() WHERE item_id = ?2 AND {TOKEN} IS ?3 "
-                "RETURNING claim",
-                (task_id, item_id, claim.token),
-            )
-        if row is not None:
-            held[item_id] = Claim(task_id, str(Status.INDEXING), row[0])
+    with db.atomic():  # all or none: the marks of a call that fails must not stay `indexing`
+        for item_id, claim in claims:
+            if claim == NO_ROW:
+                row = db.one(
+                    "INSERT INTO item_index_state(item_id, status, last_task_id) "
+                    "SELECT id, 'indexing', ?1 FROM knowledge_items WHERE id = ?2 "
+                    "ON CONFLICT(item_id) DO NOTHING RETURNING item_id",
+                    (task_id, item_id),
+                )
+                if row is not None:  # its token is the insert trigger's
+                    row = db.one("SELECT claim FROM item_index_state WHERE item_id = ?", (item_id,))
+            else:
+                row = db.one(
+                    f"UPDATE item_index_state SET status = 'indexing', last_task_id = ?1, "
+                    f"updated_at = {NOW}, claim = random() WHERE item_id = ?2 AND {TOKEN} IS ?3 "
+                    "RETURNING claim",
+                    (task_id, item_id, claim.token),
+                )
+                if row is not None:
+                    _not_rewritten(db, item_id, row[0])
+            if row is not None:
+                held[item_id] = Claim(task_id, str(Status.INDEXING), row[0])
     return held
+
+
+def _not_rewritten(db: Database, item_id: int, token: Any) -> None:
+    """The mark just written is still the row's: nothing but a trigger can write it within
+    this transaction, and kidx's leave a row whose token changed alone. A host's trigger that
+    writes the row again (`SET updated_at = ...` on every UPDATE) gave it a new token each
+    time, every run took that for another's write and wrote nothing (`coalesced`), and its
+    items stayed `indexing` for good, with no error anywhere: a StoreError naming it."""
+    if db.scalar("SELECT claim FROM item_index_state WHERE item_id = ?", (item_id,)) == token:
+        return
+    theirs = [o for o in host_objects(db) if o.endswith(" on item_index_state")]
+    by = ", ".join(theirs) or "a trigger not kidx's"
+    raise StoreError(
+        f"item_index_state's row is written again as kidx writes it (by {by}): kidx takes "
+        "that for another run's write and never writes the item; drop that trigger"
+    )
 
 
 # An item's state row, created when missing: never for an item that is gone (a task still
