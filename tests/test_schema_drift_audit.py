@@ -18,6 +18,7 @@ from test_dropped_tables import as_host, indexed_file, swept
 from conftest import mirror_problems
 from worker.bulk import index_item
 from worker.errors import StoreError
+from worker.indexers.memories import add_memory, embed_memories
 from worker.retrieval import search_chunks
 from worker.settings import EmbeddingSettings
 from worker.store import connect
@@ -358,5 +359,33 @@ def test_a_host_trigger_that_writes_the_state_again_fails_the_run_naming_it(
         assert chunk == "Zebra migration on the plains."
         as_host(db_path, "DROP TRIGGER host_touch")
         assert index_item(db, items["short"], embedder=embedder).status == "indexed"
+    finally:
+        db.close()
+
+
+def test_a_host_trigger_that_refuses_memory_vectors_is_named_not_raised(
+    db_path: Path, emb_settings: EmbeddingSettings, embedder
+) -> None:
+    """A host's trigger refusing memory_embeddings' rows made `embed_memories` (the sweep's
+    `kidx.embed_memories`) and `add_memory` raise apsw.ConstraintError ("no vectors"), which
+    names neither the trigger nor its table. The run ends with its error naming them (the
+    sweep reports it and tries again later), `add_memory` with a StoreError, nothing
+    written."""
+    indexed_file(db_path, emb_settings, embedder)
+    as_host(
+        db_path,
+        "UPDATE memories SET content = 'The user prefers coffee.'",  # its vector goes
+        "CREATE TRIGGER host_no_vectors BEFORE INSERT ON memory_embeddings "
+        "BEGIN SELECT RAISE(ABORT, 'no vectors'); END",
+    )
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        report = embed_memories(db, embedder)
+        assert report.embedded == 0 and report.left == 1
+        assert "no vectors" in str(report.error)
+        assert "trigger host_no_vectors on memory_embeddings" in str(report.error)
+        with pytest.raises(StoreError, match="trigger host_no_vectors on memory_embeddings"):
+            add_memory(db, "The user lives in Oslo.", embedder)
+        assert db.scalar("SELECT count(*) FROM memories") == 1
     finally:
         db.close()

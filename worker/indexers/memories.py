@@ -20,6 +20,7 @@ from worker.providers.base import EmbeddingModel, to_blob
 from worker.retrieval import check_query
 from worker.store.db import Database
 from worker.store.items import Item
+from worker.store.schema import refused_by_host
 from worker.store.text import NotText, given_text, shown, strict
 from worker.store.vec import VEC, VEC_BEHIND, mirror_ready, set_meta, sound, vec_replace
 
@@ -137,9 +138,16 @@ def add_memory(db: Database, text: str, embedder: EmbeddingModel) -> int:
     if why := over_model(text, embedder):
         raise InvalidInput(f"a memory is embedded whole: this one {why}")
     vector = embedder.embed_checked([text])[0]  # the memory's embedder input is its text
-    with db.atomic():
-        memory_id = int(db.scalar("INSERT INTO memories(content) VALUES (?) RETURNING id", (text,)))
-        _write_vector(db, memory_id, text, vector, embedder.model_id)
+    try:
+        with db.atomic():
+            memory_id = int(
+                db.scalar("INSERT INTO memories(content) VALUES (?) RETURNING id", (text,))
+            )
+            _write_vector(db, memory_id, text, vector, embedder.model_id)
+    except apsw.Error as e:  # a host's trigger or index that refuses it: named (`kidx add`)
+        if (theirs := refused_by_host(db, e)) is not None:
+            raise theirs from None
+        raise
     return memory_id
 
 
@@ -444,19 +452,27 @@ def _per_input(error: Exception) -> bool:
 _PASSING = (apsw.BusyError, apsw.LockedError, apsw.FullError, apsw.IOError, apsw.ReadOnlyError)
 
 
-def _written(report: MemoryBackfill, write: Any, *args: Any) -> bool:
+def _written(report: MemoryBackfill, write: Any, db: Database, *args: Any) -> bool:
     """Run a write; when the database refuses it for a reason that may pass, stop the run
     with that reason as its error (what was written before stays; the next run embeds the
     rest) rather than failing the task with SQLite's exception."""
     embedded = report.embedded
     try:
-        write(*args)
+        write(db, *args)
     except _PASSING as e:
         report.embedded = embedded  # counted in the transaction that was rolled back
         report.error = report.error or (
             f"the database could not be written ({_why(e)}); {report.embedded} memories "
             "written are kept, the next run embeds the rest"
         )
+        return False
+    except apsw.Error as e:
+        # A host's trigger or index on kidx's tables refusing it: named, not SQLite's words
+        # alone ("no vectors") raised as a bug; it stays until the host drops it.
+        if (theirs := refused_by_host(db, e)) is None:
+            raise
+        report.embedded = embedded
+        report.error = report.error or str(theirs)
         return False
     return True
 
