@@ -19,6 +19,7 @@ from conftest import mirror_problems
 from worker.bulk import index_item
 from worker.errors import StoreError
 from worker.indexers.memories import add_memory, embed_memories
+from worker.reconcile import reconcile
 from worker.retrieval import search_chunks
 from worker.settings import EmbeddingSettings
 from worker.store import connect
@@ -387,5 +388,32 @@ def test_a_host_trigger_that_refuses_memory_vectors_is_named_not_raised(
         with pytest.raises(StoreError, match="trigger host_no_vectors on memory_embeddings"):
             add_memory(db, "The user lives in Oslo.", embedder)
         assert db.scalar("SELECT count(*) FROM memories") == 1
+    finally:
+        db.close()
+
+
+def test_a_host_trigger_that_refuses_the_sweeps_repairs_leaves_the_sweep_sending_items(
+    db_path: Path, emb_settings: EmbeddingSettings, embedder
+) -> None:
+    """A host's trigger refusing DELETEs on note_chunks made every reconcile sweep raise
+    apsw.ConstraintError ("keep chunks") while it removed a leftover chunk: no item was sent
+    again, ever. The refused repair is logged naming the trigger and left; the sweep goes on
+    and sends the items that need a run."""
+    indexed_file(db_path, emb_settings, embedder)
+    as_host(
+        db_path,
+        "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
+        "end_offset, embed_hash) VALUES (999, 0, 'left by hand', 'structure', 0, 12, 'h')",
+        "CREATE TRIGGER host_keep BEFORE DELETE ON note_chunks "
+        "BEGIN SELECT RAISE(ABORT, 'keep chunks'); END",
+        "INSERT INTO knowledge_items(kind, title, content) VALUES ('note', 'New', 'Otters.')",
+    )
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        new = db.scalar("SELECT max(id) FROM knowledge_items")
+        drift = reconcile(db, model=embedder.model_id, max_items=100)
+        assert drift.to_index == [new]
+        assert index_item(db, new, embedder=embedder).status == "indexed"
+        assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = 999") == 1
     finally:
         db.close()

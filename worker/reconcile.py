@@ -14,15 +14,23 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
+import apsw
+
+from worker.log import get_logger
 from worker.store.db import Database
 from worker.store.fts import sync_fts
 from worker.store.items import NOW
 from worker.store.jobs import batch_outcome
 from worker.store.removal import remove_leftovers
-from worker.store.repair import repair_vectors
+from worker.store.repair import RepairReport, repair_vectors
+from worker.store.schema import refused_by_host
 from worker.store.text import integer_or_null
 from worker.store.vec import set_meta, sound
+
+log = get_logger("kidx.reconcile")
+T = TypeVar("T")
 
 # Items a sweep must not send: a task for them is queued or running, or waits for its retry's
 # countdown (Celery's retry of a task: the row of the attempt that failed says `retry`, the
@@ -263,11 +271,14 @@ def reconcile(
     the cut at `max_items` must not hand every sweep to the same retries."""
     dims = db.dimensions
     drift = Drift()
-    removed = remove_leftovers(db)  # first: their vec rows are then orphans, deleted next
-    report = repair_vectors(db, dims)
+    # first: their vec rows are then orphans, deleted next
+    removed = _mended(db, "remove leftovers", lambda: remove_leftovers(db), {})
+    report = _mended(db, "repair the vectors", lambda: repair_vectors(db, dims), RepairReport())
     drift.repaired = {
         "leftovers_removed": removed,
-        "keyword_rows": sync_fts(db, verify=True),
+        "keyword_rows": _mended(
+            db, "mend the keyword index", lambda: sync_fts(db, verify=True), {}
+        ),
         "restored": report.restored,
         "orphans_deleted": report.orphans_deleted,
         "replaced": report.replaced,
@@ -290,9 +301,26 @@ def reconcile(
     wanted.update(drift.found["skipped"])
     drift.found["interrupted"] = sorted(set(marked) - running - busy)
     wanted.update(drift.found["interrupted"])
+    if wanted:  # (a leftover a refused repair kept names an item that is gone: not sent)
+        live = "SELECT value FROM json_each(?) WHERE value IN (SELECT id FROM knowledge_items)"
+        wanted = {r[0] for r in db.all(live, (json.dumps(sorted(wanted)),))}
     drift.busy = len(wanted & busy)
     drift.to_index = sorted(wanted - busy, key=lambda i: (i in retried, i))[:max_items]
     return drift
+
+
+def _mended(db: Database, what: str, mend: Callable[[], T], nothing: T) -> T:
+    """One of the sweep's repairs (each in a transaction of its own). One that a host's
+    trigger or index on kidx's tables refuses (a `RAISE` on deleting note_chunks) failed every
+    sweep with SQLite's words, and no item was sent again: it is logged naming them, its rows
+    are left as they are, and the sweep goes on."""
+    try:
+        return mend()
+    except apsw.Error as e:
+        if (theirs := refused_by_host(db, e)) is None:
+            raise
+        log.error(f"the reconcile sweep could not {what}", reason=str(theirs))
+        return nothing
 
 
 def _resting(db: Database, backoff: Backoff | None) -> tuple[set[int], set[int], set[int]]:
