@@ -417,3 +417,23 @@ def test_a_host_trigger_that_refuses_the_sweeps_repairs_leaves_the_sweep_sending
         assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = 999") == 1
     finally:
         db.close()
+
+
+def test_a_table_a_host_makes_again_while_a_worker_runs_is_mended_by_the_next_sweep(
+    db_path: Path, emb_settings: EmbeddingSettings, embedder
+) -> None:
+    """A worker's connection lives as long as its process, and kidx's tables were checked
+    only when it opened: note_chunks made again without its key while workers ran made every
+    run and every sweep fail (`foreign key mismatch`) until the workers were restarted. The
+    sweep makes it again and sends its items."""
+    db = connect(db_path, embedding=emb_settings)  # the worker's, open throughout
+    try:
+        items = {"short": add_item(db, kind="note", title="Zebras", content=ZEBRAS)}
+        assert index_item(db, items["short"], embedder=embedder).status == "indexed"
+        remake(db_path, "note_chunks")
+        assert reconcile(db, model=embedder.model_id, max_items=10).to_index == [items["short"]]
+        assert index_item(db, items["short"], embedder=embedder).status == "indexed"
+        assert db.scalar("SELECT count(*) FROM note_chunks WHERE id IS NOT NULL") == 1
+        assert mirror_problems(db) == []
+    finally:
+        db.close()

@@ -25,7 +25,7 @@ from worker.store.items import NOW
 from worker.store.jobs import batch_outcome
 from worker.store.removal import remove_leftovers
 from worker.store.repair import RepairReport, repair_vectors
-from worker.store.schema import refused_by_host
+from worker.store.schema import refused_by_host, restore_dropped
 from worker.store.text import integer_or_null
 from worker.store.vec import set_meta, sound
 
@@ -271,6 +271,15 @@ def reconcile(
     the cut at `max_items` must not hand every sweep to the same retries."""
     dims = db.dimensions
     drift = Drift()
+    # A worker's connection lives as long as its process: what a host dropped or made again
+    # since (a table, a trigger) is made again here, not only by the next process's connect.
+    # (Outside a transaction only: there foreign keys could not be turned off for its DROPs.)
+    if db.conn.get_autocommit() and (restored := restore_dropped(db)):
+        log.warning(
+            "kidx's tables, indexes or triggers dropped or altered outside kidx were made "
+            "again: this sweep refills them",
+            restored=restored,
+        )
     # first: their vec rows are then orphans, deleted next
     removed = _mended(db, "remove leftovers", lambda: remove_leftovers(db), {})
     report = _mended(db, "repair the vectors", lambda: repair_vectors(db, dims), RepairReport())
