@@ -38,7 +38,7 @@ from worker.sources.urls import safe_url
 from worker.store import VEC_TABLES, Database, resolve_dimensions, vec_table_dimensions
 from worker.store.fts import FTS_TABLES, fts_counts, fts_intact
 from worker.store.removal import leftovers
-from worker.store.schema import SCHEMA_VERSION, schema_version
+from worker.store.schema import SCHEMA_VERSION, host_objects, schema_problems, schema_version
 from worker.store.text import integer_or_null, shown
 
 DEFAULT_TIMEOUT = 5.0
@@ -142,8 +142,19 @@ def check_database(settings: Settings, timeout: float) -> str:
             )
         if version < SCHEMA_VERSION:
             raise Fail(f"{path} has schema {version}, not {SCHEMA_VERSION}", "run `kidx init`")
+        refused, again = schema_problems(db)  # (what a host changed: workers' connect says)
+        if refused is not None:
+            raise Fail(refused)
         items = db.scalar("SELECT count(*) FROM knowledge_items")
         said = f"{path} (schema {version}, {items} items, WAL {wal / 1e6:.1f} MB)"
+        if again:
+            raise Warn(
+                f"{said}: dropped or altered outside kidx: {', '.join(again)}",
+                "the next reconcile sweep (or kidx process) makes them again and refills them; "
+                "until then runs that write there fail",
+            )
+        if theirs := host_objects(db):  # (information: a host may index kidx's tables)
+            said += f"; not kidx's, on its tables: {', '.join(theirs)}"
         if wal > WAL_WARN_BYTES:
             raise Warn(
                 f"{said}: the WAL is not being emptied into the database (reads slow down and "

@@ -437,3 +437,31 @@ def test_a_table_a_host_makes_again_while_a_worker_runs_is_mended_by_the_next_sw
         assert mirror_problems(db) == []
     finally:
         db.close()
+
+
+def test_kidx_doctor_names_what_a_host_changed_in_the_schema(
+    db_path: Path, emb_settings: EmbeddingSettings, embedder
+) -> None:
+    """`kidx doctor`'s database line said all was well (it opens the file without kidx's
+    checks) while every kidx process refused it, or every run failed until a sweep made a
+    table again. It fails for the first, warns for the second, and names a host's own
+    triggers and indexes on kidx's tables."""
+    from ops.doctor import Fail, Warn, check_database
+    from worker.settings import Settings
+
+    indexed_file(db_path, emb_settings, embedder)
+    settings = Settings(db=db_path)
+    as_host(
+        db_path,
+        "CREATE INDEX host_by_content ON note_chunks(content)",
+        "CREATE TRIGGER host_t AFTER INSERT ON memories BEGIN SELECT 1; END",
+    )
+    said = check_database(settings, 5.0)
+    assert "index host_by_content on note_chunks, trigger host_t on memories" in said
+    remake(db_path, "note_chunks")
+    with pytest.raises(Warn, match=r"note_chunks .*id is not its INTEGER PRIMARY KEY"):
+        check_database(settings, 5.0)
+    remake(db_path, "knowledge_items")
+    with pytest.raises(Fail, match="knowledge_items id is not its INTEGER PRIMARY KEY") as e:
+        check_database(settings, 5.0)
+    assert not isinstance(e.value, Warn)

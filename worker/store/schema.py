@@ -847,6 +847,23 @@ def _refuse_lost(db: Database, missing: list[tuple[str, str, str, str]]) -> None
         )
 
 
+def schema_problems(db: Database) -> tuple[str | None, list[str]]:
+    """For `kidx doctor`, nothing written: why every kidx process refuses the file (a source
+    table dropped or altered, a name taken), or None; and kidx's derived tables, indexes and
+    triggers that the next connection or reconcile sweep makes again."""
+    altered, missing = _altered(db), _missing(db)
+    try:
+        _refuse_altered(db, altered)
+        if missing:
+            _refuse_lost(db, missing)
+    except StoreError as e:
+        return str(e), []
+    again = {f"{t} ({', '.join(d)})" for t, d in altered.items()}
+    again |= {f"{n} (missing)" for _, n, _, _ in missing}
+    again |= {f"{n} (not kidx's SQL)" for _, n in _rewritten(db)}
+    return None, sorted(again)
+
+
 def host_objects(db: Database) -> list[str]:
     """Triggers and indexes on kidx's tables that kidx did not make (a host's): one that
     refuses kidx's writes (a RAISE, an INSERT into a table the host dropped since, a UNIQUE
