@@ -195,13 +195,33 @@ def test_a_source_table_made_again_without_its_key_is_refused_naming_it(
         conn.close()
 
 
-def test_a_host_table_under_a_name_a_later_migration_gives_kidx_is_kept_and_named(
-    db_path: Path, emb_settings: EmbeddingSettings, embedder
+@pytest.mark.parametrize(
+    ("theirs", "says"),
+    [
+        (
+            (
+                "CREATE TABLE memory_refusals(id INTEGER PRIMARY KEY, note TEXT)",
+                "INSERT INTO memory_refusals(note) VALUES ('the host''s own row')",
+            ),
+            "table memory_refusals is not kidx's.*rename it",
+        ),
+        (
+            ("CREATE VIEW memory_refusals AS SELECT id, content AS note FROM memories",),
+            "memory_refusals is not what kidx made.*rename it",
+        ),
+    ],
+    ids=["table", "view"],
+)
+def test_a_host_object_under_a_name_a_later_migration_gives_kidx_is_kept_and_named(
+    theirs: tuple[str, ...], says: str, db_path: Path, emb_settings: EmbeddingSettings, embedder
 ) -> None:
     """A file of schema 8 (before memory_refusals) where the host had a table of its own
     called `memory_refusals`: migration 9's `CREATE TABLE IF NOT EXISTS` took it for kidx's,
     and the next check dropped it as a kidx table missing its columns, the host's rows with
-    it. It is refused, named, and kept."""
+    it. A view of that name was refused, but after the migration had made kidx's triggers
+    write to it: the host's own `DELETE FROM memories` failed ("cannot modify
+    memory_refusals because it is a view"). Either is refused, named, before any migration,
+    and kept; renamed, kidx's table is made."""
     indexed_file(db_path, emb_settings, embedder)
     as_host(
         db_path,
@@ -209,18 +229,23 @@ def test_a_host_table_under_a_name_a_later_migration_gives_kidx_is_kept_and_name
         "DROP TRIGGER memories_deleted_refusal",
         "DROP TRIGGER memories_inserted",
         "UPDATE index_meta SET value = '8' WHERE key = 'schema_version'",
-        "CREATE TABLE memory_refusals(id INTEGER PRIMARY KEY, note TEXT)",
-        "INSERT INTO memory_refusals(note) VALUES ('the host''s own row')",
+        *theirs,
     )
-    with pytest.raises(StoreError, match=r"table memory_refusals is not kidx's.*rename it"):
-        connect(db_path, embedding=emb_settings)
-    rows = apsw.Connection(str(db_path)).execute("SELECT note FROM memory_refusals").fetchall()
-    assert rows == [("the host's own row",)]
-    as_host(db_path, "ALTER TABLE memory_refusals RENAME TO host_refusals")
+    for _ in range(2):
+        with pytest.raises(StoreError, match=says):
+            connect(db_path, embedding=emb_settings)
+    as_host(db_path, "DELETE FROM memories WHERE id < 0")  # the host's own writes still work
+    kind = "VIEW" if "VIEW" in theirs[0] else "TABLE"
+    if kind == "TABLE":
+        assert host_sql(db_path, "SELECT count(*) FROM memory_refusals") == 1
+        as_host(db_path, "ALTER TABLE memory_refusals RENAME TO host_refusals")
+    else:
+        as_host(db_path, "DROP VIEW memory_refusals")
     db = connect(db_path, embedding=emb_settings)
     try:
-        assert db.scalar("SELECT count(*) FROM host_refusals") == 1
         assert {r[1] for r in db.all("PRAGMA table_info(memory_refusals)")} >= {"memory_id"}
+        if kind == "TABLE":
+            assert db.scalar("SELECT note FROM host_refusals") == "the host's own row"
     finally:
         db.close()
 

@@ -548,14 +548,20 @@ def _refuse_taken(db: Database, current: int) -> None:
     `IF NOT EXISTS` took for kidx's, the migration's triggers then named it (the host's own
     DELETEs failed), and `restore_dropped` dropped it, its rows with it. Refused before any
     migration runs, so that the host can still rename it."""
-    names = {n for number, sql in MIGRATIONS if number > current for n in _CREATES.findall(sql)}
-    there = [
-        n
-        for n in sorted(names)
-        if db.scalar("SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = ?", (n,))
-    ]
-    if there:  # (never in `_made`'s empty database: it calls this)
-        _refuse_foreign(db, there)
+    names = sorted({n for num, sql in MIGRATIONS if num > current for n in _CREATES.findall(sql)})
+    there = db.all(
+        f"SELECT type, name FROM sqlite_schema WHERE name IN ({', '.join('?' * len(names))})",
+        names,
+    )
+    # A view of the name: the migration's triggers wrote to it, and the host's own DELETEs
+    # of memories failed ("cannot modify memory_refusals because it is a view").
+    if other := sorted(n for t, n in there if t != "table"):
+        raise StoreError(
+            f"{db.path}: {', '.join(other)} is not what kidx made (another object took the "
+            "name, which this kidx's migrations need): drop or rename it, or restore a backup"
+        )
+    if tables := [n for t, n in there if t == "table"]:  # (never in `_made`'s empty database)
+        _refuse_foreign(db, tables)
 
 
 # At a line's start: a statement may begin with the comment lines above it.
