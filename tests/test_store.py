@@ -297,7 +297,7 @@ def test_an_embedding_row_kidx_cannot_read_is_no_vector_and_stops_nothing(
     db = connect(path, embedding=settings.model_copy(update={"model": "fake", "dimensions": None}))
     try:
         assert db.dimensions == DIMS
-        no_vec = connect(path, embedding=settings, vec=False)
+        no_vec = connect(path, embedding=settings, vec=False, read_only=True)
         hits = search_chunks(no_vec, "Note 1 text.", FakeEmbedder(), k=2, mode="vector").hits
         no_vec.close()
         assert hits and hits[0].item_id == ids[1]

@@ -49,6 +49,7 @@ from worker.providers.base import EmbeddingModel
 from worker.store.db import Database
 from worker.store.items import Claim, claim_items, get_item, read_claim
 from worker.store.repair import repair_orphans
+from worker.store.vec import config_conflict
 
 log = get_logger("kidx.pipeline")
 
@@ -105,6 +106,16 @@ def index_items(
     then), in a pass of its own after the others, `MAX_READS` times at most."""
     options = options or IndexOptions()
     out: dict[int, IndexResult | KidxError] = {}
+    if embedder is not None and (stale := config_conflict(db)) is not None:
+        # A process of the model the index was switched away from: it would write its
+        # vectors over the new model's. Nothing is read, embedded or recorded: each item
+        # keeps its state, for a process of the index's model (`claim_config`).
+        log.error(f"{KI_EMBED} refused: {stale}", items=len(item_ids))
+        for item_id in item_ids:
+            out[item_id] = StoreError(stale)
+            if on_done is not None:
+                on_done(item_id, out[item_id])
+        return out
     ids = item_ids
     for reads in range(1, MAX_READS + 1):
         again = _index_pass(

@@ -27,7 +27,7 @@ from worker.store.removal import remove_leftovers
 from worker.store.repair import RepairReport, repair_vectors
 from worker.store.schema import refused_by_host, restore_dropped
 from worker.store.text import integer_or_null
-from worker.store.vec import set_meta, sound
+from worker.store.vec import refuse_stale, set_meta, sound
 
 log = get_logger("kidx.reconcile")
 T = TypeVar("T")
@@ -270,6 +270,10 @@ def reconcile(
     None: they are never sent for what a retry would mend). Items never tried again go first:
     the cut at `max_items` must not hand every sweep to the same retries."""
     dims = db.dimensions
+    # A process of the model the index was switched away from: its repair would rebuild the
+    # vec tables back to its dimension, and its findings send the new model's items to be
+    # embedded again by the old one (`config_conflict`). It mends and sends nothing.
+    refuse_stale(db)
     drift = Drift()
     # A worker's connection lives as long as its process: what a host dropped or made again
     # since (a table, a trigger) is made again here, not only by the next process's connect.

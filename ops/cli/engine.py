@@ -75,7 +75,7 @@ def add_note(ctx: Ctx, title: str, text: str | None, file: Path | None, inline: 
     from worker.store.items import add_item
 
     content = read_text(text, file)
-    with ctx.store(create=True) as db:
+    with ctx.store(create=True, claim=inline) as db:
         item_id = add_item(db, kind="note", title=title, content=content)
         results = index_inline(ctx, db, [item_id]) if inline else []
     ctx.done = f"item {item_id} was added"
@@ -347,7 +347,7 @@ def index(ctx: Ctx, items: tuple[int, ...], all_items: bool, inline: bool, struc
             raise InvalidInput("there are no items to index")
         show_sent(ctx, send_items(ctx, ids, "index", structure_only=structure))
         return
-    with ctx.store() as db:
+    with ctx.store(claim=True) as db:
         if all_items:
             ids = all_item_ids(db)
         if not ids:

@@ -80,7 +80,7 @@ def add_file(ctx: Ctx, path: Path, title: str | None, inline: bool) -> None:
     from worker.sources.files import read_file
 
     read_file(path, ctx.settings.files)  # refused now, not later in a worker, and nothing written
-    with ctx.store(create=True) as db:
+    with ctx.store(create=True, claim=inline) as db:
         item_id = _item_for(
             db, "file", title or path.name, str(path.resolve()), retitle=title is not None
         )
@@ -97,7 +97,7 @@ def add_url(ctx: Ctx, url: str, title: str | None, inline: bool) -> None:
     from worker.sources.urls import check_url
 
     check_url(url)  # refused now (credentials in it included), and nothing written
-    with ctx.store(create=True) as db:
+    with ctx.store(create=True, claim=inline) as db:
         item_id = _item_for(db, "url", title or url, url, retitle=title is not None)
         results = _index_or_send(ctx, db, [item_id], inline)
     _report(ctx, [item_id], results if inline else [])
@@ -126,7 +126,7 @@ def add_code(ctx: Ctx, path: Path, inline: bool) -> None:
         more = f" ({len(skipped)} skipped)" if skipped else ""
         raise InvalidInput(f"no source files under {path}{more}")
     base = path.resolve() if path.is_dir() else path.resolve().parent
-    with ctx.store(create=True) as db:
+    with ctx.store(create=True, claim=inline) as db:
         ids = [
             _item_for(db, "code", str(f.resolve().relative_to(base)), str(f.resolve()))
             for f in files
@@ -141,7 +141,7 @@ def add_memory(ctx: Ctx, text: str) -> None:
     """Add a memory: a short text embedded whole, found by `kidx search --memories`."""
     from worker.indexers.memories import add_memory as store_memory
 
-    with ctx.store(create=True) as db:
+    with ctx.store(create=True, claim=True) as db:
         embedder = ctx.embedder(db)
         if embedder is None:
             raise InvalidInput("memories need an embedding provider (KIDX_EMBEDDING__PROVIDER)")

@@ -22,7 +22,15 @@ from worker.store.db import Database
 from worker.store.items import Item
 from worker.store.schema import refused_by_host
 from worker.store.text import NotText, given_text, shown, strict
-from worker.store.vec import VEC, VEC_BEHIND, mirror_ready, set_meta, sound, vec_replace
+from worker.store.vec import (
+    VEC,
+    VEC_BEHIND,
+    mirror_ready,
+    refuse_stale,
+    set_meta,
+    sound,
+    vec_replace,
+)
 
 MAX_MEMORY = 2000  # characters: longer texts are notes, which are chunked
 # A stored memory longer than this in bytes is over MAX_MEMORY characters whatever its text (UTF-8
@@ -283,6 +291,7 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
     write the database refuses for a reason that may pass (`_written`), with what was written
     kept: the error is returned, not raised, for a sweep to report and try
     again later."""
+    refuse_stale(db)  # another model's index: nothing embedded to be refused at the write
     report = MemoryBackfill()
     refusals: list[Refusal] = []
     todo = _readable(db, embedder, limit, report, refusals)

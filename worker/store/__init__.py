@@ -8,7 +8,7 @@ from pathlib import Path
 import apsw
 
 from worker.errors import StoreError
-from worker.log import get_logger
+from worker.log import KI_EMBED, get_logger
 from worker.settings import EmbeddingSettings, Settings
 from worker.store.db import Database, Resolution
 from worker.store.fts import sync_fts
@@ -22,6 +22,8 @@ from worker.store.schema import (
 )
 from worker.store.vec import (
     VEC_TABLES,
+    claim_config,
+    config_conflict,
     resolve_dimensions,
     sync_vec_tables,
     vec_behind,
@@ -54,6 +56,7 @@ def connect(
     busy_timeout_ms: int = 30_000,
     create: bool = True,
     read_only: bool = False,
+    claim: bool = True,
 ) -> Database:
     """Open the database: WAL, busy timeout, foreign keys, migrations, sqlite-vec when it loads,
     and the vec tables at the resolved dimension (rebuilt only when it changed). `create=False`:
@@ -66,7 +69,14 @@ def connect(
     has another dimension than the tables then scans the relational vectors exactly. A
     database marked `vec_behind` is read without its vec tables (they may hold stale vectors,
     worker.store.vec) until a writer or the sweep rebuilds them. (Migrations still run: the
-    code reads only the current schema.)"""
+    code reads only the current schema.)
+
+    `claim`: this process indexes with its model: the index becomes that model's (rebuilt
+    at its dimension, `claim_config`), and any other process still on the model it had
+    refuses to write vectors from then on (`config_conflict`). Without it (a command that
+    writes no vector: `kidx add` without `--inline`, `update`, `delete`, `reindex`), a
+    database kept for another model is left as it is, with one warning: a shell with a
+    stale .env switched every worker's index back to the old model."""
     _refuse_foreign(Path(path), must_be_kidx=not create)
     db = Database(path, busy_timeout_ms=busy_timeout_ms, create=create)
     try:
@@ -86,8 +96,14 @@ def connect(
         else:
             db.vec_error = "disabled by KIDX_VEC=off"
         db.resolution = resolve_dimensions(db, embedding or EmbeddingSettings())
-        if not read_only:
+        conflict = config_conflict(db)
+        rebuilds = not read_only and (claim or conflict is None)
+        if conflict is not None and not (claim and not read_only):
+            log.warning(f"{KI_EMBED} {conflict}")
+        if rebuilds:
             sync_vec_tables(db, db.resolution.dimensions)
+            if claim:  # the newest indexing process's model is the index's (a rolling restart)
+                claim_config(db)
         elif db.vec_loaded and vec_behind(db):
             db.vec_loaded = False
             db.vec_error = (
@@ -153,7 +169,9 @@ def _refuse_foreign(path: Path, *, must_be_kidx: bool) -> None:
         )
 
 
-def open_store(settings: Settings, *, create: bool = True, read_only: bool = False) -> Database:
+def open_store(
+    settings: Settings, *, create: bool = True, read_only: bool = False, claim: bool = True
+) -> Database:
     """`connect()` with everything taken from the settings."""
     return connect(
         settings.db,
@@ -163,4 +181,5 @@ def open_store(settings: Settings, *, create: bool = True, read_only: bool = Fal
         busy_timeout_ms=settings.busy_timeout_ms,
         create=create,
         read_only=read_only,
+        claim=claim,
     )

@@ -38,6 +38,7 @@ class Resolution:
 
     dimensions: int
     source: str  # "embedding row", "model", "setting", "vec tables" (no provider)
+    model: str | None = None  # the configured embedding model (None: no provider)
 
 
 def vec_library_path() -> str:

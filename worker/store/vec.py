@@ -21,9 +21,11 @@ comparison of keys finds it. The next connection that loads sqlite-vec, or the n
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
+from worker.errors import StoreError
 from worker.log import KI_EMBED, get_logger
 from worker.settings import DEFAULT_DIMENSIONS, EmbeddingSettings
 from worker.store.db import Database, Resolution
@@ -136,12 +138,13 @@ def resolve_dimensions(db: Database, embedding: EmbeddingSettings) -> Resolution
         return _kept_dimensions(db, embedding)
     where = "model = :model" + (" AND dimensions = :dims" if embedding.dimensions else "")
     latest = _latest_dimensions(db, where, {"model": embedding.model, "dims": embedding.dimensions})
+    model = embedding.model
     if latest is not None:
-        return Resolution(latest, "embedding row")
+        return Resolution(latest, "embedding row", model)
     known = embedding.model_dimensions()
     if known:
-        return Resolution(known, "model")
-    return Resolution(embedding.dimensions or DEFAULT_DIMENSIONS, "setting")
+        return Resolution(known, "model", model)
+    return Resolution(embedding.dimensions or DEFAULT_DIMENSIONS, "setting", model)
 
 
 def _kept_dimensions(db: Database, embedding: EmbeddingSettings) -> Resolution:
@@ -210,9 +213,82 @@ def vec_behind(db: Database) -> bool:
     return db.scalar("SELECT 1 FROM index_meta WHERE key = ?", (VEC_BEHIND,)) is not None
 
 
+# The embedding configuration the index is kept for, `{"model", "dimensions"}`: that of the
+# last writer connection that opened it (the newest process: a rolling restart's new worker).
+INDEX_CONFIG = "embedding_config"
+
+
+def _recorded_config(db: Database) -> tuple[str, int] | None:
+    raw = db.scalar("SELECT CAST(value AS BLOB) FROM index_meta WHERE key = ?", (INDEX_CONFIG,))
+    try:
+        found = json.loads(raw) if isinstance(raw, bytes) else None
+        model, dims = found["model"], found["dimensions"]
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return None  # none yet, or a host's value: the next writer connection writes it
+    return (model, dims) if isinstance(model, str) and type(dims) is int else None
+
+
+def claim_config(db: Database) -> None:
+    """Record this writer connection's model and dimension as the index's (connect()). Another
+    one recorded before is a model switch (or a process of an old configuration started
+    again): logged, naming both."""
+    res = db.resolution
+    if res is None or res.model is None:
+        return  # no provider: it writes no vector, and decides nothing
+    mine = (res.model, res.dimensions)
+    before = _recorded_config(db)
+    if before == mine:
+        return
+    with db.atomic():
+        set_meta(db, INDEX_CONFIG, json.dumps({"model": mine[0], "dimensions": mine[1]}))
+    if before is not None:
+        log.warning(
+            f"{KI_EMBED} the index's embedding model switched from {_named(before)} to "
+            f"{_named(mine)}: processes still configured for {_named(before)} refuse to write "
+            "until restarted with the new settings"
+        )
+
+
+def _named(config: tuple[str, int]) -> str:
+    return f"{config[0]} ({config[1]} dimensions)"
+
+
+def config_conflict(db: Database) -> str | None:
+    """One line when the index is kept for another model or dimension than this
+    connection's (`claim_config`: another process switched it since this one opened it, or
+    this one, not claiming, opened an index of another model), else None. A worker not yet
+    restarted after a model switch wrote its vectors, marking the mirror behind,
+    and its sweep rebuilt the vec tables back to its dimension, marked the new model's items
+    pending and sent them to be embedded again by the old model: both models' workers undid
+    each other's work for as long as both ran."""
+    res = db.resolution
+    if res is None or res.model is None:
+        return None
+    mine, theirs = (res.model, res.dimensions), _recorded_config(db)
+    if theirs is None or theirs == mine:
+        return None
+    return (
+        f"the index is kept for {_named(theirs)} (the model of the last process that started "
+        f"indexing), this process is configured for {_named(mine)}: if {theirs[0]} is the "
+        "model wanted, give this process its KIDX_EMBEDDING__MODEL/DIMENSIONS (a worker: "
+        f"restart it with them; a shell: fix its .env); if {mine[0]} is, restart the "
+        f"processes still on {theirs[0]}"
+    )
+
+
+def refuse_stale(db: Database) -> None:
+    """Raise StoreError when `config_conflict` says this connection's model is not the
+    index's any more."""
+    if (conflict := config_conflict(db)) is not None:
+        raise StoreError(conflict)
+
+
 def mirror_ready(db: Database, dimensions: int) -> bool:
     """`vec_ready`, for a writer of vectors: when the mirror cannot be written now, the
-    database is marked `vec_behind`, for a later rebuild."""
+    database is marked `vec_behind`, for a later rebuild. Every writer of vectors asks it in
+    its write transaction: one of a configuration the index no longer has is refused there
+    (`refuse_stale`), nothing written."""
+    refuse_stale(db)
     ready = vec_ready(db, dimensions)
     if not ready:
         set_meta(db, VEC_BEHIND, "1")
