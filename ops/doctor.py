@@ -40,6 +40,7 @@ from worker.store.fts import FTS_TABLES, fts_counts, fts_intact
 from worker.store.removal import leftovers
 from worker.store.schema import SCHEMA_VERSION, host_objects, schema_problems, schema_version
 from worker.store.text import integer_or_null, shown
+from worker.store.vec import config_conflict
 
 DEFAULT_TIMEOUT = 5.0
 # A WAL past this is not being checkpointed (workers cut it back to 16 MB once emptied; a bulk
@@ -187,6 +188,13 @@ def check_dimensions(settings: Settings, timeout: float) -> str:
     with _store(settings, timeout, vec=True) as db:
         want, tables = db.dimensions, vec_table_dimensions(db)
         source = db.resolution.source if db.resolution else "?"
+        conflict = config_conflict(db)
+    if conflict is not None:  # first: the tables are the other model's, no `kidx init` mends it
+        raise Warn(
+            conflict,
+            "a rolling restart not finished, or a stale .env: see 'Switching the embedding "
+            "model' in ops/README.md",
+        )
     if missing := [name for name, d in tables.items() if d is None]:
         raise Fail(f"vec tables missing: {', '.join(missing)}", "`kidx init` creates them")
     if wrong := [f"{name} {d}" for name, d in tables.items() if d != want]:

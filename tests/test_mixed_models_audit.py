@@ -193,3 +193,23 @@ def test_a_shell_with_a_stale_env_does_not_switch_the_workers_index_back(tmp_pat
         assert mirror_problems(workers) == []
     finally:
         workers.close()
+
+
+def test_doctor_warns_when_the_index_is_kept_for_another_model(tmp_path):
+    """`kidx doctor` with the old settings after the switch said "vec tables at another
+    dimension ... `kidx init` rebuilds them": the fix that switched the workers' index back.
+    It warns now, naming both models, and says nothing of `kidx init`."""
+    from ops.doctor import Warn, check_dimensions
+    from worker.settings import Settings
+
+    path = tmp_path / "kidx.db"
+    connect(path, embedding=config("m1", 64)).close()
+    connect(path, embedding=config("m2", 32)).close()  # the workers, switched
+    stale = Settings(db=path, embedding=config("m1", 64), _env_file=None)  # type: ignore[call-arg]
+    with pytest.raises(Warn) as warned:
+        check_dimensions(stale, 5.0)
+    assert "m1 (64 dimensions)" in warned.value.detail
+    assert "m2 (32 dimensions)" in warned.value.detail
+    assert "kidx init" not in warned.value.fix
+    current = Settings(db=path, embedding=config("m2", 32), _env_file=None)  # type: ignore[call-arg]
+    assert check_dimensions(current, 5.0).startswith("32")
