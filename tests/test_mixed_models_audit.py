@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_cli import Kidx, base_env
 
 from conftest import FakeEmbedder, mirror_problems
-from worker.bulk import index_item
-from worker.errors import StoreError
+from worker.bulk import index_item, index_items
+from worker.errors import StaleConfig, StoreError
 from worker.indexers.memories import add_memory
 from worker.reconcile import reconcile
 from worker.retrieval import search_chunks
@@ -213,3 +214,43 @@ def test_doctor_warns_when_the_index_is_kept_for_another_model(tmp_path):
     assert "kidx init" not in warned.value.fix
     current = Settings(db=path, embedding=config("m2", 32), _env_file=None)  # type: ignore[call-arg]
     assert check_dimensions(current, 5.0).startswith("32")
+
+
+class SwitchedWhileEmbedding(FakeEmbedder):
+    """m1's embedder; the first request starts a process of m2 (the switch) meanwhile."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(64, "m1")
+        self.path, self.other = path, None
+
+    def embed_batch(self, texts: list[str]) -> np.ndarray:
+        if self.other is None:
+            self.other = connect(self.path, embedding=config("m2", 32))
+        return super().embed_batch(texts)
+
+
+def test_a_switch_while_a_run_embeds_leaves_its_items_pending_not_failed(tmp_path):
+    """The switch came while an m1 run embedded: its write went in as m1's (pre-fix), or, once
+    refused, its items ended `failed` with an attempt spent, waiting for the retry sweep's
+    backoff (a few such runs used up their attempts). They end `pending` now, for the sweep of
+    the new model's workers, with the reason; the run stops at the first, and nothing of m1
+    is written."""
+    path = tmp_path / "kidx.db"
+    a = connect(path, embedding=config("m1", 64))
+    ids = notes(a, 3)
+    embedder = SwitchedWhileEmbedding(path)
+    try:
+        outcomes = index_items(a, ids, embedder=embedder)
+        assert all(isinstance(outcomes[i], StaleConfig) for i in ids), outcomes
+        for i in ids:
+            state = get_state(a, i)
+            assert state["status"] == "pending"
+            assert "m2 (32 dimensions)" in state["last_error"]
+        assert a.all("SELECT DISTINCT attempts FROM item_index_state") == [(0,)]
+        assert vectors(a) == {} and not behind(a)
+        assert embedder.other is not None
+        assert reconcile(embedder.other, model="m2", max_items=10).to_index == ids
+    finally:
+        a.close()
+        if embedder.other is not None:
+            embedder.other.close()

@@ -24,6 +24,7 @@ from worker.errors import (
     ItemNotFound,
     KidxError,
     PermanentProviderError,
+    StaleConfig,
     StoreError,
     TransientProviderError,
 )
@@ -112,7 +113,7 @@ def index_items(
         # keeps its state, for a process of the index's model (`claim_config`).
         log.error(f"{KI_EMBED} refused: {stale}", items=len(item_ids))
         for item_id in item_ids:
-            out[item_id] = StoreError(stale)
+            out[item_id] = StaleConfig(stale)
             if on_done is not None:
                 on_done(item_id, out[item_id])
         return out
@@ -165,8 +166,8 @@ def _index_pass(
         if e is None:
             unmirrored = 0
             return None
-        if refuses_every_write(e) or db.conn.get_autocommit():
-            return e
+        if refuses_every_write(e) or db.conn.get_autocommit() or isinstance(e, StaleConfig):
+            return e  # (StaleConfig: another model's index refuses every item alike)
         if not isinstance(e, IndexAborted):
             return None  # the item's own (a constraint its rows broke: a StoreError)
         unmirrored += 1

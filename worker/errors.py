@@ -52,6 +52,11 @@ class StoreError(KidxError):
     """The database could not do what was asked."""
 
 
+class StaleConfig(StoreError):
+    """The index is kept for another embedding model than this process's (a model switch by
+    a process started since, worker.store.vec.config_conflict): it writes no vector."""
+
+
 class SourceUnavailable(KidxError):
     """An item's source could not be read now (a timeout, a 5xx): a later retry may work."""
 

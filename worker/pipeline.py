@@ -45,6 +45,7 @@ from worker.errors import (
     KidxError,
     PermanentProviderError,
     SourceUnavailable,
+    StaleConfig,
     StoreError,
 )
 from worker.indexers import IndexOptions, Kind, Planned, kind_of
@@ -148,6 +149,24 @@ def recorded_outcome(
         if _quietly(ilog, record_cancelled, db, item_id, task_id, elapsed(), claim=claim) is False:
             ilog.info(f"{KI_EMBED} {TAKEN_LOG}; its state is not this run's", outcome="cancelled")
         ilog.info(f"{KI_EMBED} cancelled; the previous index is intact", duration_ms=elapsed())
+        raise
+    except StaleConfig as e:
+        # Switched to another model while it ran (`config_conflict`): not the item's failure
+        # (no attempt spent, no retry backoff); `pending`, for a process of the index's model.
+        pending = _quietly(
+            ilog,
+            _record_unwritten,
+            db,
+            item_id,
+            claim,
+            status=Status.PENDING,
+            last_error=str(e),
+            last_task_id=task_id,
+            duration_ms=elapsed(),
+        )
+        if pending is False:
+            ilog.info(f"{KI_EMBED} {TAKEN_LOG}; its state is not this run's", outcome="pending")
+        ilog.error(f"{KI_EMBED} refused; the previous index is intact", reason=str(e))
         raise
     except ItemNotFound as e:  # deleted while it ran: nothing of it is written or recorded
         ilog.info(f"{KI_EMBED} the item was deleted; nothing written", reason=str(e))

@@ -25,7 +25,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from worker.errors import StoreError
+from worker.errors import StaleConfig
 from worker.log import KI_EMBED, get_logger
 from worker.settings import DEFAULT_DIMENSIONS, EmbeddingSettings
 from worker.store.db import Database, Resolution
@@ -277,10 +277,10 @@ def config_conflict(db: Database) -> str | None:
 
 
 def refuse_stale(db: Database) -> None:
-    """Raise StoreError when `config_conflict` says this connection's model is not the
+    """Raise StaleConfig when `config_conflict` says this connection's model is not the
     index's any more."""
     if (conflict := config_conflict(db)) is not None:
-        raise StoreError(conflict)
+        raise StaleConfig(conflict)
 
 
 def mirror_ready(db: Database, dimensions: int) -> bool:
