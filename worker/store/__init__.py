@@ -23,6 +23,7 @@ from worker.store.schema import (
 from worker.store.vec import (
     VEC_TABLES,
     claim_config,
+    claimed,
     config_conflict,
     resolve_dimensions,
     sync_vec_tables,
@@ -100,10 +101,15 @@ def connect(
         rebuilds = not read_only and (claim or conflict is None)
         if conflict is not None and not (claim and not read_only):
             log.warning(f"{KI_EMBED} {conflict}")
-        if rebuilds:
-            sync_vec_tables(db, db.resolution.dimensions)
-            if claim:  # the newest indexing process's model is the index's (a rolling restart)
+        if rebuilds and claim and not claimed(db):
+            # The newest indexing process's model is the index's (a rolling restart): its
+            # rebuild and its record in one transaction, or two processes starting together
+            # could leave the tables at one's dimension and the record naming the other.
+            with db.atomic():
+                sync_vec_tables(db, db.resolution.dimensions)
                 claim_config(db)
+        elif rebuilds:
+            sync_vec_tables(db, db.resolution.dimensions)
         elif db.vec_loaded and vec_behind(db):
             db.vec_loaded = False
             db.vec_error = (

@@ -232,21 +232,28 @@ def claim_config(db: Database) -> None:
     """Record this writer connection's model and dimension as the index's (connect()). Another
     one recorded before is a model switch (or a process of an old configuration started
     again): logged, naming both."""
-    res = db.resolution
-    if res is None or res.model is None:
-        return  # no provider: it writes no vector, and decides nothing
-    mine = (res.model, res.dimensions)
-    before = _recorded_config(db)
-    if before == mine:
+    if claimed(db):
         return
+    assert db.resolution is not None and db.resolution.model is not None
+    mine = (db.resolution.model, db.resolution.dimensions)
     with db.atomic():
+        before = _recorded_config(db)  # again, under the write lock
         set_meta(db, INDEX_CONFIG, json.dumps({"model": mine[0], "dimensions": mine[1]}))
-    if before is not None:
+    if before is not None and before != mine:
         log.warning(
             f"{KI_EMBED} the index's embedding model switched from {_named(before)} to "
             f"{_named(mine)}: processes still configured for {_named(before)} refuse to write "
             "until restarted with the new settings"
         )
+
+
+def claimed(db: Database) -> bool:
+    """Whether the index is recorded as this connection's model's, or this connection has no
+    model (no provider: it writes no vector, and decides nothing)."""
+    res = db.resolution
+    if res is None or res.model is None:
+        return True
+    return _recorded_config(db) == (res.model, res.dimensions)
 
 
 def _named(config: tuple[str, int]) -> str:
