@@ -46,7 +46,8 @@ def runtime(app: Any) -> Runtime:
     """This process's runtime for `app` (a Celery app made by `worker.app.create_app`)."""
     rt: Runtime | None = getattr(app, "kidx_runtime", None)
     if rt is None or rt.pid != os.getpid():
-        rt = app.kidx_runtime = build_runtime(app.kidx_settings)
+        configured_at = getattr(app, "kidx_configured_at", None)
+        rt = app.kidx_runtime = build_runtime(app.kidx_settings, configured_at=configured_at)
     return rt
 
 
@@ -57,12 +58,14 @@ def close_runtime(app: Any) -> None:
     app.kidx_runtime = None
 
 
-def build_runtime(settings: Settings) -> Runtime:
+def build_runtime(settings: Settings, *, configured_at: float | None = None) -> Runtime:
+    """`configured_at`: when the worker read `settings` (a pool process replaced after a
+    model switch must not switch the index back: `connect`)."""
     from tasks.metrics import observe_provider
 
     if settings.embedding.provider == "local":
         _share_cpus(settings.tasks.concurrency)
-    db = open_store(settings)
+    db = open_store(settings, configured_at=configured_at)
     scope = RunScope()
     hooks = Hooks(sleep=scope.sleep, observe=observe_provider, cancelled=scope.cancelled)
     client = redis_client(settings)

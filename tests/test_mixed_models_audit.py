@@ -5,11 +5,12 @@ one connection for its life, tasks.runtime); the CLI runs as the real console sc
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_cli import Kidx, base_env
+from test_cli import CLI_BROKER, Kidx, base_env
 
 from conftest import FakeEmbedder, mirror_problems
 from worker.bulk import index_item, index_items
@@ -254,3 +255,48 @@ def test_a_switch_while_a_run_embeds_leaves_its_items_pending_not_failed(tmp_pat
         a.close()
         if embedder.other is not None:
             embedder.other.close()
+
+
+def test_a_pool_process_a_worker_of_the_old_model_forks_after_the_switch_does_not_switch_back(
+    tmp_path,
+):
+    """Worker A (m1) started before B (m2) switched the index; then A replaced one of its
+    pool processes (max_tasks_per_child, a child killed at the hard time limit): the new
+    child, with A's old settings, switched the index back to m1 at its first connection, and
+    B's workers were the ones refused. A child whose worker read its settings before the
+    switch now leaves the index to m2 and refuses, as A's older children do; a worker
+    started after the switch with m1 (an operator switching back) still switches it."""
+    from types import SimpleNamespace
+
+    from tasks.runtime import close_runtime, runtime
+    from worker.settings import Settings
+
+    path = tmp_path / "kidx.db"
+
+    def worker(model: str, dims: int, configured_at: float) -> SimpleNamespace:
+        settings = Settings(  # type: ignore[call-arg]
+            db=path, embedding=config(model, dims), broker_url=CLI_BROKER, _env_file=None
+        )
+        return SimpleNamespace(kidx_settings=settings, kidx_configured_at=configured_at)
+
+    a_started = time.time()
+    a = worker("m1", 64, a_started)
+    first = runtime(a).db
+    ids = notes(first, 2)
+    index_item(first, ids[0], embedder=FakeEmbedder(64, "m1"))
+    close_runtime(a)
+    b = connect(path, embedding=config("m2", 32))  # worker B, started after A
+    try:
+        a.kidx_runtime = None  # a pool process A forks now: A's settings, a new connection
+        child = runtime(a).db
+        assert set(vec_table_dimensions(b).values()) == {32}
+        with pytest.raises(StaleConfig) as run:
+            index_item(child, ids[1], embedder=FakeEmbedder(64, "m1"))
+        refused(run, "m1 (64 dimensions)", "m2 (32 dimensions)")
+        assert index_item(b, ids[1], embedder=FakeEmbedder(32, "m2")).status == "indexed"
+        close_runtime(a)
+        back = worker("m1", 64, time.time())  # restarted with m1 on purpose
+        assert set(vec_table_dimensions(runtime(back).db).values()) == {64}
+        close_runtime(back)
+    finally:
+        b.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import ssl
 import sys
+import time
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -116,6 +117,9 @@ def create_app(settings: Settings) -> Celery:
     if tls := verified_tls(settings.backend_url):
         app.conf.redis_backend_use_ssl = tls
     app.kidx_settings = settings  # type: ignore[attr-defined]
+    # When this worker read its settings: its pool processes (forked later, when one is
+    # replaced too) have them from then (tasks.runtime, `connect(configured_at=)`).
+    app.kidx_configured_at = time.time()  # type: ignore[attr-defined]
     return app
 
 

@@ -24,6 +24,7 @@ from worker.store.vec import (
     VEC_TABLES,
     claim_config,
     claimed,
+    claimed_since,
     config_conflict,
     resolve_dimensions,
     sync_vec_tables,
@@ -58,6 +59,7 @@ def connect(
     create: bool = True,
     read_only: bool = False,
     claim: bool = True,
+    configured_at: float | None = None,
 ) -> Database:
     """Open the database: WAL, busy timeout, foreign keys, migrations, sqlite-vec when it loads,
     and the vec tables at the resolved dimension (rebuilt only when it changed). `create=False`:
@@ -77,7 +79,10 @@ def connect(
     refuses to write vectors from then on (`config_conflict`). Without it (a command that
     writes no vector: `kidx add` without `--inline`, `update`, `delete`, `reindex`), a
     database kept for another model is left as it is, with one warning: a shell with a
-    stale .env switched every worker's index back to the old model."""
+    stale .env switched every worker's index back to the old model. `configured_at` (a
+    time.time()): when this process's settings were read; an index another model claimed
+    since is not claimed back (a pool process that a worker of the old model forks after the
+    switch, to replace one, has that worker's old settings)."""
     _refuse_foreign(Path(path), must_be_kidx=not create)
     db = Database(path, busy_timeout_ms=busy_timeout_ms, create=create)
     try:
@@ -98,6 +103,7 @@ def connect(
             db.vec_error = "disabled by KIDX_VEC=off"
         db.resolution = resolve_dimensions(db, embedding or EmbeddingSettings())
         conflict = config_conflict(db)
+        claim = claim and not (conflict is not None and claimed_since(db, configured_at))
         rebuilds = not read_only and (claim or conflict is None)
         if conflict is not None and not (claim and not read_only):
             log.warning(f"{KI_EMBED} {conflict}")
@@ -176,7 +182,12 @@ def _refuse_foreign(path: Path, *, must_be_kidx: bool) -> None:
 
 
 def open_store(
-    settings: Settings, *, create: bool = True, read_only: bool = False, claim: bool = True
+    settings: Settings,
+    *,
+    create: bool = True,
+    read_only: bool = False,
+    claim: bool = True,
+    configured_at: float | None = None,
 ) -> Database:
     """`connect()` with everything taken from the settings."""
     return connect(
@@ -188,4 +199,5 @@ def open_store(
         create=create,
         read_only=read_only,
         claim=claim,
+        configured_at=configured_at,
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass
 
 from worker.errors import StaleConfig
@@ -218,14 +219,25 @@ def vec_behind(db: Database) -> bool:
 INDEX_CONFIG = "embedding_config"
 
 
-def _recorded_config(db: Database) -> tuple[str, int] | None:
+def _record(db: Database) -> dict[str, object]:
     raw = db.scalar("SELECT CAST(value AS BLOB) FROM index_meta WHERE key = ?", (INDEX_CONFIG,))
     try:
         found = json.loads(raw) if isinstance(raw, bytes) else None
-        model, dims = found["model"], found["dimensions"]
-    except (ValueError, TypeError, KeyError, RecursionError):
-        return None  # none yet, or a host's value: the next writer connection writes it
+    except (ValueError, RecursionError):
+        return {}  # a host's value: the next writer connection writes it
+    return found if isinstance(found, dict) else {}
+
+
+def _recorded_config(db: Database) -> tuple[str, int] | None:
+    found = _record(db)
+    model, dims = found.get("model"), found.get("dimensions")
     return (model, dims) if isinstance(model, str) and type(dims) is int else None
+
+
+def claimed_since(db: Database, configured_at: float | None) -> bool:
+    """Whether the index was claimed after `configured_at` (None: unknown, never)."""
+    at = _record(db).get("at")
+    return configured_at is not None and isinstance(at, int | float) and at > configured_at
 
 
 def claim_config(db: Database) -> None:
@@ -238,7 +250,8 @@ def claim_config(db: Database) -> None:
     mine = (db.resolution.model, db.resolution.dimensions)
     with db.atomic():
         before = _recorded_config(db)  # again, under the write lock
-        set_meta(db, INDEX_CONFIG, json.dumps({"model": mine[0], "dimensions": mine[1]}))
+        record = {"model": mine[0], "dimensions": mine[1], "at": time.time()}
+        set_meta(db, INDEX_CONFIG, json.dumps(record))
     if before is not None and before != mine:
         log.warning(
             f"{KI_EMBED} the index's embedding model switched from {_named(before)} to "
