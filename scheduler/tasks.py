@@ -21,7 +21,7 @@ from tasks.memories import no_arguments
 from tasks.producer import send_batch
 from tasks.runtime import Runtime, runtime
 from worker.app import EMBED_MEMORIES, RECONCILE, RETRY_SWEEP
-from worker.errors import InvalidInput, KeyConflict
+from worker.errors import InvalidInput, KeyConflict, StaleConfig
 from worker.indexers.memories import memories_missing
 from worker.log import get_logger
 from worker.reconcile import (
@@ -49,7 +49,7 @@ def alone(rt: Runtime, sweep: str) -> Iterator[bool]:
         yield only
 
 
-@shared_task(name=RECONCILE, bind=True, throws=(KeyConflict, InvalidInput))
+@shared_task(name=RECONCILE, bind=True, throws=(KeyConflict, InvalidInput, StaleConfig))
 def reconcile_sweep(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Repair vec rows at once; send the items that need a run as a `reconcile` batch, and
     the memories that need a vector to `kidx.embed_memories`. No arguments (refused in one
@@ -153,7 +153,7 @@ def _revoked(rt: Runtime, task_ids: list[str]) -> set[str] | None:
     return {t for t, n in zip(task_ids, found, strict=True) if n}
 
 
-@shared_task(name=RETRY_SWEEP, bind=True, throws=(KeyConflict, InvalidInput))
+@shared_task(name=RETRY_SWEEP, bind=True, throws=(KeyConflict, InvalidInput, StaleConfig))
 def retry_sweep(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Send failed items whose backoff has passed as a `retry` batch. No arguments (refused in
     one line)."""

@@ -12,7 +12,7 @@ from celery import Task, shared_task
 from tasks.lock import memories_key, only_one
 from tasks.runtime import runtime
 from worker.app import EMBED_MEMORIES
-from worker.errors import InvalidInput, KeyConflict
+from worker.errors import InvalidInput, KeyConflict, StaleConfig
 from worker.indexers.memories import embed_memories
 from worker.pipeline import NO_PROVIDER
 
@@ -29,7 +29,7 @@ def no_arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
 RUN_LIMIT = 512
 
 
-@shared_task(name=EMBED_MEMORIES, bind=True, throws=(KeyConflict, InvalidInput))
+@shared_task(name=EMBED_MEMORIES, bind=True, throws=(KeyConflict, InvalidInput, StaleConfig))
 def embed_memories_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Embed what memories lack a vector; what was done (`MemoryBackfill`: `embedded`,
     `left`, `refused`, `unreadable`, `too_long`, `error`). It takes no argument: one sent
