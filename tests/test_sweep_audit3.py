@@ -42,8 +42,8 @@ def test_a_verify_cursor_a_host_wrote_is_started_over_never_a_crash(db: Database
 
 def test_a_failed_item_whose_updated_at_is_not_a_time_is_not_due_never_a_crash(db: Database):
     """`due_retries` compared the wait (NULL: julianday of a host's text) with the backoff:
-    TypeError, and the retry sweep crashed every time; the reconcile sweep leaves such an
-    item resting (`_resting`), and so does the retry sweep now."""
+    TypeError, and the retry sweep crashed every time. Such a wait is unknown: the item is
+    due (it rested failed for good before; tests/test_time_columns_audit.py)."""
     bad, good = (add_item(db, kind="note", title=t, content="Text.") for t in ("bad", "good"))
     host(
         db.path,
@@ -58,7 +58,7 @@ def test_a_failed_item_whose_updated_at_is_not_a_time_is_not_due_never_a_crash(d
             [bad],
         ),
     )
-    assert due_retries(db, max_attempts=5, backoff=60.0, backoff_max=3600.0) == [good]
+    assert due_retries(db, max_attempts=5, backoff=60.0, backoff_max=3600.0) == [bad, good]
 
 
 def test_last_sweeps_skips_what_is_not_a_sweep_record(db: Database):

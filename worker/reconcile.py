@@ -146,9 +146,15 @@ class Backoff:
     backoff: float
     backoff_max: float
 
-    def due(self, attempts: int | None, waited: float) -> bool:
+    def due(self, attempts: int | None, waited: float | None) -> bool:
         if (attempts or 0) >= self.max_attempts:
             return False
+        # An `updated_at` that is no time SQLite reads (a host's 'soon', a Unix epoch: None
+        # here), or later than any backoff ahead (a clock set back, a host's year 9999), says
+        # nothing of the wait: it has passed. Such an item rested failed for good; its run
+        # writes a real time, so it is sent once, then waits as any.
+        if waited is None or waited < -self.backoff_max:
+            return True
         return waited >= min(self.backoff_max, self.backoff * 2 ** max(0, (attempts or 1) - 1))
 
 
@@ -346,7 +352,7 @@ def _resting(db: Database, backoff: Backoff | None) -> tuple[set[int], set[int],
         f"FROM item_index_state WHERE status IN {RESTING_STATUSES}"
     )
     for item_id, status, attempts, waited in rows:
-        sound = type(attempts) is int and isinstance(waited, float)  # a host's bytes: resting
+        sound = type(attempts) is int  # a host's bytes: resting
         if status == "partial" and backoff is not None and sound and backoff.due(attempts, waited):
             retried.add(item_id)
         else:
@@ -363,12 +369,11 @@ def due_retries(
     attempts left; after the last attempt an item stays failed until an admin retries it."""
     policy = Backoff(max_attempts, backoff, backoff_max)
     rows = _failed_rows(db, max_attempts, horizon)
-    # (a wait that is not a number, of an `updated_at` a host wrote that is not a time: the
-    # item rests, as in `_resting`)
+    # (a wait that is not a number, of an `updated_at` that is not a time: `Backoff.due`)
     return [
         item_id
         for item_id, attempts, waited in rows
-        if isinstance(waited, float) and policy.due(attempts, waited)
+        if (waited is None or isinstance(waited, float)) and policy.due(attempts, waited)
     ]
 
 

@@ -1,0 +1,77 @@
+"""kidx's time columns against a host that writes any value in them with plain SQL (foreign
+keys off), and against a machine clock that was set back: a time kidx cannot read, or one in
+the future, counts as unknown in the safe direction (an item is neither hidden nor left failed
+for good, nor sent on every sweep).
+
+A real SQLite file with sqlite-vec; the host is a bare apsw connection with no kidx code."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import apsw
+import pytest
+
+from worker.reconcile import Backoff, due_retries, reconcile
+from worker.store.db import Database
+from worker.store.items import add_item
+
+# As the retry sweep waits: 60 s, then doubling, at most 6 h; five attempts.
+BACKOFF = Backoff(max_attempts=5, backoff=60.0, backoff_max=6 * 3600.0)
+
+# What a host (or a clock set back) may leave in a time column: no time SQLite reads, a Unix
+# epoch or a negative number (julianday() reads neither), far in the future.
+UNREADABLE = ["soon", "", 1796000000, -5, "9999-12-31T00:00:00.000Z"]
+
+
+@pytest.fixture
+def host(db: Database) -> Iterator[apsw.Connection]:
+    conn = apsw.Connection(str(db.path))
+    conn.execute("PRAGMA busy_timeout = 5000")
+    yield conn
+    conn.close()
+
+
+def retries(db: Database) -> list[int]:
+    return due_retries(db, max_attempts=5, backoff=60.0, backoff_max=6 * 3600.0)
+
+
+@pytest.mark.parametrize("when", UNREADABLE)
+def test_a_failed_item_whose_time_kidx_cannot_read_is_retried_once(db, host, when):
+    """A failed item's `updated_at` that is no time, or in the future, rested failed for good:
+    the retry sweep never sent it again. It is due; its run writes a real time."""
+    item = add_item(db, kind="note", title="Failed", content="A note that failed once.")
+    spent = add_item(db, kind="note", title="Spent", content="A note out of attempts.")
+    host.execute(
+        "UPDATE item_index_state SET status = 'failed', attempts = 1, updated_at = ? "
+        "WHERE item_id = ?",
+        (when, item),
+    )
+    host.execute(
+        "UPDATE item_index_state SET status = 'failed', attempts = 5, updated_at = ? "
+        "WHERE item_id = ?",
+        (when, spent),
+    )
+    assert retries(db) == [item]
+    # once: as a run leaves it, failed just now, it waits its backoff
+    host.execute(
+        "UPDATE item_index_state SET attempts = 2, "
+        "updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE item_id = ?",
+        (item,),
+    )
+    assert retries(db) == []
+
+
+@pytest.mark.parametrize("when", UNREADABLE)
+def test_a_partial_item_whose_time_kidx_cannot_read_is_sent_again(db, host, when):
+    """The reconcile sweep leaves a `partial` item to the same backoff: one with such a time
+    was never sent again for its missing vectors."""
+    item = add_item(db, kind="note", title="Partial", content="A note half embedded.")
+    host.execute(
+        "UPDATE item_index_state SET status = 'partial', attempts = 1, updated_at = ?, "
+        "indexed_hash = (SELECT content_hash FROM knowledge_items WHERE id = item_id) "
+        "WHERE item_id = ?",
+        (when, item),
+    )
+    drift = reconcile(db, model="standin-embed", max_items=100, backoff=BACKOFF)
+    assert drift.to_index == [item]
