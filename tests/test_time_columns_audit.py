@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import apsw
 import pytest
 
-from worker.reconcile import Backoff, due_retries, reconcile
+from worker.reconcile import Backoff, due_retries, mark_overrun, queued_jobs, reconcile
 from worker.store.db import Database
 from worker.store.items import add_item
 
@@ -75,3 +75,58 @@ def test_a_partial_item_whose_time_kidx_cannot_read_is_sent_again(db, host, when
     )
     drift = reconcile(db, model="standin-embed", max_items=100, backoff=BACKOFF)
     assert drift.to_index == [item]
+
+
+FUTURE = ["9999-12-31T00:00:00.000Z", "2027-12-07T10:00Z"]  # a host's; a clock set back a year
+
+
+@pytest.mark.parametrize("when", FUTURE)
+@pytest.mark.parametrize("state", ["started", "queued"])
+def test_a_run_recorded_in_the_future_does_not_hide_its_item(db, host, when, state):
+    """A job row `started` or `queued` at a time in the future (a host's, or written before
+    the clock was set back) had a negative age: younger than any horizon, its item was taken
+    for busy by both sweeps until that time came (year 9999: for good), and no sweep ended the
+    row (`mark_overrun`, `queued_jobs`: older than never)."""
+    item = add_item(db, kind="note", title="Hidden", content="A note never indexed.")
+    running = add_item(db, kind="note", title="Running", content="A note being indexed.")
+    column = "started_at" if state == "started" else "queued_at"
+    host.execute(
+        f"INSERT INTO index_jobs(task_id, attempt, task_name, item_id, state, {column}) "
+        f"VALUES ('t-1', 0, 'kidx.index_item', ?, ?, ?)",
+        (item, state, when),
+    )
+    # (the other side: a run a few seconds ahead, a clock set back a little, is under way)
+    host.execute(
+        f"INSERT INTO index_jobs(task_id, attempt, task_name, item_id, state, {column}) "
+        f"VALUES ('t-2', 0, 'kidx.index_item', ?, ?, "
+        "strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '+5 seconds'))",
+        (running, state),
+    )
+    drift = reconcile(db, model="standin-embed", max_items=100, backoff=BACKOFF)
+    assert drift.to_index == [item]
+    if state == "started":
+        assert mark_overrun(db, 600.0) == 1
+        assert db.scalar("SELECT state FROM index_jobs WHERE task_id = 't-1'") == "failed"
+    else:
+        assert queued_jobs(db, older_than=120.0) == ["t-1"]
+
+
+@pytest.mark.parametrize("when", ["soon", "", 1796000000, -5])
+def test_a_run_whose_time_is_no_time_is_ended_not_left_for_good(db, host, when):
+    """A `started` row whose `started_at` SQLite cannot read was never an overrun, and a
+    `queued` one's `queued_at` never old enough to look for in the broker: both stayed as they
+    were for good (their batch running for good). The sweep ends the one, asks the broker of
+    the other."""
+    host.execute(
+        "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, state, started_at) "
+        "VALUES ('t-1', 0, 'kidx.index_item', 1, 'started', ?)",
+        (when,),
+    )
+    host.execute(
+        "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, state, queued_at) "
+        "VALUES ('t-2', 0, 'kidx.index_item', 2, 'queued', ?)",
+        (when,),
+    )
+    assert mark_overrun(db, 600.0) == 1
+    assert db.scalar("SELECT state FROM index_jobs WHERE task_id = 't-1'") == "failed"
+    assert queued_jobs(db, older_than=120.0) == ["t-2"]

@@ -41,7 +41,10 @@ T = TypeVar("T")
 # no `queued` row (tasks.producer), so its item is not taken for busy. A row without an
 # integer item id (a task whose arguments were none: NULL) names no item: a NULL in `NOT IN`
 # (the retry sweep's) made every item look busy, and TEXT that is not UTF-8 cannot be read.
-_AGE = "(julianday('now') - julianday(coalesce(j.started_at, j.queued_at))) * 86400"
+# An age is taken whole (`abs`): a time in the future (written before the clock was set back,
+# or a host's year 9999) was younger than any horizon, its item busy until then; one more
+# than the horizon ahead is no run under way. (A time SQLite cannot read: NULL, not busy.)
+_AGE = "abs(julianday('now') - julianday(coalesce(j.started_at, j.queued_at))) * 86400"
 _ITEM = "typeof(j.item_id) = 'integer'"
 BUSY_JOBS = f"""
 SELECT item_id FROM index_jobs j WHERE state IN ('queued', 'started') AND {_AGE} < :horizon
@@ -55,12 +58,12 @@ UNION SELECT item_id FROM index_jobs j WHERE state = 'retry' AND {_AGE} < :horiz
 # or a worker's). The item's lock tells which, when the caller can look (`locked`); without
 # it, a mark younger than the horizon counts as a run under way.
 INDEXING = """
-SELECT item_id, (julianday('now') - julianday(updated_at)) * 86400 < :horizon
+SELECT item_id, abs(julianday('now') - julianday(updated_at)) * 86400 < :horizon
   FROM item_index_state WHERE status = 'indexing'
 """
 BUSY = f"""{BUSY_JOBS}
 UNION SELECT item_id FROM item_index_state WHERE status = 'indexing'
- AND (julianday('now') - julianday(updated_at)) * 86400 < :horizon
+ AND abs(julianday('now') - julianday(updated_at)) * 86400 < :horizon
 """
 
 # Items that the reconcile sweep leaves to their backoff: `failed` ones are the retry sweep's
@@ -162,11 +165,13 @@ def queued_jobs(db: Database, *, older_than: float) -> list[str]:
     """Job ids recorded as queued (first attempt, not started) for at least `older_than`
     seconds: those the caller may look for in the broker (`mark_lost`). UTF-8 text ids only:
     a host's BLOB, or TEXT that is not UTF-8 (apsw cannot read it), is no Celery task's (its
-    item is busy until the horizon, as any queued one's)."""
+    item is busy until the horizon, as any queued one's). A `queued_at` far in the future or
+    not a time (a clock set back, a host's) is looked for too: the broker tells."""
     ids = []
     for (raw,) in db.all(
         "SELECT CAST(task_id AS BLOB) FROM index_jobs WHERE state = 'queued' AND attempt = 0 "
-        "AND typeof(task_id) = 'text' AND (julianday('now') - julianday(queued_at)) * 86400 >= ?",
+        "AND typeof(task_id) = 'text' "
+        "AND coalesce(abs(julianday('now') - julianday(queued_at)) * 86400 >= ?, 1)",
         (older_than,),
     ):
         try:
@@ -222,7 +227,9 @@ def mark_overrun(db: Database, run_limit: float) -> int:
     A row a later attempt of the same task has superseded is not an overrun: that attempt
     ran because this one asked for a retry, whose end the database (locked past its busy
     timeout) did not take. It ends `retry`, as it did, and is not counted again."""
-    age = "(julianday('now') - julianday(started_at)) * 86400 >= :limit"
+    # (a start further in the future than the limit, a clock set back or a host's year 9999,
+    # or one that is no time: no run under way, or the row stayed `started` for good)
+    age = "coalesce(abs(julianday('now') - julianday(started_at)) * 86400 >= :limit, 1)"
     later = (
         "EXISTS (SELECT 1 FROM index_jobs k WHERE k.task_id = index_jobs.task_id "
         "AND k.attempt > index_jobs.attempt)"
