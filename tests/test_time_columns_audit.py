@@ -7,20 +7,25 @@ A real SQLite file with sqlite-vec; the host is a bare apsw connection with no k
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 
 import apsw
 import pytest
 
 from worker.reconcile import Backoff, due_retries, mark_overrun, queued_jobs, reconcile
+from worker.store import connect
 from worker.store.db import Database
 from worker.store.items import add_item
+from worker.store.vec import config_conflict
 
 # As the retry sweep waits: 60 s, then doubling, at most 6 h; five attempts.
 BACKOFF = Backoff(max_attempts=5, backoff=60.0, backoff_max=6 * 3600.0)
 
 # What a host (or a clock set back) may leave in a time column: no time SQLite reads, a Unix
 # epoch or a negative number (julianday() reads neither), far in the future.
+RECORD = "SELECT value FROM index_meta WHERE key = 'embedding_config'"
 UNREADABLE = ["soon", "", 1796000000, -5, "9999-12-31T00:00:00.000Z"]
 
 
@@ -130,3 +135,27 @@ def test_a_run_whose_time_is_no_time_is_ended_not_left_for_good(db, host, when):
     assert mark_overrun(db, 600.0) == 1
     assert db.scalar("SELECT state FROM index_jobs WHERE task_id = 't-1'") == "failed"
     assert queued_jobs(db, older_than=120.0) == ["t-2"]
+
+
+@pytest.mark.parametrize("at", [253402214400.0, "Infinity", "year"])
+def test_a_model_record_claimed_in_the_future_does_not_refuse_every_new_worker(
+    db_path, emb_settings, at
+):
+    """`embedding_config`'s `at` (when the index was claimed, time.time()) later than a
+    worker's start means a process of the old model claimed it after that worker read its
+    settings: the worker leaves the index and refuses. One in the future (a clock set back
+    since, a host's year 9999, JSON's Infinity) made every worker started before that time
+    refuse to write, the index kept for the old model: none could be started that indexed."""
+    connect(db_path, embedding=emb_settings).close()
+    value = f'{{"model": "m-old", "dimensions": 64, "at": {at}}}'
+    if at == "year":  # a clock set back a year since the old model's process claimed it
+        value = value.replace("year", str(time.time() + 365 * 86400))
+    host = apsw.Connection(str(db_path))
+    host.execute("UPDATE index_meta SET value = ? WHERE key = 'embedding_config'", (value,))
+    host.close()
+    worker = connect(db_path, embedding=emb_settings, configured_at=time.time())
+    try:
+        assert config_conflict(worker) is None
+        assert json.loads(worker.scalar(RECORD))["model"] == emb_settings.model
+    finally:
+        worker.close()

@@ -235,9 +235,15 @@ def _recorded_config(db: Database) -> tuple[str, int] | None:
 
 
 def claimed_since(db: Database, configured_at: float | None) -> bool:
-    """Whether the index was claimed after `configured_at` (None: unknown, never)."""
+    """Whether the index was claimed after `configured_at` (None: unknown, never). A claim
+    recorded in the future (a clock set back since, a host's year 9999 or Infinity) is no
+    time: it made every worker started before it refuse, the old model's index kept."""
     at = _record(db).get("at")
-    return configured_at is not None and isinstance(at, int | float) and at > configured_at
+    return (
+        configured_at is not None
+        and isinstance(at, int | float)
+        and configured_at < at <= time.time()
+    )
 
 
 def claim_config(db: Database) -> None:
