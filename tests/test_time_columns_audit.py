@@ -159,3 +159,23 @@ def test_a_model_record_claimed_in_the_future_does_not_refuse_every_new_worker(
         assert json.loads(worker.scalar(RECORD))["model"] == emb_settings.model
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("when", FUTURE)
+def test_an_item_marked_indexing_in_the_future_is_not_taken_for_a_run_for_good(db, host, when):
+    """Without a look at the item locks (`locked` None), an `indexing` mark younger than the
+    horizon is a run under way: one in the future was young until then, the item never sent
+    again. One a few seconds ahead is still a run under way."""
+    item = add_item(db, kind="note", title="Left", content="A note a dead run left.")
+    running = add_item(db, kind="note", title="Running", content="A note being indexed.")
+    host.execute(
+        "UPDATE item_index_state SET status = 'indexing', updated_at = ? WHERE item_id = ?",
+        (when, item),
+    )
+    host.execute(
+        "UPDATE item_index_state SET status = 'indexing', "
+        "updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '+5 seconds') WHERE item_id = ?",
+        (running,),
+    )
+    drift = reconcile(db, model="standin-embed", max_items=100, backoff=BACKOFF)
+    assert drift.found["interrupted"] == [item] and drift.to_index == [item]
