@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import apsw
 import numpy as np
 import pytest
 from hypothesis import settings as hypothesis_settings
@@ -104,6 +105,16 @@ def db(db_path: Path, emb_settings: EmbeddingSettings) -> Iterator[Database]:
     database = connect(db_path, embedding=emb_settings)
     yield database
     database.close()
+
+
+@pytest.fixture
+def host(db: Database) -> Iterator[apsw.Connection]:
+    """A host application's connection to `db`'s file: plain SQL, foreign keys off, no
+    sqlite-vec."""
+    conn = apsw.Connection(str(db.path))
+    conn.execute("PRAGMA busy_timeout = 5000")
+    yield conn
+    conn.close()
 
 
 @pytest.fixture

@@ -6,10 +6,7 @@ foreign keys off; the provider is the stand-in over HTTP."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import apsw
-import pytest
 
 from conftest import FakeEmbedder, corpus_text, mirror_problems
 from worker.bulk import index_item
@@ -23,14 +20,6 @@ from worker.store.items import add_item, get_state
 
 # As the retry sweep waits: 60 s, then doubling; five attempts.
 BACKOFF = Backoff(max_attempts=5, backoff=60.0, backoff_max=6 * 3600.0)
-
-
-@pytest.fixture
-def host(db: Database) -> Iterator[apsw.Connection]:
-    conn = apsw.Connection(str(db.path))
-    conn.execute("PRAGMA busy_timeout = 5000")
-    yield conn
-    conn.close()
 
 
 def to_index(db: Database) -> list[int]:

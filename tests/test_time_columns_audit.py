@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 
 import apsw
 import pytest
@@ -27,14 +26,6 @@ BACKOFF = Backoff(max_attempts=5, backoff=60.0, backoff_max=6 * 3600.0)
 # epoch or a negative number (julianday() reads neither), far in the future.
 RECORD = "SELECT value FROM index_meta WHERE key = 'embedding_config'"
 UNREADABLE = ["soon", "", 1796000000, -5, "9999-12-31T00:00:00.000Z"]
-
-
-@pytest.fixture
-def host(db: Database) -> Iterator[apsw.Connection]:
-    conn = apsw.Connection(str(db.path))
-    conn.execute("PRAGMA busy_timeout = 5000")
-    yield conn
-    conn.close()
 
 
 def retries(db: Database) -> list[int]:
