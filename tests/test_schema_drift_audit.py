@@ -490,3 +490,25 @@ def test_kidx_doctor_names_what_a_host_changed_in_the_schema(
     with pytest.raises(Fail, match="knowledge_items id is not its INTEGER PRIMARY KEY") as e:
         check_database(settings, 5.0)
     assert not isinstance(e.value, Warn)
+
+
+def test_a_host_holding_the_file_in_rollback_journal_mode_is_said_with_what_to_do(tmp_path):
+    """A host set `journal_mode = DELETE` and holds a read transaction: kidx's switch back to
+    WAL waits for it, then failed with SQLite's "database is locked" alone. The line now says
+    what held it and what to do; the file is left as it was."""
+    path = tmp_path / "kidx.db"
+    connect(path).close()
+    h = apsw.Connection(str(path))
+    try:
+        h.execute("PRAGMA journal_mode = DELETE")
+        h.execute("BEGIN")
+        h.execute("SELECT count(*) FROM knowledge_items").fetchall()  # holds a shared lock
+        with pytest.raises(StoreError) as refused:
+            connect(path, busy_timeout_ms=1000)
+        h.execute("COMMIT")
+    finally:
+        h.close()
+    said = str(refused.value)
+    assert "\n" not in said and "locked for 1 s" in said, said
+    assert "KIDX_BUSY_TIMEOUT_MS" in said and "another program" in said, said
+    connect(path).close()  # once it ends, the file opens as before

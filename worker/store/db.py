@@ -93,6 +93,14 @@ class Database:
             # What the WAL file is cut back to when a writer starts it again (every page
             # checkpointed): a bulk run's 100 MB WAL is not kept on disk for good.
             self.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
+        except (apsw.BusyError, apsw.LockedError):
+            # Switching the file to WAL needs it to itself: a host's transaction on a file it
+            # set to `journal_mode = DELETE` held it, and SQLite says only "database is locked"
+            raise StoreError(
+                f"cannot open database {path}: it stayed locked for "
+                f"{busy_timeout_ms / 1000:g} s (another program's transaction, or a backup): "
+                "try again when it ends, or raise KIDX_BUSY_TIMEOUT_MS"
+            ) from None
         except apsw.Error as e:
             raise StoreError(f"cannot open database {path}: {e}") from None
         if str(path) != ":memory:" and str(mode).lower() != "wal":
