@@ -512,3 +512,27 @@ def test_a_host_holding_the_file_in_rollback_journal_mode_is_said_with_what_to_d
     assert "\n" not in said and "locked for 1 s" in said, said
     assert "KIDX_BUSY_TIMEOUT_MS" in said and "another program" in said, said
     connect(path).close()  # once it ends, the file opens as before
+
+
+@pytest.mark.parametrize("when", ["INSERT", "UPDATE"])
+def test_a_host_trigger_that_refuses_job_rows_is_named(db, db_path, when):
+    """A host's trigger refusing `index_jobs` rows failed the task (or the send) with
+    SQLite's words alone ("no jobs here"), naming neither the trigger nor its table."""
+    from worker.store.jobs import JobState, record_end, record_queued, record_start
+
+    record_queued(db, "t-0", "GenerateEmbedding", 1, None, None)
+    as_host(
+        db_path,
+        f"CREATE TRIGGER host_no_jobs BEFORE {when} ON index_jobs "
+        "BEGIN SELECT RAISE(ABORT, 'no jobs here'); END",
+    )
+    with pytest.raises(StoreError) as refused:
+        if when == "INSERT":
+            record_queued(db, "t-1", "GenerateEmbedding", 1, None, None)
+        else:
+            record_end(db, "t-0", 0, JobState.SUCCESS, 5)
+    said = str(refused.value)
+    assert "trigger host_no_jobs on index_jobs" in said and "no jobs here" in said, said
+    if when == "INSERT":
+        with pytest.raises(StoreError, match="trigger host_no_jobs on index_jobs"):
+            record_start(db, "t-2", 0, "GenerateEmbedding", 1, None, None)
