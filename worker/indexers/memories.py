@@ -20,7 +20,7 @@ from worker.providers.base import EmbeddingModel, to_blob
 from worker.retrieval import check_query
 from worker.store.db import Database
 from worker.store.items import Item
-from worker.store.schema import refused_by_host
+from worker.store.schema import named_refusals, refused_by_host
 from worker.store.text import NotText, given_text, shown, strict
 from worker.store.vec import (
     VEC,
@@ -146,16 +146,9 @@ def add_memory(db: Database, text: str, embedder: EmbeddingModel) -> int:
     if why := over_model(text, embedder):
         raise InvalidInput(f"a memory is embedded whole: this one {why}")
     vector = embedder.embed_checked([text])[0]  # the memory's embedder input is its text
-    try:
-        with db.atomic():
-            memory_id = int(
-                db.scalar("INSERT INTO memories(content) VALUES (?) RETURNING id", (text,))
-            )
-            _write_vector(db, memory_id, text, vector, embedder.model_id)
-    except apsw.Error as e:  # a host's trigger or index that refuses it: named (`kidx add`)
-        if (theirs := refused_by_host(db, e)) is not None:
-            raise theirs from None
-        raise
+    with named_refusals(db), db.atomic():  # a host's trigger or index refusing it: named
+        memory_id = int(db.scalar("INSERT INTO memories(content) VALUES (?) RETURNING id", (text,)))
+        _write_vector(db, memory_id, text, vector, embedder.model_id)
     return memory_id
 
 

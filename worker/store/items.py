@@ -11,7 +11,7 @@ import apsw
 from worker.chunking.base import ChunkMethod, text_hash
 from worker.errors import InvalidInput, ItemNotFound, StoreError
 from worker.store.db import Database
-from worker.store.schema import ITEM_KINDS, host_objects, refused_by_host
+from worker.store.schema import ITEM_KINDS, host_objects, named_refusals
 from worker.store.text import NotText, given_text, readable, shown, shown_row, strict
 from worker.store.vec import sound
 
@@ -206,25 +206,20 @@ def add_item(
     source = None if source is None else given_text(source, "source")
     if kind == "note" and not content.strip():
         raise InvalidInput("the note is empty")
-    try:
-        with db.atomic():
-            try:
-                item_id = db.scalar(
-                    "INSERT INTO knowledge_items(kind, title, source, content, content_hash) "
-                    "VALUES (?, ?, ?, ?, ?) RETURNING id",
-                    (kind, title, source, content, text_hash(content)),
-                )
-            except apsw.FullError:
-                _ids_used_up(db)
-                raise
-            # A state row a host left under this id (ids are never reused, but a host may
-            # write any row) is not this item's.
-            db.execute("DELETE FROM item_index_state WHERE item_id = ?", (item_id,))
-            db.execute("INSERT INTO item_index_state(item_id) VALUES (?)", (item_id,))
-    except apsw.Error as e:  # a host's trigger that refuses it: named (`kidx add`)
-        if (theirs := refused_by_host(db, e)) is not None:
-            raise theirs from None
-        raise
+    with named_refusals(db), db.atomic():  # a host's trigger that refuses it: named
+        try:
+            item_id = db.scalar(
+                "INSERT INTO knowledge_items(kind, title, source, content, content_hash) "
+                "VALUES (?, ?, ?, ?, ?) RETURNING id",
+                (kind, title, source, content, text_hash(content)),
+            )
+        except apsw.FullError:
+            _ids_used_up(db)
+            raise
+        # A state row a host left under this id (ids are never reused, but a host may
+        # write any row) is not this item's.
+        db.execute("DELETE FROM item_index_state WHERE item_id = ?", (item_id,))
+        db.execute("INSERT INTO item_index_state(item_id) VALUES (?)", (item_id,))
     return int(item_id)
 
 

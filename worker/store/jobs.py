@@ -8,15 +8,11 @@ point in sending the rest); its remaining tasks then end as skipped with the bat
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
-
-import apsw
 
 from worker.store.db import Database
 from worker.store.items import NOW, Status, mark_not_run
-from worker.store.schema import refused_by_host
+from worker.store.schema import named_refusals
 from worker.store.text import integer_or_null, readable, shown_row
 
 
@@ -67,18 +63,6 @@ def record_queued(
     record_queued_many(db, [(task_id, item_id)], task_name, batch_id, reason)
 
 
-@contextmanager
-def _named_refusal(db: Database) -> Iterator[None]:
-    """A job row a host's trigger or index refuses (RAISE(ABORT) on index_jobs): the error
-    names it and says what to do, where SQLite's words ("no jobs here") named neither."""
-    try:
-        yield
-    except (apsw.ConstraintError, apsw.SQLError) as e:
-        if (theirs := refused_by_host(db, e)) is not None:
-            raise theirs from None
-        raise
-
-
 def record_queued_many(
     db: Database,
     runs: list[tuple[str, int]],
@@ -86,7 +70,7 @@ def record_queued_many(
     batch_id: int | None,
     reason: str | None,
 ) -> None:
-    with _named_refusal(db), db.atomic():
+    with named_refusals(db), db.atomic():
         db.executemany(
             "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
             f"reason, queued_at) VALUES (?, 0, ?, ?, ?, 'queued', ?, {NOW}) "
@@ -133,7 +117,7 @@ def record_starts(
     """Runs start (a group's: one row for each (job id, item id)), in one transaction; a row
     met again after a redelivery is reset; an earlier attempt that never started ends
     (`_close_unstarted`)."""
-    with _named_refusal(db), db.atomic():
+    with named_refusals(db), db.atomic():
         _close_unstarted(db, [job_id for job_id, _ in runs], attempt)
         db.executemany(
             "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
@@ -214,7 +198,7 @@ def record_end(
     duration_ms: int,
     error: str | None = None,
 ) -> None:
-    with _named_refusal(db), db.atomic():
+    with named_refusals(db), db.atomic():
         db.execute(
             f"UPDATE index_jobs SET state = ?, finished_at = {NOW}, duration_ms = ?, error = ? "
             "WHERE task_id = ? AND attempt = ?",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import apsw
@@ -900,3 +902,16 @@ def refused_by_host(db: Database, e: apsw.Error) -> StoreError | None:
         f"the database refused the write ({type(e).__name__}: {e}); not kidx's, on its tables: "
         f"{', '.join(theirs)}: drop (or fix) the one that refuses kidx's writes"
     )
+
+
+@contextmanager
+def named_refusals(db: Database) -> Iterator[None]:
+    """Around a write a caller cannot go on without (adding an item or a memory, a job row):
+    what a host's trigger or index refuses is raised as `refused_by_host`'s StoreError, naming
+    it, where SQLite's words ("no jobs here") named neither it nor its table."""
+    try:
+        yield
+    except apsw.Error as e:
+        if (theirs := refused_by_host(db, e)) is not None:
+            raise theirs from None
+        raise
