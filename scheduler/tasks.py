@@ -75,6 +75,7 @@ def _reconcile(self: Task, rt: Runtime) -> dict[str, Any]:
         locked=lambda ids: held(rt.redis, rt.db.instance(), ids),
         provider=rt.embedder is not None,  # without one, skipped items would only be skipped again
         backoff=Backoff(s.retry_max_attempts, s.retry_backoff, s.retry_backoff_max),
+        rechunk=_rechunk(rt, s.max_items),
     )
     batch_id = None
     if drift.to_index:
@@ -96,6 +97,15 @@ def _reconcile(self: Task, rt: Runtime) -> dict[str, Any]:
     record_sweep(rt.db, "reconcile", summary)
     log.info("reconcile sweep", **summary)
     return summary
+
+
+def _rechunk(rt: Runtime, most: int) -> int:
+    """How many items that fell back to structure this sweep sends for the chunk model: none
+    without one; while it is taken for down, one, whose run asks it once its cool-down has
+    passed (a success puts it up for every process, and the next sweep sends the rest)."""
+    if rt.chat is None:
+        return 0
+    return 1 if rt.chat.taken_for_down() else most
 
 
 # A task recorded as queued this long ago and not in the broker was lost, not on its way

@@ -83,6 +83,10 @@ class TransientProviderError(ProviderError):
     """The provider failed in a way that may pass: retry later."""
 
 
+class ProviderDown(TransientProviderError):
+    """The provider failed too often in a row and is not asked until its cool-down ends."""
+
+
 class OutOfTime(ProviderError):
     """The time its caller gave a call ran out. `unanswered`: the provider had the request (or
     failed an attempt) and did not answer in that time, which says it is slow or down; else

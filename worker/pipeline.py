@@ -36,7 +36,7 @@ from typing import Any
 
 import apsw
 
-from worker.chunking import text_hash
+from worker.chunking import FELL_BACK, text_hash
 from worker.embedding import Plan, check
 from worker.errors import (
     Cancelled,
@@ -421,12 +421,19 @@ def _record_all(
             first = plan.first_failure() or "vec write failed"
             notes.append(f"{failed} of {planned.chunk_count} chunks have no vector: {first}")
         if planned.fallback:
-            notes.append(f"LLM chunking fell back to structure: {planned.fallback}")
+            notes.append(f"{FELL_BACK}{planned.fallback}")
         if w.kind.text_in_row:
             hashes.append((w.content_hash, w.item.id))
         else:  # the text last extracted, so a host can read it
             texts.append((w.text, w.content_hash, w.item.id, w.content_hash))
         status = Status.PARTIAL if failed else Status.INDEXED
+        # an attempt more: a partial index, or a fallback the chunk model was asked for (the
+        # reconcile sweep asks it again, on the retry backoff); one it was not asked for keeps
+        # the count; a run that fell short of neither starts it again
+        if failed or (planned.fallback and planned.asked):
+            more: int | None = 1
+        else:
+            more = 0 if planned.fallback else None
         states.append(
             (
                 str(status),
@@ -440,6 +447,7 @@ def _record_all(
                 w.elapsed(),
                 w.item.id,
                 *w.item.origin,
+                more,
             )
         )
     with db.atomic():
@@ -464,9 +472,9 @@ def _record_all(
             f"UPDATE item_index_state SET status = CASE WHEN {_SAME_ORIGIN} THEN ?1 "
             "ELSE 'pending' END, indexed_hash = ?2, chunk_method = ?3, "
             "chunk_count = ?4, model = ?5, dimensions = ?6, last_error = ?7, last_task_id = ?8, "
-            # a partial index is an attempt that fell short: the sweep re-sends it with the
-            # retry sweep's backoff (worker.reconcile), not on every sweep for good
-            "attempts = CASE WHEN ?1 = 'partial' THEN attempts + 1 ELSE 0 END, "
+            # a partial index, or a fallback, is an attempt that fell short: the sweep sends
+            # it again with the retry sweep's backoff (worker.reconcile), not on every sweep
+            "attempts = CASE WHEN ?14 IS NULL THEN 0 ELSE attempts + ?14 END, "
             f"duration_ms = ?9, updated_at = {NOW}, indexed_at = {NOW}, "
             "claim = random() "
             "WHERE item_id = ?10",

@@ -4,13 +4,15 @@ A record of what was indexed that never checks the vector store drifts silently 
 LangChain #39937). The reconcile sweep looks at both sides: it mends what needs no provider at
 once (vec rows missing or orphaned) and returns the items that need a run (content changed,
 pending or partial, chunks without vectors, chunk rows or a whole-item vector deleted or added
-by hand, vectors of another model or dimension, skipped while no provider was configured).
+by hand, vectors of another model or dimension, skipped while no provider was configured, or
+chunked structurally because the chunk model failed them).
 Rows that deleted items left behind (worker.store.removal) are removed first. The retry sweep
 returns failed items whose backoff has passed, until their attempts run out.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,6 +20,7 @@ from typing import TypeVar
 
 import apsw
 
+from worker.chunking import FELL_BACK
 from worker.log import get_logger
 from worker.store.db import Database
 from worker.store.fts import sync_fts
@@ -118,6 +121,16 @@ FINDINGS = {
               LIMIT 2)) = 1)
         != EXISTS (SELECT 1 FROM note_embeddings e WHERE e.item_id = s.item_id)""",
 }
+# Items indexed by structure because the chunk model failed them (their run's note in
+# `last_error`): the chunk model is asked again, each fallback it was asked for an attempt on
+# the retry backoff (`Backoff`), oldest first. A fallback degrades an item for good otherwise:
+# an outage of the chunk model left every item indexed meanwhile without LLM chunks.
+FELL_BACK_ITEMS = """
+SELECT item_id, attempts, (julianday('now') - julianday(updated_at)) * 86400
+  FROM item_index_state WHERE status = 'indexed' AND chunk_method = 'structure'
+  AND instr(last_error, :note) > 0 AND typeof(item_id) = 'integer'
+  ORDER BY updated_at, item_id
+"""
 # Items of any kind a run skipped because no provider was configured (a file's or URL's text is
 # read only by its run, so no hash says whether it changed): sent once a provider is. Without
 # one, a run would only skip them again: they are not sent, whatever else found them.
@@ -274,14 +287,17 @@ def reconcile(
     locked: Callable[[list[int]], set[int]] | None = None,
     provider: bool = True,
     backoff: Backoff | None = None,
+    rechunk: int = 0,
 ) -> Drift:
     """Mend the mirror and list the items that need a run (at most `max_items`). `locked`:
     which of these items a run holds the lock of now; an item marked `indexing` whose lock
     is not held was left by a run that died, and is sent again (`interrupted`). `provider`:
     whether an embedding provider is configured; `skipped` items are sent only then.
     `backoff`: the retry sweep's, which `failed` and `partial` items keep (RESTING_STATUSES;
-    None: they are never sent for what a retry would mend). Items never tried again go first:
-    the cut at `max_items` must not hand every sweep to the same retries."""
+    None: they are never sent for what a retry would mend). `rechunk`: how many items that
+    fell back to structure may be sent for the chunk model (`FELL_BACK_ITEMS`, on that
+    backoff): 0 without one, 1 (a probe) while it is taken for down. Items never tried again
+    go first: the cut at `max_items` must not hand every sweep to the same retries."""
     dims = db.dimensions
     # A process of the model the index was switched away from: its repair would rebuild the
     # vec tables back to its dimension, and its findings send the new model's items to be
@@ -327,6 +343,10 @@ def reconcile(
     wanted.update(drift.found["skipped"])
     drift.found["interrupted"] = sorted(set(marked) - running - busy)
     wanted.update(drift.found["interrupted"])
+    fell_back = _fell_back(db, backoff, busy, rechunk if provider else 0)
+    drift.found["fell_back"] = sorted(fell_back)
+    wanted.update(fell_back)
+    retried |= fell_back
     if wanted:  # (a leftover a refused repair kept names an item that is gone: not sent)
         live = "SELECT value FROM json_each(?) WHERE value IN (SELECT id FROM knowledge_items)"
         wanted = {r[0] for r in db.all(live, (json.dumps(sorted(wanted)),))}
@@ -347,6 +367,22 @@ def _mended(db: Database, what: str, mend: Callable[[], T], nothing: T) -> T:
             raise
         log.error(f"the reconcile sweep could not {what}", reason=str(theirs))
         return nothing
+
+
+def _fell_back(db: Database, backoff: Backoff | None, busy: set[int], most: int) -> set[int]:
+    """The first `most` items that fell back to structure whose backoff has passed, and that no
+    run holds (a probe of one must not go to an item that is not sent)."""
+    if backoff is None or most <= 0:
+        return set()
+    due = (
+        item_id
+        for item_id, attempts, waited in db.all(FELL_BACK_ITEMS, {"note": FELL_BACK})
+        if item_id not in busy
+        and type(attempts) is int  # (a host's bytes: resting, as a failed item's)
+        and (waited is None or isinstance(waited, float))
+        and backoff.due(attempts, waited)
+    )
+    return set(itertools.islice(due, most))
 
 
 def _resting(db: Database, backoff: Backoff | None) -> tuple[set[int], set[int], set[int]]:

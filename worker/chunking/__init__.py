@@ -21,6 +21,7 @@ from worker.chunking.structure import chunk_structure
 from worker.errors import Cancelled, input_failure
 
 __all__ = [
+    "FELL_BACK",
     "MAX_CHUNK_SIZE",
     "MIN_CHUNK_SIZE",
     "OVERLAP_SIZE",
@@ -36,13 +37,20 @@ __all__ = [
 ]
 
 
+# How an item's `last_error` begins the note of a fallback (worker.pipeline writes it, the
+# reconcile sweep finds it: the item is asked of the chunk model again).
+FELL_BACK = "LLM chunking fell back to structure: "
+
+
 @dataclass
 class Chunking:
-    """The chunks, the method that made them, and why LLM chunking fell back, if it did."""
+    """The chunks, the method that made them, and why LLM chunking fell back, if it did
+    (`asked`: whether the model was asked at all: `ChunkingFailed.asked`)."""
 
     chunks: list[Chunk]
     method: ChunkMethod
     fallback: str | None = None
+    asked: bool = False
 
 
 def chunk(
@@ -56,9 +64,9 @@ def chunk(
     edit re-cuts only the chunks it touched."""
     if llm is not None:
         try:
-            return Chunking(chunk_llm(text, llm), ChunkMethod.LLM)
+            return Chunking(chunk_llm(text, llm), ChunkMethod.LLM, asked=True)
         except ChunkingFailed as e:
-            fallback = str(e)
+            fallback, asked = str(e), e.asked
         except Cancelled:
             raise
         except Exception as e:
@@ -68,5 +76,7 @@ def chunk(
             if not input_failure(e):
                 raise
             fallback = f"the LLM chunker failed unexpectedly: {type(e).__name__}: {str(e)[:200]}"
-        return Chunking(chunk_structure(text, previous=previous), ChunkMethod.STRUCTURE, fallback)
+            asked = True
+        chunks = chunk_structure(text, previous=previous)
+        return Chunking(chunks, ChunkMethod.STRUCTURE, fallback, asked)
     return Chunking(chunk_structure(text, previous=previous), ChunkMethod.STRUCTURE)

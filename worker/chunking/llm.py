@@ -43,7 +43,14 @@ from worker.chunking.structure import (
     fence_context,
     safe_cut,
 )
-from worker.errors import BadAnswer, Cancelled, KidxError, OutOfTime, ProviderError
+from worker.errors import (
+    BadAnswer,
+    Cancelled,
+    KidxError,
+    OutOfTime,
+    ProviderDown,
+    ProviderError,
+)
 from worker.store.text import without_lone_surrogates
 
 PROMPT_VERSION = "1"
@@ -93,6 +100,11 @@ Answer with JSON only, like {{"chunks": [{{"start": 1, "end": 3, "summary": "...
 
 class ChunkingFailed(KidxError):
     """LLM chunking could not be used for this text; the message says why."""
+
+    # Whether this run asked the model anything (False: it was taken for down, or the deadline
+    # had passed, before any request): a fallback the model was not asked for is not one of the
+    # item's attempts at LLM chunking (worker.reconcile asks it again).
+    asked: bool = True
 
 
 class ChatModelLike(Protocol):
@@ -359,17 +371,23 @@ def chunk_llm(text: str, llm: LLMChunker) -> list[Chunk]:
     starts: list[int] = []
     windows = windows_of(text, llm.window, lay)
     until = None if llm.deadline is None else time.monotonic() + llm.deadline
+    before = llm.calls
     for done, window in enumerate(windows):
         if llm.cancel is not None and llm.cancel():
             raise Cancelled("cancelled")
         try:
             chunks = _window_chunks(text, window, llm, until)
         except OutOfTime:
-            raise ChunkingFailed(
+            failed = ChunkingFailed(
                 f"the chunk model did not finish within {llm.deadline:g} s "
                 f"(KIDX_CHUNK__DEADLINE): {done} of {len(windows)} windows answered, "
                 "kept for the next run"
-            ) from None
+            )
+            failed.asked = llm.calls > before
+            raise failed from None
+        except ChunkingFailed as e:
+            e.asked = llm.calls > before
+            raise
         for s, e, summary in chunks:
             a, b = _trimmed(text, window.units[s - 1].start, window.units[e - 1].end)
             spans.append((a, b, summary))
@@ -396,7 +414,9 @@ def _window_chunks(
                 messages, schema=SCHEMA, name="chunk_boundaries", until=until
             )
             chunks = validate(answer, text, window)
-        except OutOfTime:
+        except OutOfTime as e:
+            if not e.unanswered:  # never sent
+                llm.calls -= 1
             raise
         except BadAnswer as e:
             reason = _said(e)
@@ -404,6 +424,8 @@ def _window_chunks(
                 continue
             raise ChunkingFailed(f"the chunk model's answer was unusable twice: {reason}") from None
         except ProviderError as e:
+            if isinstance(e, ProviderDown):
+                llm.calls -= 1
             raise ChunkingFailed(f"the chunk model failed: {_said(e)}") from None
         if llm.cache is not None:
             llm.cache.put(model_id, window.key, chunks)

@@ -53,6 +53,7 @@ class Planned:
     plan: Plan
     method: ChunkMethod = ChunkMethod.STRUCTURE
     fallback: str | None = None  # why LLM chunking was not used, when it was wanted
+    asked: bool = False  # whether the chunk model was asked (`Chunking.asked`)
     # Each chunk's `fts.chunk_parts`, made with the plan (out of the write lock) for a new
     # item's keyword rows; empty when its writer makes them.
     keyword_parts: tuple[str, ...] = ()

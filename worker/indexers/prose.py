@@ -72,7 +72,7 @@ class Prose(Indexer):
         parts: tuple[str, ...] = ()
         if not plan.reuse:  # a new item, maybe: its keyword rows go in `write_new_notes`
             parts = tuple(chunk_parts(_headings(c), c.content) for c in outcome.chunks)
-        return Planned(plan, outcome.method, outcome.fallback, parts)
+        return Planned(plan, outcome.method, outcome.fallback, outcome.asked, parts)
 
     def write(
         self,

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from worker.embedding import Streak
-from worker.errors import BadAnswer, OutOfTime, TransientProviderError
+from worker.errors import BadAnswer, OutOfTime, ProviderDown, TransientProviderError
 from worker.log import CHUNK
 from worker.providers.base import Hooks
 from worker.providers.http import JSONClient, ProviderHTTPError
@@ -65,7 +65,7 @@ class Refused(BadAnswer):
     """The model declined to answer."""
 
 
-class ChatDown(TransientProviderError):
+class ChatDown(ProviderDown):
     """The chunk model failed transiently too often in a row: not asked until the cool-down
     ends (the caller falls back to structure at once)."""
 
@@ -213,6 +213,10 @@ class ChatModel:
             raise BadAnswer(f"{where}: the answer is not usable JSON ({str(e)[:100]})") from None
         except RecursionError:
             raise BadAnswer(f"{where}: the answer's JSON nests too deeply") from None
+
+    def taken_for_down(self) -> bool:
+        """Whether the last `down_after` calls (of any process sharing the streak) failed."""
+        return self.streak.current()[0] >= self.down_after
 
     def close(self) -> None:
         self.http.close()
