@@ -44,8 +44,10 @@ def indexed(stack: Stack, title: str) -> int:
 def sweep(stack: Stack) -> dict:
     summary = stack.app.send_task("kidx.reconcile").get(timeout=60)
     wait_for(
-        lambda: not stack.db.scalar(
-            "SELECT count(*) FROM index_jobs WHERE state IN ('queued', 'started')"
+        lambda: (
+            not stack.db.scalar(
+                "SELECT count(*) FROM index_jobs WHERE state IN ('queued', 'started')"
+            )
         ),
         60,
         "the sweep's batch to end",
