@@ -22,7 +22,7 @@ from worker.settings import EmbeddingSettings
 from worker.store import connect
 from worker.store.db import Database
 from worker.store.items import add_item
-from worker.store.schema import SOURCE_TABLES
+from worker.store.schema import SCHEMA_VERSION, SOURCE_TABLES
 
 DERIVED = (
     "chunk_boundaries",
@@ -237,7 +237,7 @@ def _connect(db_path: Path, emb_settings: EmbeddingSettings) -> object:
         return e
 
 
-@pytest.mark.parametrize("version", range(13))
+@pytest.mark.parametrize("version", range(SCHEMA_VERSION))
 def test_a_schema_version_set_back_runs_the_migrations_again_and_keeps_every_row(
     version: int, db_path, emb_settings, embedder
 ) -> None:
@@ -253,7 +253,8 @@ def test_a_schema_version_set_back_runs_the_migrations_again_and_keeps_every_row
     as_host(db_path, f"UPDATE index_meta SET value = '{version}' WHERE key = 'schema_version'")
     db = connect(db_path, embedding=emb_settings)
     try:
-        assert db.scalar("SELECT value FROM index_meta WHERE key = 'schema_version'") == "13"
+        version = db.scalar("SELECT value FROM index_meta WHERE key = 'schema_version'")
+        assert version == str(SCHEMA_VERSION)
         assert {t: db.scalar(f"SELECT count(*) FROM {t}") for t in counts} == counts
         assert mirror_problems(db) == []
         hits = search_chunks(db, "Zebra migration on the plains.", embedder, k=3).hits

@@ -471,6 +471,27 @@ END;
     )
 )
 
+# A chunk row a host's plain SQL changed (its text, summary, headings, offsets, place, hash,
+# or moved to another item) is not what the item's run wrote: search showed the host's text
+# beside a vector and keyword row of the old one, and nothing sent the item again. The item
+# (and the one it was moved from) becomes `pending`; its run writes the chunks again from the
+# item's text, unchanged ones keeping their vectors. kidx's own UPDATEs of chunk rows are a
+# run's, which marks its item `indexing` first (and records its state after them).
+_CHUNKS_CHANGED = """
+CREATE TRIGGER IF NOT EXISTS {table}_changed
+AFTER UPDATE ON {table}
+BEGIN
+    UPDATE item_index_state SET status = 'pending', updated_at = {now}, claim = ~claim
+     WHERE item_id IN (new.item_id, old.item_id) AND status IN ('indexed', 'partial');
+END;
+"""
+MIGRATIONS.append(
+    (
+        14,
+        "".join(_CHUNKS_CHANGED.format(table=t, now=_NOW) for t in ("note_chunks", "code_chunks")),
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
