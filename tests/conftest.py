@@ -145,6 +145,16 @@ def keyword_rows_problems(db: Any) -> list[str]:
     return problems
 
 
+def forge_vector(table: str, key: str) -> str:
+    """SQL putting a host's vector (parameters: the vector, then the key) in place of the one
+    under that key, as a host's `INSERT OR REPLACE` does: an UPDATE of a vector is dropped at
+    once (schema migration 15), and these tests are of the vectors that stay."""
+    return (
+        f"INSERT OR REPLACE INTO {table}({key}, model, dimensions, created_at, vector) "
+        f"SELECT {key}, model, dimensions, created_at, ? FROM {table} WHERE {key} = ?"
+    )
+
+
 def mirror_problems(db: Any) -> list[str]:
     """Each vec table against the relational vectors of the index's dimension: the same keys,
     and in a quantized table the quantized float vector (nothing, when in order)."""

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import DIMS, FakeEmbedder, corpus_text
+from conftest import DIMS, FakeEmbedder, corpus_text, forge_vector
 from worker import nearest
 from worker.bulk import index_item
 from worker.indexers.memories import add_memory, search_memories
@@ -223,7 +223,7 @@ def test_chunk_vectors_of_nan_a_host_wrote_score_zero_on_every_path(db, fake, em
     nan = np.full(DIMS, np.nan, dtype="<f4").tobytes()
     chunks = [r[0] for r in db.all("SELECT id FROM note_chunks ORDER BY id")]
     for chunk in chunks[:8]:  # the relational row and its vec0 mirror alike
-        db.execute("UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = ?", (nan, chunk))
+        db.execute(forge_vector("note_chunk_embeddings", "chunk_id"), (nan, chunk))
         vec_replace(db, "vec_chunk_embeddings", chunk, nan)
     no_vec = connect(db.path, embedding=emb_settings, vec=False)
     try:
@@ -277,7 +277,7 @@ def test_one_memory_without_a_direction_never_makes_the_vec_path_answer_wrongly(
     for n in range(1100):  # into a second chunk of vec0
         add_memory(db, f"far {n}", placed)
     vector = np.full(DIMS, np.nan if poison == "nan" else 0.0, dtype="<f4").tobytes()
-    db.execute("UPDATE memory_embeddings SET vector = ? WHERE memory_id = ?", (vector, bad))
+    db.execute(forge_vector("memory_embeddings", "memory_id"), (vector, bad))
     vec_replace(db, "vec_memories", bad, vector)
     found, via, reason = search_memories(db, "query", placed, k=3)
     assert [m.memory_id for m in found] == near[:3]

@@ -22,7 +22,14 @@ from click.testing import CliRunner
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from conftest import DIMS, FakeEmbedder, corpus_text, keyword_rows_problems, standin_settings
+from conftest import (
+    DIMS,
+    FakeEmbedder,
+    corpus_text,
+    forge_vector,
+    keyword_rows_problems,
+    standin_settings,
+)
 from host import host
 from ops.doctor import Fail, check_keywords
 from worker import hamming, nearest, retrieval
@@ -587,8 +594,8 @@ def test_a_vector_without_a_direction_is_refused_and_one_a_host_wrote_never_brea
     zero = np.zeros(DIMS, dtype=np.float32).tobytes()
     (chunk,) = db.one("SELECT id FROM note_chunks WHERE item_id = ? LIMIT 1", (ids[CHAPTERS[0]],))
     memory = add_memory(db, "a memory about ownership", FakeEmbedder())
-    db.execute("UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = ?", (zero, chunk))
-    db.execute("UPDATE memory_embeddings SET vector = ? WHERE memory_id = ?", (zero, memory))
+    db.execute(forge_vector("note_chunk_embeddings", "chunk_id"), (zero, chunk))
+    db.execute(forge_vector("memory_embeddings", "memory_id"), (zero, memory))
     for table, key, value in (
         ("vec_chunk_embeddings", "chunk_id", chunk),
         ("vec_memories", "memory_id", memory),
@@ -884,9 +891,7 @@ def test_tied_vectors_come_back_lowest_id_first_on_the_vec_path(notes_db, fake):
     twins = [r[0] for r in db.all("SELECT chunk_id FROM note_chunk_embeddings ORDER BY chunk_id")]
     twins = twins[::2][:60]
     for chunk_id in twins:
-        db.execute(
-            "UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = ?", (vector, chunk_id)
-        )
+        db.execute(forge_vector("note_chunk_embeddings", "chunk_id"), (vector, chunk_id))
         vec_replace(db, "vec_chunk_embeddings", chunk_id, vector)
     found = search_chunks(db, query, fake, k=3, mode="vector")
     assert found.via == "vec" and [h.chunk_id for h in found.hits] == twins[:3]
@@ -925,11 +930,7 @@ def test_a_chunk_has_an_embedding_only_of_the_index_dimension(db_path, emb_setti
     index_item(db, item, embedder=fake)
     assert {c["has_embedding"] for c in list_chunks(db, item)} == {True}
     first = db.scalar("SELECT min(chunk_id) FROM note_chunk_embeddings")
-    db.execute(
-        "UPDATE note_chunk_embeddings SET vector = substr(hex(vector), 1, 4 * dimensions) "
-        "WHERE chunk_id = ?",
-        (first,),
-    )
+    db.execute(forge_vector("note_chunk_embeddings", "chunk_id"), ("a" * 4 * DIMS, first))
     assert [c["has_embedding"] for c in list_chunks(db, item)].count(False) == 1  # a host's row
     db.close()
     wide = emb_settings.model_copy(update={"dimensions": DIMS * 2, "model": "wide"})

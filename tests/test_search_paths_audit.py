@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import DIMS, FakeEmbedder, standin_settings
+from conftest import DIMS, FakeEmbedder, forge_vector, standin_settings
 from host import host
 from worker.bulk import index_item, index_items
 from worker.errors import InvalidInput
@@ -103,11 +103,17 @@ def test_a_bit_mirror_a_host_emptied_leaves_the_float_table_to_answer(notes, fak
 # -- F5: a vec row whose relational vector a host made unreadable -----------------------------
 
 
+# (as a host's INSERT OR REPLACE writes them: a vector an UPDATE changes is dropped at once,
+# schema migration 15)
+_REPLACED = (
+    "INSERT OR REPLACE INTO {{table}}({{key}}, model, dimensions, created_at, vector) "
+    "SELECT {{key}}, model, {values}, created_at, {vector} FROM {{table}} WHERE {{key}} = ?"
+)
 UNREADABLE = {
-    "text of the right length": "UPDATE {table} SET vector = printf('%.*c', 4 * {dims}, 'x') "
-    "WHERE {key} = ?",
-    "another dimension": "UPDATE {table} SET dimensions = 32, vector = zeroblob(128) "
-    "WHERE {key} = ?",
+    "text of the right length": _REPLACED.format(
+        values="dimensions", vector="printf('%.*c', 4 * {dims}, 'x')"
+    ),
+    "another dimension": _REPLACED.format(values="32", vector="zeroblob(128)"),
 }
 
 
@@ -331,7 +337,7 @@ def test_an_infinite_vector_scores_zero_without_a_warning(notes, no_vec, fake):
     host(
         notes.path,
         (
-            "UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = ?",
+            forge_vector("note_chunk_embeddings", "chunk_id"),
             [{"hex": inf.hex()}, chunk],
         ),
     )

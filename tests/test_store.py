@@ -13,7 +13,14 @@ import apsw
 import numpy as np
 import pytest
 
-from conftest import DIMS, FakeEmbedder, corpus_text, mirror_problems, standin_settings
+from conftest import (
+    DIMS,
+    FakeEmbedder,
+    corpus_text,
+    forge_vector,
+    mirror_problems,
+    standin_settings,
+)
 from worker.bulk import index_item
 from worker.errors import InvalidInput, StoreError
 from worker.providers import build_embedder
@@ -279,11 +286,8 @@ def test_an_embedding_row_kidx_cannot_read_is_no_vector_and_stops_nothing(
     for i in ids:
         index_item(db, i, embedder=FakeEmbedder())
     if vector.startswith("text"):
-        db.execute(
-            "UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = "
-            "(SELECT id FROM note_chunks WHERE item_id = ?)",
-            ("a" * 4 * DIMS, ids[0]),
-        )
+        chunk = db.scalar("SELECT id FROM note_chunks WHERE item_id = ?", (ids[0],))
+        db.execute(forge_vector("note_chunk_embeddings", "chunk_id"), ("a" * 4 * DIMS, chunk))
     else:
         db.execute(
             "INSERT INTO memories(id, content) VALUES (1, 'm'); "

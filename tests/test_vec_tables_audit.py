@@ -265,7 +265,11 @@ def test_a_read_only_connection_does_not_search_a_mirror_marked_behind(tmp_path)
     query = FakeEmbedder().embed_batch([QUERY])[0].astype("<f4").tobytes()
     with db.atomic():  # a chunk's new vector, its mirror not written: the query's own
         chunk = db.scalar("SELECT max(chunk_id) FROM note_chunk_embeddings")
-        db.execute("UPDATE note_chunk_embeddings SET vector = ? WHERE chunk_id = ?", (query, chunk))
+        db.execute(  # (as kidx writes one: an UPDATE is a host's, whose vector is dropped)
+            "INSERT OR REPLACE INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
+            "SELECT chunk_id, model, dimensions, ? FROM note_chunk_embeddings WHERE chunk_id = ?",
+            (query, chunk),
+        )
         db.execute("INSERT INTO index_meta(key, value) VALUES ('vec_behind', '1')")
     db.close()
     want = exact(path)

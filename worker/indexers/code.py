@@ -31,11 +31,11 @@ SNIPPET = 160
 CANDIDATES = 50
 
 # A stray vector under a new chunk's id (rows a host deleted by hand) is replaced, not a
-# constraint error.
+# constraint error (REPLACE: as prose.INSERT_VECTOR, no UPDATE that migration 15's trigger
+# would take for a host's).
 _UPSERT_VECTOR = (
-    "INSERT INTO code_chunk_embeddings(chunk_id, model, dimensions, vector) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT(chunk_id) DO UPDATE SET model = excluded.model, "
-    "dimensions = excluded.dimensions, vector = excluded.vector, created_at = excluded.created_at"
+    "INSERT OR REPLACE INTO code_chunk_embeddings(chunk_id, model, dimensions, vector) "
+    "VALUES (?, ?, ?, ?)"
 )
 
 

@@ -84,9 +84,9 @@ class Memories(Indexer):
     ) -> tuple[int, int]:
         vector, dims = planned.plan.vectors[0], db.dimensions
         db.execute(
-            "INSERT INTO memory_embeddings(memory_id, model, dimensions, vector) "
-            "VALUES (?, ?, ?, ?) ON CONFLICT(memory_id) DO UPDATE SET model = excluded.model, "
-            "dimensions = excluded.dimensions, vector = excluded.vector",
+            # (REPLACE: an UPDATE would fire the trigger that drops a vector a host changed)
+            "INSERT OR REPLACE INTO memory_embeddings(memory_id, model, dimensions, vector) "
+            "VALUES (?, ?, ?, ?)",
             (item.id, model, dims, vector),
         )
         if mirror_ready(db, dims):

@@ -114,12 +114,12 @@ INSERT_CHUNK = (
     "INSERT INTO note_chunks(id, chunk_index, content, summary, method, start_offset, "
     "end_offset, headings, embed_hash, item_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-# A stray vector under a new chunk's id (its chunk deleted by hand) is replaced.
+# A stray vector under a new chunk's id (its chunk deleted by hand) is replaced: REPLACE, not
+# an UPSERT, whose UPDATE would fire the trigger that drops a vector a host changed (migration
+# 15).
 INSERT_VECTOR = (
-    "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
-    "VALUES (?, ?, ?, ?) ON CONFLICT(chunk_id) DO UPDATE SET model = excluded.model, "
-    "dimensions = excluded.dimensions, vector = excluded.vector, "
-    "created_at = excluded.created_at"
+    "INSERT OR REPLACE INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
+    "VALUES (?, ?, ?, ?)"
 )
 
 

@@ -492,6 +492,35 @@ MIGRATIONS.append(
     )
 )
 
+# A vector a host's plain SQL changed (its bytes, or moved under another chunk, item or memory)
+# is not the embedding of its text: it was kept for good, the reconcile sweep's repair even
+# mirroring it into the vec table. The row goes (its vec row becomes an orphan the sweep
+# deletes), and the chunk, item or memory without a vector is embedded again (a whole-item
+# vector is written again from its chunk's). kidx writes these rows with INSERT (OR REPLACE),
+# never an UPDATE: the triggers fire for other writers only.
+_VECTOR_CHANGED = """
+CREATE TRIGGER IF NOT EXISTS {table}_changed
+AFTER UPDATE OF {key}, vector ON {table}
+WHEN new.{key} IS NOT old.{key} OR new.vector IS NOT old.vector
+BEGIN
+    DELETE FROM {table} WHERE {key} = new.{key};
+END;
+"""
+MIGRATIONS.append(
+    (
+        15,
+        "".join(
+            _VECTOR_CHANGED.format(table=table, key=key)
+            for table, key in (
+                ("note_chunk_embeddings", "chunk_id"),
+                ("code_chunk_embeddings", "chunk_id"),
+                ("note_embeddings", "item_id"),
+                ("memory_embeddings", "memory_id"),
+            )
+        ),
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
