@@ -477,18 +477,34 @@ END;
 # (and the one it was moved from) becomes `pending`; its run writes the chunks again from the
 # item's text, unchanged ones keeping their vectors. kidx's own UPDATEs of chunk rows are a
 # run's, which marks its item `indexing` first (and records its state after them).
+# (Only the columns that say what a chunk is: an edit moves kept chunks, an UPDATE of their
+# index and offsets, and a trigger fired for each of those took 7% of the edit of a note of
+# 3,000 chunks.)
 _CHUNKS_CHANGED = """
 CREATE TRIGGER IF NOT EXISTS {table}_changed
-AFTER UPDATE ON {table}
+AFTER UPDATE OF {columns} ON {table}
+WHEN {changed}
 BEGIN
     UPDATE item_index_state SET status = 'pending', updated_at = {now}, claim = ~claim
      WHERE item_id IN (new.item_id, old.item_id) AND status IN ('indexed', 'partial');
 END;
 """
+_CHUNK_COLUMNS = {
+    "note_chunks": ("item_id", "content", "summary", "headings", "method", "embed_hash"),
+    "code_chunks": ("item_id", "path", "content", "embed_hash"),
+}
 MIGRATIONS.append(
     (
         14,
-        "".join(_CHUNKS_CHANGED.format(table=t, now=_NOW) for t in ("note_chunks", "code_chunks")),
+        "".join(
+            _CHUNKS_CHANGED.format(
+                table=table,
+                columns=", ".join(columns),
+                changed=" OR ".join(f"new.{c} IS NOT old.{c}" for c in columns),
+                now=_NOW,
+            )
+            for table, columns in _CHUNK_COLUMNS.items()
+        ),
     )
 )
 
