@@ -18,7 +18,7 @@ from worker.indexers import IndexOptions
 from worker.providers.chat import ChatModel
 from worker.reconcile import Backoff, reconcile
 from worker.settings import ChunkSettings
-from worker.store.items import add_item
+from worker.store.items import add_item, summary
 from worker.store.jobs import record_queued
 
 TEXT = corpus_text("ch04-03-slices.md")
@@ -150,3 +150,10 @@ def test_a_host_s_values_in_the_state_row_are_read_not_a_crash(db, host, embedde
     host.execute("UPDATE item_index_state SET updated_at = 'soon' WHERE item_id = ?", (other,))
     # bytes for attempts: resting, as a failed item's; no time: the wait has passed
     assert fell_back(db) == [other]
+
+
+def test_kidx_status_counts_the_items_that_fell_back_apart(db, embedder, chat, standin):
+    failing_item(db, embedder, chat, standin)
+    run(db, embedder, None, add_item(db, kind="note", title="No model", content=TEXT))
+    run(db, embedder, chat, add_item(db, kind="note", title="Asked", content=TEXT))
+    assert summary(db)["by_chunk_method"] == {"llm": 1, "structure": 1, "structure (fell back)": 1}

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from worker.chunking.base import (
+    FELL_BACK,
     MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,
     OVERLAP_SIZE,
@@ -35,11 +36,6 @@ __all__ = [
     "heading_titles",
     "text_hash",
 ]
-
-
-# How an item's `last_error` begins the note of a fallback (worker.pipeline writes it, the
-# reconcile sweep finds it: the item is asked of the chunk model again).
-FELL_BACK = "LLM chunking fell back to structure: "
 
 
 @dataclass

@@ -21,6 +21,10 @@ TARGET_CHUNK_SIZE = 650
 # the embedder (KIDX_EMBEDDING__CONTEXT_CHARS): a 1 MB title would otherwise be sent once a
 # chunk, and refused by a real provider chunk by chunk. What is stored is never cut.
 CONTEXT_CHARS = 300
+# How an item's `last_error` begins the note of a fallback (worker.pipeline writes it; the
+# reconcile sweep finds it, and the item is asked of the chunk model again; `kidx status`
+# counts it).
+FELL_BACK = "LLM chunking fell back to structure: "
 
 
 def clip(text: str, limit: int, *, keep_end: bool = False) -> str:

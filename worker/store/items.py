@@ -8,7 +8,7 @@ from typing import Any, TypeGuard
 
 import apsw
 
-from worker.chunking.base import ChunkMethod, text_hash
+from worker.chunking.base import FELL_BACK, ChunkMethod, text_hash
 from worker.errors import InvalidInput, ItemNotFound, StoreError
 from worker.store.db import Database
 from worker.store.schema import ITEM_KINDS, host_objects, named_refusals
@@ -468,8 +468,12 @@ def summary(db: Database) -> dict[str, Any]:
             "SELECT coalesce(s.status, 'pending') AS k, count(*) AS n FROM knowledge_items i "
             "LEFT JOIN item_index_state s ON s.item_id = i.id GROUP BY 1 ORDER BY 1"
         ),
+        # items LLM chunking fell back to structure for (the reconcile sweep asks the chunk
+        # model again) apart from those structural by choice
         "by_chunk_method": counts(
-            "SELECT chunk_method AS k, count(*) AS n FROM item_index_state "
+            "SELECT CASE WHEN chunk_method = 'structure' AND status = 'indexed' AND "
+            f"instr(last_error, '{FELL_BACK}') > 0 THEN 'structure (fell back)' "
+            "ELSE chunk_method END AS k, count(*) AS n FROM item_index_state "
             "WHERE chunk_method IS NOT NULL GROUP BY 1 ORDER BY 1"
         ),
         "by_model": counts(
