@@ -28,6 +28,7 @@ import worker.providers.chat
 import worker.providers.openai  # noqa: F401 - imported here, never by two check threads at once
 from ops.stack import url_host
 from scheduler.beat import HEARTBEAT_KEY, LEASE_TTL
+from tasks.redis_at import redis_at
 from worker.chunking.llm import INSTRUCTIONS, SCHEMA, SYSTEM
 from worker.errors import BadAnswer, StoreError
 from worker.log import Redact
@@ -333,9 +334,7 @@ def check_sweeps(settings: Settings, timeout: float) -> str:
 
 
 def _redis(settings: Settings, timeout: float, *, needed: bool = True) -> redis.Redis:
-    client = redis.Redis.from_url(
-        settings.broker_url, socket_timeout=timeout, socket_connect_timeout=timeout
-    )
+    client = redis_at(settings.broker_url, timeout)
     if needed:
         try:
             client.ping()

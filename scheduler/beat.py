@@ -19,6 +19,7 @@ import redis
 from celery.beat import PersistentScheduler
 
 from tasks.lock import conflict, wrong_type
+from tasks.redis_at import redis_at
 from worker.log import get_logger
 
 log = get_logger("kidx.beat")
@@ -55,9 +56,7 @@ class LeaderScheduler(PersistentScheduler):
         self.identity = f"{socket.gethostname()}:{os.getpid()}"
         # A Redis that stops answering must not stop beat's loop for good: a tick that
         # cannot reach it sends nothing (`_lead`), and tries again at the next.
-        self.redis = redis.Redis.from_url(
-            self.app.conf.broker_url, socket_timeout=TICK, socket_connect_timeout=TICK
-        )
+        self.redis = redis_at(self.app.conf.broker_url, TICK)
         self.leading: bool | None = None  # unknown until the first tick: both states are logged
         self.foreign = False  # another program's value at the lease key (said once)
 

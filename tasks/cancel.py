@@ -34,6 +34,7 @@ from celery.utils.functional import maybe_list
 from celery.worker import control
 
 from tasks import GROUP, KNOWLEDGE_ITEM, NOTE
+from tasks.redis_at import redis_at
 from worker.errors import Cancelled, KidxError
 from worker.log import get_logger
 from worker.store.db import Database
@@ -43,6 +44,14 @@ from worker.store.jobs import end_discarded
 log = get_logger("kidx.tasks")
 
 REVOKED_TTL = 7 * 24 * 3600
+# Seconds without a look at Redis after it did not answer: a Redis that accepts and never
+# answers held each look for its socket timeout (5 s), and a provider's answer being read, with
+# a look every quarter second, for that long each time. A revoke is then seen this much later
+# (SIGTERM, Flower's terminate, at once).
+AWAY_S = 30.0
+# Seconds a revoke waits to record itself in Redis (in the worker's main process: its
+# remote-control handler must not wait for good on a Redis that never answers)
+REVOKE_PATIENCE_S = 5.0
 TERMINATED = threading.Event()  # set by SIGTERM in a pool process while a task runs
 _running = threading.Event()
 
@@ -76,7 +85,10 @@ class CancelToken:
             try:
                 self._cancelled = bool(self.client.exists(revoked_key(self.task_id)))
             except redis.RedisError:
-                return False  # Redis away: carry on; the lock and the result need it anyway
+                # Redis away: carry on (the lock and the result need it anyway), and look again
+                # after a while, not at every wait
+                self._checked = time.monotonic() + AWAY_S
+                return False
         return self._cancelled
 
     def sleep(self, seconds: float) -> None:
@@ -166,7 +178,7 @@ def revoke(
     """Revoke tasks by id: recorded where a running task looks, then Celery's own revoke."""
     ids = [str(t) for t in maybe_list(task_id) or []]
     try:
-        client = redis.Redis.from_url(state.app.conf.broker_url)
+        client = redis_at(state.app.conf.broker_url, REVOKE_PATIENCE_S)
         mark_revoked(client, ids)
         client.close()
     except redis.RedisError as e:

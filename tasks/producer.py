@@ -27,6 +27,7 @@ from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
 
 from tasks import GROUP, KNOWLEDGE_ITEM, NOTE, TASK_FOR_KIND
+from tasks.redis_at import redis_at
 from worker.errors import BrokerUnavailable, InvalidInput, ItemNotFound, WrongTaskKind
 from worker.sources.urls import check_url, safe_url
 from worker.store import Database
@@ -250,7 +251,7 @@ def _patience(app: Celery) -> float:
 
 def _client(url: str, app: Celery) -> redis.Redis:
     patience = _patience(app)
-    return redis.Redis.from_url(url, socket_timeout=patience, socket_connect_timeout=patience)
+    return redis_at(url, patience)
 
 
 def _ping(app: Celery) -> None:

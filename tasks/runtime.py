@@ -12,6 +12,7 @@ from typing import Any
 import redis
 
 from tasks.cancel import RunScope
+from tasks.redis_at import redis_at
 from tasks.streak import SharedStreak, chat_streak_key
 from worker.log import Redact
 from worker.providers import EmbeddingModel, Hooks, build_chat, build_embedder
@@ -89,9 +90,7 @@ def redis_client(settings: Settings) -> redis.Redis:
     lock's renewal thread would wait in it while the lock expires under the run. A call gives
     up within a sixth of the lock's TTL, and the renewal tries again (tasks/lock.py)."""
     patience = max(0.5, settings.tasks.lock_ttl / 6)
-    return redis.Redis.from_url(
-        settings.broker_url, socket_timeout=patience, socket_connect_timeout=patience
-    )
+    return redis_at(settings.broker_url, patience)
 
 
 def _share_cpus(processes: int) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -153,6 +155,62 @@ def forge_vector(table: str, key: str) -> str:
         f"INSERT OR REPLACE INTO {table}({key}, model, dimensions, created_at, vector) "
         f"SELECT {key}, model, dimensions, created_at, ? FROM {table} WHERE {key} = ?"
     )
+
+
+class Mute:
+    """A hung Redis: a TCP server on 127.0.0.1 that takes every connection and what is sent,
+    and answers nothing; counts the connections (a client whose command timed out drops its
+    connection and opens another for the next)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.connections = 0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            with self.lock:
+                self.connections += 1
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        conn.settimeout(0.1)
+        with conn:
+            while not self.stop.is_set():
+                try:
+                    data = conn.recv(4096)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+
+    def wait_for(self, connections: int) -> None:
+        """Until that many connections came (accept runs on a thread of its own)."""
+        deadline = time.monotonic() + 5
+        while self.connections < connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.fixture
+def mute() -> Iterator[Mute]:
+    server = Mute()
+    yield server
+    server.close()
 
 
 def mirror_problems(db: Any) -> list[str]:

@@ -223,12 +223,9 @@ class Ctx:
 
     def redis(self) -> Any:
         """A client of the broker's Redis that gives up within the broker patience."""
-        import redis
+        from tasks.redis_at import redis_at
 
-        patience = self.settings.tasks.broker_patience
-        return redis.Redis.from_url(
-            self.settings.broker_url, socket_timeout=patience, socket_connect_timeout=patience
-        )
+        return redis_at(self.settings.broker_url, self.settings.tasks.broker_patience)
 
     def broker_redis(self) -> Any:
         """`redis()` if the broker answers, else None, said once on stderr: in-process runs
