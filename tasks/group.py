@@ -31,6 +31,7 @@ from tasks.run import (
     Run,
     backoff,
     bad_arguments,
+    bare_result,
     retry_busy,
     stored_reason,
     valid_batch,
@@ -150,12 +151,7 @@ class GroupRun(Run):
             )
             return
         self.end(item_id, JobState.RETRY, "retry", message, why="provider_transient")
-        self.results[item_id] = {
-            "item_id": item_id,
-            "status": "retry",
-            "error": message,
-            "next": retry,
-        }
+        self.results[item_id] = bare_result(item_id, "retry", message, next=retry)
 
     def result(self) -> dict[str, Any]:
         counts: dict[str, int] = {}

@@ -28,6 +28,7 @@ from tasks.run import (
     Run,
     backoff,
     bad_arguments,
+    bare_result,
     retry_busy,
     retry_task,
     stored_reason,
@@ -90,7 +91,7 @@ class SingleRun(Run):
             return
         self.end(item_id, JobState.RETRY, "retry", message, why="provider_transient")
         self.retry = (message, backoff(self.rt, self.attempt, error.retry_after))
-        self.results[item_id] = {"item_id": item_id, "status": "retry", "error": message}
+        self.results[item_id] = bare_result(item_id, "retry", message)
 
     def result(self) -> dict[str, Any]:
         if self.retry is not None:

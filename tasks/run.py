@@ -55,6 +55,13 @@ BUSY = (apsw.BusyError, apsw.LockedError)
 BUSY_TRIES = 3
 
 
+def bare_result(item_id: int, status: str, error: str | None = None, **more: Any) -> dict[str, Any]:
+    """An item's result that no run wrote (coalesced, skipped, retried, failed, sent on): the
+    fields of every result (`IndexResult`), so that a host reading `chunks` or `model` of any
+    result finds them, empty."""
+    return {**IndexResult(item_id, status, error=error).as_dict(), **more}
+
+
 class IndexFailed(Exception):
     """A run failed for good; the message names the cause and how long the run took."""
 
@@ -211,7 +218,7 @@ class Run:
                     item_id=item_id,
                 )
                 self.end(item_id, JobState.COALESCED, "ok")
-                self.results[item_id] = {"item_id": item_id, "status": "coalesced"}
+                self.results[item_id] = bare_result(item_id, "coalesced")
             with self.rt.scope.running(self.token):
                 self._index(held)
                 taken = locks.take_reruns()
@@ -358,7 +365,7 @@ class Run:
         outcome = "refused" if why in ("bad_input", "key_conflict") else "failed"
         self.end(item_id, JobState.FAILED, outcome, message, why=why)
         self.failures[item_id] = message
-        self.results[item_id] = {"item_id": item_id, "status": "failed", "error": message}
+        self.results[item_id] = bare_result(item_id, "failed", message)
 
     def _conflict(self, item_id: int, problem: str) -> None:
         """The item's lock or re-run request key holds another program's value (KeyConflict):
@@ -380,11 +387,7 @@ class Run:
                 self.job(item_id)[0],
                 f"not run: batch {self.batch_id} was aborted ({self.abort_reason})",
             )
-        self.results[item_id] = {
-            "item_id": item_id,
-            "status": "skipped",
-            "error": self.abort_reason,
-        }
+        self.results[item_id] = bare_result(item_id, "skipped", self.abort_reason)
 
     def _check_kinds(self) -> None:
         if self.kinds is None:
@@ -418,7 +421,7 @@ class Run:
         note = f"not started within half the time limit: sent on in group {follow}"
         for item_id in item_ids:
             self.end(item_id, JobState.RETRY, None, note)
-            self.results[item_id] = {"item_id": item_id, "status": "sent on", "next": follow}
+            self.results[item_id] = bare_result(item_id, "sent on", next=follow)
         log.info(
             f"{KI_EMBED} group past its deadline: the rest sent on",
             items=len(item_ids),

@@ -457,3 +457,15 @@ def test_a_deadline_passed_before_any_call_is_not_the_model_s_failure(db, embedd
         chat.close()
     assert result.chunk_method == "structure" and "0 of" in result.fallback
     assert standin.chat.requests == 0
+
+
+def test_the_prompt_asks_for_the_seed_s_sizes(db, embedder, chat, standin):
+    """The seed: the prompt asks for 300-1500 characters per chunk; text under 500 characters
+    may return a single chunk. What the server received, in its system and user messages."""
+    item = add_item(db, kind="note", title="Slices", content=corpus_text("ch04-03-slices.md"))
+    index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    body = standin.chat.bodies[0]
+    asked = " ".join(str(m["content"]) for m in body["messages"])
+    assert "300 to 1500 characters per chunk" in asked
+    assert "a text under 500 characters may be one chunk" in asked
+    assert body["temperature"] == 0 and body["response_format"]["type"] == "json_schema"

@@ -42,6 +42,7 @@ from tasks.streak import SharedStreak, streak_key
 from worker.app import create_app
 from worker.errors import PermanentProviderError, TransientProviderError
 from worker.log import Redact
+from worker.pipeline import IndexResult
 from worker.providers.http import RetryLater
 from worker.settings import load_settings
 from worker.sources import Reader
@@ -51,6 +52,9 @@ from worker.store.jobs import create_batch, get_batch, record_starts
 from worker.store.schema import migrate
 
 RUN_DB = REDIS_DB  # this process's Redis database (tests/stack.py)
+
+# Every item's result, whatever befell it, has the fields of an indexed one (DESIGN §4).
+RESULT_FIELDS = set(IndexResult(0, "indexed").as_dict())
 
 
 class Retried(Exception):
@@ -198,6 +202,7 @@ def test_a_busy_item_is_coalesced_and_asks_its_holder_for_one_more_run(rt) -> No
         busy: "coalesced",
         free: "indexed",
     }
+    assert all(set(r) >= RESULT_FIELDS for r in result["results"])  # the same shape
     # The holder will run it once more.
     assert rt.redis.get(rerun_key(rt.db.instance(), busy)) is not None
     other.release()
@@ -223,7 +228,8 @@ def test_two_databases_sharing_a_redis_never_share_an_items_lock(rt, tmp_path) -
         here = LockSet(rt.redis, same.instance(), [item], "a-run-through-the-link", 30)
         assert here.acquire() == ([item], [])
         run, _ = single(rt, item)
-        assert run.execute()["status"] == "coalesced"
+        result = run.execute()
+        assert result["status"] == "coalesced" and set(result) >= RESULT_FIELDS
         here.release()
         same.close()
     finally:
@@ -326,6 +332,7 @@ def test_a_provider_that_may_recover_retries_the_single_run_and_sends_a_group_it
     result = run.execute()
     (only,) = result["results"]
     assert only["status"] == "retry" and only["next"]  # a task of its own, sent with a delay
+    assert set(only) >= RESULT_FIELDS and only["chunks"] == 0
     assert job_states(rt, run) == {two: "retry"}
 
 
@@ -431,6 +438,7 @@ def test_three_failures_in_a_row_abort_the_batch_and_its_other_items_are_skipped
     run, _ = group(rt, ids[3:], batch)
     result = run.execute()
     assert result["skipped"] == 2 and {get_state(rt.db, i)["status"] for i in ids[3:]} == {"failed"}
+    assert all(set(r) >= RESULT_FIELDS and r["model"] is None for r in result["results"])
 
 
 def test_a_batchs_runs_share_their_count_of_failed_provider_requests(rt) -> None:

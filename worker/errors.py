@@ -6,11 +6,13 @@
     ├── ItemNotFound             no item with that id
     ├── WrongTaskKind            a task of the wrong kind for its item
     ├── StoreError               the database cannot do what was asked
+    │   └── StaleConfig          another embedding model now indexes this database
     ├── SourceUnavailable        a URL could not be fetched now (timeout, 5xx): retry later
     ├── BrokerUnavailable        the broker did not take a task: nothing was sent
     ├── KeyConflict              a key kidx uses in Redis holds another program's value
     ├── ProviderError            an embedding or chat provider failed
     │   ├── TransientProviderError   retrying later may help: 408/409/429/5xx, timeouts, resets
+    │   │   └── ProviderDown         failed too often in a row: not asked until its cool-down
     │   ├── OutOfTime                the caller's time for the call ran out
     │   └── PermanentProviderError   retrying cannot help: 400/401/403, exhausted quota
     │       └── BadAnswer            the answer was unusable: wrong count, dimension, non-finite
