@@ -298,7 +298,10 @@ def check_failed(settings: Settings, timeout: float) -> str:
 
 def check_stuck(settings: Settings, timeout: float) -> str:
     limit = settings.tasks.time_limit
-    older = "(julianday('now') - julianday({})) * 86400 > ?"
+    # As the sweeps take an age (worker.reconcile): whole, so that a time in the future (a
+    # clock set back, a host's year 9999) is no run under way, and a time SQLite cannot read
+    # says nothing of one: both were never called stuck, and the sweeps end them as overruns.
+    older = "coalesce(abs(julianday('now') - julianday({})) * 86400 > ?, 1)"
     with _store(settings, timeout) as db:
         runs = db.all(
             # (an item id that is no integer, a host's, as NULL: it may be TEXT apsw cannot read)

@@ -170,3 +170,34 @@ def test_an_item_marked_indexing_in_the_future_is_not_taken_for_a_run_for_good(d
     )
     drift = reconcile(db, model="standin-embed", max_items=100, backoff=BACKOFF)
     assert drift.found["interrupted"] == [item] and drift.to_index == [item]
+
+
+@pytest.mark.parametrize("when", ["9999-12-31T00:00:00.000Z", "soon", 1796000000])
+def test_kidx_doctor_calls_a_run_or_a_mark_at_no_time_or_in_the_future_stuck(
+    db, host, emb_settings, when
+):
+    """`kidx doctor`'s stuck line took a time in the future for younger than the limit and a
+    time SQLite cannot read for none: such a run, or an item left `indexing` so, was never
+    named, while the sweeps end them as overruns. A run a few seconds ahead is under way."""
+    from ops.doctor import Fail, check_stuck
+    from worker.settings import load_settings
+
+    run, mark, ahead = (
+        add_item(db, kind="note", title=t, content="A note.") for t in ("run", "mark", "ahead")
+    )
+    host.execute(
+        "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, state, started_at) "
+        "VALUES ('t-1', 0, 'kidx.index_item', ?, 'started', ?), "
+        "('t-2', 0, 'kidx.index_item', ?, 'started', "
+        "strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '+5 seconds'))",
+        (run, when, ahead),
+    )
+    host.execute(
+        "UPDATE item_index_state SET status = 'indexing', updated_at = ? WHERE item_id = ?",
+        (when, mark),
+    )
+    settings = load_settings(db=db.path, embedding=emb_settings)
+    with pytest.raises(Fail) as stuck:
+        check_stuck(settings, 5.0)
+    assert str(stuck.value).endswith(f"items {run} {mark}"), stuck.value
+    assert "1 run started and 1 item indexing" in str(stuck.value)
