@@ -108,6 +108,25 @@ def test_while_the_model_is_taken_for_down_one_item_goes_as_a_probe(db, embedder
     assert fell_back(db, rechunk=1) == [second]
 
 
+def test_failed_runs_before_a_fallback_are_not_the_model_s_attempts(
+    db, host, embedder, chat, standin
+):
+    """Attempts an item spent failing (the embedder's) counted on into its fallbacks: one
+    failed twice, then indexed while the chunk model was down, was asked of it once, or not
+    at all, before `max_attempts` left it structurally chunked for good."""
+    item = failing_item(db, embedder, chat, standin)
+    host.execute(
+        "UPDATE item_index_state SET status = 'failed', attempts = 2, last_error = 'HTTP 500' "
+        "WHERE item_id = ?",
+        (item,),
+    )
+    chat.streak.ok()
+    standin.chat.fail_status = 503
+    run(db, embedder, chat, item)  # indexed again, the chunk model failing it
+    assert get_state(db, item)["attempts"] == 1  # its first fallback, not a third attempt
+    assert fell_back(db) == [item]
+
+
 def test_a_fallback_the_model_was_not_asked_for_is_no_attempt(db, embedder, chat, standin):
     failing_item(db, embedder, chat, standin, "One")
     failing_item(db, embedder, chat, standin, "Two")

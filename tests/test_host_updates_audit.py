@@ -12,6 +12,7 @@ no vector is embedded again.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from conftest import FakeEmbedder, corpus_text, mirror_problems
 from worker.bulk import index_item
@@ -120,19 +121,43 @@ def test_a_code_chunk_a_host_rewrites_is_written_again(db, host, tmp_path):
     assert again == original and "evil" not in again
 
 
-def test_a_failed_item_s_chunks_a_host_rewrites_stay_the_retry_sweep_s(db, host):
-    """Its previous index stays while it waits for its backoff: not sent at once."""
+@pytest.mark.parametrize("status", ["failed", "cancelled"])
+def test_a_resting_item_s_chunk_a_host_rewrites_sends_it(db, host, status):
+    """A failed item keeps its last index, a cancelled one the one before the run: neither
+    sweep sent them again for a host's change of their chunks (a failed one out of attempts,
+    or a cancelled one whose text did not change, for good)."""
     fake = FakeEmbedder()
     item = add_item(db, kind="note", title="Install", content=TEXT)
     index_item(db, item, embedder=fake)
     host.execute(
-        "UPDATE item_index_state SET status = 'failed', attempts = 1, "
+        "UPDATE item_index_state SET status = ?, attempts = 9, "
         "updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE item_id = ?",
-        (item,),
+        (status, item),
     )
     host.execute("UPDATE note_chunks SET content = 'x' WHERE item_id = ?", (item,))
-    assert get_state(db, item)["status"] == "failed"
-    assert sent(db, fake.model_id) == []
+    assert get_state(db, item)["status"] == "pending"
+    assert sent(db, fake.model_id) == [item]
+
+
+def test_a_chunk_a_host_moves_within_its_item_is_put_back(db, host):
+    """Its offsets and place, which search shows: the run writes them again."""
+    fake = FakeEmbedder()
+    item = add_item(db, kind="note", title="Install", content=TEXT)
+    index_item(db, item, embedder=fake)
+    host.execute(
+        "UPDATE note_chunks SET start_offset = 0, end_offset = 5, chunk_index = 99 "
+        "WHERE item_id = ? AND chunk_index = 4",
+        (item,),
+    )
+    assert sent(db, fake.model_id) == [item]
+    assert index_item(db, item, embedder=fake).embedded <= 2
+    rows = db.all(
+        "SELECT chunk_index, content, start_offset, end_offset FROM note_chunks "
+        "WHERE item_id = ? ORDER BY chunk_index",
+        (item,),
+    )
+    assert [r[0] for r in rows] == list(range(len(rows)))
+    assert all(content == TEXT[a:b] for _, content, a, b in rows)
 
 
 def vector_of(db, table: str, key: str, value: int) -> bytes | None:

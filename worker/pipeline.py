@@ -429,7 +429,8 @@ def _record_all(
         status = Status.PARTIAL if failed else Status.INDEXED
         # an attempt more: a partial index, or a fallback the chunk model was asked for (the
         # reconcile sweep asks it again, on the retry backoff); one it was not asked for keeps
-        # the count; a run that fell short of neither starts it again
+        # the count; a run that fell short of neither starts it again. (A fallback counts on
+        # from a fallback only: the failed runs before it were the embedder's, not the model's.)
         if failed or (planned.fallback and planned.asked):
             more: int | None = 1
         else:
@@ -448,6 +449,7 @@ def _record_all(
                 w.item.id,
                 *w.item.origin,
                 more,
+                FELL_BACK,
             )
         )
     with db.atomic():
@@ -474,7 +476,8 @@ def _record_all(
             "chunk_count = ?4, model = ?5, dimensions = ?6, last_error = ?7, last_task_id = ?8, "
             # a partial index, or a fallback, is an attempt that fell short: the sweep sends
             # it again with the retry sweep's backoff (worker.reconcile), not on every sweep
-            "attempts = CASE WHEN ?14 IS NULL THEN 0 ELSE attempts + ?14 END, "
+            "attempts = CASE WHEN ?14 IS NULL THEN 0 "
+            "WHEN ?1 = 'partial' OR instr(last_error, ?15) > 0 THEN attempts + ?14 ELSE ?14 END, "
             f"duration_ms = ?9, updated_at = {NOW}, indexed_at = {NOW}, "
             "claim = random() "
             "WHERE item_id = ?10",

@@ -345,8 +345,8 @@ def reconcile(
     wanted.update(drift.found["interrupted"])
     fell_back = _fell_back(db, backoff, busy, rechunk if provider else 0)
     drift.found["fell_back"] = sorted(fell_back)
+    retried |= fell_back - wanted  # (found for another reason too: not a retry)
     wanted.update(fell_back)
-    retried |= fell_back
     if wanted:  # (a leftover a refused repair kept names an item that is gone: not sent)
         live = "SELECT value FROM json_each(?) WHERE value IN (SELECT id FROM knowledge_items)"
         wanted = {r[0] for r in db.all(live, (json.dumps(sorted(wanted)),))}

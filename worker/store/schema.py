@@ -471,39 +471,59 @@ END;
     )
 )
 
-# A chunk row a host's plain SQL changed (its text, summary, headings, offsets, place, hash,
-# or moved to another item) is not what the item's run wrote: search showed the host's text
-# beside a vector and keyword row of the old one, and nothing sent the item again. The item
-# (and the one it was moved from) becomes `pending`; its run writes the chunks again from the
-# item's text, unchanged ones keeping their vectors. kidx's own UPDATEs of chunk rows are a
-# run's, which marks its item `indexing` first (and records its state after them).
-# (Only the columns that say what a chunk is: an edit moves kept chunks, an UPDATE of their
-# index and offsets, and a trigger fired for each of those took 7% of the edit of a note of
-# 3,000 chunks.)
+# A chunk row a host's plain SQL changed (its text, summary, headings, method, hash, place or
+# offsets, or moved to another item) is not what the item's run wrote: search showed the host's
+# text beside a vector and keyword row of the old one, and nothing sent the item again. The
+# item (and the one it was moved from) becomes `pending`, unless a run holds it or it waits for
+# one already; its run writes the chunks again from the item's text, unchanged ones keeping
+# their vectors. kidx's own UPDATEs of chunk rows are a run's, which marks its item `indexing`
+# first (and records its state after them). An edit's run moves its kept chunks, their index
+# first out of the way below zero, then their index and offsets: the place and offsets count
+# only between two indexes of zero or more, else the trigger's body ran for every kept chunk
+# (7% of the edit of a note of 3,000 chunks).
 _CHUNKS_CHANGED = """
-CREATE TRIGGER IF NOT EXISTS {table}_changed
+CREATE TRIGGER IF NOT EXISTS {name}
 AFTER UPDATE OF {columns} ON {table}
 WHEN {changed}
 BEGIN
     UPDATE item_index_state SET status = 'pending', updated_at = {now}, claim = ~claim
-     WHERE item_id IN (new.item_id, old.item_id) AND status IN ('indexed', 'partial');
+     WHERE item_id IN (new.item_id, old.item_id)
+     AND status IN ('indexed', 'partial', 'failed', 'cancelled');
 END;
 """
-_CHUNK_COLUMNS = {
-    "note_chunks": ("item_id", "content", "summary", "headings", "method", "embed_hash"),
-    "code_chunks": ("item_id", "path", "content", "embed_hash"),
+_CHUNK_COLUMNS = {  # (what a chunk is; its place)
+    "note_chunks": (
+        ("item_id", "content", "summary", "headings", "method", "embed_hash"),
+        ("chunk_index", "start_offset", "end_offset"),
+    ),
+    "code_chunks": (
+        ("item_id", "path", "content", "embed_hash"),
+        ("chunk_index", "start_line", "end_line"),
+    ),
 }
+
+
+def _chunk_triggers(table: str, what: tuple[str, ...], place: tuple[str, ...]) -> str:
+    def differ(columns: tuple[str, ...]) -> str:
+        return " OR ".join(f"new.{c} IS NOT old.{c}" for c in columns)
+
+    moved = f"new.chunk_index >= 0 AND old.chunk_index >= 0 AND ({differ(place)})"
+    return "".join(
+        _CHUNKS_CHANGED.format(
+            name=name, table=table, columns=", ".join(columns), changed=changed, now=_NOW
+        )
+        for name, columns, changed in (
+            (f"{table}_changed", what, differ(what)),
+            (f"{table}_moved", place, moved),
+        )
+    )
+
+
 MIGRATIONS.append(
     (
         14,
         "".join(
-            _CHUNKS_CHANGED.format(
-                table=table,
-                columns=", ".join(columns),
-                changed=" OR ".join(f"new.{c} IS NOT old.{c}" for c in columns),
-                now=_NOW,
-            )
-            for table, columns in _CHUNK_COLUMNS.items()
+            _chunk_triggers(table, what, place) for table, (what, place) in _CHUNK_COLUMNS.items()
         ),
     )
 )
