@@ -98,13 +98,21 @@ def test_chunks_a_host_swaps_between_items_send_both(db, host):
     assert mirror_problems(db) == []
 
 
-def test_a_code_chunk_a_host_rewrites_is_written_again(db, host, tmp_path):
-    path = tmp_path / "m.py"
+def indexed_code(
+    db, folder, name: str = "m.py", fake: FakeEmbedder | None = None
+) -> tuple[int, IndexOptions, FakeEmbedder]:
+    """A code item of four functions, indexed: (its id, the options that read it, the model)."""
+    path = folder / name
     path.write_text("\n\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(4)))
-    item = add_item(db, kind="code", title="m.py", content="", source=str(path))
-    options = IndexOptions(reader=Reader(FilesSettings(roots=[tmp_path])))
-    fake = FakeEmbedder()
-    index_item(db, item, embedder=fake, options=options)
+    item = add_item(db, kind="code", title=name, content="", source=str(path))
+    options = IndexOptions(reader=Reader(FilesSettings(roots=[folder])))
+    fake = fake or FakeEmbedder()
+    assert index_item(db, item, embedder=fake, options=options).embedded == 4
+    return item, options, fake
+
+
+def test_a_code_chunk_a_host_rewrites_is_written_again(db, host, tmp_path):
+    item, options, fake = indexed_code(db, tmp_path)
     original = db.scalar(
         "SELECT content FROM code_chunks WHERE item_id = ? AND chunk_index = 2", (item,)
     )
@@ -228,12 +236,7 @@ def test_a_whole_item_vector_a_host_rewrites_is_written_again_without_a_request(
 
 
 def test_a_code_chunk_vector_a_host_rewrites_is_embedded_again(db, host, tmp_path):
-    path = tmp_path / "m.py"
-    path.write_text("\n\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(4)))
-    item = add_item(db, kind="code", title="m.py", content="", source=str(path))
-    options = IndexOptions(reader=Reader(FilesSettings(roots=[tmp_path])))
-    fake = FakeEmbedder()
-    index_item(db, item, embedder=fake, options=options)
+    item, options, fake = indexed_code(db, tmp_path)
     host.execute(
         "UPDATE code_chunk_embeddings SET vector = zeroblob(256) WHERE chunk_id = "
         "(SELECT id FROM code_chunks WHERE item_id = ? AND chunk_index = 1)",
@@ -281,19 +284,20 @@ def test_kidx_s_own_writes_over_a_stray_vector_keep_their_vectors(db, host):
 
 
 def test_a_code_item_s_vectors_over_a_stray_one_are_kept(db, host, tmp_path):
-    path = tmp_path / "m.py"
-    path.write_text("\n\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(4)))
-    options = IndexOptions(reader=Reader(FilesSettings(roots=[tmp_path])))
-    fake = FakeEmbedder()
-    first = add_item(db, kind="code", title="m.py", content="", source=str(path))
-    index_item(db, first, embedder=fake, options=options)
+    _, _, fake = indexed_code(db, tmp_path)
     host.execute(  # foreign keys off: a vector under the id the next code chunk gets
         "INSERT INTO code_chunk_embeddings(chunk_id, model, dimensions, vector) "
         "SELECT max(id) + 1, 'fake', 64, zeroblob(256) FROM code_chunks"
     )
-    (tmp_path / "n.py").write_text(path.read_text())
-    second = add_item(db, kind="code", title="n.py", content="", source=str(tmp_path / "n.py"))
-    assert index_item(db, second, embedder=fake, options=options).embedded == 4
+    second, _, _ = indexed_code(db, tmp_path, "n.py", fake)
+    assert (
+        db.scalar(
+            "SELECT count(*) FROM code_chunk_embeddings e JOIN code_chunks c ON c.id = e.chunk_id "
+            "WHERE c.item_id = ?",
+            (second,),
+        )
+        == 4
+    )
     assert sent(db, fake.model_id) == []
     assert mirror_problems(db) == []
 
