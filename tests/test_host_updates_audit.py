@@ -33,6 +33,14 @@ def sent(db, model: str) -> list[int]:
     return reconcile(db, model=model, max_items=100, backoff=BACKOFF).to_index
 
 
+def indexed_note(db) -> tuple[int, FakeEmbedder]:
+    """The installation chapter as a note, indexed: (its id, the model)."""
+    fake = FakeEmbedder()
+    item = add_item(db, kind="note", title="Install", content=TEXT)
+    assert index_item(db, item, embedder=fake).status == "indexed"
+    return item, fake
+
+
 def test_a_chunk_text_a_host_rewrites_is_written_again_from_the_item_s_text(db, host):
     fake = FakeEmbedder()
     item = add_item(db, kind="note", title="Install", content=TEXT)
@@ -60,9 +68,7 @@ def test_a_chunk_text_a_host_rewrites_is_written_again_from_the_item_s_text(db, 
 
 
 def test_a_chunk_hash_a_host_rewrites_is_embedded_again(db, host):
-    fake = FakeEmbedder()
-    item = add_item(db, kind="note", title="Install", content=TEXT)
-    index_item(db, item, embedder=fake)
+    item, fake = indexed_note(db)
     host.execute(
         "UPDATE note_chunks SET embed_hash = 'x' WHERE item_id = ? AND chunk_index = 0", (item,)
     )
@@ -134,9 +140,7 @@ def test_a_resting_item_s_chunk_a_host_rewrites_sends_it(db, host, status):
     """A failed item keeps its last index, a cancelled one the one before the run: neither
     sweep sent them again for a host's change of their chunks (a failed one out of attempts,
     or a cancelled one whose text did not change, for good)."""
-    fake = FakeEmbedder()
-    item = add_item(db, kind="note", title="Install", content=TEXT)
-    index_item(db, item, embedder=fake)
+    item, fake = indexed_note(db)
     host.execute(
         "UPDATE item_index_state SET status = ?, attempts = 9, "
         "updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE item_id = ?",
@@ -149,9 +153,7 @@ def test_a_resting_item_s_chunk_a_host_rewrites_sends_it(db, host, status):
 
 def test_a_chunk_a_host_moves_within_its_item_is_put_back(db, host):
     """Its offsets and place, which search shows: the run writes them again."""
-    fake = FakeEmbedder()
-    item = add_item(db, kind="note", title="Install", content=TEXT)
-    index_item(db, item, embedder=fake)
+    item, fake = indexed_note(db)
     host.execute(
         "UPDATE note_chunks SET start_offset = 0, end_offset = 5, chunk_index = 99 "
         "WHERE item_id = ? AND chunk_index = 4",
@@ -177,9 +179,7 @@ def third_chunk(db, item: int) -> int:
 
 
 def test_a_chunk_vector_a_host_rewrites_is_embedded_again(db, host):
-    fake = FakeEmbedder()
-    item = add_item(db, kind="note", title="Install", content=TEXT)
-    index_item(db, item, embedder=fake)
+    item, fake = indexed_note(db)
     chunk_id = db.scalar(
         "SELECT id FROM note_chunks WHERE item_id = ? AND chunk_index = 3", (item,)
     )
@@ -198,9 +198,7 @@ def test_a_chunk_vector_a_host_rewrites_is_embedded_again(db, host):
 
 
 def test_a_vector_a_host_moves_to_another_chunk_is_embedded_again_for_both(db, host):
-    fake = FakeEmbedder()
-    item = add_item(db, kind="note", title="Install", content=TEXT)
-    index_item(db, item, embedder=fake)
+    item, fake = indexed_note(db)
     a, b = (
         r[0]
         for r in db.all(
@@ -264,9 +262,7 @@ def test_kidx_s_own_writes_over_a_stray_vector_keep_their_vectors(db, host):
     """kidx writes vectors with INSERT OR REPLACE: an UPSERT's UPDATE of a stray row (a vector
     a host left under the id a new chunk takes) fired the trigger, which dropped the vector
     kidx had just written."""
-    fake = FakeEmbedder()
-    item = add_item(db, kind="note", title="Install", content=TEXT)
-    index_item(db, item, embedder=fake)
+    _, fake = indexed_note(db)
     host.execute(  # foreign keys off: a vector under the id the next new chunk gets
         "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
         "SELECT max(id) + 1, 'fake', 64, zeroblob(256) FROM note_chunks"
