@@ -101,10 +101,9 @@ def _reconcile(self: Task, rt: Runtime) -> dict[str, Any]:
 
 def _rechunk(rt: Runtime, most: int) -> int:
     """How many items that fell back to structure this sweep sends for the chunk model: none
-    without one; while it is taken for down, one, whose run asks it once the cool-down of the
-    process running it has passed (a process that learns of the model's state then waits its
-    own first: it may take a sweep or two); a success puts it up for every process, and the
-    next sweep sends the rest."""
+    without one; while it is taken for down, one, whose run asks it once the cool-down after
+    the model's last failed call has passed (within it, the probe asks nothing and is no
+    attempt); a success puts it up for every process, and the next sweep sends the rest."""
     if rt.chat is None:
         return 0
     return 1 if rt.chat.taken_for_down() else most

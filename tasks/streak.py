@@ -80,6 +80,20 @@ class SharedStreak(Streak):
             return mine
         return int(n)
 
+    def since_failure(self) -> float | None:
+        """From the key's time to live, which every failed request sets to TTL_SECONDS (Redis's
+        clock: no two hosts' clocks compared); None when Redis does not say."""
+        if self.foreign:
+            return None
+        try:
+            left = self.client.pttl(self.key)
+        except redis.RedisError as e:
+            self._not_ours(e)
+            return None
+        if not isinstance(left, int) or left < 0:
+            return None
+        return max(0.0, TTL_SECONDS - left / 1000)
+
     def ok(self) -> None:
         super().ok()
         if self.foreign:

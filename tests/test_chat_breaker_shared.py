@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from stack import REDIS_DB, broker_url, flush
-from tasks.streak import SharedStreak, chat_streak_key
+from tasks.streak import TTL_SECONDS, SharedStreak, chat_streak_key
 from testkit.standin import StandIn
 from worker.providers.chat import ChatDown, ChatModel
 from worker.settings import ChunkSettings
@@ -87,6 +87,29 @@ def test_a_call_that_succeeds_anywhere_puts_it_up_for_every_process(standin, two
     assert a.ask() == ANSWER
     assert b.ask() == ANSWER  # within b's cool-down, but the model answered since
     assert standin.chat.requests == 5
+
+
+def test_a_process_that_learns_the_model_is_down_waits_what_is_left_of_the_cool_down(
+    standin, two, client
+):
+    """It took the model for down for a whole cool-down of its own from when it learned of
+    it: the one item the reconcile sweep sends as a probe, landing on such a process, asked
+    nothing, sweep after sweep. It now counts from the last failed call (Redis's clock)."""
+    a, b = two
+    fail(standin, a, a, a)
+    key = chat_streak_key("test-instance")
+    client.pexpire(key, int((TTL_SECONDS - 45) * 1000))  # the last failure, 45 s ago
+    with pytest.raises(ChatDown, match=r"taken for down for 1[45]s more"):
+        b.ask()  # 60 s of cool-down, 45 s passed
+    client.pexpire(key, int((TTL_SECONDS - 61) * 1000))
+    standin.chat.fail_status = None
+    standin.chat.script = [ANSWER]
+    c = Process(standin, client, key)  # another process, learning of it now
+    try:
+        assert c.ask() == ANSWER  # the cool-down after the last failure is over
+    finally:
+        c.chat.close()
+    assert standin.chat.requests == 4
 
 
 def test_failed_calls_of_two_processes_add_up(standin, two):

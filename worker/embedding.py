@@ -76,6 +76,11 @@ class Streak:
     def ok(self) -> None:
         self.n = 0
 
+    def since_failure(self) -> float | None:
+        """Seconds since the last failed request was counted, when a shared count knows (None:
+        the caller's own clock is all there is)."""
+        return None
+
 
 class Requests:
     """The provider-request count of a run: a request that failed as a whole (not one input

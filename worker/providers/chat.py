@@ -119,8 +119,11 @@ class ChatModel:
         failed, last = self.streak.current()
         if failed < self.down_after:
             self.down_until = 0.0
-        elif self.down_until == 0.0:  # taken for down elsewhere (a shared streak): here too
-            self.down_until = self.clock() + self.cool_down
+        elif self.down_until == 0.0:  # taken for down elsewhere (a shared streak): here too,
+            # for what is left of the cool-down after the last failed call (a probe the
+            # reconcile sweep sends must not wait a whole cool-down of its own)
+            since = self.streak.since_failure() or 0.0
+            self.down_until = self.clock() + max(0.0, self.cool_down - since)
         if failed >= self.down_after and self.clock() < self.down_until:
             left = self.down_until - self.clock()
             raise ChatDown(
