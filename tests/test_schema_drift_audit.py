@@ -292,8 +292,17 @@ ZEBRAS = "Zebra migration on the plains."  # the text of an indexed note's one c
             "trigger host_logged on note_chunks",
             "no such table: main.host_log",
         ),
+        (  # a column of the host's whose CHECK kidx's rows, which leave it out, fail
+            (
+                "ALTER TABLE note_chunks ADD COLUMN host_tag TEXT "
+                "CHECK (host_tag IS NOT NULL OR content NOT LIKE '%otter%')",
+            ),
+            OTTERS,
+            "CHECK constraints on note_chunks",
+            "CHECK constraint failed",
+        ),
     ],
-    ids=["raise", "json-index", "unique-index", "dropped-log"],
+    ids=["raise", "json-index", "unique-index", "dropped-log", "check"],
 )
 def test_a_host_trigger_or_index_that_refuses_kidx_writes_is_named_in_the_failure(
     statements: tuple[str, ...],

@@ -169,7 +169,11 @@ def _not_rewritten(db: Database, item_id: int, token: Any) -> None:
     items stayed `indexing` for good, with no error anywhere: a StoreError naming it."""
     if db.scalar("SELECT claim FROM item_index_state WHERE item_id = ?", (item_id,)) == token:
         return
-    theirs = [o for o in host_objects(db) if o.endswith(" on item_index_state")]
+    theirs = [
+        o
+        for o in host_objects(db)
+        if o.startswith("trigger ") and o.endswith(" on item_index_state")
+    ]
     by = ", ".join(theirs) or "a trigger not kidx's"
     raise StoreError(
         f"item_index_state's row is written again as kidx writes it (by {by}): kidx takes "
