@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import apsw
 import httpx
 import redis
 
@@ -37,7 +38,7 @@ from worker.reconcile import changed_by_hand, last_sweeps
 from worker.settings import Settings
 from worker.sources.urls import safe_url
 from worker.store import VEC_TABLES, Database, resolve_dimensions, vec_table_dimensions
-from worker.store.fts import FTS_TABLES, fts_counts, fts_intact
+from worker.store.fts import CHECKED, FTS_TABLES, fts_counts, fts_intact
 from worker.store.removal import leftovers
 from worker.store.schema import SCHEMA_VERSION, host_objects, schema_problems, schema_version
 from worker.store.text import integer_or_null, shown
@@ -265,6 +266,9 @@ def check_keywords(settings: Settings, timeout: float) -> str:
         broken = [
             t.name for t in FTS_TABLES if t.name not in missing_tables and not fts_intact(db, t)
         ]
+        if broken:  # the next sweep checks (and rebuilds), not the next hourly one
+            with contextlib.suppress(apsw.Error):
+                db.execute("DELETE FROM index_meta WHERE key = ?", (CHECKED,))
     problems = [f"{name} is missing" for name in missing_tables]
     problems += [f"{name}: its index does not match its text" for name in broken]
     for name, c in counts.items():

@@ -43,7 +43,13 @@ from worker.retrieval import Filters, search_chunks
 from worker.settings import FilesSettings, SearchSettings, load_settings
 from worker.sources import Reader
 from worker.store import connect
-from worker.store.fts import _row, chunk_parts, identifier_parts, keyword_query, keyword_row
+from worker.store.fts import (
+    _row,
+    chunk_parts,
+    identifier_parts,
+    keyword_query,
+    keyword_row,
+)
 from worker.store.items import add_item, list_chunks, update_content
 from worker.store.removal import delete_items
 from worker.store.vec import vec_replace
@@ -148,6 +154,8 @@ def test_keyword_rows_equal_chunk_rows_through_edits_deletes_a_host_and_a_droppe
     assert db.scalar("PRAGMA integrity_check") != "ok"
     with pytest.raises(Fail, match="does not match its text"):
         check_keywords(settings, 5)
+    # (the sweep runs FTS5's integrity check hourly, or once a write failed on the damage, or
+    # once `kidx doctor` found it: this one)
     drift = reconcile(db, model=fake.model_id, max_items=100)
     assert drift.repaired["keyword_rows"]["note_chunks_fts rebuilt"] == 1
     assert db.scalar("PRAGMA integrity_check") == "ok" and keyword_rows_problems(db) == []

@@ -52,6 +52,7 @@ from worker.indexers import IndexOptions, Kind, Planned, kind_of
 from worker.log import KI_EMBED, get_logger
 from worker.providers.base import EmbeddingModel
 from worker.store.db import Database
+from worker.store.fts import DAMAGED
 from worker.store.items import (
     CREATE_STATE,
     NOW,
@@ -215,7 +216,7 @@ def store_failure(e: apsw.Error, db: Database | None = None) -> KidxError:
     )
     if damaged:
         return StoreError(
-            f"the database refused the write ({cause}): a keyword index a host damaged is "
+            f"the database refused the write ({cause}): {DAMAGED} is "
             "rebuilt by the reconcile sweep and the item sent again; `kidx doctor` says more"
         )
     if db is not None and (theirs := refused_by_host(db, e)) is not None:

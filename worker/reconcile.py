@@ -23,7 +23,7 @@ import apsw
 from worker.chunking import FELL_BACK
 from worker.log import get_logger
 from worker.store.db import Database
-from worker.store.fts import sync_fts
+from worker.store.fts import check_due, sync_fts
 from worker.store.items import NOW
 from worker.store.jobs import batch_outcome
 from worker.store.removal import remove_leftovers
@@ -319,7 +319,10 @@ def reconcile(
     drift.repaired = {
         "leftovers_removed": removed,
         "keyword_rows": _mended(
-            db, "mend the keyword index", lambda: sync_fts(db, verify=True), {}
+            db,
+            "mend the keyword index",
+            lambda: sync_fts(db, verify=True, check=check_due(db)),
+            {},
         ),
         "restored": report.restored,
         "orphans_deleted": report.orphans_deleted,

@@ -235,6 +235,59 @@ def refresh_fts(db: Database, tables: tuple[FtsTable, ...] = FTS_TABLES) -> None
             db.all(f"SELECT rowid FROM {t.name} WHERE {t.name} MATCH '\"kidx\"' LIMIT 1")
 
 
+# What a write refused by a damaged keyword table says (worker.pipeline.store_failure): a failed
+# item's error holding it makes the reconcile sweep run FTS5's integrity check (`check_due`).
+DAMAGED = "a keyword index a host damaged"
+# When the last integrity check of the keyword tables found them whole (index_meta), and how
+# often the reconcile sweep runs one without a reason to: it is an INSERT command, so it holds
+# the write lock, for about 1 s a 100k chunks (measured: 0.85 s at 99k), which every sweep
+# (5 minutes) made every worker wait for; damage it alone finds (a host's write into FTS5's
+# `_data`) is looked for hourly, or at once when a write failed on it.
+CHECKED = "fts_checked_at"
+CHECK_EVERY_S = 3600.0
+
+
+def check_due(db: Database) -> bool:
+    """Whether the reconcile sweep runs FTS5's integrity check now: none recorded (or not a
+    time), the last one an hour ago or more (or in the future), or an item failed on a
+    damaged keyword table since."""
+    age = db.scalar(
+        "SELECT abs(julianday('now') - julianday(CAST(value AS TEXT))) * 86400 "
+        "FROM index_meta WHERE key = ?",
+        (CHECKED,),
+    )
+    if not isinstance(age, float) or age >= CHECK_EVERY_S:
+        return True
+    return bool(
+        db.scalar(
+            "SELECT 1 FROM item_index_state WHERE status IN ('failed', 'partial') "
+            "AND instr(last_error, ?) > 0 LIMIT 1",
+            (DAMAGED,),
+        )
+    )
+
+
+FTS5_VERSION = 4  # the `version` FTS5 keeps in `_config` (SQLite 3.54)
+
+
+def fts_present(db: Database, table: FtsTable) -> bool:
+    """Whether a keyword table has every shadow table and the file format FTS5 writes (what a
+    host's DROP or `_config` write breaks), looked at without FTS5's integrity check."""
+    shadows = [f"{table.name}_{s}" for s in _SHADOWS]
+    have = db.scalar(
+        f"SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name IN "
+        f"({', '.join('?' * len(shadows))})",
+        shadows,
+    )
+    if have != len(shadows):
+        return False
+    try:
+        version = db.scalar(f"SELECT v FROM {table.name}_config WHERE k = 'version'")
+    except apsw.Error:
+        return False
+    return version == FTS5_VERSION
+
+
 def fts_intact(db: Database, table: FtsTable) -> bool:
     """FTS5's own check of its index against its text (about 1 s at 100k chunks). A table FTS5
     cannot open at all (a host wrote or dropped its `_config`) is not intact either."""
@@ -309,20 +362,26 @@ def _unlike(db: Database, table: FtsTable, *, every: bool) -> list[tuple]:
     return out
 
 
-def sync_fts(db: Database, *, verify: bool = False) -> dict[str, int]:
+def sync_fts(db: Database, *, verify: bool = False, check: bool = True) -> dict[str, int]:
     """Make each keyword table hold exactly the live chunks: create a missing table, delete
     rows no live chunk has, add the chunks that have none. In one transaction; what changed.
 
     `verify` (the reconcile sweep): FTS5's own integrity check first; an index that does not
     match its text (a host wrote into its shadow tables), or a table FTS5 cannot open, is
     built again from the chunks: derived data, so mended, not lost. Then each row's text is
-    compared with its chunk's, and a row that is not the chunk's is made again."""
+    compared with its chunk's, and a row that is not the chunk's is made again. `check`: with
+    `verify`, FTS5's integrity check too (else only `fts_present`'s look: `check_due`); one
+    that found the tables whole is recorded (`CHECKED`)."""
     changed: dict[str, int] = {}
     # Checked before the transaction, each in its own: once FTS5 found its index corrupt (a
     # host dropped its `_idx`), every later statement of that transaction failed the same way,
     # the DROP below included, and the sweep failed at every run.
     broken = {
-        t.name for t in FTS_TABLES if verify and db.table_exists(t.name) and not fts_intact(db, t)
+        t.name
+        for t in FTS_TABLES
+        if verify
+        and db.table_exists(t.name)
+        and not (fts_intact(db, t) if check else fts_present(db, t))
     }
     with db.atomic():
         every = verify and not db.scalar(  # as bytes: a host's value may not be UTF-8
@@ -353,6 +412,12 @@ def sync_fts(db: Database, *, verify: bool = False) -> dict[str, int]:
                 "INSERT INTO index_meta(key, value) VALUES (?, ?) "
                 "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                 ROWS_MADE,
+            )
+        if verify and check:  # (what was broken is made again above: whole now)
+            db.execute(
+                "INSERT INTO index_meta(key, value) VALUES (?, strftime('%Y-%m-%dT%H:%M:%fZ')) "
+                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                (CHECKED,),
             )
     return changed
 
