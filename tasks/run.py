@@ -97,6 +97,7 @@ class Run:
             reader=rt.reader,
             chunk_window=self.settings.chunk.window,
             chunk_deadline=self.settings.chunk.deadline,
+            chunk_target=self.settings.chunk.target,
             structure_only=structure_only,
             cancel=self.token,
             task_id=self.task_id,

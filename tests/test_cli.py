@@ -813,3 +813,17 @@ def test_an_item_asked_to_run_again_during_an_inline_run_runs_again_only_if_it_c
         True,
         False,
     ]
+
+
+def test_kidx_chunk_target_sets_the_size_structural_chunking_aims_at(kidx):
+    """`KIDX_CHUNK__TARGET` (650 by default; 200 to 1500): the same chapter in fewer, larger
+    chunks at 1500, each within the seed's bounds; a value outside them is refused at start."""
+    a = kidx.add("Default", "--file", str(CHAPTER))
+    b = kidx.add("Large", "--file", str(CHAPTER))
+    [default] = kidx.json("index", str(a), "--inline")
+    [large] = kidx.json("index", str(b), "--inline", env={"KIDX_CHUNK__TARGET": "1500"})
+    assert default["chunks"] > large["chunks"] * 1.3 > 0  # (its sections stay whole)
+    sizes = {i: [c["length"] for c in kidx.json("chunks", str(i))] for i in (a, b)}
+    assert max(sizes[b]) <= 1500 and max(sizes[b]) > max(sizes[a])
+    refused = kidx("status", env={"KIDX_CHUNK__TARGET": "100"})
+    assert refused.returncode != 0 and "KIDX_CHUNK__TARGET" in refused.stderr

@@ -594,3 +594,15 @@ def test_a_failure_of_the_task_layer_has_its_ki_embed_line(rt) -> None:
         start(task, "abc", None, None, False, frozenset({"note"}))  # type: ignore[arg-type]
     refused = [e for e in logs if e["event"] == "[KI Embed] refused"]
     assert refused and "the item id must be a 64-bit integer" in refused[0]["reason"]
+
+
+def test_a_worker_s_runs_chunk_at_the_configured_target(rt) -> None:
+    """`KIDX_CHUNK__TARGET` reaches the task's runs (tasks.run: IndexOptions.chunk_target)."""
+    text = "\n\n".join(f"Paragraph {k}. " + "Words go on here. " * 8 for k in range(40))
+    small, large = (add_item(rt.db, kind="note", title=t, content=text) for t in ("s", "l"))
+    counts = {}
+    for item, target in ((small, 650), (large, 1500)):
+        rt.settings.chunk.target = target
+        run, _ = single(rt, item)
+        counts[target] = run.execute()["chunks"]
+    assert counts[650] > counts[1500] * 1.5

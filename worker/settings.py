@@ -373,6 +373,12 @@ class ChunkSettings(HTTPProviderSettings):
     # `cool_down` seconds (worker/providers/chat.py): items fall back to structure at once.
     down_after: int = Field(default=3, ge=1, le=1000)
     cool_down: float = Field(default=300.0, ge=0, le=86_400)
+    # The size structural chunking aims at, within its bounds (200 to 1500 characters): 650 by
+    # default, which retrieval measured best (worker.chunking.base's TARGET_CHUNK_SIZE,
+    # MIN_CHUNK_SIZE and MAX_CHUNK_SIZE, which the package's import would make circular here:
+    # tests/test_chunk_target.py checks they agree); larger chunks index faster (fewer rows
+    # and vectors) and retrieve less precisely.
+    target: int = Field(default=650, ge=200, le=1500)
 
     _model = field_validator("model", mode="before")(_stripped)
 

@@ -271,6 +271,7 @@ def _locked_group(
         reader=ctx.reader(),
         chunk_window=ctx.settings.chunk.window,
         chunk_deadline=ctx.settings.chunk.deadline,
+        chunk_target=ctx.settings.chunk.target,
         structure_only=structure_only,
         context_chars=ctx.settings.embedding.context_chars,
     )

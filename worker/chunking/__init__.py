@@ -11,6 +11,7 @@ from worker.chunking.base import (
     MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,
     OVERLAP_SIZE,
+    TARGET_CHUNK_SIZE,
     Chunk,
     ChunkMethod,
     heading_path,
@@ -54,6 +55,7 @@ def chunk(
     previous: Sequence[tuple[int, str]] | None = None,
     *,
     llm: LLMChunker | None = None,
+    target: int = TARGET_CHUNK_SIZE,
 ) -> Chunking:
     """Chunk an item's text: with the chunk model when there is one, else (or when it fails)
     structurally. `previous`: the item's current chunks as (start offset, content), so that an
@@ -73,6 +75,6 @@ def chunk(
                 raise
             fallback = f"the LLM chunker failed unexpectedly: {type(e).__name__}: {str(e)[:200]}"
             asked = True
-        chunks = chunk_structure(text, previous=previous)
+        chunks = chunk_structure(text, previous=previous, target=target)
         return Chunking(chunks, ChunkMethod.STRUCTURE, fallback, asked)
-    return Chunking(chunk_structure(text, previous=previous), ChunkMethod.STRUCTURE)
+    return Chunking(chunk_structure(text, previous=previous, target=target), ChunkMethod.STRUCTURE)

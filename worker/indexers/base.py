@@ -18,7 +18,7 @@ from typing import Any
 import apsw
 
 from worker.chunking import ChunkMethod, text_hash
-from worker.chunking.base import CONTEXT_CHARS
+from worker.chunking.base import CONTEXT_CHARS, TARGET_CHUNK_SIZE
 from worker.chunking.llm import ChatModelLike
 from worker.embedding import CancelCheck, FailureCounter, Plan, Streak
 from worker.providers.base import EmbeddingModel
@@ -38,6 +38,7 @@ class IndexOptions:
     reader: Reader = field(default_factory=Reader)  # files, URLs and code: roots and limits
     chunk_window: int = 6000  # characters the chunk model is shown a request
     chunk_deadline: float | None = None  # seconds LLM chunking of an item may take in all
+    chunk_target: int = TARGET_CHUNK_SIZE  # the size structural chunking aims at
     structure_only: bool = False  # no chunk model for this run
     cancel: CancelCheck | None = None  # true once the run is cancelled
     task_id: str | None = None  # recorded with the item's state

@@ -49,7 +49,7 @@ class Prose(Indexer):
                 (item.id,),
             )
         ]
-        outcome = chunk(text, previous, llm=llm)
+        outcome = chunk(text, previous, llm=llm, target=options.chunk_target)
         if outcome.fallback:
             ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=outcome.fallback)
         dims = db.dimensions
