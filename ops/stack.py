@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 import redis
 
+from tasks.redis_at import redis_at
 from worker.errors import ConfigError
 from worker.settings import Settings, load_settings
 from worker.sources.urls import safe_url
@@ -170,7 +171,7 @@ def wait_until(check: Callable[[], bool], timeout: float, every: float = 0.25) -
 
 def redis_answers(url: str) -> bool:
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+        client = redis_at(url, 1)
     except ValueError:
         return False
     try:

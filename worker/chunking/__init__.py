@@ -60,6 +60,7 @@ def chunk(
     """Chunk an item's text: with the chunk model when there is one, else (or when it fails)
     structurally. `previous`: the item's current chunks as (start offset, content), so that an
     edit re-cuts only the chunks it touched."""
+    fallback, asked = None, False
     if llm is not None:
         try:
             return Chunking(chunk_llm(text, llm), ChunkMethod.LLM, asked=True)
@@ -75,6 +76,5 @@ def chunk(
                 raise
             fallback = f"the LLM chunker failed unexpectedly: {type(e).__name__}: {str(e)[:200]}"
             asked = True
-        chunks = chunk_structure(text, previous=previous, target=target)
-        return Chunking(chunks, ChunkMethod.STRUCTURE, fallback, asked)
-    return Chunking(chunk_structure(text, previous=previous, target=target), ChunkMethod.STRUCTURE)
+    chunks = chunk_structure(text, previous=previous, target=target)
+    return Chunking(chunks, ChunkMethod.STRUCTURE, fallback, asked)

@@ -383,3 +383,12 @@ class Database:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def set_meta(db: Database, key: str, value: str) -> None:
+    """An `index_meta` record, written or replaced, in the caller's transaction."""
+    db.execute(
+        "INSERT INTO index_meta(key, value) VALUES (?, ?) "
+        "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+        (key, value),
+    )

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import apsw
 
-from worker.store.db import Database
+from worker.store.db import Database, set_meta
 from worker.store.text import shown
 
 # The porter stemmer over unicode61 (diacritics folded): `moves` meets `move`. Measured on the
@@ -408,17 +408,9 @@ def sync_fts(db: Database, *, verify: bool = False, check: bool = True) -> dict[
             if unlike:
                 changed[f"{t.name} rewritten"] = len(unlike)
         if every:
-            db.execute(
-                "INSERT INTO index_meta(key, value) VALUES (?, ?) "
-                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                ROWS_MADE,
-            )
+            set_meta(db, *ROWS_MADE)
         if verify and check:  # (what was broken is made again above: whole now)
-            db.execute(
-                "INSERT INTO index_meta(key, value) VALUES (?, strftime('%Y-%m-%dT%H:%M:%fZ')) "
-                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                (CHECKED,),
-            )
+            set_meta(db, CHECKED, db.scalar("SELECT strftime('%Y-%m-%dT%H:%M:%fZ')"))
     return changed
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import apsw
 
 from worker.errors import StoreError
-from worker.store.db import Database
+from worker.store.db import Database, set_meta
 from worker.store.fts import FTS_TABLES, create_sql
 
 ITEM_KINDS = ("note", "file", "url", "code")
@@ -616,11 +616,7 @@ def migrate(db: Database) -> int:
                     for statement in _statements(sql):
                         if not _column_there(db, statement):
                             db.execute(statement)
-                    db.execute(
-                        "INSERT INTO index_meta(key, value) VALUES ('schema_version', ?) "
-                        "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                        (str(number),),
-                    )
+                    set_meta(db, "schema_version", str(number))
     finally:
         db.execute("PRAGMA legacy_alter_table = OFF")
         db.execute("PRAGMA foreign_keys = ON")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from worker.errors import StaleConfig
 from worker.log import KI_EMBED, get_logger
 from worker.settings import DEFAULT_DIMENSIONS, EmbeddingSettings
-from worker.store.db import Database, Resolution
+from worker.store.db import Database, Resolution, set_meta
 from worker.store.fts import sync_fts
 
 log = get_logger("kidx.store")
@@ -487,11 +487,3 @@ def vec_delete_from(db: Database, table: str, first: int) -> None:
         column = "rowid" if source == shadow else t.key
         keys = db.all(f'SELECT {column} FROM "{source}" WHERE {column} >= ?', (first,))
         db.executemany(f"DELETE FROM {t.name} WHERE {t.key} = ?", keys)
-
-
-def set_meta(db: Database, key: str, value: str) -> None:
-    db.execute(
-        "INSERT INTO index_meta(key, value) VALUES (?, ?) "
-        "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-        (key, value),
-    )
