@@ -526,3 +526,20 @@ def test_a_chunk_near_the_maximum_that_grows_stays_one_new_chunk():
     assert len(again) == len(first)
     (grown,) = (c for c in again if c.content in new)
     assert MAX_CHUNK_SIZE - 100 < grown.end - grown.start <= MAX_CHUNK_SIZE  # the overlap's room
+
+
+def test_a_section_of_1401_to_1500_characters_before_a_heading_is_not_hard_cut():
+    """Hypothesis found it: a section that fits the target (1500) but not a part's room for
+    its overlap (1400) was hard-cut, inside the heading line of the subsection it held, though
+    a part a heading follows carries no overlap. Each subsection stays whole now."""
+    sub = "## A subsection\n\n" + "Words go here. " * 45
+    head = "Title\n=====\n\n" + "x" * 650 + "\n\n"
+    body = head + sub.rstrip()
+    body += "z" * (1450 - len(body))
+    text = "`code`.\n\n" + body + "\n\n# Next\n\n" + "y" * 400
+    start = text.index("## A subsection")
+    end = text.index("\n\n# Next")
+    chunks = chunk_structure(text, target=1500)
+    spans = [(c.start, c.end) for c in chunks]
+    assert any(s <= start and end <= e for s, e in spans), spans
+    assert all(len(c.content) <= MAX_CHUNK_SIZE for c in chunks)
