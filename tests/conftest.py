@@ -10,6 +10,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,23 @@ def forge_vector(table: str, key: str) -> str:
         f"INSERT OR REPLACE INTO {table}({key}, model, dimensions, created_at, vector) "
         f"SELECT {key}, model, dimensions, created_at, ? FROM {table} WHERE {key} = ?"
     )
+
+
+# What only a run writes (its items `indexing`): a host's chunk or vector rows go at once
+# (schema migration 16). Statements for the tests that plant rows a run, or a database from
+# before that migration, could hold: the first before them, the second after.
+AS_A_RUN = "UPDATE item_index_state SET status = 'indexing' WHERE status = 'indexed'"
+AFTER_THE_RUN = "UPDATE item_index_state SET status = 'indexed' WHERE status = 'indexing'"
+
+
+@contextmanager
+def as_a_run(conn: Any) -> Iterator[None]:
+    """`AS_A_RUN` around the block, on a Database or an apsw connection."""
+    conn.execute(AS_A_RUN)
+    try:
+        yield
+    finally:
+        conn.execute(AFTER_THE_RUN)
 
 
 class Mute:

@@ -210,9 +210,9 @@ def test_a_database_of_the_schema_before_the_token_gets_it(
     db.execute("UPDATE item_index_state SET status = 'indexing', last_task_id = 'old'")
     db.execute("DROP TRIGGER item_index_state_claim_kept")
     db.execute("DROP TRIGGER item_index_state_inserted")
-    for table in ("note_chunks", "code_chunks"):  # (schema 14's: they name `claim`)
-        db.execute(f"DROP TRIGGER {table}_changed")
-        db.execute(f"DROP TRIGGER {table}_moved")
+    for table in ("note_chunks", "code_chunks"):  # (schema 14's and 16's: they name `claim`)
+        for trigger in ("changed", "moved", "inserted", "rekeyed"):
+            db.execute(f"DROP TRIGGER {table}_{trigger}")
     db.execute(dict(MIGRATIONS)[10])  # the rename trigger of schema 10
     db.execute("ALTER TABLE item_index_state DROP COLUMN claim")
     db.execute("UPDATE index_meta SET value = '10' WHERE key = 'schema_version'")

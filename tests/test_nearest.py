@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import DIMS, FakeEmbedder, corpus_text, forge_vector
+from conftest import DIMS, FakeEmbedder, as_a_run, corpus_text, forge_vector
 from worker import nearest
 from worker.bulk import index_item
 from worker.indexers.memories import add_memory, search_memories
@@ -222,9 +222,10 @@ def test_chunk_vectors_of_nan_a_host_wrote_score_zero_on_every_path(db, fake, em
         index_item(db, item, embedder=fake)
     nan = np.full(DIMS, np.nan, dtype="<f4").tobytes()
     chunks = [r[0] for r in db.all("SELECT id FROM note_chunks ORDER BY id")]
-    for chunk in chunks[:8]:  # the relational row and its vec0 mirror alike
-        db.execute(forge_vector("note_chunk_embeddings", "chunk_id"), (nan, chunk))
-        vec_replace(db, "vec_chunk_embeddings", chunk, nan)
+    with as_a_run(db):
+        for chunk in chunks[:8]:  # the relational row and its vec0 mirror alike
+            db.execute(forge_vector("note_chunk_embeddings", "chunk_id"), (nan, chunk))
+            vec_replace(db, "vec_chunk_embeddings", chunk, nan)
     no_vec = connect(db.path, embedding=emb_settings, vec=False)
     try:
         paths = {

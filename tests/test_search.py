@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from conftest import (
     DIMS,
     FakeEmbedder,
+    as_a_run,
     corpus_text,
     forge_vector,
     keyword_rows_problems,
@@ -898,9 +899,10 @@ def test_tied_vectors_come_back_lowest_id_first_on_the_vec_path(notes_db, fake):
     vector = fake.embed([query])[0].astype("<f4").tobytes()
     twins = [r[0] for r in db.all("SELECT chunk_id FROM note_chunk_embeddings ORDER BY chunk_id")]
     twins = twins[::2][:60]
-    for chunk_id in twins:
-        db.execute(forge_vector("note_chunk_embeddings", "chunk_id"), (vector, chunk_id))
-        vec_replace(db, "vec_chunk_embeddings", chunk_id, vector)
+    with as_a_run(db):
+        for chunk_id in twins:
+            db.execute(forge_vector("note_chunk_embeddings", "chunk_id"), (vector, chunk_id))
+            vec_replace(db, "vec_chunk_embeddings", chunk_id, vector)
     found = search_chunks(db, query, fake, k=3, mode="vector")
     assert found.via == "vec" and [h.chunk_id for h in found.hits] == twins[:3]
     only = Filters(item_ids=tuple(ids for (ids,) in db.all("SELECT id FROM knowledge_items")))

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import DIMS, FakeEmbedder, forge_vector, standin_settings
+from conftest import AFTER_THE_RUN, AS_A_RUN, DIMS, FakeEmbedder, forge_vector, standin_settings
 from host import host
 from worker.bulk import index_item, index_items
 from worker.errors import InvalidInput
@@ -153,6 +153,7 @@ def test_the_exact_path_finds_a_chunk_a_host_wrote_under_a_negative_id(notes, no
     vector = fake.embed(["zz unique"])[0].astype("<f4").tobytes()
     host(
         notes.path,
+        (AS_A_RUN, []),  # (a host's rows would go at once: schema migration 16)
         (
             "INSERT INTO note_chunks(id, item_id, chunk_index, content, method, start_offset, "
             "end_offset, embed_hash) VALUES (-7, ?, 5, 'zz unique', 'structure', 0, 9, 'h')",
@@ -163,6 +164,7 @@ def test_the_exact_path_finds_a_chunk_a_host_wrote_under_a_negative_id(notes, no
             "VALUES (-7, 'fake', ?, ?)",
             [DIMS, {"hex": vector.hex()}],
         ),
+        (AFTER_THE_RUN, []),
     )
     got = search_chunks(no_vec, "zz unique", fake, k=2, mode="vector")
     assert got.via == "fallback" and ids(got)[0] == -7
@@ -336,10 +338,12 @@ def test_an_infinite_vector_scores_zero_without_a_warning(notes, no_vec, fake):
     inf = np.full(DIMS, np.inf, dtype="<f4").tobytes()
     host(
         notes.path,
+        (AS_A_RUN, []),
         (
             forge_vector("note_chunk_embeddings", "chunk_id"),
             [{"hex": inf.hex()}, chunk],
         ),
+        (AFTER_THE_RUN, []),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -133,6 +133,11 @@ def test_after_a_model_switch_a_failed_item_is_the_retry_sweeps_and_a_partial_on
     items = {}
     for status in ("failed", "partial"):
         item = add_item(db, kind="note", title=status, content="Text.")
+        # as the old model's run wrote them (a host's rows would go: schema migration 16)
+        host.execute(
+            "INSERT OR REPLACE INTO item_index_state(item_id, status) VALUES (?, 'indexing')",
+            (item,),
+        )
         host.execute(
             "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
             "end_offset, embed_hash) VALUES (?, 0, 'Text.', 'structure', 0, 5, 'h')",
@@ -172,10 +177,13 @@ def test_chunks_a_host_deletes_or_adds_send_their_item_to_be_indexed_again(db, e
         "end_offset, embed_hash) VALUES (?, 999, 'a stray row', 'structure', 0, 5, 'x')",
         (items["added"],),
     )
+    # the added row made its item `pending` at once (schema migration 16)
+    assert get_state(db, items["added"])["status"] == "pending"
     drift = reconcile(db, model=embedder.model_id, max_items=100, backoff=BACKOFF)
     lost = sorted(items[n] for n in ("one", "all", "added"))
-    assert drift.found["chunks_lost"] == lost
-    assert drift.to_index == lost
+    assert drift.found["chunks_lost"] == sorted(items[n] for n in ("one", "all"))
+    assert drift.found["pending"] == [items["added"]]
+    assert sorted(drift.to_index) == lost
     for item in lost:
         assert index_item(db, item, embedder=embedder).status == "indexed"
     rows = dict(db.all("SELECT item_id, count(*) FROM note_chunks GROUP BY item_id"))
@@ -213,8 +221,9 @@ def test_a_whole_item_vector_a_host_deletes_or_adds_is_mended_without_an_embeddi
 ):
     """A one-chunk note is recalled whole by its row in `note_embeddings` (the seed's extra
     whole-note vector). A host's DELETE of that row: the sweep deleted its vec rows as orphans
-    and the note was never recalled whole again. A row a host adds for a note of several
-    chunks is the same drift. The run writes the chunk's vector again: no request."""
+    and the note was never recalled whole again. The run writes the chunk's vector again: no
+    request. A row a host adds for a note of several chunks goes at once (schema migration
+    16): nothing to send."""
     short = add_item(db, kind="note", title="Zebras", content="Zebra migration on the plains.")
     long = add_item(
         db, kind="note", title="Install", content=corpus_text("ch01-01-installation.md")
@@ -228,8 +237,9 @@ def test_a_whole_item_vector_a_host_deletes_or_adds_is_mended_without_an_embeddi
         "SELECT ?, model, dimensions, vector FROM note_chunk_embeddings LIMIT 1",
         (long,),
     )
+    assert db.scalar("SELECT count(*) FROM note_embeddings WHERE item_id = ?", (long,)) == 0
     drift = reconcile(db, model=embedder.model_id, max_items=100, backoff=BACKOFF)
-    assert drift.found["whole_vector"] == [short, long] and drift.to_index == [short, long]
+    assert drift.found["whole_vector"] == [short] and drift.to_index == [short]
     standin.reset()
     for item in (short, long):
         assert index_item(db, item, embedder=embedder).embedded == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_cli import NOWHERE, Kidx, base_env, one_line_error
 
-from conftest import DIMS, FakeEmbedder, mirror_problems, standin_settings
+from conftest import DIMS, FakeEmbedder, as_a_run, mirror_problems, standin_settings
 from host import host
 from worker.bulk import index_item
 from worker.indexers.memories import add_memory, search_memories
@@ -263,8 +263,8 @@ def test_a_read_only_connection_does_not_search_a_mirror_marked_behind(tmp_path)
     indexed(path)
     db = connect(path, embedding=FAKE)
     query = FakeEmbedder().embed_batch([QUERY])[0].astype("<f4").tobytes()
-    with db.atomic():  # a chunk's new vector, its mirror not written: the query's own
-        chunk = db.scalar("SELECT max(chunk_id) FROM note_chunk_embeddings")
+    with db.atomic(), as_a_run(db):  # a chunk's new vector, its mirror not written: the
+        chunk = db.scalar("SELECT max(chunk_id) FROM note_chunk_embeddings")  # query's own
         db.execute(  # (as kidx writes one: an UPDATE is a host's, whose vector is dropped)
             "INSERT OR REPLACE INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
             "SELECT chunk_id, model, dimensions, ? FROM note_chunk_embeddings WHERE chunk_id = ?",

@@ -25,6 +25,7 @@ from worker.providers.base import EmbeddingModel
 from worker.sources import Reader
 from worker.store.db import Database
 from worker.store.items import Item
+from worker.store.text import shown
 from worker.store.vec import sound, vec_delete, vec_insert, vec_replace
 
 MAX_CONSECUTIVE_FAILURES = 3
@@ -131,13 +132,16 @@ def plan_vectors(
     )
     pool: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     for chunk_id, embed_hash, vector in db.all(
-        f"SELECT c.id, c.embed_hash, e.vector FROM {chunks_table} c JOIN {vectors_table} e "
+        # as bytes: a host's TEXT there that is not UTF-8 failed every run of the item (apsw
+        # cannot read it); shown, it matches no hash and the chunk is embedded again
+        f"SELECT c.id, CAST(c.embed_hash AS BLOB), e.vector FROM {chunks_table} c "
+        f"JOIN {vectors_table} e "
         f"ON e.chunk_id = c.id AND e.model = ? AND e.dimensions = ? AND {sound('e')} "
         "WHERE c.item_id = ? "
         "ORDER BY c.chunk_index",
         (model, db.dimensions, item.id),
     ):
-        pool[embed_hash].append((chunk_id, vector))
+        pool[shown(embed_hash)].append((chunk_id, vector))
     for i, h in enumerate(plan.hashes):
         found = pool.get(h) or (pool.get(older_key(chunks[i])) if older_key else None)
         if found:

@@ -185,9 +185,11 @@ def write_notes(
     counter = FailureCounter(limit, ilog)
     vec_failed = 0
     mirror = mirror_ready(db, dims)
-    current = {
-        cid: h
-        for cid, h in db.all("SELECT id, embed_hash FROM note_chunks WHERE item_id = ?", (item_id,))
+    current = {  # (as bytes: see plan_vectors)
+        cid: shown(h)
+        for cid, h in db.all(
+            "SELECT id, CAST(embed_hash AS BLOB) FROM note_chunks WHERE item_id = ?", (item_id,)
+        )
     }
     keep = {i: old for i, (old, _) in plan.reuse.items() if current.get(old) == plan.hashes[i]}
     gone = [cid for cid in current if cid not in set(keep.values())]

@@ -557,6 +557,103 @@ MIGRATIONS.append(
     )
 )
 
+# What a host's plain SQL could still do unseen to a chunk, a vector or an item (an audit
+# reproduced each; kidx writes chunks and vectors only for an item its run has marked
+# `indexing`, so `_BY_HOST` tells the host's writes from kidx's):
+# - a chunk row inserted (`INSERT OR REPLACE` under a chunk's id replaces it without any
+#   UPDATE trigger) or given another id (two ids swapped: each text beside the other's
+#   vector, which the next run even reused, as vectors are reused by their chunk's id): the
+#   item is `pending`, and the vectors under both ids go, to be embedded again;
+# - a vector row inserted (`INSERT OR REPLACE` over kidx's: search ranked by a vector that is
+#   not its text's): the row goes, and what lacks a vector is embedded again;
+# - a chunk moved through a negative index (migration 14 left those to kidx's own moves);
+# - `UPDATE OR REPLACE` of an item's id onto another item's: the replaced item's index stayed,
+#   `indexed`, under the item that took its id (as `INSERT OR REPLACE`, migration 12);
+# - a failed item's text fixed together with its `content_hash`: only a fix that kept the
+#   hash made the item `pending` again.
+_BY_HOST = (
+    "NOT EXISTS (SELECT 1 FROM item_index_state WHERE item_id = {item} AND status = 'indexing')"
+)
+_SETTLED = "status IN ('indexed', 'partial', 'failed', 'cancelled')"
+_CHUNK_BY_HOST = """
+CREATE TRIGGER IF NOT EXISTS {table}_inserted
+AFTER INSERT ON {table}
+WHEN {by_host}
+BEGIN
+    DELETE FROM {vectors} WHERE chunk_id = new.id;
+    UPDATE item_index_state SET status = 'pending', updated_at = {now}, claim = ~claim
+     WHERE item_id = new.item_id AND {settled};
+END;
+
+CREATE TRIGGER IF NOT EXISTS {table}_rekeyed
+AFTER UPDATE OF id ON {table}
+WHEN new.id IS NOT old.id
+BEGIN
+    DELETE FROM {vectors} WHERE chunk_id IN (old.id, new.id);
+    UPDATE item_index_state SET status = 'pending', updated_at = {now}, claim = ~claim
+     WHERE item_id IN (new.item_id, old.item_id) AND {settled};
+END;
+
+CREATE TRIGGER IF NOT EXISTS {vectors}_inserted
+AFTER INSERT ON {vectors}
+WHEN NOT EXISTS (SELECT 1 FROM {table} c JOIN item_index_state s ON s.item_id = c.item_id
+                  WHERE c.id = new.chunk_id AND s.status = 'indexing')
+BEGIN
+    DELETE FROM {vectors} WHERE chunk_id = new.chunk_id;
+END;
+"""
+_HOST_WRITES = "".join(
+    _CHUNK_BY_HOST.format(
+        table=table,
+        vectors=vectors,
+        by_host=_BY_HOST.format(item="new.item_id"),
+        settled=_SETTLED,
+        now=_NOW,
+    )
+    for table, vectors in (
+        ("note_chunks", "note_chunk_embeddings"),
+        ("code_chunks", "code_chunk_embeddings"),
+    )
+)
+_HOST_WRITES += f"""
+CREATE TRIGGER IF NOT EXISTS note_embeddings_inserted
+AFTER INSERT ON note_embeddings
+WHEN {_BY_HOST.format(item="new.item_id")}
+BEGIN
+    DELETE FROM note_embeddings WHERE item_id = new.item_id;
+END;
+
+CREATE TRIGGER IF NOT EXISTS knowledge_items_id_taken
+AFTER UPDATE OF id ON knowledge_items
+WHEN new.id IS NOT old.id
+BEGIN{_DEPENDANTS.replace("old.id", "new.id")}
+END;
+
+DROP TRIGGER IF EXISTS knowledge_items_content_changed;
+CREATE TRIGGER knowledge_items_content_changed
+AFTER UPDATE OF content ON knowledge_items
+WHEN new.content IS NOT old.content
+BEGIN
+    UPDATE knowledge_items SET content_hash = NULL, updated_at = {_NOW}
+     WHERE id = new.id AND new.content_hash IS old.content_hash;
+    UPDATE item_index_state SET status = 'pending', attempts = 0, updated_at = {_NOW}
+     WHERE item_id = new.id AND status = 'failed';
+END;
+"""
+for _table, (_what, _place) in _CHUNK_COLUMNS.items():
+    # kidx's own moves (an edit's run) go below zero and back, its item `indexing`; a host's
+    # may go there too. The state is looked at only for a move through a negative index.
+    _moved = " OR ".join(f"new.{c} IS NOT old.{c}" for c in _place)
+    _by_host = _BY_HOST.format(item="new.item_id")
+    _HOST_WRITES += f"DROP TRIGGER IF EXISTS {_table}_moved;\n" + _CHUNKS_CHANGED.format(
+        name=f"{_table}_moved",
+        table=_table,
+        columns=", ".join(_place),
+        changed=f"({_moved}) AND (new.chunk_index >= 0 AND old.chunk_index >= 0 OR {_by_host})",
+        now=_NOW,
+    )
+MIGRATIONS.append((16, _HOST_WRITES))
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
