@@ -543,3 +543,33 @@ def test_a_section_of_1401_to_1500_characters_before_a_heading_is_not_hard_cut()
     spans = [(c.start, c.end) for c in chunks]
     assert any(s <= start and end <= e for s, e in spans), spans
     assert all(len(c.content) <= MAX_CHUNK_SIZE for c in chunks)
+
+
+class _Counted(str):
+    """A text that counts the characters read one at a time (what `grapheme_safe` does)."""
+
+    reads = 0
+
+    def __getitem__(self, key):  # type: ignore[no-untyped-def,override]
+        if isinstance(key, int):
+            _Counted.reads += 1
+        return str.__getitem__(self, key)
+
+
+def test_a_text_of_flags_costs_a_bounded_look_back_per_cut() -> None:
+    """Every cut into a run of flags (regional indicators, paired) counted them back to the
+    run's start: chunking grew with the square of the run (1 MB of flags: 338 s at target
+    200). Work is counted here, not timed: characters read one at a time, per character of
+    the text."""
+    text = _Counted("\U0001f1eb\U0001f1f7" * 16_384)  # 32,768 indicators, no other character
+    _Counted.reads = 0
+    chunks = chunk_structure(text, target=200)
+    assert _Counted.reads < 20 * len(text)  # (before: 100 a character, growing with the run)
+    assert chunks[0].start == 0 and chunks[-1].end == len(text)
+    assert all(c.end - c.start <= MAX_CHUNK_SIZE for c in chunks)
+    # where a run is short enough to count, a cut never parts a flag's two indicators
+    short = "word " * 60 + "\U0001f1eb\U0001f1f7" * 30 + " word" * 400
+    for c in chunk_structure(short, target=200):
+        for p in (c.start, c.end):
+            run = len(short[:p]) - len(short[:p].rstrip("\U0001f1eb\U0001f1f7"))
+            assert run % 2 == 0
