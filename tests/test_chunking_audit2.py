@@ -10,6 +10,8 @@ import random
 import re
 import unicodedata
 
+import pytest
+
 from worker.chunking import MAX_CHUNK_SIZE, chunk_structure
 from worker.chunking.llm import UNIT_MAX, LLMChunker, chunk_llm, units_of
 from worker.chunking.markdown import PATH_MAX, TITLE_MAX, scan
@@ -99,6 +101,66 @@ def test_a_backtick_line_indented_4_spaces_does_not_close_a_fence():
     doc = "Intro.\n\n   ```sh\n# not a heading\n  ```\n\n# Heading\n\nBody."
     assert _titles(doc) == ["Heading"]
     assert [f.closed for f in scan(doc).fences] == [True]
+
+
+@pytest.mark.parametrize(
+    "opener, inside, closer",
+    [
+        ("- ```sh", "  ", "  ```"),
+        ("* ~~~", "  ", "  ~~~"),
+        ("1. ```sh", "   ", "   ```"),
+        ("> ```sh", "> ", "> ```"),
+        ("- > ```sh", "  > ", "  > ```"),
+    ],
+)
+def test_a_fence_opened_after_a_list_item_s_or_a_quote_s_marker_closes(opener, inside, closer):
+    """Unseen, the item's indented closing line was read as a fence that never closed: every
+    heading after it was taken for code, and prose was sent to the embedder re-fenced."""
+    doc = (
+        f"# Setup\n\n{opener}\n{inside}# a comment, code\n{inside}make install\n{closer}\n\n"
+        + "".join(f"## Part {i}\n\n{PROSE}\n\n" for i in range(1, 7))
+    )
+    lay = scan(doc)
+    assert lay.heading_title == ["Setup"] + [f"Part {i}" for i in range(1, 7)]
+    (fence,) = lay.fences
+    assert fence.closed and doc[fence.start : fence.end].endswith(closer)
+    chunks = chunk_structure(doc, target=650)
+    assert _covered(doc, chunks)
+    assert [c.headings[-1] for c in chunks[1:]] == [f"Part {i}" for i in range(2, 7)]
+    assert all(c.fence_open is None and c.fence_close is None for c in chunks)
+
+
+def test_a_nested_list_item_s_fence_indented_4_or_more_is_never_cut_inside():
+    """A fence under a nested item is indented past 3 spaces: taken for an indented code
+    block, its blank lines were paragraph breaks, and a block well under the maximum was cut."""
+    body = "\n\n".join(
+        f"      result_{i} = run_step({i}, retries=3, timeout=30)" for i in range(14)
+    )
+    doc = (
+        "Steps:\n\n1. Install:\n   - On Linux run:\n\n      ```python\n"
+        + body
+        + "\n      ```\n\n   - Done.\n\n"
+        + PROSE
+    )
+    start, end = doc.index("```"), doc.rindex("```") + 3
+    (fence,) = scan(doc).fences
+    assert fence.closed and doc[fence.start : fence.end].strip() == doc[start:end]
+    for target in (200, 650):
+        chunks = chunk_structure(doc, target=target)
+        assert _covered(doc, chunks)
+        assert not [c for c in chunks if start < c.start < end or start < c.end < end], target
+
+
+def test_indented_fence_lines_that_never_close_open_nothing_and_cost_little():
+    """A fence line indented 4 or more opens only when its closing line follows: the look
+    ahead stops at the next line of its character, so many such lines are no quadratic scan
+    (and the lone ones open nothing: the headings after them stay)."""
+    lone = "    ```x\n" * 3000 + "\n# Heading\n\n" + PROSE
+    lay = scan(lone)
+    assert lay.fences == [] and lay.heading_title == ["Heading"]
+    pair = "Intro.\n\n    ```\n    code\n    ```\n\n# Heading\n\n" + PROSE
+    lay = scan(pair)
+    assert [f.closed for f in lay.fences] == [True] and lay.heading_title == ["Heading"]
 
 
 # -- 3. every line end: "\r\n", "\r" and "\n" ------------------------------------------------

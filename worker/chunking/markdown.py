@@ -18,11 +18,17 @@ from typing import NamedTuple
 # (bench/chunking.py). A line ends at "\r\n", "\r" or "\n" (old Mac text has lone CRs, and a
 # note's offsets must stay those of its text: it is never rewritten); at "\r\n" the match at
 # the "\r" fails its look-ahead and the one at the "\n" is taken, so a line always starts one
-# past the match's start. A fence is indented at most 3 spaces (CommonMark: 4, or a tab, is an
-# indented code block, whose ``` is text); so are headings and underlines. Blank lines (most of
-# the matches) are found by a second expression, without a Python loop.
+# past the match's start. Headings and underlines are indented at most 3 spaces (CommonMark: 4,
+# or a tab, is an indented code block). A fence may also open inside list items and block
+# quotes, after their markers (`- ```sh`, `1. ~~~`, `> ````) and at any depth of indentation
+# (a nested item's fence is indented 4 or more): unseen, the item's closing line, indented,
+# was read as a fence that never closed, and every heading after it as code. (An indented
+# code block whose text holds a fence line is taken for one: rarer by far.) Blank lines (most
+# of the matches) are found by a second expression, without a Python loop.
 _BLOCK = (
-    r"(?=[ #`~=<-])(?:(?P<fence> {0,3}(?:`{3,}|~{3,}))(?P<info>[^\r\n]*)"
+    r"(?=[ \t#`~=<>*+0-9-])"
+    r"(?:(?P<fence>(?:[ \t]*(?:>|(?:[-*+]|[0-9]{1,9}[.)])[ \t]))*[ \t]*(?P<marker>`{3,}|~{3,}))"
+    r"(?P<info>[^\r\n]*)"
     r"|(?P<atx> {0,3}#{1,6})(?P<title>[ \t][^\r\n]*)?(?=[\r\n]|\Z)"
     r"|(?P<setext> {0,3}(?:=+|-+)[ \t]*)(?=[\r\n]|\Z)"
     r"|(?P<html> {0,3}<(?:!--|\?|!\[CDATA\[|![A-Za-z]"
@@ -174,6 +180,7 @@ def scan(text: str) -> Layout:
     fence_start = -1
     fence_char = ""
     fence_len = 0
+    fence_col = 0
     open_line = ""
     prev_next = -1  # start of the line after the last heading, fence, HTML block or front matter
     skip_to = _front_matter_end(text)  # no Markdown before this: front matter, an HTML block
@@ -182,14 +189,20 @@ def scan(text: str) -> Layout:
         if prev_next < n and not _BLANK_LINE.match(text, prev_next):
             edges.append(prev_next)
 
-    for start, end, m in _block_lines(text):
+    lines = list(_block_lines(text))
+    for i, (start, end, m) in enumerate(lines):
         if start < skip_to:
             continue
         kind = m.lastgroup
         if fence_start >= 0:
             if kind == "info":
-                marker = m.group("fence").lstrip(" ")
-                if marker[0] == fence_char and len(marker) >= fence_len and not m["info"].strip():
+                marker = m["marker"]
+                if (
+                    marker[0] == fence_char
+                    and len(marker) >= fence_len
+                    and not m["info"].strip()
+                    and _closes(fence_col, _column(m))
+                ):
                     fences.append(Fence(fence_start, end, open_line, fence_char * fence_len, True))
                     fence_start = -1
                     prev_next = _next_line(text, end)
@@ -197,10 +210,13 @@ def scan(text: str) -> Layout:
                         edges.append(prev_next)
             continue
         if kind == "info":
-            marker = m.group("fence").lstrip(" ")
+            marker = m["marker"]
             if marker[0] == "`" and "`" in m["info"]:
                 continue  # ```inline code``` on a line of its own, not a fence
-            fence_start, fence_char, fence_len = start, marker[0], len(marker)
+            col = _column(m)
+            if col > 3 and not _in_container(m) and not _closed_ahead(lines, i, marker, col):
+                continue  # an indented code block's line, not a nested list item's fence
+            fence_start, fence_char, fence_len, fence_col = start, marker[0], len(marker), col
             open_line = text[start:end]
             edges.append(start)
             prev_next = _next_line(text, end)
@@ -231,6 +247,44 @@ def scan(text: str) -> Layout:
     return Layout(
         heading_pos, heading_level, heading_title, _outside(blank_ends, edges, fences), fences
     )
+
+
+def _column(m: re.Match[str]) -> int:
+    """The column a fence line's marker starts at (a tab taken as 4)."""
+    return len(m.group("fence")[: -len(m["marker"])].expandtabs(4))
+
+
+def _in_container(m: re.Match[str]) -> bool:
+    """Whether a fence line opens after a list item's or a block quote's marker."""
+    return bool(m.group("fence")[: -len(m["marker"])].strip())
+
+
+def _closes(open_col: int, col: int) -> bool:
+    """Whether a marker at `col` may close a fence opened at `open_col`: within 3 columns of
+    it, and at most 3 when the opening one was (CommonMark: 4 is an indented code line)."""
+    return col <= 3 if open_col <= 3 else abs(col - open_col) <= 3
+
+
+def _closed_ahead(
+    lines: list[tuple[int, int, re.Match[str]]], i: int, marker: str, col: int
+) -> bool:
+    """Whether the fence line `lines[i]`, indented 4 or more (a nested list item's fence, or
+    an indented code block's text), has its closing line before the next line less indented
+    that is not a fence (a heading: the list item ended there). A lone indented ``` line, as
+    a text on Markdown shows one, then opens nothing, never every heading after it. The look
+    ends at the next line of the same fence character too, whether it closes or not: a search
+    to the text's end from each of many such lines would be quadratic."""
+    for k in range(i + 1, len(lines)):  # (a slice would copy the rest of the list each time)
+        m = lines[k][2]
+        if m.lastgroup != "info":
+            line = m.group(0).lstrip("\r\n").expandtabs(4)
+            if len(line) - len(line.lstrip()) < col:
+                return False
+            continue
+        other = m["marker"]
+        if other[0] == marker[0]:
+            return len(other) >= len(marker) and not m["info"].strip() and _closes(col, _column(m))
+    return False
 
 
 def _outside(blank_ends: list[int], edges: list[int], fences: list[Fence]) -> list[int]:
