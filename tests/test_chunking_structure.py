@@ -573,3 +573,24 @@ def test_a_text_of_flags_costs_a_bounded_look_back_per_cut() -> None:
         for p in (c.start, c.end):
             run = len(short[:p]) - len(short[:p].rstrip("\U0001f1eb\U0001f1f7"))
             assert run % 2 == 0
+
+
+@pytest.mark.parametrize("size", [1401, 1450, MAX_CHUNK_SIZE])
+@pytest.mark.parametrize("target", [TARGET_CHUNK_SIZE, MAX_CHUNK_SIZE])
+def test_a_fenced_block_within_the_maximum_is_never_cut(size: int, target: int) -> None:
+    """A block was split when it passed the maximum less the overlap (1,400), though the
+    chunk that holds it can give its overlap up: blocks of 1,401 to 1,500 characters were
+    cut in two or three and re-fenced."""
+    body = "\n".join(f"value_{i:03d} = compute({i})    # step" for i in range(60))
+    code = ("```python\n" + body)[: size - 4].rstrip()
+    code = code + "x" * (size - 4 - len(code)) + "\n```"
+    intro = ("Intro paragraph about the code below. " * 12).strip()
+    outro = ("Closing remarks after the listing. " * 12).strip()
+    text = f"{intro}\n\n{code}\n\n{outro}"
+    start = text.index("```")
+    end = start + size
+    chunks = chunk_structure(text, target=target)
+    assert all(c.end - c.start <= MAX_CHUNK_SIZE for c in chunks)
+    assert not [c for c in chunks if start < c.start < end or start < c.end < end]
+    assert any(c.start <= start and end <= c.end for c in chunks)
+    assert all(c.fence_open is None and c.fence_close is None for c in chunks)

@@ -196,7 +196,7 @@ class _Plan:
         pos = sorted(strength)
         self.cand_pos = pos[bisect_right(pos, self.first) : bisect_left(pos, self.last)]
         self.cand_strength = [strength[p] for p in self.cand_pos]
-        big = max_size - overlap
+        big = max_size  # (a part holding a smaller one gives up its overlap: overlap_end)
         self.big_fences = [f for f in lay.fences if f.end - f.start > big]
         self.small_fences = [(f.start, f.end) for f in lay.fences if f.end - f.start <= big]
         self.fitting = self._fitting_sections()
