@@ -240,3 +240,32 @@ def test_a_chunk_hash_that_is_not_utf8_is_embedded_again_not_a_failure_for_good(
     result = index_item(db, item, embedder=fake)
     assert (result.status, result.embedded) == ("indexed", 1)
     assert sent(db, fake.model_id) == []
+
+
+def test_a_chunk_is_never_found_twice_when_a_host_emptied_a_vec_rowids_row(db, host):
+    """vec0 finds a key through its `_rowids` table: after a host's DELETE there, the next
+    write of that chunk's vector went beside the old one, and sqlite-vec gave the chunk twice
+    (hybrid search counted it twice in its fusion). As for memories: the exact path serves,
+    with the reason, until the sweep rebuilds the table."""
+    fake = FakeEmbedder()
+    items = [
+        add_item(db, kind="note", title=f"n{n}", content=f"alpha text number {n} here")
+        for n in range(12)
+    ]
+    for item in items:
+        index_item(db, item, embedder=fake)
+    query = "alpha text number 3 here"
+    top = search_chunks(db, query, fake, k=1, mode="vector").hits[0]
+    host.execute("DELETE FROM vec_chunk_embeddings_rowids WHERE rowid = ?", (top.chunk_id,))
+    host.execute("UPDATE item_index_state SET status = 'pending' WHERE item_id = ?", (top.item_id,))
+    assert index_item(db, top.item_id, embedder=fake).status == "indexed"
+    for mode in ("vector", "hybrid"):
+        found = search_chunks(db, query, fake, k=3, mode=mode)
+        chunks = [h.chunk_id for h in found.hits]
+        assert len(set(chunks)) == 3, mode
+        assert found.via.endswith("fallback") and "twice" in (found.reason or ""), mode
+    exact = [h.chunk_id for h in search_chunks(db, query, fake, k=3, mode="vector").hits]
+    assert exact[0] == top.chunk_id
+    reconcile(db, model=fake.model_id, max_items=100, backoff=BACKOFF)
+    again = search_chunks(db, query, fake, k=3, mode="vector")
+    assert again.via == "vec" and [h.chunk_id for h in again.hits] == exact

@@ -506,6 +506,11 @@ def _knn(
         )
         if len(rows) < fetch:
             knn_ended(db, VEC["vec_chunk_embeddings"], len(vector), len(rows))
+        if len({r[0] for r in rows}) < len(rows):  # (as nearest._knn: one chunk, two hits)
+            raise VecUnreadable(
+                "vec_chunk_embeddings gives a key twice (its storage was written behind "
+                "sqlite-vec): the sweep mends it"
+            )
         found = _best([(c, d) for c, d, ok in rows if ok], n)
         return found, len(rows) < fetch or past_ties(rows, found, n)
 
