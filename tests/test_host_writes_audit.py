@@ -269,3 +269,36 @@ def test_a_chunk_is_never_found_twice_when_a_host_emptied_a_vec_rowids_row(db, h
     reconcile(db, model=fake.model_id, max_items=100, backoff=BACKOFF)
     again = search_chunks(db, query, fake, k=3, mode="vector")
     assert again.via == "vec" and [h.chunk_id for h in again.hits] == exact
+
+
+def test_code_search_gives_k_hits_past_a_row_it_cannot_show(db, host, tmp_path):
+    """A chunk whose line a host made TEXT cannot be shown (until its item's run writes it
+    again): code search skipped it and gave k - 1 hits once k passed its candidate depth,
+    where prose search refills."""
+    from worker.indexers import IndexOptions
+    from worker.indexers.code import search_code
+    from worker.settings import FilesSettings
+    from worker.sources import Reader
+
+    path = tmp_path / "shapes.py"
+    path.write_text(
+        "\n\n".join(
+            f"def area_{j}(r):\n    x = {j}\n    return 3.14 * r * r * x\n"
+            + "\n".join(f"    # line {m}" for m in range(30))
+            for j in range(80)
+        )
+    )
+    item = add_item(db, kind="code", title=path.name, content="", source=str(path))
+    options = IndexOptions(reader=Reader(FilesSettings(roots=[tmp_path])))
+    fake = FakeEmbedder()
+    index_item(db, item, embedder=fake, options=options)
+    chunks = db.scalar("SELECT count(*) FROM code_chunks")
+    assert chunks > 60
+    top = search_code(db, "zzqq", fake, k=50)[0][0]
+    host.execute(
+        "UPDATE code_chunks SET start_line = 'ten' WHERE item_id = ? AND start_line = ?",
+        (item, top.start_line),
+    )
+    for k in (50, chunks - 1):
+        hits = search_code(db, "zzqq", fake, k=k)[0]
+        assert len(hits) == k and top.start_line not in {h.start_line for h in hits}, k

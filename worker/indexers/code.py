@@ -158,7 +158,21 @@ def search_code(
 def _search_code(
     db: Database, query: str, vector: np.ndarray, model: str, k: int
 ) -> tuple[list[CodeHit], str, str | None]:
+    """Candidates to a depth, deeper while rows that cannot be shown (a host's TEXT in a line
+    number, until the sweep writes them again) leave fewer than k hits and more are left:
+    prose search refills so; code search returned 49 hits for k=50."""
     depth = max(k, CANDIDATES)
+    while True:
+        hits, served, reason, more = _ranked(db, query, vector, model, k, depth)
+        if len(hits) >= k or not more:
+            return hits, served, reason
+        depth *= 2
+
+
+def _ranked(
+    db: Database, query: str, vector: np.ndarray, model: str, k: int, depth: int
+) -> tuple[list[CodeHit], str, str | None, bool]:
+    """`_search_code` to `depth` candidates a side; and whether either side had more."""
     found, via, reason = nearest(db, VEC["vec_work_code_chunks"], vector, depth, model)
     similarity = {chunk_id: round(1 - distance, 6) for chunk_id, distance in found}
     match = keyword_query(query)
@@ -207,4 +221,4 @@ def _search_code(
             snippet = " ".join(shown(content).split())[:SNIPPET]
             score = round(fused[chunk_id], 6)
             hits.append(CodeHit(item_id, path, start, end, score, snippet, paths[chunk_id]))
-    return hits, served, reason
+    return hits, served, reason, len(found) >= depth or len(keyword) >= depth
