@@ -451,6 +451,7 @@ def _record_all(
                 *w.item.origin,
                 more,
                 FELL_BACK,
+                planned.target,
             )
         )
     with db.atomic():
@@ -480,7 +481,7 @@ def _record_all(
             "attempts = CASE WHEN ?14 IS NULL THEN 0 "
             "WHEN ?1 = 'partial' OR instr(last_error, ?15) > 0 THEN attempts + ?14 ELSE ?14 END, "
             f"duration_ms = ?9, updated_at = {NOW}, indexed_at = {NOW}, "
-            "claim = random() "
+            "claim = random(), chunk_target = ?16 "
             "WHERE item_id = ?10",
             states,
         )

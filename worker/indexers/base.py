@@ -59,6 +59,7 @@ class Planned:
     # Each chunk's `fts.chunk_parts`, made with the plan (out of the write lock) for a new
     # item's keyword rows; empty when its writer makes them.
     keyword_parts: tuple[str, ...] = ()
+    target: int | None = None  # the structural target the chunks were cut at (prose only)
 
     @property
     def chunk_count(self) -> int:

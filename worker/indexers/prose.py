@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from worker.chunking import LLMChunker, chunk, heading_path
+from worker.chunking.base import TARGET_CHUNK_SIZE
 from worker.embedding import FailureCounter, Plan
 from worker.errors import StoreError
 from worker.indexers.base import Indexer, IndexOptions, Planned, mirror_chunks, plan_vectors
@@ -40,15 +41,20 @@ class Prose(Indexer):
                 deadline=options.chunk_deadline,
             )
         # (only a hint for where to cut: a host's row of another type is left out, its bytes
-        # are read as text to show)
-        previous = [
-            (start, shown(content))
-            for start, content in db.all(
-                "SELECT start_offset, CAST(content AS BLOB) FROM note_chunks WHERE item_id = ? "
-                "AND typeof(start_offset) = 'integer' ORDER BY chunk_index",
-                (item.id,),
-            )
-        ]
+        # are read as text to show; and only when it was cut at this run's target, else a new
+        # target never took effect on an item already indexed)
+        previous = (
+            [
+                (start, shown(content))
+                for start, content in db.all(
+                    "SELECT start_offset, CAST(content AS BLOB) FROM note_chunks "
+                    "WHERE item_id = ? AND typeof(start_offset) = 'integer' ORDER BY chunk_index",
+                    (item.id,),
+                )
+            ]
+            if _cut_at(db, item.id) == options.chunk_target
+            else []
+        )
         outcome = chunk(text, previous, llm=llm, target=options.chunk_target)
         if outcome.fallback:
             ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=outcome.fallback)
@@ -72,7 +78,9 @@ class Prose(Indexer):
         parts: tuple[str, ...] = ()
         if not plan.reuse:  # a new item, maybe: its keyword rows go in `write_new_notes`
             parts = tuple(chunk_parts(_headings(c), c.content) for c in outcome.chunks)
-        return Planned(plan, outcome.method, outcome.fallback, outcome.asked, parts)
+        return Planned(
+            plan, outcome.method, outcome.fallback, outcome.asked, parts, options.chunk_target
+        )
 
     def write(
         self,
@@ -108,6 +116,17 @@ class Prose(Indexer):
         from worker.retrieval import search
 
         return search(db, query, embedder, k=k)
+
+
+def _cut_at(db: Database, item_id: int) -> int | None:
+    """The target an item's chunks were cut at: recorded with its state, TARGET_CHUNK_SIZE
+    before it was (the only one then); None for what a host wrote there."""
+    row = db.one(
+        "SELECT coalesce(chunk_target, ?) FROM item_index_state WHERE item_id = ?",
+        (TARGET_CHUNK_SIZE, item_id),
+    )
+    value = row[0] if row is not None else TARGET_CHUNK_SIZE
+    return value if type(value) is int else None
 
 
 INSERT_CHUNK = (

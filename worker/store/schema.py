@@ -654,6 +654,12 @@ for _table, (_what, _place) in _CHUNK_COLUMNS.items():
     )
 MIGRATIONS.append((16, _HOST_WRITES))
 
+# The structural target an item's chunks were cut at (KIDX_CHUNK__TARGET; NULL: before the
+# setting, 650). A run keeps the previous version's cuts only when they were made at its own
+# target: otherwise an operator's new target never took effect on an item already indexed,
+# whatever was re-indexed (chunks whose text stays the same keep their vectors all the same).
+MIGRATIONS.append((17, "ALTER TABLE item_index_state ADD COLUMN chunk_target INTEGER;\n"))
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
