@@ -158,11 +158,11 @@ def forge_vector(table: str, key: str) -> str:
     )
 
 
-# What only a run writes (its items `indexing`): a host's chunk or vector rows go at once
-# (schema migration 16). Statements for the tests that plant rows a run, or a database from
-# before that migration, could hold: the first before them, the second after.
-AS_A_RUN = "UPDATE item_index_state SET status = 'indexing' WHERE status = 'indexed'"
-AFTER_THE_RUN = "UPDATE item_index_state SET status = 'indexed' WHERE status = 'indexing'"
+# What only kidx writes (`Database.writing_index`'s mark): a host's chunk or vector rows go at
+# once (schema migration 16). Statements for the tests that plant rows a run, or a database
+# from before that migration, could hold: the first before them, the second after.
+AS_A_RUN = "INSERT OR IGNORE INTO kidx_writer(id) VALUES (1)"
+AFTER_THE_RUN = "DELETE FROM kidx_writer"
 
 
 @contextmanager

@@ -31,6 +31,7 @@ DERIVED = (
     "index_batches",
     "index_jobs",
     "item_index_state",
+    "kidx_writer",
     "memory_embeddings",
     "memory_refusals",
     "note_chunk_embeddings",

@@ -302,3 +302,57 @@ def test_code_search_gives_k_hits_past_a_row_it_cannot_show(db, host, tmp_path):
     for k in (50, chunks - 1):
         hits = search_code(db, "zzqq", fake, k=k)[0]
         assert len(hits) == k and top.start_line not in {h.start_line for h in hits}, k
+
+
+class RenamedMeanwhile(FakeEmbedder):
+    """Renames the item (a host's plain SQL) while its run embeds."""
+
+    def __init__(self, host, item: int) -> None:
+        super().__init__()
+        self.host, self.item = host, item
+
+    def embed_batch(self, texts):  # type: ignore[no-untyped-def]
+        self.host.execute(
+            "UPDATE knowledge_items SET source = 'moved.md' WHERE id = ?", (self.item,)
+        )
+        return super().embed_batch(texts)
+
+
+def test_a_rename_during_a_run_keeps_the_vectors_the_run_wrote(db, host):
+    """A rename makes the item `pending` while its run embeds, and the run writes all the
+    same (it records `pending`): told from a host's by the item's state, the run's new
+    vectors were deleted as it wrote them, and the item could not be found until it ran
+    again, its text embedded twice. kidx's writes are told by their own mark now."""
+    item = add_item(db, kind="note", title="Install", content=TEXT)
+    result = index_item(db, item, embedder=RenamedMeanwhile(host, item))
+    assert result.status == "indexed" and get_state(db, item)["status"] == "pending"
+    chunks = db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,))
+    assert len(vectors_by_text(db, item)) == chunks > 1
+    assert mirror_problems(db) == []
+    fake = FakeEmbedder()
+    again = index_item(db, item, embedder=fake)
+    assert (again.status, again.embedded, fake.calls) == ("indexed", 0, [])
+    assert db.scalar("SELECT count(*) FROM kidx_writer") == 0
+
+
+def test_a_memory_vector_a_host_replaces_goes_and_is_embedded_again(db, host):
+    """`INSERT OR REPLACE` of a memory's vector fires no UPDATE trigger (migration 15): the
+    memory was found by the host's vector for good."""
+    from worker.indexers.memories import add_memory, embed_memories, search_memories
+
+    fake = FakeEmbedder()
+    ids = [add_memory(db, text, fake) for text in ("Likes tea.", "Lives in Oslo.", "Has a cat.")]
+    before = db.scalar("SELECT vector FROM memory_embeddings WHERE memory_id = ?", (ids[0],))
+    host.execute(
+        "INSERT OR REPLACE INTO memory_embeddings(memory_id, model, dimensions, vector) "
+        "VALUES (?, ?, ?, ?)",
+        (ids[0], fake.model_id, db.dimensions, np.ones(db.dimensions, "<f4").tobytes()),
+    )
+    assert db.scalar("SELECT count(*) FROM memory_embeddings WHERE memory_id = ?", (ids[0],)) == 0
+    fake.calls.clear()
+    assert embed_memories(db, fake).embedded == 1 and fake.calls == [["Likes tea."]]
+    assert db.scalar("SELECT vector FROM memory_embeddings WHERE memory_id = ?", (ids[0],)) == (
+        before
+    )
+    hits, _, _ = search_memories(db, "Likes tea.", fake, k=1)
+    assert hits[0].memory_id == ids[0] and hits[0].score > 0.99

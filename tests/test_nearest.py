@@ -278,7 +278,8 @@ def test_one_memory_without_a_direction_never_makes_the_vec_path_answer_wrongly(
     for n in range(1100):  # into a second chunk of vec0
         add_memory(db, f"far {n}", placed)
     vector = np.full(DIMS, np.nan if poison == "nan" else 0.0, dtype="<f4").tobytes()
-    db.execute(forge_vector("memory_embeddings", "memory_id"), (vector, bad))
+    with as_a_run(db):  # (a host's would go at once: schema migration 16)
+        db.execute(forge_vector("memory_embeddings", "memory_id"), (vector, bad))
     vec_replace(db, "vec_memories", bad, vector)
     found, via, reason = search_memories(db, "query", placed, k=3)
     assert [m.memory_id for m in found] == near[:3]

@@ -16,6 +16,7 @@ import pytest
 from conftest import (
     DIMS,
     FakeEmbedder,
+    as_a_run,
     corpus_text,
     forge_vector,
     mirror_problems,
@@ -202,19 +203,17 @@ def test_deleting_an_item_cascades_to_its_chunks_and_vectors(db, embedder):
 
 def _embedding_row(db, model: str, dims: int) -> None:
     item = add_item(db, kind="note", title="x", content="x")
-    # a run's rows (a host's would go: schema migration 16)
-    db.execute(
-        "INSERT OR REPLACE INTO item_index_state(item_id, status) VALUES (?, 'indexing')", (item,)
-    )
-    chunk_id = db.scalar(
-        "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, end_offset,"
-        " embed_hash) VALUES (?, 0, 'x', 'structure', 0, 1, 'h') RETURNING id",
-        (item,),
-    )
-    db.execute(
-        "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) VALUES (?,?,?,?)",
-        (chunk_id, model, dims, np.zeros(dims, dtype="<f4").tobytes()),
-    )
+    with as_a_run(db):  # a run's rows (a host's would go: schema migration 16)
+        chunk_id = db.scalar(
+            "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
+            "end_offset, embed_hash) VALUES (?, 0, 'x', 'structure', 0, 1, 'h') RETURNING id",
+            (item,),
+        )
+        db.execute(
+            "INSERT INTO note_chunk_embeddings(chunk_id, model, dimensions, vector) "
+            "VALUES (?,?,?,?)",
+            (chunk_id, model, dims, np.zeros(dims, dtype="<f4").tobytes()),
+        )
 
 
 def test_resolution_1_the_latest_embedding_row_of_the_configured_model(tmp_path):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import apsw
 
-from conftest import FakeEmbedder, corpus_text, mirror_problems
+from conftest import AFTER_THE_RUN, AS_A_RUN, FakeEmbedder, corpus_text, mirror_problems
 from worker.bulk import index_item
 from worker.indexers import IndexOptions
 from worker.reconcile import Backoff, reconcile
@@ -134,10 +134,7 @@ def test_after_a_model_switch_a_failed_item_is_the_retry_sweeps_and_a_partial_on
     for status in ("failed", "partial"):
         item = add_item(db, kind="note", title=status, content="Text.")
         # as the old model's run wrote them (a host's rows would go: schema migration 16)
-        host.execute(
-            "INSERT OR REPLACE INTO item_index_state(item_id, status) VALUES (?, 'indexing')",
-            (item,),
-        )
+        host.execute(AS_A_RUN)
         host.execute(
             "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
             "end_offset, embed_hash) VALUES (?, 0, 'Text.', 'structure', 0, 5, 'h')",
@@ -148,6 +145,7 @@ def test_after_a_model_switch_a_failed_item_is_the_retry_sweeps_and_a_partial_on
             "VALUES (last_insert_rowid(), 'the-old-model', ?, zeroblob(?))",
             (db.dimensions, 4 * db.dimensions),
         )
+        host.execute(AFTER_THE_RUN)
         set_state(host, item, status, 1, 5)  # its backoff not yet passed
         items[status] = item
     drift = reconcile(db, model="standin-embed", max_items=100, backoff=BACKOFF)

@@ -303,9 +303,10 @@ def write_item(
         if w.claim.taken(now):
             return taken_result(w, now)
         remove_other_kind(db, [item.id], code=item.kind == "code")
-        repaired, vec_failed = w.kind.indexer.write(
-            db, item, w.planned, model, options, w.log, orphans=orphans
-        )
+        with db.writing_index():
+            repaired, vec_failed = w.kind.indexer.write(
+                db, item, w.planned, model, options, w.log, orphans=orphans
+            )
         failed = len(plan.failed) + vec_failed
         _record(db, w, failed, model, dims, options.task_id)
     return _result(w, model, dims, failed, repaired)
@@ -346,9 +347,10 @@ def write_new_items(
                 db, [w.item.id for w in works if (w.item.kind == "code") == code], code=code
             )
         for group in kinds.values():
-            ids = set(
-                group[0].kind.indexer.write_new(db, [(w.item, w.planned) for w in group], model)
-            )
+            with db.writing_index():
+                ids = set(
+                    group[0].kind.indexer.write_new(db, [(w.item, w.planned) for w in group], model)
+                )
             written += [(w, _result(w, model, dims, 0, 0)) for w in group if w.item.id in ids]
         _record_all(db, [(w, 0) for w, _ in written], model, dims, options.task_id)
     return written + taken

@@ -174,7 +174,8 @@ def _write_vector(db: Database, memory_id: int, text: str, vector: Any, model: s
     options = IndexOptions()
     planned = MEMORIES.plan(db, memory, text, "", options, log)
     planned.plan.vectors[0] = to_blob(vector)
-    MEMORIES.write(db, memory, planned, model, options, log, orphans=False)
+    with db.writing_index():
+        MEMORIES.write(db, memory, planned, model, options, log, orphans=False)
 
 
 def search_memories(

@@ -309,6 +309,21 @@ class Database:
                 raise StoreError("the write transaction was rolled back by SQLite")
             self._commit()
 
+    @contextmanager
+    def writing_index(self) -> Iterator[None]:
+        """kidx's own writes of chunks and vectors, told from a host's by the triggers that
+        drop those (schema migration 16): a row in `kidx_writer` while they run, deleted
+        before the transaction commits. No other connection sees it: SQLite has one writer
+        at a time, and the row is never committed. Inside a transaction only."""
+        if self.conn.get_autocommit():
+            raise StoreError("kidx writes chunks and vectors inside a transaction only")
+        self.execute("INSERT OR IGNORE INTO kidx_writer(id) VALUES (1)")
+        try:
+            yield
+        finally:
+            if not self.conn.get_autocommit():  # (SQLite may have rolled it all back)
+                self.execute("DELETE FROM kidx_writer")
+
     def on_commit(self, what: Callable[[], None]) -> None:
         """Run `what` once the write transaction under way commits (now, outside one): what
         must not happen unless the transaction's rows are kept, and must not hold the write

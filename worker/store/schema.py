@@ -558,22 +558,23 @@ MIGRATIONS.append(
 )
 
 # What a host's plain SQL could still do unseen to a chunk, a vector or an item (an audit
-# reproduced each; kidx writes chunks and vectors only for an item its run has marked
-# `indexing`, so `_BY_HOST` tells the host's writes from kidx's):
+# reproduced each). kidx writes chunks and vectors with a row in `kidx_writer`, deleted before
+# its transaction commits (`Database.writing_index`): SQLite has one writer at a time, so no
+# other connection's write ever sees the row, and `_BY_HOST` tells the host's writes from
+# kidx's (the item's state could not: a rename during a run makes it `pending`, and the run's
+# new vectors went):
 # - a chunk row inserted (`INSERT OR REPLACE` under a chunk's id replaces it without any
 #   UPDATE trigger) or given another id (two ids swapped: each text beside the other's
 #   vector, which the next run even reused, as vectors are reused by their chunk's id): the
 #   item is `pending`, and the vectors under both ids go, to be embedded again;
 # - a vector row inserted (`INSERT OR REPLACE` over kidx's: search ranked by a vector that is
-#   not its text's): the row goes, and what lacks a vector is embedded again;
+#   not its text's), a memory's too: the row goes, and what lacks a vector is embedded again;
 # - a chunk moved through a negative index (migration 14 left those to kidx's own moves);
 # - `UPDATE OR REPLACE` of an item's id onto another item's: the replaced item's index stayed,
 #   `indexed`, under the item that took its id (as `INSERT OR REPLACE`, migration 12);
 # - a failed item's text fixed together with its `content_hash`: only a fix that kept the
 #   hash made the item `pending` again.
-_BY_HOST = (
-    "NOT EXISTS (SELECT 1 FROM item_index_state WHERE item_id = {item} AND status = 'indexing')"
-)
+_BY_HOST = "NOT EXISTS (SELECT 1 FROM kidx_writer)"
 _SETTLED = "status IN ('indexed', 'partial', 'failed', 'cancelled')"
 _CHUNK_BY_HOST = """
 CREATE TRIGGER IF NOT EXISTS {table}_inserted
@@ -596,17 +597,16 @@ END;
 
 CREATE TRIGGER IF NOT EXISTS {vectors}_inserted
 AFTER INSERT ON {vectors}
-WHEN NOT EXISTS (SELECT 1 FROM {table} c JOIN item_index_state s ON s.item_id = c.item_id
-                  WHERE c.id = new.chunk_id AND s.status = 'indexing')
+WHEN {by_host}
 BEGIN
     DELETE FROM {vectors} WHERE chunk_id = new.chunk_id;
 END;
 """
-_HOST_WRITES = "".join(
+_HOST_WRITES = "CREATE TABLE IF NOT EXISTS kidx_writer (id INTEGER PRIMARY KEY);\n" + "".join(
     _CHUNK_BY_HOST.format(
         table=table,
         vectors=vectors,
-        by_host=_BY_HOST.format(item="new.item_id"),
+        by_host=_BY_HOST,
         settled=_SETTLED,
         now=_NOW,
     )
@@ -618,9 +618,16 @@ _HOST_WRITES = "".join(
 _HOST_WRITES += f"""
 CREATE TRIGGER IF NOT EXISTS note_embeddings_inserted
 AFTER INSERT ON note_embeddings
-WHEN {_BY_HOST.format(item="new.item_id")}
+WHEN {_BY_HOST}
 BEGIN
     DELETE FROM note_embeddings WHERE item_id = new.item_id;
+END;
+
+CREATE TRIGGER IF NOT EXISTS memory_embeddings_inserted
+AFTER INSERT ON memory_embeddings
+WHEN {_BY_HOST}
+BEGIN
+    DELETE FROM memory_embeddings WHERE memory_id = new.memory_id;
 END;
 
 CREATE TRIGGER IF NOT EXISTS knowledge_items_id_taken
@@ -644,12 +651,11 @@ for _table, (_what, _place) in _CHUNK_COLUMNS.items():
     # kidx's own moves (an edit's run) go below zero and back, its item `indexing`; a host's
     # may go there too. The state is looked at only for a move through a negative index.
     _moved = " OR ".join(f"new.{c} IS NOT old.{c}" for c in _place)
-    _by_host = _BY_HOST.format(item="new.item_id")
     _HOST_WRITES += f"DROP TRIGGER IF EXISTS {_table}_moved;\n" + _CHUNKS_CHANGED.format(
         name=f"{_table}_moved",
         table=_table,
         columns=", ".join(_place),
-        changed=f"({_moved}) AND (new.chunk_index >= 0 AND old.chunk_index >= 0 OR {_by_host})",
+        changed=f"({_moved}) AND (new.chunk_index >= 0 AND old.chunk_index >= 0 OR {_BY_HOST})",
         now=_NOW,
     )
 MIGRATIONS.append((16, _HOST_WRITES))
