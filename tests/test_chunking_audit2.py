@@ -163,6 +163,26 @@ def test_indented_fence_lines_that_never_close_open_nothing_and_cost_little():
     assert [f.closed for f in lay.fences] == [True] and lay.heading_title == ["Heading"]
 
 
+@pytest.mark.parametrize(
+    "doc, fences",
+    [
+        # an item's line that only mentions ``` opens nothing: the item ends at the heading
+        ("- ``` opens a block\n- ~~~ too\n\n# After\n\ntext", []),
+        # the closing line sits under the item's text, 4 columns in: it closes
+        ("1. ```sh\n    make\n    ```\n\n# After\n\ntext", [True]),
+        # a list marker or a quote before ``` inside a block is its text, not its end
+        ("```\n1. ```\n```\n# After\n", [True]),
+        ("~~~\n> ~~~\n~~~\n# After\n", [True]),
+    ],
+)
+def test_fences_in_and_around_items_close_where_commonmark_closes_them(doc, fences):
+    """Found by comparing the scanner with markdown-it-py over random documents: each read as
+    a fence that never closed, which hid the heading after it."""
+    lay = scan(doc)
+    assert [f.closed for f in lay.fences] == fences
+    assert lay.heading_title == ["After"]
+
+
 # -- 3. every line end: "\r\n", "\r" and "\n" ------------------------------------------------
 
 

@@ -178,9 +178,7 @@ def scan(text: str) -> Layout:
     edges: list[int] = []  # fence starts, and the line after each fence
     fences: list[Fence] = []
     fence_start = -1
-    fence_char = ""
-    fence_len = 0
-    fence_col = 0
+    opener: re.Match[str] | None = None  # the open fence's line
     open_line = ""
     prev_next = -1  # start of the line after the last heading, fence, HTML block or front matter
     skip_to = _front_matter_end(text)  # no Markdown before this: front matter, an HTML block
@@ -195,28 +193,21 @@ def scan(text: str) -> Layout:
             continue
         kind = m.lastgroup
         if fence_start >= 0:
-            if kind == "info":
-                marker = m["marker"]
-                if (
-                    marker[0] == fence_char
-                    and len(marker) >= fence_len
-                    and not m["info"].strip()
-                    and _closes(fence_col, _column(m))
-                ):
-                    fences.append(Fence(fence_start, end, open_line, fence_char * fence_len, True))
-                    fence_start = -1
-                    prev_next = _next_line(text, end)
-                    if prev_next < n and not _BLANK_LINE.match(text, prev_next):
-                        edges.append(prev_next)
+            if kind == "info" and opener is not None and _closes(opener, m):
+                fences.append(Fence(fence_start, end, open_line, opener["marker"], True))
+                fence_start = -1
+                prev_next = _next_line(text, end)
+                if prev_next < n and not _BLANK_LINE.match(text, prev_next):
+                    edges.append(prev_next)
             continue
         if kind == "info":
             marker = m["marker"]
             if marker[0] == "`" and "`" in m["info"]:
                 continue  # ```inline code``` on a line of its own, not a fence
-            col = _column(m)
-            if col > 3 and not _in_container(m) and not _closed_ahead(lines, i, marker, col):
-                continue  # an indented code block's line, not a nested list item's fence
-            fence_start, fence_char, fence_len, fence_col = start, marker[0], len(marker), col
+            lead = _lead(m)
+            if (lead.strip() or _width(lead) > 3) and not _closed_ahead(lines, i):
+                continue  # an indented code block's line, or an item's line that only says ```
+            fence_start, opener = start, m
             open_line = text[start:end]
             edges.append(start)
             prev_next = _next_line(text, end)
@@ -242,38 +233,49 @@ def scan(text: str) -> Layout:
             heading_level.append(len(m["atx"].strip()))
             heading_title.append(_atx_title(m["title"] or ""))
             prev_next = _next_line(text, end)
-    if fence_start >= 0:
-        fences.append(Fence(fence_start, n, open_line, fence_char * fence_len, False))
+    if fence_start >= 0 and opener is not None:
+        fences.append(Fence(fence_start, n, open_line, opener["marker"], False))
     return Layout(
         heading_pos, heading_level, heading_title, _outside(blank_ends, edges, fences), fences
     )
 
 
-def _column(m: re.Match[str]) -> int:
-    """The column a fence line's marker starts at (a tab taken as 4)."""
-    return len(m.group("fence")[: -len(m["marker"])].expandtabs(4))
+def _lead(m: re.Match[str]) -> str:
+    """What comes before a fence line's marker: indentation, list items' and quotes' markers."""
+    return m.group("fence")[: -len(m["marker"])]
 
 
-def _in_container(m: re.Match[str]) -> bool:
-    """Whether a fence line opens after a list item's or a block quote's marker."""
-    return bool(m.group("fence")[: -len(m["marker"])].strip())
+def _width(lead: str) -> int:
+    return len(lead.expandtabs(4))
 
 
-def _closes(open_col: int, col: int) -> bool:
-    """Whether a marker at `col` may close a fence opened at `open_col`: within 3 columns of
-    it, and at most 3 when the opening one was (CommonMark: 4 is an indented code line)."""
-    return col <= 3 if open_col <= 3 else abs(col - open_col) <= 3
+def _closes(opener: re.Match[str], m: re.Match[str]) -> bool:
+    """Whether the fence line `m` closes the fence `opener` opened: its character, at least as
+    long, no info string; no marker before it but the opening line's block quotes (a list
+    marker starts an item: `1. ```` inside a block is its text); within 3 columns of the
+    opening marker, or at most 3 when that one had neither markers nor 4 columns before it
+    (CommonMark: 4 is an indented code line)."""
+    marker, opened = m["marker"], opener["marker"]
+    if marker[0] != opened[0] or len(marker) < len(opened) or m["info"].strip():
+        return False
+    lead, open_lead = _lead(m), _lead(opener)
+    if "".join(lead.split()) != ">" * open_lead.count(">"):
+        return False
+    if open_lead.strip() or _width(open_lead) > 3:
+        return abs(_width(lead) - _width(open_lead)) <= 3
+    return _width(lead) <= 3
 
 
-def _closed_ahead(
-    lines: list[tuple[int, int, re.Match[str]]], i: int, marker: str, col: int
-) -> bool:
-    """Whether the fence line `lines[i]`, indented 4 or more (a nested list item's fence, or
-    an indented code block's text), has its closing line before the next line less indented
-    that is not a fence (a heading: the list item ended there). A lone indented ``` line, as
-    a text on Markdown shows one, then opens nothing, never every heading after it. The look
-    ends at the next line of the same fence character too, whether it closes or not: a search
-    to the text's end from each of many such lines would be quadratic."""
+def _closed_ahead(lines: list[tuple[int, int, re.Match[str]]], i: int) -> bool:
+    """Whether the fence line `lines[i]`, one indented 4 or more (a nested list item's fence,
+    or an indented code block's text) or after a list item's or a quote's marker, has its
+    closing line before the next line less indented that is not a fence (a heading: the item
+    ended there). Else it opens nothing: a lone indented ``` line, as a text on Markdown shows
+    one, or an item's line that only mentions ```, never hides every heading after it. The
+    look ends at the next line of the same fence character too, whether it closes or not: a
+    search to the text's end from each of many such lines would be quadratic."""
+    opener = lines[i][2]
+    col = _width(_lead(opener))
     for k in range(i + 1, len(lines)):  # (a slice would copy the rest of the list each time)
         m = lines[k][2]
         if m.lastgroup != "info":
@@ -281,9 +283,8 @@ def _closed_ahead(
             if len(line) - len(line.lstrip()) < col:
                 return False
             continue
-        other = m["marker"]
-        if other[0] == marker[0]:
-            return len(other) >= len(marker) and not m["info"].strip() and _closes(col, _column(m))
+        if m["marker"][0] == opener["marker"][0]:
+            return _closes(opener, m)
     return False
 
 
