@@ -305,16 +305,19 @@ def test_code_search_gives_k_hits_past_a_row_it_cannot_show(db, host, tmp_path):
 
 
 class RenamedMeanwhile(FakeEmbedder):
-    """Renames the item (a host's plain SQL) while its run embeds."""
+    """Renames the item (a host's plain SQL) while its run embeds its second batch: by then
+    the run has marked the item `indexing` (its first write, after it sent the first batch).
+    A rename before that mark makes the run read the item again (`coalesced` fence)."""
 
     def __init__(self, host, item: int) -> None:
         super().__init__()
         self.host, self.item = host, item
 
     def embed_batch(self, texts):  # type: ignore[no-untyped-def]
-        self.host.execute(
-            "UPDATE knowledge_items SET source = 'moved.md' WHERE id = ?", (self.item,)
-        )
+        if len(self.calls) == 1:
+            self.host.execute(
+                "UPDATE knowledge_items SET source = 'moved.md' WHERE id = ?", (self.item,)
+            )
         return super().embed_batch(texts)
 
 
@@ -324,7 +327,9 @@ def test_a_rename_during_a_run_keeps_the_vectors_the_run_wrote(db, host):
     vectors were deleted as it wrote them, and the item could not be found until it ran
     again, its text embedded twice. kidx's writes are told by their own mark now."""
     item = add_item(db, kind="note", title="Install", content=TEXT)
-    result = index_item(db, item, embedder=RenamedMeanwhile(host, item))
+    embedder = RenamedMeanwhile(host, item)
+    result = index_item(db, item, embedder=embedder)
+    assert len(embedder.calls) >= 3  # (the rename came during the run)
     assert result.status == "indexed" and get_state(db, item)["status"] == "pending"
     chunks = db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,))
     assert len(vectors_by_text(db, item)) == chunks > 1
