@@ -310,3 +310,52 @@ def test_items_a_host_gave_id_zero_or_below_are_addressed_after_a_double_dash(of
     assert _sql(tmp_path / "kidx.db", "SELECT count(*) FROM knowledge_items WHERE id = -7") == [
         (0,)
     ]
+
+
+def test_a_dotenv_or_a_database_that_is_no_regular_file_is_refused_at_once(tmp_path):
+    """A `.env` that is a FIFO hung every command in its folder, and one linked to /dev/zero
+    filled the memory; `--db` naming a device was opened as a database, and SQLite left a
+    `-journal` file beside it (in /dev, as root)."""
+    kidx = _kidx(tmp_path, NOWHERE, process=True, KIDX_EMBEDDING__PROVIDER="none")
+    work = tmp_path / "work"
+    os.mkfifo(work / ".env")
+    line = one_line_error(kidx("status", "--summary"))
+    assert ".env is not a regular file" in line and "a bug" not in line
+    (work / ".env").unlink()
+    (work / ".env").symlink_to("/dev/zero")
+    line = one_line_error(kidx("status", "--summary"))
+    assert ".env is not a regular file" in line
+    (work / ".env").unlink()
+    fifo = tmp_path / "db.fifo"
+    os.mkfifo(fifo)
+    for command in (("status", "--summary"), ("init",)):
+        line = one_line_error(kidx(*command, "--db", str(fifo)))
+        assert "is not a regular file" in line, command
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("db.")) == ["db.fifo"]
+
+
+def test_init_prints_a_path_and_a_model_name_as_given_not_as_markup(offline, tmp_path):
+    """rich read `[red]` in a path as a style (the path shown was another), `[link=...]` as a
+    terminal hyperlink, and `[/x]` in a model name failed the command as a bug."""
+    path = tmp_path / "[red]z.db"
+    result = offline("init", "--db", str(path), env={"KIDX_EMBEDDING__MODEL": "[/x]"})
+    assert result.returncode == 0, result.stderr
+    assert f"database {path} (schema" in result.stdout
+    assert "model [/x]" in result.stdout and "a bug" not in result.stderr
+
+
+def test_a_huge_text_a_host_stored_is_cut_in_tables_and_whole_in_json(offline, tmp_path):
+    """rich lays a cell out in time that grows faster than its length: a host's 10 MB error
+    took `kidx status` 73 s. A table shows a cell's first 2,000 characters; `--json` all."""
+    item = offline.add("Doc", "--text", "Some text.")
+    error = "why " + "x" * 300_000
+    _sql(
+        tmp_path / "kidx.db",
+        "UPDATE item_index_state SET status = 'failed', last_error = ? WHERE item_id = ?",
+        error,
+        item,
+    )
+    shown = offline.ok("status", str(item)).stdout
+    assert "why" in shown and "…" in shown and len(shown) < 20_000
+    rows = offline.json("status", str(item))
+    assert error in json.dumps(rows)

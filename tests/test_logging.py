@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -85,3 +86,36 @@ def test_log_lines_are_json_with_prefixes_fields_and_no_secret(tmp_path, standin
     failed = [e for e in lines if e["event"] == "[KI Embed] failed"]
     assert failed and failed[0]["headers"] == {"Authorization": "***"}
     assert all(e["level"] in {"info", "warning", "error"} and "timestamp" in e for e in lines)
+
+
+TTY_SCRIPT = textwrap.dedent(
+    """
+    import io, structlog
+    from worker.log import configure_logging
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    configure_logging(fmt="auto", stream=out)
+    model = "\\x1b]0;PWNED\\x07\\x1b[2J\\x1b[31mRED\\x1b[0m\\nFORGED line"
+    structlog.get_logger("kidx.test").warning(f"kept for {model}", model=model)
+    print(repr(out.getvalue()))
+    """
+)
+
+
+def test_a_host_s_bytes_reach_a_terminal_s_log_lines_without_their_control_codes():
+    """A model name a host wrote into index_meta (or a title, an error) went into console log
+    lines as it was: its escape codes set the operator's window title and cleared the screen,
+    its line end forged a line. On a terminal they are shown as U+FFFD; JSON escapes them."""
+    out = subprocess.run(
+        [sys.executable, "-c", TTY_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    shown = ast.literal_eval(out.stdout)  # (the repr printed above)
+    assert "PWNED" in shown and "RED" in shown and "FORGED line" in shown
+    assert "\x07" not in shown and "]0;" not in shown.replace("\ufffd]0;", "")
+    assert "\x1b[2J" not in shown
+    assert "\nFORGED" not in shown

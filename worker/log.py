@@ -66,6 +66,27 @@ class Redact:
         return event
 
 
+# C0 and C1 control characters but the tab (a line end too: it would forge a line): a host's
+# bytes in a model name, a title or an error (index_meta, item rows) reached an operator's
+# terminal as escape codes through the console's log lines (a window title set, the screen
+# cleared). JSON escapes them.
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def _visible(value: Any) -> Any:
+    if isinstance(value, str):
+        return _CONTROL.sub("\ufffd", value)
+    return value
+
+
+def visible(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Any:
+    """Control characters in a console line's text and values shown as U+FFFD."""
+    for key in list(event):
+        if key != "exception":  # (a traceback: kidx's own text, its line ends kept)
+            event[key] = _visible(event[key])
+    return event
+
+
 def configure_logging(
     *,
     fmt: str = "auto",
@@ -109,7 +130,11 @@ def configure_logging(
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                *(() if as_json else (visible,)),
+                renderer,
+            ],
         )
     )
     handler.setLevel((stream_level or level).upper())

@@ -755,6 +755,9 @@ def unknown_variables(names: list[str], where: str = "") -> list[str]:
     return problems
 
 
+DOTENV_MAX = 1_000_000  # a .env holds settings: a larger file is not one
+
+
 def read_dotenv(path: Path) -> list[str]:
     """The names a .env file sets, or ConfigError if it cannot be read as pydantic-settings
     reads it: a byte that is not UTF-8 was a UnicodeDecodeError, reported as a kidx bug."""
@@ -763,6 +766,14 @@ def read_dotenv(path: Path) -> list[str]:
     from dotenv import dotenv_values
 
     try:
+        if path.exists() and not path.is_file():  # a FIFO hung every command, /dev/zero
+            # filled the memory (a symlink to a regular file is one)
+            raise ConfigError(f"invalid settings: {path} is not a regular file")
+        if path.exists() and path.stat().st_size > DOTENV_MAX:
+            raise ConfigError(
+                f"invalid settings: {path} is {path.stat().st_size:,} bytes: not a .env file "
+                f"(at most {DOTENV_MAX:,})"
+            )
         data = path.read_bytes()
     except FileNotFoundError:
         return []

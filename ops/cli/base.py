@@ -61,6 +61,16 @@ NARROWEST = 20  # a terminal (or COLUMNS) narrower than this is taken as 80 colu
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
+# The most of one cell a table shows (`--json` gives the whole): rich lays a cell out in time
+# that grows faster than its length (a host's 10 MB error took `kidx status` 73 s, a 20 MB
+# title kept `kidx search` busy past two minutes).
+CELL_MAX = 2_000
+
+
+def _cell(text: str) -> str:
+    return text if len(text) <= CELL_MAX else text[: CELL_MAX - 1] + "…"
+
+
 def printable(text: object) -> str:
     """`text` with every C0 and C1 control character (tab, newline and ESC included) as
     U+FFFD: what a title, a snippet or an error stored in the database holds is shown, never
@@ -280,7 +290,7 @@ class Ctx:
         Cells are plain text (a title like "Plan [draft]" is not markup), with no control
         character (`printable`): what the database holds never drives the terminal."""
         names = list(headers)
-        cells = [[Text(self.say("" if c is None else c)) for c in row] for row in rows]
+        cells = [[Text(_cell(self.say("" if c is None else c))) for c in row] for row in rows]
 
         def natural(i: int) -> int:
             lines = (line for row in cells for line in row[i].plain.splitlines() or [""])

@@ -25,7 +25,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from ops.cli.base import ID, Ctx, cli, command, err, fail, out, read_text
+from ops.cli.base import ID, Ctx, cli, command, err, fail, out, printable, read_text
 from worker.errors import InvalidInput, KidxError
 
 # -- init ------------------------------------------------------------------------------------
@@ -50,9 +50,14 @@ def init(ctx: Ctx) -> None:
 
     def human() -> None:
         vec = info["sqlite_vec"] or f"unavailable ({info['vec_error']})"
-        out.print(f"database {info['db']} (schema {info['schema_version']})")
-        out.print(f"sqlite-vec {vec}; {info['dimensions']} dimensions ({info['dimensions_from']})")
-        out.print(f"embedding provider {info['provider']}, model {info['model']}")
+        # as given, not as rich markup: a path or a model name holding [red] or [/x] was
+        # read as a style (or failed as a bug), a [link=...] made a terminal hyperlink
+        for line in (
+            f"database {info['db']} (schema {info['schema_version']})",
+            f"sqlite-vec {vec}; {info['dimensions']} dimensions ({info['dimensions_from']})",
+            f"embedding provider {info['provider']}, model {info['model']}",
+        ):
+            out.print(printable(line), markup=False)
 
     ctx.emit(info, human)
 

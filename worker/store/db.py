@@ -77,6 +77,9 @@ class Database:
         self._instance: str | None = None
         flags: dict[str, int] = {}  # apsw's default: read-write, created if missing
         if str(path) != ":memory:":
+            if self.path.exists() and not self.path.is_file():
+                # (a device: SQLite opened /dev/zero and left /dev/zero-journal beside it)
+                raise StoreError(f"{path} is not a regular file: not a database")
             if create:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             elif not self.path.exists():
