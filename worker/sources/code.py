@@ -24,7 +24,7 @@ import pathspec
 
 from worker.errors import InvalidInput
 from worker.settings import FilesSettings
-from worker.sources.decoding import bom
+from worker.sources.decoding import NOT_CHARSETS, bom
 from worker.sources.files import read_under_roots
 
 # The lists are written as words: the formatter would put each string on a line of its own.
@@ -250,10 +250,6 @@ _CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")
 _BLANK_OR_COMMENT = re.compile(rb"^[ \t\f]*(?:[#\r\n]|$)")
 
 
-# Text codecs that are no character set: they would read `\\n` in the code as a line end.
-_NOT_CHARSETS = frozenset(("unicode-escape", "raw-unicode-escape", "undefined", "idna", "punycode"))
-
-
 def _declared(data: bytes) -> str | None:
     """The character set a file's coding comment names, if Python has a codec for it."""
     lines = data[:1024].splitlines()[:2]
@@ -266,7 +262,7 @@ def _declared(data: bytes) -> str | None:
             except (LookupError, UnicodeDecodeError):
                 return None
             text = getattr(info, "_is_text_encoding", True)  # not base64, zlib, rot13...
-            return info.name if text and info.name not in _NOT_CHARSETS else None
+            return info.name if text and info.name not in NOT_CHARSETS else None
     return None
 
 

@@ -104,6 +104,17 @@ def bom(data: bytes) -> tuple[str, int] | None:
     return None
 
 
+# Text codecs that are no character set a page or a file may name: they turn bytes into
+# lone surrogates (UTF-7's `+2AA-`, `\\ud800`), which UTF-8 cannot store or send (the item's
+# bulk run failed with it), or decode in time that grows with the square of the text
+# (punycode, idna: a 425-byte gzipped page took 30 s, past every timeout); and in code,
+# `unicode-escape` would read a `\\n` as a line end.
+NOT_CHARSETS = frozenset(
+    ("unicode-escape", "raw-unicode-escape", "undefined", "idna", "punycode", "utf-7")
+)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _codec(label: str | None) -> str | None:
     """A Python text codec for a charset label, or None when Python does not know it as one:
     `base64`, `hex`, `rot13` and the like are codecs too, but bytes.decode refuses them
@@ -115,13 +126,15 @@ def _codec(label: str | None) -> str | None:
         info = codecs.lookup(label)
     except LookupError:
         return None
-    return info.name if getattr(info, "_is_text_encoding", True) else None
+    if not getattr(info, "_is_text_encoding", True) or info.name in NOT_CHARSETS:
+        return None
+    return info.name
 
 
 def _decode(data: bytes, encoding: str, name: object) -> str:
     label = "UTF-8" if encoding in ("utf-8", "utf_8") else encoding
     try:
-        return data.decode(encoding)
+        text = data.decode(encoding)
     except UnicodeDecodeError as e:
         raise refuse(
             name,
@@ -130,6 +143,13 @@ def _decode(data: bytes, encoding: str, name: object) -> str:
         ) from None
     except (UnicodeError, LookupError) as e:  # a text codec that fails otherwise (idna)
         raise refuse(name, f"is not {label} text ({e}); convert it to UTF-8") from None
+    if (lone := _SURROGATE.search(text)) is not None:  # (a codec that slipped NOT_CHARSETS)
+        raise refuse(
+            name,
+            f"decodes as {label} to a lone surrogate U+{ord(lone.group()):04X} (at character "
+            f"{lone.start()}), which no UTF-8 text holds; convert it to UTF-8",
+        )
+    return text
 
 
 def normalize_newlines(text: str) -> str:

@@ -150,11 +150,13 @@ def _parse(url: str, base: httpx.URL | None = None) -> httpx.URL:
     shown = safe_url(url)
     try:
         parsed = base.join(url) if base is not None else httpx.URL(url)
-    except (httpx.InvalidURL, TypeError) as e:
+        host = parsed.host  # (decoded when asked: idna's error for `http://xn--a.example/`,
+        # whose redirect failed every item of a bulk run as a bug)
+    except (httpx.InvalidURL, TypeError, UnicodeError) as e:
         raise InvalidInput(f"{shown}: not a valid URL ({safe_url(str(e))})") from None
     if parsed.scheme not in ("http", "https"):
         raise InvalidInput(f"{shown}: only http and https URLs can be fetched")
-    if not parsed.host:
+    if not host:
         raise InvalidInput(f"{shown}: the URL has no host")
     return parsed
 
@@ -255,6 +257,13 @@ def _send(
         except (httpx.ConnectError, httpx.ConnectTimeout):
             if i == len(ips) - 1:
                 raise
+        except UnicodeError as e:  # httpx reads a redirect's Location even when not
+            # following it: idna's error for a host such as `xn--a.example` failed every item
+            # of a bulk run as a bug
+            raise InvalidInput(
+                f"{safe_url(str(url))}: the server answered with a URL that is not valid "
+                f"({safe_url(str(e))})"
+            ) from None
     raise AssertionError("unreachable: no addresses")  # _Policy.check never returns none
 
 

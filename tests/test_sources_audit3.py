@@ -1,0 +1,62 @@
+"""Sources against a review's hostile pages: charsets that are no character set (UTF-7 and the
+escape codecs gave lone surrogates, which failed every item of a bulk run; punycode and idna
+decode in time that grows with the square of the text), and host names idna refuses (its
+error escaped as a bug, from a URL or from a redirect's Location)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from worker.errors import InvalidInput
+from worker.settings import UrlSettings
+from worker.sources.decoding import NOT_CHARSETS, _decode, decode_html, decode_text
+from worker.sources.urls import check_url, fetch_url
+
+
+@pytest.mark.parametrize("charset", ["utf-7", "UTF7", "punycode", "idna", "unicode-escape"])
+def test_a_charset_that_is_no_character_set_is_read_as_utf8(charset: str) -> None:
+    data = b"+2AA- caf\\u00e9 -" + b"9" * 1000
+    assert decode_text(data, "page", charset=charset) == data.decode("ascii")
+    html = b'<meta charset="' + charset.encode() + b'"><p>+2AA- \\ud800</p>'
+    assert "\\ud800" in decode_html(html, "page") and "+2AA-" in decode_html(html, "page")
+
+
+def test_a_codec_that_gives_a_lone_surrogate_is_refused_for_that_text_alone() -> None:
+    assert "unicode_escape" not in NOT_CHARSETS  # (the codec's own name; its label is listed)
+    with pytest.raises(InvalidInput, match=r"lone surrogate U\+D800 .*convert it to UTF-8"):
+        _decode(b"caf\\ud800", "unicode_escape", "page")
+
+
+class _Redirect(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(302)
+        self.send_header("Location", "http://xn--a.example/")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def redirecting() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Redirect)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/moved"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_a_host_name_idna_refuses_is_invalid_input_in_a_url_and_in_a_redirect(redirecting):
+    for url in ("http://xn--/", "http://xn--a.example/"):
+        with pytest.raises(InvalidInput, match="not a valid URL"):
+            check_url(url)
+    settings = UrlSettings(allow_hosts=["127.0.0.1"], timeout=5)
+    with pytest.raises(InvalidInput, match="answered with a URL that is not valid"):
+        fetch_url(redirecting, settings)
