@@ -55,9 +55,13 @@ def test_decode_text_with_a_non_text_codec_falls_back_to_utf8(charset: str) -> N
 
 
 def test_a_text_codec_that_fails_other_than_on_a_byte_is_refused_clearly() -> None:
-    # "undefined" is a text codec that raises a bare UnicodeError, which nothing caught.
+    # "undefined" is a text codec that raises a bare UnicodeError, which nothing caught. As a
+    # charset it is none (NOT_CHARSETS): the text is read as UTF-8.
+    from worker.sources.decoding import _decode
+
     with pytest.raises(InvalidInput, match=r"^page: is not undefined text .*convert it to UTF-8"):
-        decode_text(b"abc", "page", "undefined")
+        _decode(b"abc", "undefined", "page")
+    assert decode_text(b"abc", "page", "undefined") == "abc"
 
 
 @pytest.mark.parametrize("charset", NON_TEXT_CODECS)
