@@ -20,6 +20,7 @@ from test_sources import ARTICLE, ARTICLE_HEADINGS, chapter, make_pdf, refused
 
 from stack import Stack, running_stack
 from tasks.producer import enqueue
+from worker.errors import InvalidInput
 from worker.settings import FilesSettings, UrlSettings
 from worker.sources.files import html_to_markdown, read_file
 from worker.sources.pdf import pdf_text
@@ -297,3 +298,73 @@ def test_a_worker_fails_a_pdf_bomb_at_once_with_the_reason_and_indexes_nothing(t
                 stack.db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 0
             )
         assert stack.standin.texts == []
+
+
+def _fonts_pdf(pages: int, fonts: int, names: int = 0) -> bytes:
+    """`pages` pages, each using `fonts` fonts that share one /ToUnicode map of one range of
+    65,536 codes (and, with `names`, an /Encoding /Differences array of that many names)."""
+    objs: list[bytes] = []
+
+    def add(body: bytes) -> int:
+        objs.append(body)
+        return len(objs)
+
+    cmap = (
+        b"/CIDInit /ProcSet findresource begin 12 dict begin begincmap\n"
+        b"1 begincodespacerange <0000> <FFFF> endcodespacerange\n"
+        b"1 beginbfrange\n<0000> <FFFF> <0041>\nendbfrange\n"
+        b"endcmap CMapName currentdict /CMap defineresource pop end end"
+    )
+    tu = add(b"<< /Length %d >>\nstream\n" % len(cmap) + cmap + b"\nendstream")
+    enc = add(b"<< /Type /Encoding /Differences [1 " + b"/a" * names + b"] >>")
+    font = b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /ToUnicode %d 0 R%s >>"
+    extra = b" /Encoding %d 0 R" % enc if names else b""
+    fs = [add(font % (tu, extra)) for _ in range(fonts)]
+    fontdict = add(b"<< " + b" ".join(b"/F%d %d 0 R" % (i, f) for i, f in enumerate(fs)) + b" >>")
+    content = b"BT /F0 12 Tf 72 720 Td (page text) Tj ET"
+    c = add(b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream")
+    tree = len(objs) + pages + 1
+    page = b"<< /Type /Page /Parent %d 0 R /MediaBox [0 0 612 792] /Resources << /Font %d 0 R >>"
+    kids = [add(page % (tree, fontdict) + b" /Contents %d 0 R >>" % c) for _ in range(pages)]
+    refs = b" ".join(b"%d 0 R" % k for k in kids)
+    assert add(b"<< /Type /Pages /Kids [%s] /Count %d >>" % (refs, pages)) == tree
+    cat = add(b"<< /Type /Catalog /Pages %d 0 R >>" % tree)
+    out = bytearray(b"%PDF-1.7\n")
+    offsets = []
+    for i, body in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root %d 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
+        len(objs) + 1,
+        cat,
+        xref,
+    )
+    return bytes(out)
+
+
+def test_a_font_s_map_ranges_and_differences_are_counted_in_the_pdf_s_work() -> None:
+    """pypdf sets up each font again at every page: a /ToUnicode line `<0000> <FFFF> <0041>`
+    is 65,536 codes (0.15 s each time), a /Differences array of 99,000 names 7 ms. Both were
+    charged 50 bytes a font: a 10 KB PDF took 22 s at 0.2% of the budget, and hours with more
+    pages. Now refused before pypdf sets them up, within the budget a page's content has."""
+    data = _fonts_pdf(pages=2, fonts=8)
+    assert len(data) < 10_000
+    with pytest.raises(InvalidInput, match="fonts included"):
+        pdf_text(data, "fonts.pdf", limit=10**9, max_content=1_000_000)
+    assert pdf_text(data, "fonts.pdf", limit=10**9, max_content=10**8).strip()
+    # a font's /Differences: a sixteenth of a byte a name, at every page that uses it
+    import io
+
+    import pypdf
+
+    from worker.sources.pdf import NAMES_PER_BYTE, _PdfWork
+
+    def font_cost(names: int) -> int:
+        reader = pypdf.PdfReader(io.BytesIO(_fonts_pdf(pages=1, fonts=1, names=names)))
+        font = reader.pages[0]["/Resources"]["/Font"]["/F0"].get_object()
+        return _PdfWork("x.pdf", 10**9)._font(font)
+
+    assert font_cost(99_000) - font_cost(0) == 99_000 // NAMES_PER_BYTE > 0
