@@ -86,7 +86,11 @@ def bomb_pdf(
         )
         == tree
     )
-    catalog = add(b"<< /Type /Catalog /Pages %d 0 R >>" % tree)
+    return _assembled(objects, add(b"<< /Type /Catalog /Pages %d 0 R >>" % tree))
+
+
+def _assembled(objects: list[bytes], catalog: int) -> bytes:
+    """A PDF file of `objects` (numbered from 1), its cross-reference table and trailer."""
     out = bytearray(b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n")
     offsets = []
     for number, body in enumerate(objects, 1):
@@ -328,21 +332,7 @@ def _fonts_pdf(pages: int, fonts: int, names: int = 0) -> bytes:
     kids = [add(page % (tree, fontdict) + b" /Contents %d 0 R >>" % c) for _ in range(pages)]
     refs = b" ".join(b"%d 0 R" % k for k in kids)
     assert add(b"<< /Type /Pages /Kids [%s] /Count %d >>" % (refs, pages)) == tree
-    cat = add(b"<< /Type /Catalog /Pages %d 0 R >>" % tree)
-    out = bytearray(b"%PDF-1.7\n")
-    offsets = []
-    for i, body in enumerate(objs, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<< /Size %d /Root %d 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
-        len(objs) + 1,
-        cat,
-        xref,
-    )
-    return bytes(out)
+    return _assembled(objs, add(b"<< /Type /Catalog /Pages %d 0 R >>" % tree))
 
 
 def test_a_font_s_map_ranges_and_differences_are_counted_in_the_pdf_s_work() -> None:
