@@ -135,11 +135,20 @@ def test_a_live_component_is_still_running_and_stopped(
     `worker.app`, in a session of its own (as `spawn` starts one), waiting on its stdin."""
     stack = make_stack(tmp_path)
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()", "worker.app"],
+        [
+            sys.executable,
+            "-c",
+            "import sys; print('up', flush=True); sys.stdin.read()",
+            "worker.app",
+        ],
         stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         start_new_session=True,
     )
     try:
+        # Its command line is the new one only once it runs: read right after the fork, it
+        # was still the test's, and the pid was taken for another process's (once in a run).
+        assert child.stdout is not None and child.stdout.readline() == b"up\n"
         stack.pid_file("worker").write_text(f"{child.pid}\n")
         assert stack.pid("worker") == child.pid
         ops_stack.status(stack)
@@ -154,6 +163,8 @@ def test_a_live_component_is_still_running_and_stopped(
             child.wait(timeout=30)
         if child.stdin:
             child.stdin.close()
+        if child.stdout:
+            child.stdout.close()
 
 
 # -- KIDX_DATA_DIR that is a file ---------------------------------------------------------------
