@@ -97,14 +97,23 @@ def queue_env(tmp_path: Path, standin_url: str, **extra: str) -> dict[str, str]:
     return env
 
 
+MARK = "KIDXTEST_PROC"  # (not KIDX_: kidx refuses a KIDX_ name that is no setting)
+
+
 class Proc:
-    """A started process with its log file; `stop()` ends its whole process group."""
+    """A started process with its log file; `stop()` ends it and every process it started.
+
+    Those are found by a mark in their environment, not by the process group: once the leader
+    was reaped, its number could be another process's, and a SIGKILL to the group of that
+    number killed another test's child (a new session's group takes its leader's pid)."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
         self.cmd = cmd
         self.log_path = log
+        self.mark = f"{MARK}={os.getpid()}-{time.monotonic_ns()}".encode()
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        env = {**env, MARK: self.mark.decode().split("=", 1)[1]}
         self.popen = subprocess.Popen(
             cmd,
             env=env,
@@ -122,16 +131,28 @@ class Proc:
         return self.popen.poll() is None
 
     def stop(self, timeout: float = 15) -> None:
-        if self.alive():
+        if self.alive():  # (not reaped: the group's number is still its own)
             try:
                 os.killpg(self.popen.pid, signal.SIGTERM)
                 self.popen.wait(timeout=timeout)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGKILL)  # children too, whatever they do
+        for pid in self.started():  # children too, whatever they do
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.popen.wait(timeout=5)
         self._log.close()
+
+    def started(self) -> list[int]:
+        """The live processes that carry this one's mark: it and what it started."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                if self.mark in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+        return found
 
 
 def start_worker(
