@@ -762,16 +762,18 @@ def read_dotenv(path: Path) -> list[str]:
     """The names a .env file sets, or ConfigError if it cannot be read as pydantic-settings
     reads it: a byte that is not UTF-8 was a UnicodeDecodeError, reported as a kidx bug."""
     import io
+    import stat
 
     from dotenv import dotenv_values
 
     try:
-        if path.exists() and not path.is_file():  # a FIFO hung every command, /dev/zero
-            # filled the memory (a symlink to a regular file is one)
+        found = path.stat()  # (through a symlink: one to a regular file is one)
+        if not stat.S_ISREG(found.st_mode):  # a FIFO hung every command, /dev/zero filled
+            # the memory
             raise ConfigError(f"invalid settings: {path} is not a regular file")
-        if path.exists() and path.stat().st_size > DOTENV_MAX:
+        if found.st_size > DOTENV_MAX:
             raise ConfigError(
-                f"invalid settings: {path} is {path.stat().st_size:,} bytes: not a .env file "
+                f"invalid settings: {path} is {found.st_size:,} bytes: not a .env file "
                 f"(at most {DOTENV_MAX:,})"
             )
         data = path.read_bytes()

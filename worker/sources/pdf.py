@@ -151,8 +151,8 @@ class _PdfWork:
             return known
         cost = FONT_COST
         try:
-            cost += self._size(font.get("/ToUnicode"))
             cmap = _resolved(font.get("/ToUnicode"))
+            cost += self._size(cmap)
             if cmap is not None and hasattr(cmap, "get_data"):
                 for block in _BFRANGES.finditer(cmap.get_data()):
                     for m in _RANGE.finditer(block.group(1)):

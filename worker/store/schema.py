@@ -503,19 +503,20 @@ _CHUNK_COLUMNS = {  # (what a chunk is; its place)
 }
 
 
-def _chunk_triggers(table: str, what: tuple[str, ...], place: tuple[str, ...]) -> str:
-    def differ(columns: tuple[str, ...]) -> str:
-        return " OR ".join(f"new.{c} IS NOT old.{c}" for c in columns)
+def _differ(columns: tuple[str, ...]) -> str:
+    return " OR ".join(f"new.{c} IS NOT old.{c}" for c in columns)
 
-    moved = f"new.chunk_index >= 0 AND old.chunk_index >= 0 AND ({differ(place)})"
-    return "".join(
-        _CHUNKS_CHANGED.format(
-            name=name, table=table, columns=", ".join(columns), changed=changed, now=_NOW
-        )
-        for name, columns, changed in (
-            (f"{table}_changed", what, differ(what)),
-            (f"{table}_moved", place, moved),
-        )
+
+def _chunk_trigger(name: str, table: str, columns: tuple[str, ...], changed: str) -> str:
+    return _CHUNKS_CHANGED.format(
+        name=name, table=table, columns=", ".join(columns), changed=changed, now=_NOW
+    )
+
+
+def _chunk_triggers(table: str, what: tuple[str, ...], place: tuple[str, ...]) -> str:
+    moved = f"new.chunk_index >= 0 AND old.chunk_index >= 0 AND ({_differ(place)})"
+    return _chunk_trigger(f"{table}_changed", table, what, _differ(what)) + _chunk_trigger(
+        f"{table}_moved", table, place, moved
     )
 
 
@@ -650,13 +651,11 @@ END;
 for _table, (_what, _place) in _CHUNK_COLUMNS.items():
     # kidx's own moves (an edit's run) go below zero and back, its item `indexing`; a host's
     # may go there too. The state is looked at only for a move through a negative index.
-    _moved = " OR ".join(f"new.{c} IS NOT old.{c}" for c in _place)
-    _HOST_WRITES += f"DROP TRIGGER IF EXISTS {_table}_moved;\n" + _CHUNKS_CHANGED.format(
-        name=f"{_table}_moved",
-        table=_table,
-        columns=", ".join(_place),
-        changed=f"({_moved}) AND (new.chunk_index >= 0 AND old.chunk_index >= 0 OR {_BY_HOST})",
-        now=_NOW,
+    _moved = (
+        f"({_differ(_place)}) AND (new.chunk_index >= 0 AND old.chunk_index >= 0 OR {_BY_HOST})"
+    )
+    _HOST_WRITES += f"DROP TRIGGER IF EXISTS {_table}_moved;\n" + _chunk_trigger(
+        f"{_table}_moved", _table, _place, _moved
     )
 MIGRATIONS.append((16, _HOST_WRITES))
 
