@@ -453,12 +453,17 @@ def test_an_inline_run_killed_mid_item_is_noticed_by_its_lock_and_swept(edge: Ed
         stderr=subprocess.DEVNULL,
     )
     try:
+        # (its `indexing` mark is written after its first request is sent, in its own time:
+        # asked for at once, it was once still `pending`)
         wait_for(
-            lambda: edge.standin.requests >= 1 and edge.redis.exists(key),
+            lambda: (
+                edge.standin.requests >= 1
+                and edge.redis.exists(key)
+                and edge.state(item)["status"] == "indexing"
+            ),
             30,
-            "the inline run to hold the item's lock",
+            "the inline run to hold the item's lock and mark it indexing",
         )
-        assert edge.state(item)["status"] == "indexing"
     finally:
         run.send_signal(signal.SIGKILL)
         run.wait(10)
