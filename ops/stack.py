@@ -160,6 +160,36 @@ def alive(pid: int, mark: str) -> bool:
     return mark.encode() in cmdline
 
 
+def group_members(pgid: int) -> list[int] | None:
+    """The pids in process group `pgid`; None where there is no /proc to tell."""
+    if not Path("/proc/self").exists():
+        return None
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it ended while we looked
+        if len(fields) > 2 and fields[2] == str(pgid):
+            members.append(int(entry.name))
+    return members
+
+
+def kill_group(pgid: int, mark: str) -> None:
+    """SIGKILL to what is left of a component's process group, if a member still runs the
+    component's program: once the leader and every member have ended, the number is free and
+    may be another program's group by the time we signal it."""
+    if pgid <= 1:
+        return  # our own group, every process, init: never a component's
+    members = group_members(pgid)
+    if members is not None and not any(alive(pid, mark) for pid in members):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def wait_until(check: Callable[[], bool], timeout: float, every: float = 0.25) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -346,8 +376,7 @@ def stop_one(stack: Stack, name: str) -> str:
         return "not running" + (" (stale pid file removed)" if had else "")
     os.kill(pid, signal.SIGTERM)
     graceful = wait_until(lambda: not alive(pid, MARKS[name]), STOP_WAIT[name])
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)  # what is left of its group (pool processes, too)
+    kill_group(pid, MARKS[name])  # what is left of its group (pool processes, too)
     wait_until(lambda: not alive(pid, MARKS[name]), 5)
     stack.pid_file(name).unlink(missing_ok=True)
     return f"stopped (pid {pid})" + ("" if graceful else ", killed after the wait")

@@ -167,6 +167,81 @@ def test_a_live_component_is_still_running_and_stopped(
             child.stdout.close()
 
 
+LEADER_AND_CHILD = """
+import os, sys
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(w)
+    os.read(r, 1)  # until killed: the pipe's other end stays open in the test's hands
+    os._exit(0)
+print(child, flush=True)
+sys.stdin.read()  # the leader, until SIGTERM
+"""
+
+
+def test_stop_kills_a_pool_child_left_in_the_components_group(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The leader ends on SIGTERM; its child (a pool process: forked, the same command line)
+    does not, and goes with the SIGKILL to the group."""
+    if not Path("/proc/self").exists():
+        pytest.skip("no /proc here")
+    stack = make_stack(tmp_path)
+    leader = subprocess.Popen(
+        [sys.executable, "-c", LEADER_AND_CHILD, "worker.app"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    child = 0
+    try:
+        assert leader.stdout is not None
+        child = int(leader.stdout.readline())
+        stack.pid_file("worker").write_text(f"{leader.pid}\n")
+        assert ops_stack.group_members(leader.pid) == sorted([leader.pid, child])
+        ops_stack.stop(stack)
+        assert leader.wait(timeout=30) == -signal.SIGTERM
+        assert ops_stack.wait_until(lambda: not ops_stack.alive(child, "worker.app"), 30)
+    finally:
+        for pid in (leader.pid, child):
+            if pid and ops_stack.alive(pid, "worker.app"):
+                os.kill(pid, signal.SIGKILL)
+        if leader.poll() is None:
+            leader.wait(timeout=30)
+        for f in (leader.stdin, leader.stdout):
+            if f:
+                f.close()
+
+
+def test_a_group_no_member_of_which_runs_the_component_is_not_signalled() -> None:
+    """Once a component's leader and its pool have ended, its pid may be another program's
+    session by the time `stop` sends SIGKILL to the group: that group is left alone."""
+    if not Path("/proc/self").exists():
+        pytest.skip("no /proc here")
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert other.stdout is not None and other.stdout.readline() == b"up\n"
+        assert ops_stack.group_members(other.pid) == [other.pid]
+        ops_stack.kill_group(other.pid, "worker.app")
+        ops_stack.kill_group(other.pid, "flower")
+        assert other.poll() is None
+        ops_stack.kill_group(other.pid, "python")  # a member that does run it: signalled
+        assert other.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait(timeout=30)
+        for f in (other.stdin, other.stdout):
+            if f:
+                f.close()
+
+
 # -- KIDX_DATA_DIR that is a file ---------------------------------------------------------------
 
 
