@@ -20,6 +20,7 @@ from worker.store.fts import (
     CHECKED,
     DAMAGED,
     NOTES,
+    ROW_TITLE_MAX,
     ROWS_MADE,
     fts_counts,
     fts_intact,
@@ -248,3 +249,26 @@ def test_a_dropped_shadow_table_is_rebuilt_by_a_sweep_that_does_not_check(
     host(db_path, ("DROP TABLE note_chunks_fts_idx", []))
     assert sweep(db).get("note_chunks_fts rebuilt") == 1  # seen without FTS5's check
     assert titles(db, "pelican") == ["target"]
+
+
+def test_a_huge_title_is_cut_in_each_keyword_row_and_kept_whole_in_its_item(db, db_path, fake):
+    """Every chunk's keyword row carries its item's title: a host's 200 KB title went whole
+    into each, 200 KB of index a chunk. The row holds its first ROW_TITLE_MAX characters, the
+    way every writer makes it (the run, the sweep's refill), and the sweep leaves it so."""
+    title = " ".join(f"w{n}" for n in range(40_000))  # ~230 KB
+    body = "\n\n".join(f"Paragraph {n} about zebras. " * 30 for n in range(6))
+    item = add(db, fake, title, body)
+    rows = db.all("SELECT rowid, title FROM note_chunks_fts")
+    assert len(rows) > 1
+    for _, held in rows:
+        assert len(held) <= ROW_TITLE_MAX and held.startswith("w0 w1 w2") and held.endswith("…")
+    assert db.scalar("SELECT title FROM knowledge_items WHERE id = ?", (item,)) == title
+    assert titles(db, "w5") == [title] * min(5, len(rows))  # every chunk, found by its title
+    assert titles(db, "w39999") == []  # beyond the cut: not in the index
+    assert sync_fts(db, verify=True) == {}  # as the sweep makes them: nothing to rewrite
+    host(db_path, ("DELETE FROM note_chunks_fts", []))
+    assert sync_fts(db, verify=True) == {"note_chunks_fts missing": len(rows)}
+    assert db.all("SELECT rowid, title FROM note_chunks_fts ORDER BY rowid") == sorted(rows)
+    host(db_path, ("UPDATE note_chunks_fts SET title = ?", [title]))  # as before the cut
+    assert sync_fts(db, verify=True) == {"note_chunks_fts rewritten": len(rows)}
+    assert db.all("SELECT rowid, title FROM note_chunks_fts ORDER BY rowid") == sorted(rows)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import apsw
 
+from worker.chunking.markdown import clip_title
 from worker.store.db import Database, set_meta
 from worker.store.text import shown
 
@@ -147,9 +148,20 @@ def _add_words(words: list[str], seen: dict[str, None]) -> None:
         seen.update((w.lower(), None) for w in words)
 
 
+# Every chunk's keyword row holds its item's title (a code chunk's: its path), cut to this:
+# a host's 10 MB title was written whole into each of the item's rows, 10 MB of index a
+# chunk. A title is a line; the item keeps it whole, and its chunks' embedder input holds
+# less (CONTEXT_CHARS).
+ROW_TITLE_MAX = 1_000
+
+
+def _title(title: str) -> str:
+    return _nfc(title if len(title) <= ROW_TITLE_MAX else clip_title(title, ROW_TITLE_MAX))
+
+
 def _row(chunk_id: int, title: object, headings: object, content: object) -> tuple:
     """Text columns a host may have written as any bytes are read as text to show (NFC)."""
-    fields = [_nfc(shown(title)), _nfc(shown(headings)), _nfc(shown(content))]
+    fields = [_title(shown(title)), _nfc(shown(headings)), _nfc(shown(content))]
     return (chunk_id, *fields, identifier_parts(" ".join(fields)))
 
 
@@ -166,9 +178,10 @@ def keyword_row(chunk_id: int, title: str, headings: str, content: str, parts: s
     the title, then the others' not already there)."""
     if parts is None:
         return _row(chunk_id, title, headings, content)
+    title = _title(title)
     merged = dict.fromkeys(identifier_parts(title).split())
     merged.update(dict.fromkeys(parts.split()))
-    return (chunk_id, _nfc(title), _nfc(headings), _nfc(content), " ".join(merged))
+    return (chunk_id, title, _nfc(headings), _nfc(content), " ".join(merged))
 
 
 def fts_delete(db: Database, table: FtsTable, chunk_ids: Iterable[int]) -> None:
@@ -343,8 +356,11 @@ def _unlike(db: Database, table: FtsTable, *, every: bool) -> list[tuple]:
     """The live chunks whose keyword row is not the one `_row` makes of them now: a row whose
     text is not its chunk's (a host's chunk under the id of a deleted one, whose row stayed:
     the chunk table has no AUTOINCREMENT) or, with `every`, any row of text beyond ASCII."""
+    # A title longer than ROW_TITLE_MAX (its bytes, a bound on its characters) is held cut:
+    # such rows are compared in Python, as `_row` cuts it.
     differs = " OR ".join(
-        f"CAST(f.{c} AS BLOB) IS NOT c.{c}" for c in ("title", "headings", "content")
+        [f"length(c.title) > {ROW_TITLE_MAX}"]
+        + [f"CAST(f.{c} AS BLOB) IS NOT c.{c}" for c in ("title", "headings", "content")]
     )
     sql = (
         "SELECT c.id, c.title, c.headings, c.content, CAST(f.title AS BLOB), "
