@@ -169,6 +169,25 @@ def _swept(db: Database, item_id: int) -> bool:
     return row is None or row[0] in SWEPT
 
 
+def the_rest(db: Database, sent: list[int], unsent: list[int]) -> str:
+    """What a refused send of several items adds about the others (BrokerUnavailable names
+    the item it failed on): those sent before it, and of those after, which the reconcile
+    sweep sends once the broker is back and which the command must send again."""
+
+    def ids(group: list[int]) -> str:
+        shown = " ".join(map(str, group[:20])) + (" ..." if len(group) > 20 else "")
+        return f"item {shown}" if len(group) == 1 else f"items {shown}"
+
+    swept = [i for i in unsent if _swept(db, i)]
+    again = [i for i in unsent if i not in swept]
+    out = f"; {ids(sent)} {'was' if len(sent) == 1 else 'were'} sent before it" if sent else ""
+    if swept:
+        out += f"; {ids(swept)} {'is' if len(swept) == 1 else 'are'} saved too, for the sweep"
+    if again:
+        out += f"; {ids(again)} {'was' if len(again) == 1 else 'were'} not sent: run it again"
+    return out
+
+
 # Celery's RuntimeError when the result store does not answer while a send subscribes to it
 RESULT_STORE = "result store"
 

@@ -212,6 +212,25 @@ def test_add_code_skips_names_that_are_not_utf8_and_says_so(offline, tmp_path):
     assert f"skipped {tree}/b\\xe9.py: has a name that is not UTF-8" in human.stderr
 
 
+def test_a_refused_send_of_several_items_names_every_item(offline, tmp_path):
+    """The broker down while a folder's files are sent: the error named the first item only,
+    and the others, saved too, were not said (nor were their ids printed)."""
+    tree = tmp_path / "src"
+    tree.mkdir()
+    for n in range(3):
+        (tree / f"m{n}.py").write_text(f"def f{n}():\n    return {n}\n")
+    line = one_line_error(offline("add", "code", str(tree)))
+    ids = sorted(r[0] for r in _sql(tmp_path / "kidx.db", "SELECT id FROM knowledge_items"))
+    assert len(ids) == 3 and "did not take the task" in line
+    assert f"item {ids[0]} is saved" in line
+    assert f"items {ids[1]} {ids[2]} are saved too, for the sweep" in line
+    # Indexed already, the sweep does not send them again: the command must.
+    offline.ok("index", "--all", "--inline")
+    line = one_line_error(offline("enqueue", *map(str, ids)))
+    assert f"item {ids[0]} was not sent" in line
+    assert f"items {ids[1]} {ids[2]} were not sent: run it again" in line
+
+
 def test_add_code_takes_the_workers_size_limit_and_names_what_it_skips(offline, tmp_path):
     """A folder's files up to KIDX_FILES__MAX_BYTES (50 MB by default) are added, as a worker
     would read them; a larger one is named on stderr (or in --json's "skipped")."""

@@ -38,7 +38,8 @@ def send_items(
 ) -> list[dict[str, Any]]:
     """Send the right task for each item (an id given twice, once); what was sent, for
     printing."""
-    from tasks.producer import enqueue
+    from tasks.producer import enqueue, the_rest
+    from worker.errors import BrokerUnavailable
     from worker.store.items import get_item
 
     ids = list(dict.fromkeys(ids))
@@ -47,8 +48,16 @@ def send_items(
         for item_id in ids:
             get_item(db, item_id)  # unknown ids fail before anything is sent
         sent = []
-        for item_id in ids:
-            task_id = enqueue(db, item_id, app=app, reason=reason, structure_only=structure_only)
+        for n, item_id in enumerate(ids):
+            try:
+                task_id = enqueue(
+                    db, item_id, app=app, reason=reason, structure_only=structure_only
+                )
+            except BrokerUnavailable as e:  # said of every item, not only of this one
+                done = [s["item_id"] for s in sent]
+                raise BrokerUnavailable(
+                    f"{e}{the_rest(db, done, ids[n + 1 :])}", item_id=item_id
+                ) from None
             sent.append({"item_id": item_id, "task_id": task_id})
     if not ctx.json and not _workers_online(app):
         err.print(
