@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -503,6 +504,75 @@ def test_previous_cuts_keep_an_inserted_paragraph_to_one_chunk():
         changed_without.append(new_chunks(plain))
     assert max(changed_with) <= 2
     assert sum(changed_with) < sum(changed_without)
+
+
+def _heading_starts(chunks) -> dict[int, tuple[str, ...]]:
+    return {c.start: c.headings for c in chunks}
+
+
+def test_an_edit_under_a_heading_keeps_the_heading_a_cut():
+    """A sentence inserted at the start of a section: its old chunk's opening was not found
+    again, and the chunk before ran across the heading, under the heading path of the section
+    before (68 of 77 chapters of the Rust book). Wherever the edited text cut fresh starts a
+    chunk at a heading, the text cut with its previous chunks does too, with that path."""
+    checked = 0
+    for name in sorted(p.name for p in CORPUS.glob("ch*.md"))[::6]:
+        text = _corpus_chapter(name)
+        first = chunk_structure(text)
+        previous = [(c.start, c.content) for c in first]
+        heads = [m.span() for m in re.finditer(r"(?m)^#{2,6} [^\n]*\n", text)]
+        for head, at in heads[:8]:
+            edited = text[:at] + "\nA sentence the test inserts first. " + text[at:]
+            fresh = _heading_starts(chunk_structure(edited))
+            sticky = _heading_starts(chunk_structure(edited, previous=previous))
+            if head in fresh:
+                assert sticky.get(head) == fresh[head], (name, edited[head:at])
+                checked += 1
+    assert checked >= 30
+
+
+NOTE = (
+    """# Guide
+
+Intro text about the guide. """
+    + "Ownership is a set of rules. " * 8
+    + """
+
+## Borrowing
+
+"""
+    + "A reference is like a pointer. " * 12
+    + """
+
+## Slices
+
+"""
+    + "Slices let you reference a contiguous sequence. " * 8
+    + """
+"""
+)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda t: t.replace("## Slices\n\n", "## Slices\n\nA sentence inserted first. "),
+        lambda t: t.replace("## Slices", "## String slices"),
+        lambda t: t.replace(
+            "## Slices", "### Mutable references\n\n" + "Only one. " * 20 + "\n\n## Slices"
+        ),
+    ],
+    ids=["sentence-inserted", "heading-renamed", "subsection-added"],
+)
+def test_a_heading_edited_or_added_is_cut_as_fresh_chunking_cuts_it(edit):
+    first = chunk_structure(NOTE, target=300)
+    edited = edit(NOTE)
+    fresh = chunk_structure(edited, target=300)
+    sticky = chunk_structure(edited, previous=[(c.start, c.content) for c in first], target=300)
+    for m in re.finditer(r"(?m)^#{2,6} ", edited):
+        if m.start() in _heading_starts(fresh):
+            assert _heading_starts(sticky).get(m.start()) == _heading_starts(fresh)[m.start()]
+    assert {c.headings for c in sticky} == {c.headings for c in fresh}
 
 
 def test_a_chunk_near_the_maximum_that_grows_stays_one_new_chunk():

@@ -176,3 +176,31 @@ def test_kidx_status_counts_the_items_that_fell_back_apart(db, embedder, chat, s
     run(db, embedder, None, add_item(db, kind="note", title="No model", content=TEXT))
     run(db, embedder, chat, add_item(db, kind="note", title="Asked", content=TEXT))
     assert summary(db)["by_chunk_method"] == {"llm": 1, "structure": 1, "structure (fell back)": 1}
+
+
+def test_a_fallback_after_the_model_s_chunks_cuts_by_structure_not_at_the_model_s_cuts(
+    db, embedder, chat, standin
+):
+    """An item the chunk model cut, edited, then run while the model is down: the structural
+    chunker was given the model's chunks as the previous version's and kept their cuts (2
+    chunks across 4 headings came back as 2): it cuts as structure does now."""
+    from worker.chunking import chunk_structure
+    from worker.store.items import update_content
+
+    item = add_item(db, kind="note", title="Slices", content=TEXT)
+    assert run(db, embedder, chat, item).chunk_method == "llm"
+    by_model = db.all(
+        "SELECT start_offset, end_offset FROM note_chunks WHERE item_id = ? ORDER BY chunk_index",
+        (item,),
+    )
+    edited = TEXT.replace("\n\n", "\n\nAn edit. ", 1)
+    update_content(db, item, edited)
+    standin.chat.fail_status = 503
+    result = run(db, embedder, chat, item)
+    assert result.chunk_method == "structure" and "HTTP 503" in result.fallback
+    spans = db.all(
+        "SELECT start_offset, end_offset FROM note_chunks WHERE item_id = ? ORDER BY chunk_index",
+        (item,),
+    )
+    assert spans == [(c.start, c.end) for c in chunk_structure(edited)]
+    assert spans != by_model

@@ -261,8 +261,9 @@ class _Plan:
     def keep_previous(
         self, previous: Sequence[tuple[int, str]], cuts: list[int]
     ) -> tuple[list[int], set[int]]:
-        """The previous version's cuts, where they can still be found, plus `cuts` only where a
-        region between them has grown past the maximum; and the cuts kept.
+        """The previous version's cuts, where they can still be found, plus those of `cuts` at
+        a heading, and the others only where a region between them has grown past the maximum;
+        and the cuts kept.
 
         `previous` is the old chunks as (start offset, content). Each old chunk's start is looked
         up by its first characters, at the occurrence nearest to where the shift so far puts it
@@ -293,7 +294,10 @@ class _Plan:
             shift, last = p - old_start, p
         if not kept:
             return cuts, set()
-        result = set(kept)
+        # A heading is always a cut where the text as it is now makes one: an edit under a
+        # heading (its chunk's opening no longer found) or a heading added or renamed left a
+        # kept region running across it, under the heading path of the one before.
+        result = set(kept).union(x for x in cuts if x in self.heading_set)
         bounds = [self.first, *kept, self.last]
         for a, c in itertools.pairwise(bounds):
             s, e = self._trim(a, c)

@@ -41,14 +41,18 @@ class Prose(Indexer):
                 deadline=options.chunk_deadline,
             )
         # (only a hint for where to cut: a host's row of another type is left out, its bytes
-        # are read as text to show; and only when it was cut at this run's target, else a new
-        # target never took effect on an item already indexed)
+        # are read as text to show; only when it was cut at this run's target, else a new
+        # target never took effect on an item already indexed; and only chunks cut by
+        # structure: the chunk model's cuts, kept by a run that fell back, are not structure's)
         previous = (
             [
                 (start, shown(content))
                 for start, content in db.all(
                     "SELECT start_offset, CAST(content AS BLOB) FROM note_chunks "
-                    "WHERE item_id = ? AND typeof(start_offset) = 'integer' ORDER BY chunk_index",
+                    "WHERE item_id = ?1 AND typeof(start_offset) = 'integer' AND NOT EXISTS "
+                    "(SELECT 1 FROM note_chunks WHERE item_id = ?1 "
+                    "AND CAST(method AS BLOB) IS NOT CAST('structure' AS BLOB)) "
+                    "ORDER BY chunk_index",
                     (item.id,),
                 )
             ]
