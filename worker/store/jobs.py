@@ -105,6 +105,16 @@ def record_start(
     record_starts(db, [(task_id, item_id)], task_name, batch_id, reason, attempt=attempt)
 
 
+# A row met again is the same run redelivered (or the row its send wrote) only when it names
+# the same task, item and batch: a host that gives a task id twice (its own ids, or none,
+# which a run reads as "None") starts another run under the old row, which kept the old item
+# and batch, and `counted` from the old run: the new run was never counted in its batch.
+_SAME_RUN = (
+    "index_jobs.task_name IS excluded.task_name AND index_jobs.item_id IS excluded.item_id "
+    "AND index_jobs.batch_id IS excluded.batch_id"
+)
+
+
 def record_starts(
     db: Database,
     runs: list[tuple[str, int | None]],
@@ -115,7 +125,8 @@ def record_starts(
     attempt: int = 0,
 ) -> None:
     """Runs start (a group's: one row for each (job id, item id)), in one transaction; a row
-    met again after a redelivery is reset; an earlier attempt that never started ends
+    met again after a redelivery is reset (and takes this run's task, item and batch: a task
+    id given twice); an earlier attempt that never started ends
     (`_close_unstarted`)."""
     with named_refusals(db), db.atomic():
         _close_unstarted(db, [job_id for job_id, _ in runs], attempt)
@@ -124,7 +135,9 @@ def record_starts(
             f"reason, started_at) VALUES (?, ?, ?, ?, ?, 'started', ?, {NOW}) "
             "ON CONFLICT(task_id, attempt) DO UPDATE SET state = 'started', "
             "started_at = excluded.started_at, finished_at = NULL, duration_ms = NULL, "
-            "error = NULL",
+            f"error = NULL, counted = CASE WHEN {_SAME_RUN} THEN counted ELSE 0 END, "
+            "task_name = excluded.task_name, item_id = excluded.item_id, "
+            "batch_id = excluded.batch_id, reason = excluded.reason",
             [(job_id, attempt, task_name, item_id, batch_id, reason) for job_id, item_id in runs],
         )
 
