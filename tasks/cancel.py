@@ -33,7 +33,7 @@ from celery import current_app, signals
 from celery.utils.functional import maybe_list
 from celery.worker import control
 
-from tasks import GROUP, KNOWLEDGE_ITEM, NOTE
+from tasks import GROUP, KNOWLEDGE_ITEM, NOTE, attempt_of
 from tasks.redis_at import redis_at
 from worker.errors import Cancelled, KidxError
 from worker.log import get_logger
@@ -210,7 +210,6 @@ def _discarded(
     if terminated or request is None or name not in INDEXING_TASKS:
         return
     task_id = str(request.id)
-    attempt = 0 if name == GROUP else int(getattr(request, "retries", 0) or 0)
     if expired:
         error, status = "not run: its task expired before it started", Status.FAILED
     else:
@@ -218,6 +217,7 @@ def _discarded(
     settings = getattr(getattr(sender, "app", None) or current_app, "kidx_settings", None)
     if settings is None:
         return
+    attempt = 0 if name == GROUP else attempt_of(getattr(request, "retries", 0))
     try:
         # A connection of its own, not a runtime's (no providers in the main process), and
         # not kept open: the main process forks the pool's processes.

@@ -32,6 +32,7 @@ from tasks.run import (
     backoff,
     bad_arguments,
     bare_result,
+    bind_arguments,
     retry_busy,
     stored_reason,
     valid_batch,
@@ -39,6 +40,7 @@ from tasks.run import (
 from tasks.runtime import Runtime, runtime
 from worker.errors import IndexAborted, KidxError
 from worker.log import KI_EMBED, get_logger
+from worker.settings import GROUP_SIZE_MAX
 from worker.store.items import valid_item_id
 from worker.store.jobs import (
     JobState,
@@ -53,27 +55,30 @@ log = get_logger("kidx.tasks")
 
 
 @shared_task(name=GROUP, bind=True, throws=(IndexFailed,))
-def index_group(
-    self: Task,
-    item_ids: list[int] | None = None,
-    reason: str | None = None,
-    batch_id: int | None = None,
-    structure_only: bool = False,
-    *extra: Any,
-    **unknown: Any,
-) -> dict[str, Any]:
-    """Index a bulk run's items together."""
+def index_group(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Index a bulk run's items together: (item_ids, reason=None, batch_id=None,
+    structure_only=False)."""
+    given = bind_arguments("item_ids", args, kwargs)
+    item_ids, reason, batch_id, structure_only = given[:4]
     started = time.monotonic()
     task_id = str(self.request.id)
     structlog.contextvars.bind_contextvars(task_id=task_id)
     cancellation.reset()
     try:
         rt = runtime(self.app)
-        listed = isinstance(item_ids, list) and bool(item_ids) and all(map(valid_item_id, item_ids))
+        # A host's list of a million ids wrote a million job rows in one transaction (9 s of
+        # every writer waiting) before anything looked at its length.
+        many = isinstance(item_ids, list) and len(item_ids) > GROUP_SIZE_MAX
+        listed = (
+            isinstance(item_ids, list)
+            and not many
+            and bool(item_ids)
+            and all(map(valid_item_id, item_ids))
+        )
         if listed:
-            problem = bad_arguments(
-                rt, item_ids[0], reason, batch_id, structure_only, extra, unknown
-            )
+            problem = bad_arguments(rt, item_ids[0], reason, batch_id, structure_only, *given[4:])
+        elif many:
+            problem = f"a group takes at most {GROUP_SIZE_MAX} items, not {len(item_ids)}"
         else:
             shown = repr(item_ids)[:80]
             problem = f"the item ids must be a list of 64-bit integers, not {shown}"

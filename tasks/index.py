@@ -24,13 +24,16 @@ from tasks import cancel as cancellation
 from tasks.group import kept_batch
 from tasks.run import (
     BUSY,
+    Arguments,
     IndexFailed,
     Run,
     backoff,
     bad_arguments,
     bare_result,
+    bind_arguments,
     retry_busy,
     retry_task,
+    sane_attempt,
     stored_reason,
 )
 from tasks.runtime import close_runtime, runtime
@@ -43,34 +46,17 @@ log = get_logger("kidx.tasks")
 
 
 @shared_task(name=NOTE, bind=True, throws=(IndexFailed,))
-def generate_embedding(
-    self: Task,
-    item_id: int | None = None,
-    reason: str | None = None,
-    batch_id: int | None = None,
-    structure_only: bool = False,
-    *extra: Any,
-    **unknown: Any,
-) -> dict[str, Any]:
-    """Index a note."""
-    return start(
-        self, item_id, reason, batch_id, structure_only, frozenset({"note"}), extra, unknown
-    )
+def generate_embedding(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Index a note: (item_id, reason=None, batch_id=None, structure_only=False)."""
+    return start(self, bind_arguments("item_id", args, kwargs), frozenset({"note"}))
 
 
 @shared_task(name=KNOWLEDGE_ITEM, bind=True, throws=(IndexFailed,))
-def generate_knowledge_item_embedding(
-    self: Task,
-    item_id: int | None = None,
-    reason: str | None = None,
-    batch_id: int | None = None,
-    structure_only: bool = False,
-    *extra: Any,
-    **unknown: Any,
-) -> dict[str, Any]:
-    """Index a file, URL or code item."""
+def generate_knowledge_item_embedding(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Index a file, URL or code item: (item_id, reason=None, batch_id=None,
+    structure_only=False)."""
     kinds = frozenset({"file", "url", "code"})
-    return start(self, item_id, reason, batch_id, structure_only, kinds, extra, unknown)
+    return start(self, bind_arguments("item_id", args, kwargs), kinds)
 
 
 class SingleRun(Run):
@@ -104,18 +90,10 @@ class SingleRun(Run):
         return next(iter(self.failures.values()), "the run failed")
 
 
-def start(
-    task: Task,
-    item_id: int,
-    reason: str | None,
-    batch_id: int | None,
-    structure_only: bool,
-    kinds: frozenset[str],
-    extra: tuple[Any, ...] = (),
-    unknown: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def start(task: Task, given: Arguments, kinds: frozenset[str]) -> dict[str, Any]:
     started = time.monotonic()
-    task_id, attempt = str(task.request.id), int(task.request.retries or 0)
+    item_id, reason, batch_id, structure_only = given[:4]
+    task_id = str(task.request.id)
     valid = valid_item_id(item_id)
     structlog.contextvars.bind_contextvars(
         task_id=task_id, item_id=item_id if valid else f"{item_id!r:.60}"
@@ -123,7 +101,8 @@ def start(
     cancellation.reset()
     try:
         rt = runtime(task.app)
-        problem = bad_arguments(rt, item_id, reason, batch_id, structure_only, extra, unknown)
+        attempt = sane_attempt(task)
+        problem = bad_arguments(rt, item_id, reason, batch_id, structure_only, *given[4:])
         if problem is not None:  # recorded without what cannot be stored (a batch that is not one)
             batch_id, reason = kept_batch(rt, batch_id), stored_reason(reason)
         try:

@@ -18,13 +18,13 @@ import contextlib
 import math
 import random
 import time
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import apsw
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
 
-from tasks import TASK_FOR_KIND, metrics
+from tasks import TASK_FOR_KIND, attempt_of, metrics
 from tasks.cancel import TERMINATED, CancelToken, running
 from tasks.lock import LockSet
 from tasks.producer import enqueue, send_group
@@ -87,7 +87,7 @@ class Run:
     ) -> None:
         self.task, self.rt, self.settings = task, rt, rt.settings
         self.task_id = str(task.request.id)
-        self.attempt = int(task.request.retries or 0)
+        self.attempt = sane_attempt(task)
         self.ids = list(dict.fromkeys(item_ids))  # an item once, whatever was sent
         self.reason, self.batch_id, self.structure_only = reason, batch_id, structure_only
         self.started = started
@@ -493,6 +493,37 @@ def stored_reason(reason: object) -> str | None:
     return reason[:200] or None
 
 
+class Arguments(NamedTuple):
+    """A task's arguments as a message gave them, positional or by name (`bind_arguments`)."""
+
+    first: Any  # the item id, or a group's list of them
+    reason: Any
+    batch_id: Any
+    structure_only: Any
+    extra: tuple[Any, ...]  # positional ones past the fourth
+    unknown: dict[str, Any]  # names the task does not take
+    twice: list[str]  # names given both by position and by name
+
+
+def bind_arguments(first: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Arguments:
+    """Bind a message's arguments as Python would, without its TypeError: the tasks take
+    `*args, **kwargs`, so that an argument given twice, or one named `self`, is refused by
+    `bad_arguments` with a job row, not by Python before any kidx code ran."""
+    names = (first, "reason", "batch_id", "structure_only")
+    given = dict(zip(names, args, strict=False))
+    twice = [name for name in kwargs if name in given]
+    given.update((k, v) for k, v in kwargs.items() if k in names and k not in given)
+    return Arguments(
+        given.get(first),
+        given.get("reason"),
+        given.get("batch_id"),
+        given.get("structure_only", False),
+        tuple(args[len(names) :]),
+        {k: v for k, v in kwargs.items() if k not in names},
+        twice,
+    )
+
+
 def bad_arguments(
     rt: Runtime,
     item_id: object,
@@ -501,6 +532,7 @@ def bad_arguments(
     structure_only: object,
     extra: tuple[Any, ...] = (),
     unknown: dict[str, Any] | None = None,
+    twice: list[str] | None = None,
 ) -> str | None:
     """What is wrong with a task's arguments (a host may send anything a JSON message
     holds), in one line; None when they are fine. Arguments the task does not take are
@@ -509,6 +541,9 @@ def bad_arguments(
         return f"the item id must be a 64-bit integer, not {item_id!r:.60}"
     if extra:
         return f"the task takes at most 4 arguments, not {4 + len(extra)}"
+    if twice:
+        names = ", ".join(repr(name) for name in sorted(twice))
+        return f"task argument {names:.120} given both by position and by name"
     if unknown:
         names = ", ".join(repr(name) for name in sorted(unknown))
         return f"unknown task argument {names:.120}"
@@ -547,12 +582,20 @@ def backoff(rt: Runtime, attempt: int, retry_after: float | None) -> float:
     return min(longest_countdown(t), max(delay, asked, 0.0))
 
 
+def sane_attempt(task: Task) -> int:
+    """The run's attempt (`attempt_of`), written back into its request: Celery's retry counts
+    on from there."""
+    attempt = attempt_of(task.request.retries)
+    task.request.retries = attempt
+    return attempt
+
+
 def retry_busy(task: Task, rt: Runtime, error: Exception) -> NoReturn:
     """The database stayed locked past the busy timeout as the run was to be recorded (a
     host's long transaction, a rebuild): nothing was written, so the task goes again later,
     as Celery's retry (with the backoff, up to `max_retries`), rather than fail unrecorded
     with its job row left `queued` and its batch waiting."""
-    attempt = int(task.request.retries or 0)
+    attempt = sane_attempt(task)
     message = f"the database was locked when the run started ({type(error).__name__}: {error})"
     if attempt >= rt.settings.tasks.max_retries:
         log.error(f"{KI_EMBED} failed", reason=message, retries=attempt)

@@ -40,6 +40,7 @@ from stack import (
     start_flower,
     wait_for,
 )
+from tasks import GROUP, NOTE
 from tasks.producer import enqueue
 from worker.chunking import text_hash
 from worker.store.items import add_item
@@ -213,6 +214,17 @@ def hostile_cases(s: FaultStack, root: Path) -> list[Case]:
         colour="red",
     )
     task("an unknown task", "NoSuchTask", "NoSuchTask", 1)
+    # Bound by Python, these failed with its TypeError before any kidx code ran: no job row.
+    twice = "'item_id' given both by position and by name"
+    task("an argument given twice", twice, "GenerateEmbedding", cases[0].item, item_id=1)
+    task("a group of 1,001 items", "at most 1000 items, not 1001", GROUP, list(range(1, 1002)))
+    # Celery's `retries` header, as a host's message may set it: int("abc") raised before the
+    # run was recorded, 10**30 could not be stored, -1000 retried a thousand times more.
+    for junk in ("abc", [1], 10**30, -1000):
+        text = paragraph(rng, f"retries{len(cases)}", 900)
+        item = add_item(s.db, kind="note", title=f"retries {junk!r:.20}", content=text)
+        sent = s.app.send_task(NOTE, args=[item], retries=junk).id
+        cases.append(Case(f"a retries header of {junk!r:.20}", "indexed", "", item, sent, text))
     marker = root.parent / "pickle-ran"
     pickled = send_pickle(url, "GenerateEmbedding", [cases[2].item], {"reason": Opener(marker)})
     cases.append(

@@ -361,3 +361,28 @@ def test_adding_a_file_again_with_a_title_takes_the_title(stack: Stack) -> None:
         ids.append(int(ran.stdout.split()[0]))
     assert ids[0] == ids[1]
     assert stack.db.scalar("SELECT title FROM knowledge_items WHERE id = ?", (ids[0],)) == "New"
+
+
+def test_a_retries_header_of_any_value_is_a_count_within_bounds() -> None:
+    """Celery's `retries` header as a host's message may set it: what is no count is 0, a
+    negative count 0 (from -1000, Celery's retry went on a thousand times), a count past the
+    largest KIDX_TASKS__MAX_RETRIES that largest (10**30 could not be stored)."""
+    from tasks import attempt_of
+    from worker.settings import RETRIES_MAX
+
+    for junk in ("abc", "3", [1], None, 1.0, True, {"n": 1}):
+        assert attempt_of(junk) == 0, junk
+    assert attempt_of(-1000) == 0
+    assert attempt_of(10**30) == RETRIES_MAX
+    assert [attempt_of(n) for n in range(4)] == [0, 1, 2, 3]
+
+
+def test_task_arguments_are_bound_as_python_binds_them_and_what_it_refuses_is_named() -> None:
+    from tasks.run import bind_arguments
+
+    given = bind_arguments("item_id", (7, "why"), {"batch_id": 3, "colour": "red"})
+    assert given == (7, "why", 3, False, (), {"colour": "red"}, [])
+    twice = bind_arguments("item_id", (7,), {"item_id": 8, "structure_only": True})
+    assert (twice.first, twice.structure_only, twice.twice) == (7, True, ["item_id"])
+    extra = bind_arguments("item_ids", ([1], None, None, False, "x"), {})
+    assert extra.extra == ("x",) and extra.first == [1]

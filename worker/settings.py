@@ -383,13 +383,17 @@ class ChunkSettings(HTTPProviderSettings):
     _model = field_validator("model", mode="before")(_stripped)
 
 
+RETRIES_MAX = 100  # a task's retries at most (KIDX_TASKS__MAX_RETRIES)
+GROUP_SIZE_MAX = 1000  # a group task's items at most (KIDX_TASKS__GROUP_SIZE)
+
+
 class TaskSettings(_Section):
     """The queue's reliability knobs (`KIDX_TASKS__*`), checked against each other at start."""
 
     soft_time_limit: int = Field(default=600, gt=0, le=MONTH)  # seconds; cancelled cleanly
     time_limit: int = Field(default=660, gt=0, le=MONTH)  # seconds; the process is killed
     visibility_timeout: int = Field(default=3600, gt=0, le=MONTH)  # must exceed time_limit
-    max_retries: int = Field(default=5, ge=0, le=100)
+    max_retries: int = Field(default=5, ge=0, le=RETRIES_MAX)
     retry_backoff: float = Field(default=2.0, ge=0, le=MONTH)  # first retry after about this
     retry_backoff_max: float = Field(default=300.0, ge=0, le=MONTH)
     # Renewed every third of it while a task runs; below time_limit, so that the lock of a run
@@ -399,7 +403,7 @@ class TaskSettings(_Section):
     # Items a bulk run (reindex, sweeps) gives one task at most, their texts sharing embedding
     # requests; 1: one task an item. A group starts no item after half the soft time limit:
     # the rest go on in a group of their own.
-    group_size: int = Field(default=128, ge=1, le=1000)
+    group_size: int = Field(default=128, ge=1, le=GROUP_SIZE_MAX)
     concurrency: int = Field(default=2, ge=1, le=256)
     # A pool process is replaced after this many tasks, or once it ends a task above this many
     # MB resident (0: never): the local model alone is about 350 MB, and what a 20 MB note
