@@ -33,6 +33,7 @@ from worker.sources.urls import check_url, safe_url
 from worker.store import Database
 from worker.store.items import add_item, check_item_id, get_item
 from worker.store.jobs import (
+    BATCH_KINDS,
     abort_batch,
     create_batch,
     forget_queued,
@@ -85,8 +86,11 @@ def _check_countdown(app: Celery, countdown: object) -> None:
         if settings is not None
         else 365 * 86400.0  # no visibility timeout known: at most a year (no overflow)
     )
-    if not (math.isfinite(countdown) and 0 <= countdown <= longest):
-        raise InvalidInput(f"countdown must be from 0 to {longest:g} seconds, not {countdown!r}")
+    # compared first: an int past a float's range (10**400) is no float for isfinite
+    if not (0 <= countdown <= longest and math.isfinite(countdown)):
+        raise InvalidInput(
+            f"countdown must be from 0 to {longest:g} seconds, not {countdown!r:.60}"
+        )
 
 
 def _check_flag(structure_only: object) -> None:
@@ -367,8 +371,10 @@ def send_batch(
     ids = list(dict.fromkeys(map(check_item_id, item_ids)))
     if not ids:
         raise InvalidInput("a batch needs at least one item")
-    if not isinstance(kind, str) or not kind:
-        raise InvalidInput(f"the batch's kind must be a word, not {kind!r:.60}")
+    if kind not in BATCH_KINDS:  # (the table's CHECK, as a clear error before any write)
+        raise InvalidInput(
+            f"the batch's kind must be one of {', '.join(BATCH_KINDS)}, not {kind!r:.60}"
+        )
     _check_reason(reason)
     if group_size is not None and (type(group_size) is not int or group_size < 1):
         raise InvalidInput(f"group_size must be a positive integer, not {group_size!r:.60}")
@@ -523,6 +529,8 @@ def add_file(
     name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
     if not isinstance(name, str) or not name:
         raise InvalidInput(f"the file's path must be a non-empty str or Path, not {path!r:.60}")
+    if "\0" in name:  # no file has one: resolve() raised ValueError
+        raise InvalidInput(f"the file's path holds a NUL character: {name!r:.80}")
     _check_title(title)
     source = str(Path(name).resolve())
     item_id = add_item(db, kind="file", title=title or Path(name).name, content="", source=source)

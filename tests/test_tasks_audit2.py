@@ -173,10 +173,25 @@ def test_the_producer_refuses_what_its_tasks_refuse_before_writing_anything(
         ),
         (InvalidInput, "non-empty", lambda: producer.add_file(db, "", app=app)),
         (InvalidInput, "non-empty", lambda: producer.add_url(db, None, app=app)),
+        # raised as apsw's CHECK failure, OverflowError, ValueError (a second audit)
+        (
+            InvalidInput,
+            "kind must be one of reindex, reconcile, retry, not 'foo'",
+            lambda: producer.send_batch(db, [note], app=app, kind="foo"),
+        ),
+        (
+            InvalidInput,
+            "kind must be one of",
+            lambda: producer.send_batch(db, [note], app=app, kind="re\ud800"),
+        ),
+        (InvalidInput, "countdown", lambda: producer.enqueue(db, note, app=app, countdown=10**400)),
+        (InvalidInput, "NUL", lambda: producer.add_file(db, str(tmp_path / "a\0b"), app=app)),
+        (InvalidInput, "not a valid URL", lambda: producer.add_url(db, "http://x/\ud800", app=app)),
     ]
     for error, words, call in bad:
-        with pytest.raises(error, match=words):
+        with pytest.raises(error, match=words) as raised:
             call()
+        str(raised.value).encode()  # text that can be printed and logged (no lone surrogate)
     assert counts(db) == before
     assert db.scalar("SELECT count(*) FROM knowledge_items") == items
 

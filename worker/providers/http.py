@@ -186,7 +186,10 @@ def read_body(response: httpx.Response, limit: int) -> bytes:
 
 
 def safe_url(url: str) -> str:
-    """The URL with any credentials in it masked: what may be shown, stored and logged."""
+    """The URL with any credentials in it masked, and a lone surrogate in it U+FFFD (a
+    message holding one could not be printed, logged or stored as UTF-8): what may be shown,
+    stored and logged."""
+    url = without_lone_surrogates(url)
     try:
         parts = urlsplit(url)
         if "@" not in parts.netloc:

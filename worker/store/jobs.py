@@ -256,6 +256,9 @@ BATCH_COLUMNS = (
 )
 
 
+BATCH_KINDS = ("reindex", "reconcile", "retry")  # index_batches.kind (its CHECK)
+
+
 def create_batch(db: Database, kind: str, total: int) -> int:
     with db.atomic():
         return int(
