@@ -581,6 +581,7 @@ def test_a_failure_of_the_task_layer_has_its_ki_embed_line(rt) -> None:
     """The seed: failure reasons under the [KI Embed] prefix, for what fails before the engine
     runs too (the engine logs its own): the wrong task for the item's kind, bad arguments."""
     from tasks.index import start
+    from tasks.run import bind_arguments
 
     item = add_item(rt.db, kind="file", title="f.md", content="", source="/nowhere/f.md")
     run, _ = single(rt, item)  # GenerateEmbedding: notes only
@@ -591,7 +592,7 @@ def test_a_failure_of_the_task_layer_has_its_ki_embed_line(rt) -> None:
     rt.app.kidx_runtime = rt  # type: ignore[attr-defined]
     task = FakeTask(rt.app, NOTE)  # type: ignore[attr-defined]
     with structlog.testing.capture_logs() as logs, pytest.raises(IndexFailed):
-        start(task, "abc", None, None, False, frozenset({"note"}))  # type: ignore[arg-type]
+        start(task, bind_arguments("item_id", ("abc",), {}), frozenset({"note"}))
     refused = [e for e in logs if e["event"] == "[KI Embed] refused"]
     assert refused and "the item id must be a 64-bit integer" in refused[0]["reason"]
 
