@@ -69,8 +69,8 @@ class Chunk(NamedTuple):
         if self.summary:
             head.append(clip(self.summary, context))
         body = self.content
-        if self.fence_open:
-            body = f"{self.fence_open}\n{body}"
+        if self.fence_open:  # (its info string cut too: a 300 KB one went into every part)
+            body = f"{clip(self.fence_open, context)}\n{body}"
         if self.fence_close:
             body = f"{body}\n{self.fence_close}"
         return "\n".join(head) + "\n\n" + body if head else body

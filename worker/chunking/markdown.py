@@ -113,13 +113,36 @@ def _atx_title(raw: str) -> str:
     return clip_title(title)
 
 
-def _setext_title(para: str) -> str | None:
-    """The title a setext underline makes of the paragraph `para` above it; None when that is
-    too long to be a title (`SETEXT_MAX_CHARS`, `SETEXT_MAX_LINES`)."""
-    para = para.rstrip()
-    if len(para) > SETEXT_MAX_CHARS or len(re.findall(_EOL, para)) >= SETEXT_MAX_LINES:
+_THEMATIC_BREAK = re.compile(r" {0,3}([*_])[ \t]*(?:\1[ \t]*){2,}")
+_EOL_SPLIT = re.compile(_EOL)
+
+
+def _setext_heading(text: str, para_start: int, start: int) -> tuple[int, str] | None:
+    """Where the heading a setext underline at `start` makes of the paragraph text above it
+    (from `para_start`) starts, and its title; None when that text is no title: too long
+    (`SETEXT_MAX_CHARS`, `SETEXT_MAX_LINES`: looked at without copying it, as a text of many
+    underlines under one long paragraph asks again and again), or holding a line that is a
+    list item, a quote or a table row (a paragraph ends there: `Intro:` over `- one` is no
+    title), or indented as code. A thematic break (`***`) ends the paragraph above it."""
+    end = start
+    while end > para_start and text[end - 1].isspace():  # (the last line's own end only)
+        end -= 1
+    if end - para_start > SETEXT_MAX_CHARS:
         return None
-    return clip_title(" ".join(para.split()))
+    para = text[para_start:end]
+    lines = _EOL_SPLIT.split(para) if "\n" in para or "\r" in para else [para]
+    for k in range(len(lines) - 1, -1, -1):
+        if _THEMATIC_BREAK.fullmatch(lines[k]):
+            after = [m.end() for m in _EOL_SPLIT.finditer(para)][k]
+            para_start, para, lines = para_start + after, para[after:], lines[k + 1 :]
+            break
+    if not lines or len(lines) > SETEXT_MAX_LINES:
+        return None
+    first = lines[0].expandtabs(4)
+    if any(NOT_SETEXT.match(line) for line in lines) or len(first) - len(first.lstrip(" ")) > 3:
+        return None
+    title = " ".join(para.lstrip("\ufeff").split())  # (a byte order mark is no text)
+    return (para_start, clip_title(title)) if title else None
 
 
 def _next_line(text: str, end: int) -> int:
@@ -188,6 +211,7 @@ def scan(text: str) -> Layout:
             edges.append(prev_next)
 
     lines = list(_block_lines(text))
+    ahead: _Ahead | None = None
     for i, (start, end, m) in enumerate(lines):
         if start < skip_to:
             continue
@@ -205,7 +229,9 @@ def scan(text: str) -> Layout:
             if marker[0] == "`" and "`" in m["info"]:
                 continue  # ```inline code``` on a line of its own, not a fence
             lead = _lead(m)
-            if (lead.strip() or _width(lead) > 3) and not _closed_ahead(lines, i):
+            if (lead.strip() or _width(lead) > 3) and not _closed_ahead(
+                lines, i, ahead := ahead or _Ahead(lines)
+            ):
                 continue  # an indented code block's line, or an item's line that only says ```
             fence_start, opener = start, m
             open_line = text[start:end]
@@ -217,16 +243,18 @@ def scan(text: str) -> Layout:
         elif kind == "setext":  # a heading only if it directly follows paragraph text
             k = bisect_right(blank_ends, start) - 1
             para_start = max(blank_ends[k] if k >= 0 else 0, prev_next)
+            dashes = text[start:end].lstrip()[0] == "-"
             if (
                 prev_next != start
                 and (k < 0 or blank_ends[k] != start)
                 and start > para_start
-                and not NOT_SETEXT.match(text, para_start)
-                and (title := _setext_title(text[para_start:start])) is not None
+                and (found := _setext_heading(text, para_start, start)) is not None
             ):
-                heading_pos.append(para_start)
-                heading_level.append(1 if text[start:end].lstrip()[0] == "=" else 2)
-                heading_title.append(title)
+                heading_pos.append(found[0])
+                heading_level.append(2 if dashes else 1)
+                heading_title.append(found[1])
+                prev_next = _next_line(text, end)
+            elif dashes:  # no underline: a thematic break, which ends the paragraph above
                 prev_next = _next_line(text, end)
         else:  # ATX heading (`kind` is "atx" or "title")
             heading_pos.append(start)
@@ -266,26 +294,56 @@ def _closes(opener: re.Match[str], m: re.Match[str]) -> bool:
     return _width(lead) <= 3
 
 
-def _closed_ahead(lines: list[tuple[int, int, re.Match[str]]], i: int) -> bool:
+class _Ahead:
+    """Where `_closed_ahead` looks, found once for all of a text's block lines (made on the
+    first fence line that needs it): for each line, the next line that may close a fence of
+    each character (the marker alone, after nothing but indentation and quotes' markers), and
+    the next heading (or underline, or HTML) indented less than 1, 2, 3 or 4+ columns."""
+
+    def __init__(self, lines: list[tuple[int, int, re.Match[str]]]) -> None:
+        n = len(lines)
+        self.closer = {"`": [n] * n, "~": [n] * n}
+        self.stop = [[n] * n for _ in range(5)]  # by the fence's column, 1 to 4 (4: 4 or more)
+        for k in range(n - 2, -1, -1):
+            m = lines[k + 1][2]
+            for nxt in self.closer.values():
+                nxt[k] = nxt[k + 1]
+            for nxt in self.stop:
+                nxt[k] = nxt[k + 1]
+            if m.lastgroup == "info":
+                if not m["info"].strip() and not _lead(m).replace(">", "").strip():
+                    self.closer[m["marker"][0]][k] = k + 1
+                continue
+            line = m.group(0).lstrip("\r\n").expandtabs(4)
+            for col in range(len(line) - len(line.lstrip()) + 1, 5):
+                self.stop[col][k] = k + 1
+
+
+def _closed_ahead(lines: list[tuple[int, int, re.Match[str]]], i: int, ahead: _Ahead) -> bool:
     """Whether the fence line `lines[i]`, one indented 4 or more (a nested list item's fence,
     or an indented code block's text) or after a list item's or a quote's marker, has its
     closing line before the next line less indented that is not a fence (a heading: the item
     ended there). Else it opens nothing: a lone indented ``` line, as a text on Markdown shows
-    one, or an item's line that only mentions ```, never hides every heading after it. The
-    look ends at the next line of the same fence character too, whether it closes or not: a
-    search to the text's end from each of many such lines would be quadratic."""
+    one, or an item's line that only mentions ```, never hides every heading after it. Lines
+    of the same character that cannot close it (an info string, a list marker: skipped by
+    `_Ahead`; a shorter marker: a fence inside the fence) are passed over, at most
+    `LOOK_AHEAD` of them: from each of many such lines, a search on to the text's end would
+    be quadratic."""
     opener = lines[i][2]
-    col = _width(_lead(opener))
-    for k in range(i + 1, len(lines)):  # (a slice would copy the rest of the list each time)
-        m = lines[k][2]
-        if m.lastgroup != "info":
-            line = m.group(0).lstrip("\r\n").expandtabs(4)
-            if len(line) - len(line.lstrip()) < col:
-                return False
-            continue
-        if m["marker"][0] == opener["marker"][0]:
-            return _closes(opener, m)
+    stop = ahead.stop[min(_width(_lead(opener)), 4)][i]
+    closer = ahead.closer[opener["marker"][0]]
+    k = closer[i]
+    for _ in range(LOOK_AHEAD):
+        if k >= stop:
+            return False
+        if _closes(opener, lines[k][2]):
+            return True
+        k = closer[k]
     return False
+
+
+# Lines that look like a fence's close `_closed_ahead` tries, at most, for an indented fence.
+LOOK_AHEAD = 16
 
 
 def _outside(blank_ends: list[int], edges: list[int], fences: list[Fence]) -> list[int]:

@@ -199,6 +199,7 @@ class _Plan:
         big = max_size  # (a part holding a smaller one gives up its overlap: overlap_end)
         self.big_fences = [f for f in lay.fences if f.end - f.start > big]
         self.small_fences = [(f.start, f.end) for f in lay.fences if f.end - f.start <= big]
+        self.fence_starts = [f.start for f in lay.fences]
         self.fitting = self._fitting_sections()
         self._fence_lines: tuple[list[int], list[int]] | None = None
 
@@ -506,6 +507,11 @@ class _Plan:
             m = lines.search(piece)
             if m:
                 piece = piece[: m.start()]
+            # and a fence after a list item's or a quote's marker (the scanner's): its first
+            # lines copied alone were a fence opened and never closed
+            k = bisect_left(self.fence_starts, start)
+            if k < len(self.fence_starts) and self.fence_starts[k] < start + len(piece):
+                piece = piece[: self.fence_starts[k] - start]
         if start + len(piece) < nxt[1] and piece:
             if any(f.start < start < f.end for f in self.big_fences):
                 cut = max(piece.rfind("\n"), piece.rfind("\r"))  # inside code: whole lines
@@ -541,8 +547,17 @@ def fence_context(
         while last > f.start and text[last - 1].isspace():  # after the closing marker
             last -= 1
         if f.start < e < last or (not f.closed and f.start < e):
-            fence_close = f.close_marker
+            fence_close = _close_line(f)
     return fence_open, fence_close
+
+
+def _close_line(f: Fence) -> str:
+    """The line that closes `f` where it is: its marker after the opening line's quote markers
+    and indentation, a list item's marker made spaces (a bare marker at the start of a line
+    would close nothing in a quote, and end a list item's fence only by ending the item)."""
+    at = min(i for i in (f.open_line.find("`"), f.open_line.find("~")) if i >= 0)
+    lead = "".join(c if c in "> \t" else " " for c in f.open_line[:at])
+    return lead + f.close_marker
 
 
 def chunk_structure(
