@@ -2,16 +2,21 @@
 
 The copy is taken in one step, inside one read transaction: a consistent snapshot that writers
 do not wait for (WAL). A backup taken in steps restarts whenever another connection commits
-between two steps, so under steady writes it never ended. The copy is written beside DEST under
-a temporary name and renamed over it once checked: a failed or interrupted backup never leaves
-a partial file at DEST, and never costs the backup that was there.
+between two steps, so under steady writes it never ended. The copy is written beside DEST into
+a temporary file of its own (an unpredictable name, created exclusively, mode 0600) and renamed
+over DEST once checked: a failed or interrupted backup never leaves a partial file at DEST, and
+never costs the backup that was there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import os
+import re
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +28,13 @@ from worker.errors import InvalidInput, StoreError
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SIDE_FILES = ("-journal", "-wal", "-shm")
+PARTIAL = ".partial"
+# What a temporary's name holds besides DEST's (cut to fit): `.`, `.`, a pid of up to 10
+# digits, `.`, mkstemp's 8 random characters and `.partial`.
+PARTIAL_EXTRA = 3 + 10 + 8 + len(PARTIAL)
+# No file by that name: none, or a name too long for one (DEST's -journal, when DEST's own
+# name is near the longest: SQLite could not have made it either).
+NO_SUCH_FILE = (errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG)
 
 
 def _is_sqlite_or_empty(path: Path) -> bool:
@@ -64,18 +76,92 @@ def _dest_type(dest: Path) -> str | None:
     return FILE_TYPES.get(stat.S_IFMT(mode), "something else")
 
 
-def _remove_with_side_files(path: Path) -> None:
-    for p in (path, *(path.with_name(path.name + s) for s in SIDE_FILES)):
-        p.unlink(missing_ok=True)
+def _with_side_files(path: Path) -> list[tuple[str, Path]]:
+    return [("", path), *((s, path.with_name(path.name + s)) for s in SIDE_FILES)]
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The file a name reaches (a link followed), or None if there is none."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno in NO_SUCH_FILE:
+            return None
+        raise InvalidInput(f"cannot look at {path}: {e.strerror or e}") from None
+    return st.st_dev, st.st_ino
+
+
+def _refuse_the_databases_own_files(source: Path, dest: Path) -> None:
+    """DEST and its -journal, -wal and -shm (which a backup deletes) are none of the database's
+    files, by name or by identity: a bind mount or a hard link reaches the same file by another
+    path, and --force then replaced the live database and deleted its -wal and -shm."""
+    by_name: dict[Path, str] = {}
+    by_id: dict[tuple[int, int], str] = {}
+    for suffix, path in _with_side_files(source):
+        by_name[path.resolve()] = suffix  # a -wal SQLite has yet to create is SQLite's too
+        if (ident := _identity(path)) is not None:
+            by_id[ident] = suffix
+    for mine, path in _with_side_files(dest):
+        theirs = by_name.get(path.resolve())
+        if theirs is None and (ident := _identity(path)) is not None:
+            theirs = by_id.get(ident)
+        if theirs is None:
+            continue
+        if mine == theirs == "":
+            raise InvalidInput(f"the backup cannot be the database itself: {dest} is {source}")
+        if mine == "":
+            # An empty WAL passed for a SQLite file one may replace, and SQLite would truncate
+            # the backup written there at its next open.
+            raise InvalidInput(
+                f"{dest} is the database's {theirs} file, SQLite's own: not a backup"
+            )
+        what = "the database" if theirs == "" else f"the database's {theirs} file"
+        raise InvalidInput(f"{path} is {what} ({source}{theirs}): a backup to {dest} deletes it")
+
+
+def _remove_files(path: Path, own: tuple[int, int] | None = None) -> None:
+    """`path` and its side files, never a directory (a leftover one must not stop a backup,
+    nor is it ours to empty); `own`: remove `path` only if it is still that file."""
+    for suffix, p in _with_side_files(path):
+        with contextlib.suppress(OSError):  # what cannot go stays; the backup's error matters
+            st = os.lstat(p)
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if suffix == "" and own is not None and (st.st_dev, st.st_ino) != own:
+                continue
+            p.unlink()
+
+
+def _unlink_if_any(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError as e:
+        if e.errno not in NO_SUCH_FILE:
+            raise
+
+
+def _partial_stem(dest: Path) -> str:
+    """DEST's name as its temporaries' names hold it: cut so that they fit in the folder's
+    longest name (a long DEST failed on its temporary's name, an error naming a hidden file)."""
+    try:
+        name_max = os.pathconf(dest.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    stem = dest.name
+    while stem and len(os.fsencode(stem)) > name_max - PARTIAL_EXTRA:
+        stem = stem[:-1]
+    return stem
 
 
 def _remove_dead_partials(dest: Path) -> None:
     """The temporary files of backups to DEST whose process is gone (SIGKILL, a power cut):
-    named by their pid, so that a backup running now keeps its own."""
-    for p in dest.parent.glob(f".{glob.escape(dest.name)}.*.partial"):
-        pid = p.name[len(dest.name) + 2 : -len(".partial")]
-        if pid.isdigit() and not _alive(int(pid)):
-            _remove_with_side_files(p)
+    their names hold their pid, so that a backup running now keeps its own (`.NAME.PID.partial`
+    is an older kidx's name)."""
+    stem = _partial_stem(dest)
+    name = re.compile(rf"\.{re.escape(stem)}\.(\d+)(?:\.[a-z0-9_]{{8}})?{re.escape(PARTIAL)}")
+    for p in dest.parent.glob(f".{glob.escape(stem)}.*{PARTIAL}"):
+        if (m := name.fullmatch(p.name)) and not _alive(int(m[1])):
+            _remove_files(p)
 
 
 def _alive(pid: int) -> bool:
@@ -86,6 +172,22 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True  # another user's process (or no pid at all: not ours to judge)
     return True
+
+
+def _create_partial(dest: Path) -> tuple[int, Path]:
+    """A new, empty file of our own beside DEST, mode 0600: created exclusively and not through
+    a link, under a name no one can guess (a predictable one let a link put there beforehand
+    turn the backup onto its target, another program's database)."""
+    try:
+        fd, name = tempfile.mkstemp(
+            prefix=f".{_partial_stem(dest)}.{os.getpid()}.", suffix=PARTIAL, dir=dest.parent
+        )
+    except OSError as e:
+        raise StoreError(
+            f"backup failed, nothing written to {dest}: cannot create a file in its folder "
+            f"{dest.parent}: {e.strerror or e}"
+        ) from None
+    return fd, Path(name)
 
 
 def _open_source(source: Path, dest: Path, busy_timeout_ms: int) -> apsw.Connection:
@@ -113,10 +215,15 @@ def _open_source(source: Path, dest: Path, busy_timeout_ms: int) -> apsw.Connect
 
 
 def _copy(src: apsw.Connection, partial: Path) -> list[tuple[str, ...]]:
-    """Copy `src` into the new file `partial` in one step; its integrity check's rows."""
+    """Copy `src` into the empty file `partial` in one step; its integrity check's rows."""
     try:
-        out = apsw.Connection(str(partial))
+        # Not created here, and not through a link. The journal in memory and the lock held
+        # (no -shm for the WAL header the copy takes): fewer files opened by a name beside it.
+        out = apsw.Connection(
+            str(partial), flags=apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_NOFOLLOW
+        )
         try:
+            out.execute("PRAGMA locking_mode=EXCLUSIVE; PRAGMA journal_mode=MEMORY").fetchall()
             with out.backup("main", src, "main") as b:
                 b.step(-1)  # every page, under one read snapshot
             return list(out.execute("PRAGMA integrity_check"))
@@ -124,6 +231,21 @@ def _copy(src: apsw.Connection, partial: Path) -> list[tuple[str, ...]]:
             out.close()
     finally:
         src.close()
+
+
+def _check_still_ours(partial: Path, own: tuple[int, int], dest: Path) -> None:
+    """The name about to be renamed over DEST is still the file created for the copy (not
+    followed: a link there would be what DEST became)."""
+    try:
+        st = os.lstat(partial)
+        ours = stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == own
+    except FileNotFoundError:
+        ours = False
+    if not ours:
+        raise StoreError(
+            f"backup failed, nothing written to {dest}: its temporary file {partial} was "
+            "replaced or removed during the copy"
+        )
 
 
 @command(cli)
@@ -143,38 +265,37 @@ def _backup(ctx: Ctx, dest: Path, force: bool) -> None:
     kind = _dest_type(dest)
     if kind is not None:
         raise InvalidInput(f"{dest} is {kind}, not a regular file: not replacing it")
+    _refuse_the_databases_own_files(source, dest)  # before --force is suggested
     if dest.exists() and not force:
         raise InvalidInput(f"{dest} exists (use --force to replace it)")
-    if dest.resolve() == source.resolve():
-        raise InvalidInput("the backup cannot be the database itself")
-    for suffix in ("-wal", "-shm", "-journal"):
-        # SQLite's own file beside the database: an empty WAL passed for a SQLite file one
-        # may replace, and SQLite would truncate the backup written there at its next open.
-        if dest.resolve() == source.resolve().with_name(source.resolve().name + suffix):
-            raise InvalidInput(
-                f"{dest} is the database's {suffix} file, SQLite's own: not a backup"
-            )
     if dest.exists() and not _is_sqlite_or_empty(dest):
         raise InvalidInput(f"{dest} is not a SQLite database: not replacing it")
+    # The copy is never more readable than the database: its permission bits, once written.
+    mode = stat.S_IMODE(os.stat(source).st_mode) & 0o666
     dest.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_partials(dest)
-    partial = dest.with_name(f".{dest.name}.{os.getpid()}.partial")
     started = time.monotonic()
-    src = _open_source(source, dest, ctx.settings.busy_timeout_ms)
+    fd, partial = _create_partial(dest)
+    own = (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
     try:
+        src = _open_source(source, dest, ctx.settings.busy_timeout_ms)
         check = _copy(src, partial)
         if check != [("ok",)]:
             raise StoreError(f"the copy of {source} failed its integrity check: {check}")
+        _check_still_ours(partial, own, dest)
+        os.fchmod(fd, mode)
         for suffix in SIDE_FILES:  # the old DEST's: replayed onto the new file, they'd corrupt it
-            dest.with_name(dest.name + suffix).unlink(missing_ok=True)
+            _unlink_if_any(dest.with_name(dest.name + suffix))
         partial.replace(dest)
     except apsw.Error as e:
-        _remove_with_side_files(partial)
+        _remove_files(partial, own)
         problem = sqlite_problem(e, source if _is_source_error(e) else dest)
         raise StoreError(f"backup failed, nothing written to {dest}: {problem}") from None
     except BaseException:
-        _remove_with_side_files(partial)
+        _remove_files(partial, own)
         raise
+    finally:
+        os.close(fd)
     info = {
         "backup": str(dest),
         "bytes": dest.stat().st_size,
