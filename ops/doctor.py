@@ -107,7 +107,7 @@ def _store(settings: Settings, timeout: float, *, vec: bool = False) -> Iterator
     the resolved dimension; `vec`: sqlite-vec is needed, and its tables at that dimension."""
     if not Path(settings.db).is_file():
         raise NotChecked(f"no database at {settings.db}")
-    db = Database(settings.db, busy_timeout_ms=int(timeout * 1000))
+    db = Database(settings.db, busy_timeout_ms=int(timeout * 1000), create=False, wal=False)
     try:
         try:
             current = schema_version(db) == SCHEMA_VERSION
@@ -131,7 +131,7 @@ def check_database(settings: Settings, timeout: float) -> str:
         raise Fail(f"no database at {path}", "check KIDX_DB, or create it with `kidx init`")
     wal_path = Path(f"{path}-wal")  # before this check's connection (its close empties it)
     wal = wal_path.stat().st_size if wal_path.is_file() else 0
-    db = Database(path, busy_timeout_ms=int(timeout * 1000))
+    db = Database(path, busy_timeout_ms=int(timeout * 1000), create=False, wal=False)
     try:
         try:
             version = schema_version(db)

@@ -36,3 +36,25 @@ def test_a_database_without_a_wal_file_says_0_mb(tmp_path):
     path = tmp_path / "kidx.db"
     connect(path, vec=False).close()  # the last connection closed: no -wal file left
     assert "WAL 0.0 MB" in check_database(Settings(db=path), 5.0)
+
+
+def test_doctor_changes_nothing_in_a_file_that_is_not_a_kidx_database(tmp_path):
+    """It opened the file as kidx does: another program's database (journal_mode DELETE) was
+    switched to WAL for good, and an empty file got a 4 KB header."""
+    from ops.doctor import Fail
+
+    other = tmp_path / "other.db"
+    conn = apsw.Connection(str(other))
+    conn.execute("CREATE TABLE theirs(x); INSERT INTO theirs VALUES (1)")
+    conn.close()
+    before = other.read_bytes()
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    for path in (other, empty):
+        with pytest.raises(Fail, match=r"kidx database|schema"):
+            check_database(Settings(db=path), 5.0)
+    assert other.read_bytes() == before  # its header still says: no WAL
+    conn = apsw.Connection(str(other))
+    assert conn.execute("PRAGMA journal_mode").fetchall() == [("delete",)]
+    conn.close()
+    assert empty.stat().st_size == 0

@@ -68,11 +68,18 @@ class Database:
     """One SQLite connection with the project's settings and small query helpers."""
 
     def __init__(
-        self, path: str | Path, *, busy_timeout_ms: int = 30_000, create: bool = True
+        self,
+        path: str | Path,
+        *,
+        busy_timeout_ms: int = 30_000,
+        create: bool = True,
+        wal: bool = True,
     ) -> None:
         """`create=False`: a file that is not there is an error (StoreError), and nothing is
         created, neither the file nor its folder: what a command that only reads or changes
-        an existing database wants, so that a mistyped path is said, not made."""
+        an existing database wants, so that a mistyped path is said, not made. `wal=False`:
+        the file's journal mode is left as it is (`kidx doctor`, which only looks: it switched
+        another program's database to WAL for good, and wrote a header into an empty file)."""
         self.path = Path(path)
         self._instance: str | None = None
         flags: dict[str, int] = {}  # apsw's default: read-write, created if missing
@@ -91,7 +98,7 @@ class Database:
             self.busy_timeout_ms = busy_timeout_ms
             self.conn.set_busy_handler(self._busy)
             self.execute("PRAGMA foreign_keys = ON")
-            mode = self.scalar("PRAGMA journal_mode = WAL")
+            mode = self.scalar("PRAGMA journal_mode" + (" = WAL" if wal else ""))
             self.execute("PRAGMA synchronous = NORMAL")
             # What the WAL file is cut back to when a writer starts it again (every page
             # checkpointed): a bulk run's 100 MB WAL is not kept on disk for good.
@@ -106,7 +113,7 @@ class Database:
             ) from None
         except apsw.Error as e:
             raise StoreError(f"cannot open database {path}: {e}") from None
-        if str(path) != ":memory:" and str(mode).lower() != "wal":
+        if wal and str(path) != ":memory:" and str(mode).lower() != "wal":
             raise StoreError(f"cannot switch {path} to WAL (journal_mode is {mode})")
         # The sha256 of stored bytes (a text's hash is that of its UTF-8): what a writer
         # compares with the hash of the text it read (worker.pipeline).
