@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -36,7 +37,16 @@ from worker.sources.urls import safe_url
 CELERY = ["-m", "celery", "-A", "worker.app"]
 NODE = "kidx@%h"
 PROCESSES = ("worker", "beat", "flower")  # started in this order, stopped in reverse
-MARKS = {"redis": "redis-server", "worker": "worker.app", "beat": "worker.app", "flower": "flower"}
+# What tells a component's process (`runs`): a dotted name is a Python app or module, one
+# whole argument of its command line (`-A worker.app` in `worker_args()` and `beat_args()`,
+# `-m ops.flower` in `flower_args()`: that process runs Flower itself); any other is the name
+# of the program it executes (redis-server, as `start_redis` runs it).
+MARKS = {
+    "redis": "redis-server",
+    "worker": "worker.app",
+    "beat": "worker.app",
+    "flower": "ops.flower",
+}
 STOP_WAIT = {"worker": 60.0, "beat": 15.0, "flower": 15.0, "redis": 15.0}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -130,15 +140,69 @@ def url_host(address: str) -> str:
     return address
 
 
+PID_FILE_MAX = 32  # bytes: a pid and a line end; a larger file is no pid file of ours
+
+
 def read_pid(path: Path) -> int | None:
     """The pid a pid file holds, if it is one a component can have: an integer above 1. Any
     other content is a stale or damaged pid file: 0, -1 and 1 are not a process of ours but a
-    process group, every process and init, which `os.kill` would signal."""
+    process group, every process and init, which `os.kill` would signal. Only a regular file
+    is read, never blocking: a FIFO there hung `status`, a directory crashed `stop`."""
     try:
-        pid = int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, PID_FILE_MAX + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        pid = int(data.split()[0]) if len(data) <= PID_FILE_MAX else 0
+    except (ValueError, IndexError):
         return None
     return pid if pid > 1 else None
+
+
+def remove_pid_file(path: Path) -> str | None:
+    """Remove a pid file (it may be anything: an empty directory goes too, one with files is
+    left); why it could not be, if it could not, rather than a traceback in `stop`."""
+    try:
+        if stat.S_ISDIR(path.lstat().st_mode):
+            path.rmdir()
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return f"{path} is no pid file and cannot be removed ({e.strerror or e}): remove it"
+    return None
+
+
+def clear_odd_pid_file(path: Path) -> None:
+    """Remove what is no regular file where a pid file goes (a directory, a FIFO, a symbolic
+    link, which `read_pid` never reads): else the pid written there at start was never read
+    back (a component started again at each start) or the write hung on a FIFO."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(path.lstat().st_mode) and (problem := remove_pid_file(path)):
+            fail(f"error: {problem}")
+
+
+def runs(cmdline: bytes, mark: str) -> bool:
+    """Whether a /proc cmdline is the one `mark` names (MARKS): a dotted mark equal to one of
+    its arguments, another equal to its program's base name. Not merely mentioned: `tail -f
+    flower.log`, whose pid a stale pid file held, was reported running and stopped. A program
+    that rewrote its title as one string (redis-server: `/usr/bin/redis-server 127.0.0.1:6379`;
+    Celery, with setproctitle installed) is taken word by word."""
+    args = [a.decode("utf-8", "surrogateescape") for a in cmdline.split(b"\0") if a]
+    if len(args) == 1:
+        args = args[0].split()
+    if not args:
+        return False
+    return mark in args[1:] if "." in mark else os.path.basename(args[0]) == mark
 
 
 def alive(pid: int, mark: str) -> bool:
@@ -150,14 +214,14 @@ def alive(pid: int, mark: str) -> bool:
     except (ProcessLookupError, PermissionError, OverflowError):
         return False
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        state = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return not Path("/proc/self").exists()  # no /proc here: trust the pid; else it ended
     with contextlib.suppress(IndexError):
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+        if state.rsplit(")", 1)[1].split()[0] == "Z":
             return False
-    return mark.encode() in cmdline
+    return runs(cmdline, mark)
 
 
 def group_members(pgid: int) -> list[int] | None:
@@ -324,6 +388,8 @@ def start(stack: Stack, demo: bool) -> None:
     if not demo and not (f.user and f.password) and stack.pid("flower") is None:
         fail("error: Flower needs KIDX_FLOWER__USER and KIDX_FLOWER__PASSWORD (or start --demo)", 2)
     data_dirs(stack.settings.data_dir, stack.data / "run", stack.data / "log")
+    for name in ("redis", *PROCESSES):
+        clear_odd_pid_file(stack.pid_file(name))
     start_redis(stack)
     for name, cmd in commands(stack.settings, stack.data, demo).items():
         pid = stack.pid(name)
@@ -370,22 +436,27 @@ def start(stack: Stack, demo: bool) -> None:
 
 def stop_one(stack: Stack, name: str) -> str:
     pid = stack.pid(name)
+    path = stack.pid_file(name)
     if pid is None:
-        had = stack.pid_file(name).exists()
-        stack.pid_file(name).unlink(missing_ok=True)
-        return "not running" + (" (stale pid file removed)" if had else "")
+        had = os.path.lexists(path)
+        problem = remove_pid_file(path)
+        return "not running" + (f" ({problem or 'stale pid file removed'})" if had else "")
     os.kill(pid, signal.SIGTERM)
     graceful = wait_until(lambda: not alive(pid, MARKS[name]), STOP_WAIT[name])
     kill_group(pid, MARKS[name])  # what is left of its group (pool processes, too)
     wait_until(lambda: not alive(pid, MARKS[name]), 5)
-    stack.pid_file(name).unlink(missing_ok=True)
-    return f"stopped (pid {pid})" + ("" if graceful else ", killed after the wait")
+    problem = remove_pid_file(path)
+    return (
+        f"stopped (pid {pid})"
+        + ("" if graceful else ", killed after the wait")
+        + (f"; {problem}" if problem else "")
+    )
 
 
 def stop(stack: Stack) -> None:
     data_dirs(stack.settings.data_dir, stack.data / "run", create=False)
     for name in (*reversed(PROCESSES), "redis"):
-        if name == "redis" and not stack.pid_file(name).exists():
+        if name == "redis" and not os.path.lexists(stack.pid_file(name)):
             print(f"redis   left alone at {safe_url(stack.url)} (not started here)")
             continue
         print(f"{name:<7} {stop_one(stack, name)}")

@@ -8,10 +8,12 @@ configured secret value is replaced wherever it appears.
 
 from __future__ import annotations
 
+import errno
 import logging
 import logging.handlers
 import os
 import re
+import stat
 import sys
 from collections.abc import Iterable, MutableMapping
 from pathlib import Path
@@ -87,6 +89,24 @@ def visible(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Any:
     return event
 
 
+class _RegularFileHandler(logging.handlers.RotatingFileHandler):
+    """A rotating log file that is only ever a regular file, opened without blocking: a FIFO
+    at $KIDX_DATA_DIR/log/kidx.log hung every command in open() (until a reader came). Opened
+    so at start and at each rotation; anything else raises OSError (the file is left out)."""
+
+    def _open(self) -> Any:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(self.baseFilename, flags, 0o666)  # a FIFO with no reader: ENXIO
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", self.baseFilename)
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return open(fd, self.mode, encoding=self.encoding, errors=self.errors)
+
+
 def configure_logging(
     *,
     fmt: str = "auto",
@@ -99,8 +119,9 @@ def configure_logging(
     """Configure structlog and the standard library's logging for this process: records at
     `level` and above, on `stream` from `stream_level` (default: `level`) and, with `file`, all
     of them as JSON lines in that file (rotated at 10 MB, three kept; a file that cannot be
-    written is left out, not an error). With stderr closed (`2>&-`: sys.stderr is None), the
-    stream is os.devnull: the process runs on and logs to its file."""
+    written, or that is no regular file, is left out, not an error). With stderr closed
+    (`2>&-`: sys.stderr is None), the stream is os.devnull: the process runs on and logs to
+    its file."""
     stream = stream or sys.stderr or _devnull()
     as_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
     shared: list[Any] = [
@@ -142,7 +163,7 @@ def configure_logging(
     if file is not None:
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
-            to_file = logging.handlers.RotatingFileHandler(
+            to_file = _RegularFileHandler(
                 file, maxBytes=10_000_000, backupCount=3, encoding="utf-8"
             )
         except OSError:

@@ -161,6 +161,22 @@ def _stripped(value: object) -> object:
     return value.strip() if isinstance(value, str) else value
 
 
+def _path_text(value: object) -> None:
+    """ValueError for a path no file can have here, or kidx cannot pass on: a NUL (ValueError
+    from every os call), or bytes that are not UTF-8 (a variable set from b'\\xfe' reads as a
+    lone surrogate, which SQLite's, the logs' and JSON's UTF-8 cannot encode). The value is
+    not shown: it cannot be printed."""
+    text = str(value)
+    if "\0" in text:
+        raise ValueError("holds a NUL character, which no path can")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            "holds bytes that are not UTF-8: give a path in UTF-8 (kidx cannot pass on others)"
+        ) from None
+
+
 def _url_secrets(url: str) -> list[str]:
     """A URL's password, as written and percent-decoded (what a client sends, and a server
     may quote back). The user is not one: masked everywhere, a user `kidx` would cut the
@@ -533,6 +549,7 @@ class FilesSettings(_Section):
         """A relative root would be resolved against each process's own working directory:
         the CLI's and a worker's differ, and the worker would refuse what the CLI accepted."""
         for root in v:
+            _path_text(root)
             if not root.expanduser().is_absolute():
                 raise ValueError(f"{str(root)!r} must be an absolute path (or ~/...)")
         return v
@@ -636,6 +653,13 @@ class Settings(BaseSettings):
     def _db_given(cls, v: object) -> object:
         if isinstance(v, str) and (not v.strip() or v.endswith("/")):
             raise ValueError("must name the database file, such as ./data/kidx.db")
+        return v
+
+    @field_validator("db", "data_dir", "vec_path")
+    @classmethod
+    def _path(cls, v: Path | None) -> Path | None:
+        if v is not None:
+            _path_text(v)
         return v
 
     @field_validator("db")

@@ -9,9 +9,12 @@ and then `kidx index --all --inline` re-embeds nothing that did not change.
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 from pathlib import Path
 
+from worker.errors import ConfigError
 from worker.log import configure_logging
 from worker.settings import load_settings
 from worker.store import open_store
@@ -25,6 +28,35 @@ def title_of(text: str, path: Path) -> str:
     return path.stem
 
 
+def read_note(path: Path) -> str | None:
+    """The text of a Markdown file, or None (said in one line on stderr) for what is none: a
+    FIFO named *.md hung the load, a byte that is not UTF-8 ended it with a traceback."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait
+    except OSError as e:
+        print(f"skipped {path}: cannot be read ({e.strerror or e})", file=sys.stderr)
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        print(f"skipped {path}: not a regular file", file=sys.stderr)
+        return None
+    os.set_blocking(fd, True)
+    with open(fd, "rb") as f:
+        try:
+            data = f.read()
+        except OSError as e:
+            print(f"skipped {path}: cannot be read ({e.strerror or e})", file=sys.stderr)
+            return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        print(
+            f"skipped {path}: not UTF-8 (byte 0x{data[e.start]:02x} at position {e.start})",
+            file=sys.stderr,
+        )
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
@@ -32,12 +64,19 @@ def main() -> None:
     args = ap.parse_args()
     if not args.folder.is_dir():
         sys.exit(f"error: not a folder: {args.folder}")
-    settings = load_settings(**({"db": args.db} if args.db else {}))
+    try:
+        settings = load_settings(**({"db": args.db} if args.db else {}))
+    except ConfigError as e:  # one line, status 2, as every kidx command says it
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     configure_logging(fmt=settings.log_format, level="warning", secrets=settings.secrets())
-    added = updated = same = 0
+    added = updated = same = skipped = 0
     with open_store(settings) as db:
         for path in sorted(args.folder.glob("*.md")):
-            text = path.read_text(encoding="utf-8")
+            text = read_note(path)
+            if text is None:
+                skipped += 1
+                continue
             if not text.strip():
                 continue
             source = str(path.resolve())
@@ -50,7 +89,11 @@ def main() -> None:
                 updated += 1
             else:
                 same += 1
-    print(f"{added} notes added, {updated} updated, {same} unchanged, from {args.folder}")
+    print(
+        f"{added} notes added, {updated} updated, {same} unchanged"
+        + (f", {skipped} skipped" if skipped else "")
+        + f", from {args.folder}"
+    )
 
 
 if __name__ == "__main__":
