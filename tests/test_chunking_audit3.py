@@ -138,3 +138,29 @@ def test_an_overlap_never_copies_the_start_of_a_quote_s_fence():
     )
     for c in chunk_structure(text):
         assert _fences_balanced(c.embedding_input("t")), c.content
+
+
+def test_a_small_part_is_not_merged_forward_into_a_sibling_section():
+    """A small `## Notes` was merged into the part after it, which began at `# Uninstall`:
+    the merged chunk carried `Install > Notes` over all of Uninstall, which no chunk's path
+    then named."""
+    text = (
+        "# Install\n\n```sh\n"
+        + "make install --prefix=/usr/local\n" * 38
+        + "```\n\n## Notes\n\nSee above.\n\n# Uninstall\n\nTo remove the tool, delete the "
+        "folder and the config file in your home directory. Then restart.\n\n# FAQ\n\n"
+        + ("Use the control panel to remove it. " * 20 + "\n\n")
+        * 2
+    )
+    chunks = chunk_structure(text)
+    at = text.index("# Uninstall")
+    (holder,) = [c for c in chunks if c.start <= at < c.end]
+    assert holder.start == at and holder.headings == ("Uninstall",)
+    assert all(len(c.content) <= MAX_CHUNK_SIZE for c in chunks)
+
+
+@pytest.mark.parametrize("opener", ["<!-->", "<!--->", "<?>", "<!-- a comment -->"])
+def test_an_html_block_that_ends_on_its_opening_line_hides_no_heading(opener):
+    """Its end marker was looked for after the opener only: `<!-->` (which ends at once in
+    CommonMark) hid every heading after it."""
+    assert _titles(f"{opener}\n# After\n\ntext\n") == ["After"]

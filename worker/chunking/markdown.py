@@ -162,7 +162,8 @@ def _front_matter_end(text: str) -> int:
 
 def _html_block_end(text: str, opener: str, after: int) -> int:
     """The end of the line on which the literal HTML block opened by `opener` ends (the text's
-    end when it never does)."""
+    end when it never does). Looked for from the opening line's start (`after`): `<!-->` ends
+    on its own line (no opener holds its end marker)."""
     end_mark = next(pattern for prefix, pattern in _HTML_END if opener.startswith(prefix))
     m = end_mark.search(text, after)
     if not m:
@@ -238,7 +239,7 @@ def scan(text: str) -> Layout:
             edges.append(start)
             prev_next = _next_line(text, end)
         elif kind == "html":  # literal HTML: text up to the line its end marker is on
-            skip_to = _html_block_end(text, m["html"].lstrip(" "), end)
+            skip_to = _html_block_end(text, m["html"].lstrip(" "), start)
             prev_next = _next_line(text, skip_to)
         elif kind == "setext":  # a heading only if it directly follows paragraph text
             k = bisect_right(blank_ends, start) - 1

@@ -483,7 +483,11 @@ class _Plan:
                     options.append((e - ps, i - 1))
             if i + 1 < len(out):
                 ne = out[i + 1][1]
-                if ne - s <= self._limit(ne) and not crosses(out[i], out[i + 1]):
+                if (
+                    ne - s <= self._limit(ne)
+                    and not crosses(out[i], out[i + 1])
+                    and not self._starts_a_sibling(out[i + 1][0], s)
+                ):
                     options.append((ne - s, i))
             if not options:
                 i += 1
@@ -492,6 +496,16 @@ class _Plan:
             out[k : k + 2] = [(out[k][0], out[k + 1][1])]
             i = max(k, 0)
         return out
+
+    def _starts_a_sibling(self, p: int, s: int) -> bool:
+        """Whether `p` is a heading at the level of the section `s` is in, or above it: a part
+        merged forward across it would carry that section's path over the next one's text (a
+        small `## Notes` took all of `# Uninstall`, which no chunk's path then named)."""
+        if p not in self.heading_set:
+            return False
+        pos, level = self.layout.heading_pos, self.layout.heading_level
+        here = bisect_right(pos, s) - 1
+        return here >= 0 and level[bisect_left(pos, p)] <= level[here]
 
     def overlap_end(self, part: tuple[int, int], nxt: tuple[int, int]) -> int:
         """End of a part extended by up to `overlap` characters of whole words of the next part,
