@@ -17,6 +17,7 @@ from pathlib import Path
 
 import apsw
 import pytest
+from test_backup import _live
 
 import ops.cli.backup as backup_module
 from incli import run_kidx
@@ -33,14 +34,6 @@ def _one_line_error(out: subprocess.CompletedProcess[str]) -> str:
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
     return lines[0]
-
-
-def _live(tmp_path: Path) -> Path:
-    source = tmp_path / "live.db"
-    db = connect(source, vec=False)
-    add_item(db, kind="note", title="n", content="a note")
-    db.close()
-    return source
 
 
 def _titles(path: Path) -> list[str]:

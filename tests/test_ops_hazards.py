@@ -16,34 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_settings_audit import clean_env as clean_env  # (autouse here too)
+from test_stack_pids import make_stack
 
 from ops import stack as ops_stack
-from stack import ROOT, free_port
+from stack import ROOT
 from worker.errors import ConfigError
 from worker.settings import Settings, load_settings
 
 KIDX = Path(sys.executable).with_name("kidx")
 WAITS = "import sys; print('up', flush=True); sys.stdin.read()"
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No KIDX_ variable of the calling shell, and a working directory with no .env."""
-    for name in list(os.environ):
-        if name.upper().startswith("KIDX_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
-
-
-def make_stack(tmp_path: Path) -> ops_stack.Stack:
-    (tmp_path / "data" / "run").mkdir(parents=True)
-    (tmp_path / "data" / "log").mkdir(parents=True)
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        db=tmp_path / "kidx.db",
-        broker_url=f"redis://127.0.0.1:{free_port()}/0",  # nothing listens there
-    )
-    return ops_stack.Stack(settings)
 
 
 def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -61,6 +61,7 @@ def signals(monkeypatch: pytest.MonkeyPatch) -> Iterator[Signals]:
 
 def make_stack(tmp_path: Path) -> ops_stack.Stack:
     (tmp_path / "data" / "run").mkdir(parents=True)
+    (tmp_path / "data" / "log").mkdir(parents=True)
     settings = Settings(
         data_dir=tmp_path / "data",
         db=tmp_path / "kidx.db",
