@@ -358,3 +358,72 @@ def test_a_font_s_map_ranges_and_differences_are_counted_in_the_pdf_s_work() -> 
         return _PdfWork("x.pdf", 10**9)._font(font)
 
     assert font_cost(99_000) - font_cost(0) == 99_000 // NAMES_PER_BYTE > 0
+
+
+def streams_pdf(count: int, unpacked: int) -> bytes:
+    """One page whose /Contents is `count` streams of `unpacked` spaces each (a few hundred
+    bytes of flate apiece)."""
+    objects = [b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    first = len(objects) + 1
+    objects += [_stream(b" " * unpacked) for _ in range(count)]
+    contents = b" ".join(b"%d 0 R" % n for n in range(first, first + count))
+    objects.append(
+        b"<< /Type /Page /Parent %d 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 1 0 R"
+        b" >> >> /Contents [%s] >>" % (len(objects) + 2, contents)
+    )
+    objects.append(b"<< /Type /Pages /Kids [%d 0 R] /Count 1 >>" % len(objects))
+    objects.append(b"<< /Type /Catalog /Pages %d 0 R >>" % len(objects))
+    return _assembled(objects, len(objects))
+
+
+def test_a_page_of_many_streams_is_refused_at_the_first_past_the_limit(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Every stream of a page was unpacked (and kept, by pypdf) before their sum was charged:
+    40 streams of 70 MB in a 15 KB PDF held 2.8 GB. Each is charged as it is unpacked now."""
+    from worker.sources import pdf
+
+    unpacked: list[int] = []
+    size = pdf._PdfWork._size
+    monkeypatch.setattr(
+        pdf._PdfWork, "_size", staticmethod(lambda s: unpacked.append(size(s)) or unpacked[-1])
+    )
+    bomb = streams_pdf(40, 1_500_000)
+    assert len(bomb) < 100_000
+    (root / "streams.pdf").write_bytes(bomb)
+    refused(REFUSED_PDF, lambda: read_file(root / "streams.pdf", limited(root)))
+    assert sum(unpacked) <= PDF_LIMIT + 1_500_000, len(unpacked)  # two streams, not forty
+
+
+def test_a_stream_that_unpacks_past_the_budget_is_refused_before_it_is_all_unpacked(root: Path):
+    """pypdf unpacks a stream up to 75 MB before anything can be charged; its limit is the
+    budget now (at least UNPACKED_MIN)."""
+    from worker.sources.pdf import UNPACKED_MIN
+
+    (root / "big.pdf").write_bytes(bomb_pdf(b" " * (UNPACKED_MIN + 1_000_000)))
+    message = refused("unpacks to over", lambda: read_file(root / "big.pdf", limited(root)))
+    assert f"over {UNPACKED_MIN} bytes" in message
+
+
+def test_a_map_of_ranges_never_closed_is_read_in_one_pass():
+    """`beginbfrange` 20,000 times and no `endbfrange`: a lazy regex searched to the end from
+    each (50 s for a 1 KB PDF). Closed ranges are found as before."""
+    from worker.sources.pdf import _bfranges
+
+    assert list(_bfranges(b"beginbfrange " * 20_000)) == []
+    data = b"x beginbfrange <01> <02> <0041> endbfrange y beginbfrange <10> <1F> <0030> endbfrange"
+    assert list(_bfranges(data)) == [b" <01> <02> <0041> ", b" <10> <1F> <0030> "]
+    font = b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /ToUnicode 5 0 R >>"
+    page = (
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 4 0 R"
+        b" >> >> /Contents 6 0 R >>"
+    )
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        page,
+        font,
+        _stream(b"beginbfrange " * 3_000),
+        _stream(b"BT /F1 12 Tf 72 700 Td (Hello there) Tj ET"),
+    ]
+    assert "Hello there" in pdf_text(_assembled(objects, 1), "map.pdf", limit=1_000_000)

@@ -7,6 +7,7 @@ import io
 import math
 import re
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from worker.errors import ConfigError, InvalidInput, input_failure
@@ -33,7 +34,24 @@ FONT_COST = 50
 # `/Encoding /Differences` array (99,000 of them: 7 ms a font a page).
 MAP_COST = 2
 NAMES_PER_BYTE = 16
-_BFRANGES = re.compile(rb"beginbfrange(.*?)endbfrange", re.S)
+# The most a stream may unpack to (pypdf's limits), at least: a small budget set for a test
+# or a tight worker must not refuse a PDF whose object streams are a few MB.
+UNPACKED_MIN = 8_000_000
+
+
+def _bfranges(data: bytes) -> Iterator[bytes]:
+    """What lies between each `beginbfrange` and the `endbfrange` after it, found in one pass:
+    a lazy regex searched to the end from each opening that is never closed (quadratic: a
+    1 KB map of 20,000 of them took 50 s)."""
+    at = 0
+    while (start := data.find(b"beginbfrange", at)) >= 0:
+        end = data.find(b"endbfrange", start)
+        if end < 0:
+            return
+        yield data[start + len(b"beginbfrange") : end]
+        at = end + len(b"endbfrange")
+
+
 _RANGE = re.compile(rb"<([0-9A-Fa-f]{1,8})>\s*<([0-9A-Fa-f]{1,8})>")
 
 
@@ -97,7 +115,13 @@ class _PdfWork:
             contents = resources = None
         streams = contents if isinstance(contents, list) else [contents]
         self.resources = [resources]
-        self.charge(READ_COST + sum(self._size(s) for s in streams) + self._fonts(resources))
+        # Each charged as soon as it is unpacked, and none after the budget is spent: pypdf
+        # keeps what it unpacked, and a 15 KB page of 40 streams of 70 MB each held 2.8 GB
+        # before the sum of them was charged.
+        self.charge(READ_COST)
+        for stream in streams:
+            self.charge(self._size(stream))
+        self._charge_fonts(resources)
 
     def before(self, operator: bytes, operands: Any, _cm: Any, _tm: Any) -> None:
         """Before each operator: a form drawn (`Do`) is charged, its resources pushed."""
@@ -115,7 +139,9 @@ class _PdfWork:
                 raise
             form = None
         if resources is not None:
-            self.charge(READ_COST + self._size(form) + self._fonts(resources))
+            self.charge(READ_COST)
+            self.charge(self._size(form))
+            self._charge_fonts(resources)
         self.resources.append(resources if resources is not None else {})
 
     def after(self, operator: bytes, _operands: Any, _cm: Any, _tm: Any) -> None:
@@ -132,15 +158,17 @@ class _PdfWork:
                 raise
             return 0
 
-    def _fonts(self, resources: Any) -> int:
+    def _charge_fonts(self, resources: Any) -> None:
+        """Each font of `resources` charged as it is worked out (its map unpacked)."""
         try:
             fonts = _resolved(resources.get("/Font"))
             entries = [_resolved(font) for font in fonts.values()]
         except Exception as e:
             if not _damaged(e):
                 raise
-            return 0
-        return sum(self._font(font) for font in entries)
+            return
+        for font in entries:
+            self.charge(self._font(font))
 
     def _font(self, font: Any) -> int:
         """A font's set-up, which pypdf does again at each page or form that uses it; worked
@@ -154,8 +182,8 @@ class _PdfWork:
             cmap = _resolved(font.get("/ToUnicode"))
             cost += self._size(cmap)
             if cmap is not None and hasattr(cmap, "get_data"):
-                for block in _BFRANGES.finditer(cmap.get_data()):
-                    for m in _RANGE.finditer(block.group(1)):
+                for block in _bfranges(cmap.get_data()):
+                    for m in _RANGE.finditer(block):
                         first, last = int(m.group(1), 16), int(m.group(2), 16)
                         cost += MAP_COST * max(1, last - first + 1)
             encoding = _resolved(font.get("/Encoding"))
@@ -223,13 +251,30 @@ def pdf_text(data: bytes, name: object, *, limit: int, max_content: int = PDF_CO
 
     budget = TextBudget(name, limit)
     work = _PdfWork(name, max_content)
+    # pypdf unpacks any stream up to 75 MB, those it reads before a page is charged too (the
+    # object streams holding the pages: 250 bytes of flate over 70 MB of padding took 13 s);
+    # no stream of more than the budget is read.
+    unpacked = max(max_content, UNPACKED_MIN)
+    limits = {
+        f"{kind}_maximum_output_length": unpacked
+        for kind in ("jbig2", "lzw", "run_length", "zlib", "brotli")
+    }
     try:
-        reader = pypdf.PdfReader(io.BytesIO(data))
-        if reader.is_encrypted and not reader.decrypt(""):
-            raise refuse(name, "the PDF is encrypted; give kidx a copy without a password")
-        pages = [_page_runs(page, budget, work) for page in reader.pages]
+        with pypdf.apply_configuration(
+            maximum_declared_stream_length=unpacked,
+            array_based_stream_maximum_output_length=unpacked,
+            **limits,
+        ):
+            reader = pypdf.PdfReader(io.BytesIO(data))
+            if reader.is_encrypted and not reader.decrypt(""):
+                raise refuse(name, "the PDF is encrypted; give kidx a copy without a password")
+            pages = [_page_runs(page, budget, work) for page in reader.pages]
     except InvalidInput:
         raise
+    except pypdf.errors.LimitReachedError as e:
+        raise refuse(
+            name, f"a stream of it unpacks to over {unpacked} bytes ({e}); refused (a bomb?)"
+        ) from None
     except pypdf.errors.DependencyError as e:  # the install's fault, not the file's
         raise ConfigError(
             f"{name}: reading this PDF needs a package that is not installed ({e}); install "
