@@ -971,3 +971,25 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "sqlite3"))
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_docx_of_a_huge_zip_directory_is_refused_before_zipfile_reads_it(root: Path) -> None:
+    """zipfile makes an object of every entry of the central directory before anything can be
+    looked at: 500,000 empty entries (43 MB) took 14 s and 600 MB, then the file was read."""
+    from worker.sources.docx import DIRECTORY_MAX, _directory_size
+
+    normal = make_docx(1)
+    assert 0 < _directory_size(normal) < 10_000
+    out = io.BytesIO()
+    source = zipfile.ZipFile(io.BytesIO(normal))
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        for info in source.infolist():
+            archive.writestr(info.filename, source.read(info.filename))
+        for n in range(40_000):
+            archive.writestr(f"customXml/item{n:06d}.bin", b"")
+    (root / "many.docx").write_bytes(out.getvalue())
+    assert _directory_size(out.getvalue()) > DIRECTORY_MAX
+    refused(
+        r"many\.docx: its zip directory takes \d+ bytes, over 2000000",
+        lambda: read_file(root / "many.docx", FilesSettings(roots=[root])),
+    )
