@@ -422,10 +422,10 @@ def _two_pass(
     db: Database, vector: np.ndarray, n: int, model: str, filters: Filters, oversample: int
 ) -> list[tuple[int, float]] | None:
     """The n * oversample nearest by hamming distance over the bit mirror (worker.hamming),
-    rescored exactly by cosine over their float vectors; more candidates until n pass (live,
-    this model, the filter) or the table has no more. None past TWO_PASS_MAX candidates, or
-    when the mirror holds no row (just rebuilt for a new model, or emptied by a host): the
-    float table's KNN then answers, as for fewer chunks."""
+    rescored exactly by cosine over their float vectors; more candidates until n * oversample
+    pass (live, this model, the filter) or the table has no more. None past TWO_PASS_MAX
+    candidates, or when the mirror holds no row (just rebuilt for a new model, or emptied by
+    a host): the float table's KNN then answers, as for fewer chunks."""
     blob = np.asarray(vector, dtype="<f4").tobytes()
     query_bits = bytes(db.scalar(f"SELECT {VEC['vec_chunk_bits'].value('?1')}", (blob,)))
 
@@ -444,10 +444,14 @@ def _two_pass(
             ]
         if not candidates:  # fetch is at least 32: the mirror holds nothing
             return None
-        found = _best(_rescore(db, vector, candidates, model, filters), n)
-        return found, len(found) >= n or len(candidates) < fetch
+        passing = _rescore(db, vector, candidates, model, filters)
+        # Enough once the full oversample of candidates passed: stopping at n of them gave a
+        # filter only its share of it (a filter of a fifth of the chunks: recall 0.70 where
+        # the same search unfiltered had 0.77; 1.0 with this).
+        return _best(passing, n), len(passing) >= pool or len(candidates) < fetch
 
-    return widening(max(n * oversample, 32), TWO_PASS_MAX, attempt)
+    pool = max(n * oversample, 32)
+    return widening(pool, TWO_PASS_MAX, attempt)
 
 
 def _rescore(
