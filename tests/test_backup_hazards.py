@@ -154,14 +154,17 @@ def test_a_leftover_directory_named_like_a_temporary_does_not_block_a_backup(tmp
     dirs = [
         tmp_path / f".copy.db.{os.getpid()}.partial",
         tmp_path / f".copy.db.{_dead_pid()}.partial",
-        tmp_path / f".copy.db.{_dead_pid()}.abcd1234.partial-journal",
+        tmp_path / f".copy.db.{(gone := _dead_pid())}.abcd1234.partial-journal",
     ]
     for d in dirs:
         d.mkdir()
+    dead = tmp_path / f".copy.db.{gone}.abcd1234.partial"  # whose -journal is that directory
+    dead.write_bytes(b"SQLite format 3\x00 half a copy")
     out = _kidx(source, tmp_path, str(tmp_path / "copy.db"))
     assert out.returncode == 0, out.stderr
     assert _titles(tmp_path / "copy.db") == ["n"]
     assert all(d.is_dir() for d in dirs)  # not ours to empty
+    assert not dead.exists()  # the dead backup's file went, its side file's directory stayed
 
 
 def test_a_dead_backups_temporary_goes_and_a_running_ones_stays(tmp_path: Path):

@@ -69,6 +69,9 @@ def test_a_dash_line_that_makes_no_heading_ends_the_paragraph_above():
         ("Intro\n\n    code line\n---\n", []),  # indented code, then a thematic break
         ("\ufeffTitle\n=====\n", ["Title"]),  # the byte order mark is no part of it
         ("A title\nover two lines\n---\n\ntext", ["A title over two lines"]),
+        ("***\n---\n", []),  # two thematic breaks (it raised IndexError)
+        ("para\n***\n---", []),
+        ("a\n* * *\n===\n", []),
     ],
 )
 def test_setext_headings_are_what_commonmark_makes_of_them(text, titles):

@@ -449,3 +449,24 @@ def test_a_filter_gets_the_full_oversample_on_two_passes(db, emb_settings, fake,
     finally:
         no_vec.close()
     assert ids(found) == ids(exact)
+
+
+def test_two_passes_answer_at_their_candidate_limit_once_k_pass(db, fake, monkeypatch):
+    """Past TWO_PASS_MAX candidates a k x oversample that large can never pass (hybrid at
+    k >= 55, with the default oversample): the two passes answer with the k best of those,
+    as before, not the float table's KNN every time."""
+    import worker.retrieval as retrieval
+
+    rng = np.random.default_rng(5)
+    items = [
+        add_item(db, kind="note", title=f"n{n}", content=" ".join(rng.choice(WORDS, 12)))
+        for n in range(100)
+    ]
+    index_items(db, items, embedder=fake)
+    monkeypatch.setattr(retrieval, "TWO_PASS_MAX", 64)
+    knn: list[int] = []
+    real = retrieval._knn
+    monkeypatch.setattr(retrieval, "_knn", lambda *a: knn.append(1) or real(*a))
+    tuning = SearchSettings(exact_below=0, oversample=100)  # 2 x 100 past the 64
+    found = search_chunks(db, "alpha beta", fake, k=2, mode="vector", tuning=tuning)
+    assert len(found.hits) == 2 and knn == []

@@ -170,12 +170,12 @@ def test_a_live_component_is_still_running_and_stopped(
 
 LEADER_AND_CHILD = """
 import os, sys
-r, w = os.pipe()
 child = os.fork()
 if child == 0:
-    os.close(w)
-    os.read(r, 1)  # until killed: the pipe's other end stays open in the test's hands
-    os._exit(0)
+    import signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a pool process that outlives its leader
+    while True:
+        time.sleep(60)
 print(child, flush=True)
 sys.stdin.read()  # the leader, until SIGTERM
 """
@@ -232,7 +232,8 @@ def test_a_group_no_member_of_which_runs_the_component_is_not_signalled() -> Non
         ops_stack.kill_group(other.pid, "worker.app")
         ops_stack.kill_group(other.pid, "flower")
         assert other.poll() is None
-        ops_stack.kill_group(other.pid, "python")  # a member that does run it: signalled
+        program = os.path.basename(sys.executable)
+        ops_stack.kill_group(other.pid, program)  # a member that does run it: signalled
         assert other.wait(timeout=30) == -signal.SIGKILL
     finally:
         if other.poll() is None:

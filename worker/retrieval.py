@@ -423,9 +423,10 @@ def _two_pass(
 ) -> list[tuple[int, float]] | None:
     """The n * oversample nearest by hamming distance over the bit mirror (worker.hamming),
     rescored exactly by cosine over their float vectors; more candidates until n * oversample
-    pass (live, this model, the filter) or the table has no more. None past TWO_PASS_MAX
-    candidates, or when the mirror holds no row (just rebuilt for a new model, or emptied by
-    a host): the float table's KNN then answers, as for fewer chunks."""
+    (at least 32) pass (live, this model, the filter), or the table has no more, or, at
+    TWO_PASS_MAX candidates, n pass. None when they do not, or when the mirror holds no row
+    (just rebuilt for a new model, or emptied by a host): the float table's KNN then answers,
+    as for fewer chunks."""
     blob = np.asarray(vector, dtype="<f4").tobytes()
     query_bits = bytes(db.scalar(f"SELECT {VEC['vec_chunk_bits'].value('?1')}", (blob,)))
 
@@ -448,7 +449,8 @@ def _two_pass(
         # Enough once the full oversample of candidates passed: stopping at n of them gave a
         # filter only its share of it (a filter of a fifth of the chunks: recall 0.70 where
         # the same search unfiltered had 0.77; 1.0 with this).
-        return _best(passing, n), len(passing) >= pool or len(candidates) < fetch
+        enough = len(passing) >= pool or (fetch >= TWO_PASS_MAX and len(passing) >= n)
+        return _best(passing, n), enough or len(candidates) < fetch
 
     pool = max(n * oversample, 32)
     return widening(pool, TWO_PASS_MAX, attempt)

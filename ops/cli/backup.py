@@ -30,8 +30,9 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 SIDE_FILES = ("-journal", "-wal", "-shm")
 PARTIAL = ".partial"
 # What a temporary's name holds besides DEST's (cut to fit): `.`, `.`, a pid of up to 10
-# digits, `.`, mkstemp's 8 random characters and `.partial`.
-PARTIAL_EXTRA = 3 + 10 + 8 + len(PARTIAL)
+# digits, `.`, mkstemp's 8 random characters and `.partial`; and the longest side file SQLite
+# makes beside it (`-journal`; the copy's `-wal` failed at 256 bytes).
+PARTIAL_EXTRA = 3 + 10 + 8 + len(PARTIAL) + max(map(len, SIDE_FILES))
 # No file by that name: none, or a name too long for one (DEST's -journal, when DEST's own
 # name is near the longest: SQLite could not have made it either).
 NO_SUCH_FILE = (errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG)
@@ -276,7 +277,8 @@ def _backup(ctx: Ctx, dest: Path, force: bool) -> None:
     _remove_dead_partials(dest)
     started = time.monotonic()
     fd, partial = _create_partial(dest)
-    own = (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+    made = os.fstat(fd)
+    own = (made.st_dev, made.st_ino)
     try:
         src = _open_source(source, dest, ctx.settings.busy_timeout_ms)
         check = _copy(src, partial)

@@ -133,6 +133,8 @@ def _setext_heading(text: str, para_start: int, start: int) -> tuple[int, str] |
     lines = _EOL_SPLIT.split(para) if "\n" in para or "\r" in para else [para]
     for k in range(len(lines) - 1, -1, -1):
         if _THEMATIC_BREAK.fullmatch(lines[k]):
+            if k == len(lines) - 1:
+                return None  # a thematic break, then another: no text to be a title
             after = [m.end() for m in _EOL_SPLIT.finditer(para)][k]
             para_start, para, lines = para_start + after, para[after:], lines[k + 1 :]
             break
@@ -295,6 +297,10 @@ def _closes(opener: re.Match[str], m: re.Match[str]) -> bool:
     return _width(lead) <= 3
 
 
+# Lines that look like a fence's close `_closed_ahead` tries, at most, for an indented fence.
+LOOK_AHEAD = 16
+
+
 class _Ahead:
     """Where `_closed_ahead` looks, found once for all of a text's block lines (made on the
     first fence line that needs it): for each line, the next line that may close a fence of
@@ -341,10 +347,6 @@ def _closed_ahead(lines: list[tuple[int, int, re.Match[str]]], i: int, ahead: _A
             return True
         k = closer[k]
     return False
-
-
-# Lines that look like a fence's close `_closed_ahead` tries, at most, for an indented fence.
-LOOK_AHEAD = 16
 
 
 def _outside(blank_ends: list[int], edges: list[int], fences: list[Fence]) -> list[int]:

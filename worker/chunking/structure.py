@@ -299,7 +299,7 @@ class _Plan:
         # heading (its chunk's opening no longer found) or a heading added or renamed left a
         # kept region running across it, under the heading path of the one before.
         result = set(kept).union(x for x in cuts if x in self.heading_set)
-        bounds = [self.first, *kept, self.last]
+        bounds = [self.first, *sorted(result), self.last]
         for a, c in itertools.pairwise(bounds):
             s, e = self._trim(a, c)
             # Re-cut only past the maximum itself: a kept region that grew into the room kept

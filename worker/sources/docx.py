@@ -154,7 +154,7 @@ def _is_markup(head: bytes) -> bool:
 # looked at: a 43 MB DOCX of 500,000 empty entries took 14 s and 600 MB, then was read. A
 # document's directory is a few KB (an entry of about a hundred bytes, rarely a thousand).
 DIRECTORY_MAX = 2_000_000  # bytes
-_EOCD, _ZIP64_LOCATOR = b"PK\x05\x06", b"PK\x06\x07"
+_EOCD, _ZIP64_LOCATOR, _ZIP64_RECORD = b"PK\x05\x06", b"PK\x06\x07", b"PK\x06\x06"
 
 
 def _directory_size(data: bytes) -> int:
@@ -165,10 +165,14 @@ def _directory_size(data: bytes) -> int:
     if at < 0 or at + 22 > len(data):
         return 0
     size = int.from_bytes(data[at + 12 : at + 16], "little")
-    locator = at - 20
-    if size == 0xFFFFFFFF and locator >= 0 and data[locator : locator + 4] == _ZIP64_LOCATOR:
-        record = int.from_bytes(data[locator + 8 : locator + 16], "little")
-        size = int.from_bytes(data[record + 40 : record + 48], "little")
+    # zipfile takes the zip64 record just before a zip64 locator whenever there is one,
+    # whatever the classic record says: the larger of the two is what it may read.
+    if (
+        at >= 76
+        and data[at - 20 : at - 16] == _ZIP64_LOCATOR
+        and data[at - 76 : at - 72] == (_ZIP64_RECORD)
+    ):
+        size = max(size, int.from_bytes(data[at - 36 : at - 28], "little"))
     return size
 
 
