@@ -416,7 +416,7 @@ class Run:
             self.task.app,
             item_ids,
             self.batch_id,
-            self.reason or "group",
+            stored_reason(self.reason) or "group",  # as the job rows keep it
             structure_only=self.structure_only,
         )
         note = f"not started within half the time limit: sent on in group {follow}"

@@ -607,3 +607,19 @@ def test_a_worker_s_runs_chunk_at_the_configured_target(rt) -> None:
         run, _ = single(rt, item)
         counts[target] = run.execute()["chunks"]
     assert counts[650] > counts[1500] * 1.5
+
+
+def test_a_group_sent_on_keeps_its_reason_as_the_job_rows_keep_it(rt) -> None:
+    """The items a group sends on went with its whole reason (any length a host gave), in
+    the task's message and the new group's job rows, where the group's own rows hold the
+    first 200 characters."""
+    ids = notes(rt.db, 2)
+    task = FakeTask(rt.app, GROUP)  # type: ignore[attr-defined]
+    run = GroupRun(
+        task, rt, ids, reason="r" * 5_000, batch_id=None, structure_only=False, started=0.0
+    )
+    run._send_on(ids)
+    reasons = rt.db.all(
+        "SELECT reason FROM index_jobs WHERE task_name = ? AND state = 'queued'", (GROUP,)
+    )
+    assert reasons == [("r" * 200,)] * 2
