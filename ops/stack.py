@@ -31,6 +31,7 @@ import redis
 
 from tasks.redis_at import redis_at
 from worker.errors import ConfigError
+from worker.regular import read_regular
 from worker.settings import Settings, load_settings
 from worker.sources.urls import safe_url
 
@@ -149,17 +150,11 @@ def read_pid(path: Path) -> int | None:
     process group, every process and init, which `os.kill` would signal. Only a regular file
     is read, never blocking: a FIFO there hung `status`, a directory crashed `stop`."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        data = read_regular(path, PID_FILE_MAX + 1)
     except OSError:
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = os.read(fd, PID_FILE_MAX + 1)
-    except OSError:
+    if data is None:
         return None
-    finally:
-        os.close(fd)
     try:
         pid = int(data.split()[0]) if len(data) <= PID_FILE_MAX else 0
     except (ValueError, IndexError):
@@ -214,14 +209,20 @@ def alive(pid: int, mark: str) -> bool:
     except (ProcessLookupError, PermissionError, OverflowError):
         return False
     try:
-        state = Path(f"/proc/{pid}/stat").read_text()
+        fields = _stat_fields(pid)
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return not Path("/proc/self").exists()  # no /proc here: trust the pid; else it ended
-    with contextlib.suppress(IndexError):
-        if state.rsplit(")", 1)[1].split()[0] == "Z":
-            return False
+    if fields[:1] == ["Z"]:
+        return False
     return runs(cmdline, mark)
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    """The fields of /proc/<pid>/stat after the program's name (which may hold `)`): its
+    state, parent, process group, ...; none when it does not parse. OSError when it ended."""
+    _, name_end, rest = Path(f"/proc/{pid}/stat").read_text().rpartition(")")
+    return rest.split() if name_end else []
 
 
 def group_members(pgid: int) -> list[int] | None:
@@ -233,8 +234,8 @@ def group_members(pgid: int) -> list[int] | None:
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            fields = _stat_fields(entry.name)
+        except OSError:
             continue  # it ended while we looked
         if len(fields) > 2 and fields[2] == str(pgid):
             members.append(int(entry.name))

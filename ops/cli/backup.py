@@ -25,6 +25,7 @@ import click
 
 from ops.cli.base import Ctx, cli, command, sqlite_detail, sqlite_problem
 from worker.errors import InvalidInput, StoreError
+from worker.regular import read_regular
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SIDE_FILES = ("-journal", "-wal", "-shm")
@@ -42,13 +43,7 @@ def _is_sqlite_or_empty(path: Path) -> bool:
     """DEST may be replaced (--force) when it is a SQLite database or empty, not any file.
     Opened without following a link and without waiting (a FIFO put there since DEST was
     looked at would block), and read only if it is (still) a regular file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        head = os.read(fd, len(SQLITE_HEADER))
-    finally:
-        os.close(fd)
+    head = read_regular(path, len(SQLITE_HEADER))
     return head in (b"", SQLITE_HEADER)
 
 

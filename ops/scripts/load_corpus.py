@@ -9,13 +9,12 @@ and then `kidx index --all --inline` re-embeds nothing that did not change.
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 import sys
 from pathlib import Path
 
 from worker.errors import ConfigError
 from worker.log import configure_logging
+from worker.regular import read_regular
 from worker.settings import load_settings
 from worker.store import open_store
 from worker.store.items import add_item, update_content
@@ -32,21 +31,13 @@ def read_note(path: Path) -> str | None:
     """The text of a Markdown file, or None (said in one line on stderr) for what is none: a
     FIFO named *.md hung the load, a byte that is not UTF-8 ended it with a traceback."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait
+        data = read_regular(path, follow=True)  # a FIFO: no wait
     except OSError as e:
         print(f"skipped {path}: cannot be read ({e.strerror or e})", file=sys.stderr)
         return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+    if data is None:
         print(f"skipped {path}: not a regular file", file=sys.stderr)
         return None
-    os.set_blocking(fd, True)
-    with open(fd, "rb") as f:
-        try:
-            data = f.read()
-        except OSError as e:
-            print(f"skipped {path}: cannot be read ({e.strerror or e})", file=sys.stderr)
-            return None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
