@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import redis
 from celery import Task, shared_task
 
+from tasks.base import KidxTask
 from tasks.broker import live_task_ids
 from tasks.cancel import revoked_key
 from tasks.lock import held, only_one, sweep_key
@@ -49,8 +50,10 @@ def alone(rt: Runtime, sweep: str) -> Iterator[bool]:
         yield only
 
 
-@shared_task(name=RECONCILE, bind=True, throws=(KeyConflict, InvalidInput, StaleConfig))
-def reconcile_sweep(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+@shared_task(
+    base=KidxTask, name=RECONCILE, bind=True, throws=(KeyConflict, InvalidInput, StaleConfig)
+)
+def reconcile_sweep(self: Task, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Repair vec rows at once; send the items that need a run as a `reconcile` batch, and
     the memories that need a vector to `kidx.embed_memories`. No arguments (refused in one
     line)."""
@@ -164,8 +167,10 @@ def _revoked(rt: Runtime, task_ids: list[str]) -> set[str] | None:
     return {t for t, n in zip(task_ids, found, strict=True) if n}
 
 
-@shared_task(name=RETRY_SWEEP, bind=True, throws=(KeyConflict, InvalidInput, StaleConfig))
-def retry_sweep(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+@shared_task(
+    base=KidxTask, name=RETRY_SWEEP, bind=True, throws=(KeyConflict, InvalidInput, StaleConfig)
+)
+def retry_sweep(self: Task, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Send failed items whose backoff has passed as a `retry` batch. No arguments (refused in
     one line)."""
     no_arguments(RETRY_SWEEP, args, kwargs)

@@ -24,6 +24,7 @@ from celery import Task, shared_task
 
 from tasks import GROUP
 from tasks import cancel as cancellation
+from tasks.base import KidxTask
 from tasks.producer import enqueue
 from tasks.run import (
     BUSY,
@@ -54,8 +55,8 @@ from worker.store.jobs import (
 log = get_logger("kidx.tasks")
 
 
-@shared_task(name=GROUP, bind=True, throws=(IndexFailed,))
-def index_group(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+@shared_task(base=KidxTask, name=GROUP, bind=True, throws=(IndexFailed,))
+def index_group(self: Task, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Index a bulk run's items together: (item_ids, reason=None, batch_id=None,
     structure_only=False)."""
     given = bind_arguments("item_ids", args, kwargs)

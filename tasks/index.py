@@ -21,6 +21,7 @@ from celery.signals import worker_process_init, worker_process_shutdown
 
 from tasks import KNOWLEDGE_ITEM, NOTE
 from tasks import cancel as cancellation
+from tasks.base import KidxTask
 from tasks.group import kept_batch
 from tasks.run import (
     BUSY,
@@ -45,14 +46,14 @@ from worker.store.jobs import JobState, record_start
 log = get_logger("kidx.tasks")
 
 
-@shared_task(name=NOTE, bind=True, throws=(IndexFailed,))
-def generate_embedding(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+@shared_task(base=KidxTask, name=NOTE, bind=True, throws=(IndexFailed,))
+def generate_embedding(self: Task, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Index a note: (item_id, reason=None, batch_id=None, structure_only=False)."""
     return start(self, bind_arguments("item_id", args, kwargs), frozenset({"note"}))
 
 
-@shared_task(name=KNOWLEDGE_ITEM, bind=True, throws=(IndexFailed,))
-def generate_knowledge_item_embedding(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+@shared_task(base=KidxTask, name=KNOWLEDGE_ITEM, bind=True, throws=(IndexFailed,))
+def generate_knowledge_item_embedding(self: Task, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Index a file, URL or code item: (item_id, reason=None, batch_id=None,
     structure_only=False)."""
     kinds = frozenset({"file", "url", "code"})

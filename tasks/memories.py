@@ -9,6 +9,7 @@ from typing import Any
 
 from celery import Task, shared_task
 
+from tasks.base import KidxTask
 from tasks.lock import memories_key, only_one
 from tasks.runtime import runtime
 from worker.app import EMBED_MEMORIES
@@ -29,8 +30,10 @@ def no_arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
 RUN_LIMIT = 512
 
 
-@shared_task(name=EMBED_MEMORIES, bind=True, throws=(KeyConflict, InvalidInput, StaleConfig))
-def embed_memories_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+@shared_task(
+    base=KidxTask, name=EMBED_MEMORIES, bind=True, throws=(KeyConflict, InvalidInput, StaleConfig)
+)
+def embed_memories_task(self: Task, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Embed what memories lack a vector; what was done (`MemoryBackfill`: `embedded`,
     `left`, `refused`, `unreadable`, `too_long`, `error`). It takes no argument: one sent
     (`celery call --args`, a host's send) is refused in one line, not a TypeError."""

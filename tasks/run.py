@@ -507,8 +507,9 @@ class Arguments(NamedTuple):
 
 def bind_arguments(first: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Arguments:
     """Bind a message's arguments as Python would, without its TypeError: the tasks take
-    `*args, **kwargs`, so that an argument given twice, or one named `self`, is refused by
-    `bad_arguments` with a job row, not by Python before any kidx code ran."""
+    `self, /, *args, **kwargs` (a `self` by name lands in kwargs), so that an argument given
+    twice, or one named `self`, is refused by `bad_arguments` with a job row, not by Python
+    before any kidx code ran."""
     names = (first, "reason", "batch_id", "structure_only")
     given = dict(zip(names, args, strict=False))
     twice = [name for name in kwargs if name in given]

@@ -217,6 +217,9 @@ def hostile_cases(s: FaultStack, root: Path) -> list[Case]:
     # Bound by Python, these failed with its TypeError before any kidx code ran: no job row.
     twice = "'item_id' given both by position and by name"
     task("an argument given twice", twice, "GenerateEmbedding", cases[0].item, item_id=1)
+    # The task's own first parameter by name: Celery's call raised "got multiple values".
+    task("an argument named self", "unknown task argument 'self'", NOTE, cases[0].item, self=1)
+    task("a group's argument named self", "unknown task argument 'self'", GROUP, [1], self=1)
     task("a group of 1,001 items", "at most 1000 items, not 1001", GROUP, list(range(1, 1002)))
     # Celery's `retries` header, as a host's message may set it: int("abc") raised before the
     # run was recorded, 10**30 could not be stored, -1000 retried a thousand times more.

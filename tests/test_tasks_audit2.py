@@ -303,6 +303,9 @@ def test_a_task_without_arguments_refuses_one_in_one_line(stack: Stack, name: st
     error = failure(stack.app.send_task(name, args=[5], kwargs={"x": 1}))
     assert type(error).__name__ == "InvalidInput", repr(error)
     assert str(error) == f"{name} takes no arguments, not (5, x=...)"
+    # Named as Celery's call names its first parameter: its TypeError came first.
+    error = failure(stack.app.send_task(name, kwargs={"self": 1}))
+    assert str(error) == f"{name} takes no arguments, not (self=...)", repr(error)
 
 
 # -- 8. kidx jobs only reads --------------------------------------------------------------------
