@@ -1,7 +1,8 @@
 """Sources against a review's hostile pages: charsets that are no character set (UTF-7 and the
 escape codecs gave lone surrogates, which failed every item of a bulk run; punycode and idna
-decode in time that grows with the square of the text), and host names idna refuses (its
-error escaped as a bug, from a URL or from a redirect's Location)."""
+decode in time that grows with the square of the text), host names idna refuses (its
+error escaped as a bug, from a URL or from a redirect's Location), and an answer whose header
+is too large to read."""
 
 from __future__ import annotations
 
@@ -60,3 +61,38 @@ def test_a_host_name_idna_refuses_is_invalid_input_in_a_url_and_in_a_redirect(re
     settings = UrlSettings(allow_hosts=["127.0.0.1"], timeout=5)
     with pytest.raises(InvalidInput, match="answered with a URL that is not valid"):
         fetch_url(redirecting, settings)
+
+
+class _Padded(BaseHTTPRequestHandler):
+    """An answer with as many 1 KB headers as its path says."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        for n in range(int(self.path.strip("/"))):
+            self.send_header(f"X-Pad-{n}", "p" * 1000)
+        self.send_header("Content-Length", "5")
+        self.end_headers()
+        self.wfile.write(b"hello")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def padded() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Padded)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_an_answer_whose_header_is_too_large_to_read_is_invalid_input_not_retried(padded):
+    """It was SourceUnavailable: retried, and failed again the same way each time."""
+    settings = UrlSettings(allow_hosts=["127.0.0.1"], timeout=5)
+    assert fetch_url(f"{padded}/50", settings).text == "hello"  # 50 KB of header is read
+    with pytest.raises(InvalidInput, match="header too large to read"):
+        fetch_url(f"{padded}/1000", settings)

@@ -237,6 +237,10 @@ def _to_text(
     return check_text_size(text, name, limit)
 
 
+# h11's error for a status line and headers longer than httpcore lets it buffer (100 KB).
+OVERSIZED_HEADER = "Receive buffer too long"
+
+
 def _send(
     client: httpx.Client,
     url: httpx.URL,
@@ -350,6 +354,12 @@ def fetch_url(
             f"{safe_url(str(current))}: the body could not be decoded ({e})"
         ) from None
     except httpx.TransportError as e:
+        if isinstance(e, httpx.RemoteProtocolError) and str(e) == OVERSIZED_HEADER:
+            # what the server would send again: retried, it failed three times as unavailable
+            raise InvalidInput(
+                f"{safe_url(str(current))}: the server's answer has a header too large to read "
+                "(over httpcore's 100 KB)"
+            ) from None
         raise SourceUnavailable(f"{safe_url(str(current))}: {type(e).__name__}: {e}") from None
     finally:
         stack.close()
