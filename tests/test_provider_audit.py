@@ -278,3 +278,61 @@ def test_a_provider_in_a_no_proxy_network_is_reached_directly(
     finally:
         embedder.close()
     assert standin.texts == ["direct"]
+
+
+# -- 7. a second review: values that are no numbers, and a key the server quotes back --------
+
+KEY = "sk-test-key-not-for-logs"
+
+
+@pytest.mark.parametrize("value", ['"0.5"', "true", f'"Bearer {KEY}"', '"' + "x" * 200_000 + '"'])
+def test_a_vector_value_that_is_no_number_fails_the_item_and_is_never_stored(
+    db: Database, embedder: EmbeddingModel, standin: StandIn, value: str
+) -> None:
+    """numpy read "0.5" and true as 0.5 and 1.0 (the item was indexed with them), and quoted
+    whatever string it could not read in the item's stored error: the key, or 200 KB."""
+    dims = embedder.dimensions or 0
+    standin.raw_answer = (200, {}, _answer_of(",".join([value] + ["0.1"] * (dims - 1))))
+    item = add_item(db, kind="note", title="T", content="A short note about anything at all.")
+    with pytest.raises(IndexAborted, match="values that are not numbers"):
+        index_item(db, item, embedder=embedder)
+    state = get_state(db, item)
+    assert state["status"] == "failed"
+    assert KEY not in state["last_error"] and len(state["last_error"]) < 1000
+    assert db.scalar("SELECT count(*) FROM note_chunks") == 0
+
+
+def test_an_index_that_quotes_the_key_is_masked_and_cut_in_the_items_error(
+    db: Database, embedder: EmbeddingModel, standin: StandIn
+) -> None:
+    dims = embedder.dimensions or 0
+    vector = ",".join(["0.1"] * dims)
+    for index in (f'"Bearer {KEY}"', '"' + "i" * 500_000 + '"'):
+        body = f'{{"data":[{{"index":{index},"embedding":[{vector}]}}]}}'
+        standin.raw_answer = (200, {}, body.encode())
+        item = add_item(db, kind="note", title="T", content="A short note about anything.")
+        with pytest.raises(IndexAborted, match="bad or repeated index"):
+            index_item(db, item, embedder=embedder)
+        error = get_state(db, item)["last_error"]
+        assert KEY not in error and len(error) < 1000
+
+
+@pytest.mark.parametrize("key", ["sk-abc/def+ghi", 'sk-ab"cd\\ef'])
+def test_a_key_the_server_quotes_json_escaped_is_masked(standin: StandIn, key: str) -> None:
+    """Masking looked for the key as written; a body with no `error` member (FastAPI's
+    `detail`) is shown as raw text, where the key is JSON-escaped (`/` maybe as `\\/`)."""
+    escaped = json.dumps(key)[1:-1]
+    slashed = escaped.replace("/", "\\/")  # as PHP and others write it
+    bodies = [json.dumps({"detail": f"invalid api key {key}"}), f'{{"detail": "{slashed}"}}']
+    model = build_embedder(standin_settings(standin, api_key=key), dimensions=DIMS)
+    assert model is not None
+    try:
+        for body in bodies:
+            standin.raw_answer = (401, {}, body.encode())
+            with pytest.raises(KidxError) as info:
+                model.embed_checked(["x"])
+            shown = str(info.value)
+            assert "***" in shown, shown
+            assert escaped not in shown and slashed not in shown
+    finally:
+        model.close()

@@ -64,11 +64,15 @@ class EmbeddingModel(ABC):
         finally:
             if self.hooks.observe is not None:
                 self.hooks.observe("embedding", time.perf_counter() - started)
+        if isinstance(answer, list) and not all(map(_numbers_only, answer)):
+            raise BadAnswer(
+                f"{self.model_id}: a vector holds values that are not numbers", per_input=True
+            )
         try:
             vectors = np.asarray(answer, dtype=np.float32)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError):  # (numpy's message quotes the value: a key, 200 KB)
             raise BadAnswer(
-                f"{self.model_id}: vectors of unequal length or not numbers ({e})", per_input=True
+                f"{self.model_id}: vectors of unequal length or not numbers", per_input=True
             ) from None
         except OverflowError:  # a JSON integer written out in 400 digits: no float holds it
             raise BadAnswer(
@@ -112,6 +116,17 @@ class EmbeddingModel(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, most models hold nothing
         """Release connections or models (optional)."""
+
+
+def _numbers_only(vector: object) -> bool:
+    """Whether a vector given as a list holds numbers only: numpy reads "0.5" and true as 0.5
+    and 1.0, and a server's strings and booleans were stored as a vector."""
+    if not isinstance(vector, list):
+        return True  # an array (decoded base64, a local model's), or numpy's to refuse
+    return all(
+        issubclass(kind, int | float | np.number) and kind is not bool
+        for kind in set(map(type, vector))
+    )
 
 
 def to_blob(vector: np.ndarray) -> bytes:

@@ -46,7 +46,9 @@ from worker.store.text import without_lone_surrogates
 
 log = get_logger("kidx.providers")
 
-RETRYABLE = frozenset({408, 409, 429, 500, 502, 503, 504})
+# Worth trying again: these, and every 5xx but 501 and 505 (a gateway's 520-529, an origin's
+# 507 "insufficient storage" or 529 "overloaded" are as passing as a 503).
+RETRYABLE = frozenset({408, 409, 429}) | frozenset(range(500, 600)) - {501, 505}
 PER_INPUT = frozenset({400, 413, 422})  # may concern one input only: worth trying alone
 USER_AGENT = "kidx/0.1 (+https://github.com/kidx)"
 ACCEPT_ENCODING = "gzip, deflate"  # what `read_body` decodes (httpx would also offer zstd)
@@ -225,7 +227,10 @@ def _credentials(settings: HTTPProviderSettings) -> list[str]:
     if password:
         pair = f"{unquote(user)}:{unquote(password)}".encode()
         found += [password, unquote(password), base64.b64encode(pair).decode("ascii")]
-    return [s for s in found if s]
+    found = [s for s in found if s]
+    # quoted inside a server's JSON text, a key is escaped (`"` as `\"`, maybe `/` as `\/`)
+    quoted = [json.dumps(s)[1:-1] for s in found]
+    return list(dict.fromkeys(found + quoted + [q.replace("/", "\\/") for q in quoted]))
 
 
 def proxied(url: str) -> bool:
@@ -313,15 +318,17 @@ class RetryLater(TransientProviderError):
 
 
 def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float | None:
-    """Seconds to wait from `retry-after-ms` or `Retry-After` (seconds or an HTTP date)."""
+    """Seconds to wait from `retry-after-ms` or `Retry-After` (seconds or an HTTP date); a
+    wait that is not above 0 (negative, a date past) is none: the backoff decides, as in
+    OpenAI's own client, not five requests sent back to back."""
     ms = headers.get("retry-after-ms")
     if ms:
         try:
             wait = float(ms) / 1000
         except ValueError:
             wait = math.nan
-        if math.isfinite(wait):
-            return max(0.0, wait)
+        if math.isfinite(wait) and wait > 0:
+            return wait
     value = headers.get("retry-after")
     if not value:
         return None
@@ -337,8 +344,8 @@ def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float
             at = when.timestamp()
         except (TypeError, ValueError, IndexError, OverflowError):
             return None
-        return max(0.0, at - (time.time() if now is None else now))
-    return max(0.0, wait) if math.isfinite(wait) else None
+        wait = at - (time.time() if now is None else now)
+    return wait if math.isfinite(wait) and wait > 0 else None
 
 
 def _error_detail(data: bytes, secrets: Sequence[str] = ()) -> tuple[str, str]:

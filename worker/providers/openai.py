@@ -122,11 +122,16 @@ class OpenAIEmbeddings(EmbeddingModel):
                 raise BadAnswer(f"{self._where}: item {position} of 'data' has no embedding")
             index = item.get("index", position)
             if not isinstance(index, int) or isinstance(index, bool) or index in by_index:
-                raise BadAnswer(f"{self._where}: bad or repeated index {index!r} in 'data'")
+                shown = self.http.shown(repr(index))  # a server's text: masked, cut
+                raise BadAnswer(f"{self._where}: bad or repeated index {shown} in 'data'")
             by_index[index] = vector
-        if len(by_index) != count or set(by_index) != set(range(count)):
+        if len(by_index) != count:
             raise BadAnswer(
                 f"{self._where}: asked for {count} vectors, got {len(by_index)}", per_input=True
+            )
+        if set(by_index) != set(range(count)):
+            raise BadAnswer(
+                f"{self._where}: the answer's indexes are not 0 to {count - 1}", per_input=True
             )
         return [by_index[i] for i in range(count)]
 
