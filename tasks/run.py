@@ -630,5 +630,7 @@ def changed(rt: Runtime, item_id: int) -> bool:
             item = get_item(rt.db, item_id)
     except KidxError:  # gone, or of no kind kidx knows
         return False
-    state = "SELECT indexed_hash FROM item_index_state WHERE item_id = ?"
-    return rt.db.scalar(state, (item_id,)) != (item.content_hash or text_hash(item.content))
+    # (as bytes: a host's text that is not UTF-8 raised in apsw; a hash is ASCII hex)
+    state = "SELECT CAST(indexed_hash AS BLOB) FROM item_index_state WHERE item_id = ?"
+    current = item.content_hash or text_hash(item.content)
+    return rt.db.scalar(state, (item_id,)) != current.encode("utf-8", "surrogatepass")

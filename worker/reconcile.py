@@ -121,16 +121,19 @@ FINDINGS = {
               LIMIT 2)) = 1)
         != EXISTS (SELECT 1 FROM note_embeddings e WHERE e.item_id = s.item_id)""",
 }
+# An item's attempts as the sweeps read them: NULL for what a host wrote that is no integer (its
+# item rests); read as it is, text that is not UTF-8 raised in apsw and ended every sweep.
+ATTEMPTS = "CASE typeof(attempts) WHEN 'integer' THEN attempts END"
 # Items indexed by structure because the chunk model failed them (their run's note in
 # `last_error`): the chunk model is asked again, each fallback it was asked for an attempt on
 # the retry backoff (`Backoff`), oldest first. A fallback degrades an item for good otherwise:
 # an outage of the chunk model left every item indexed meanwhile without LLM chunks.
 FELL_BACK_ITEMS = """
-SELECT item_id, attempts, (julianday('now') - julianday(updated_at)) * 86400
+SELECT item_id, {ATTEMPTS}, (julianday('now') - julianday(updated_at)) * 86400
   FROM item_index_state WHERE status = 'indexed' AND chunk_method = 'structure'
   AND instr(last_error, :note) > 0 AND typeof(item_id) = 'integer'
   ORDER BY updated_at, item_id
-"""
+""".replace("{ATTEMPTS}", ATTEMPTS)
 # Items of any kind a run skipped because no provider was configured (a file's or URL's text is
 # read only by its run, so no hash says whether it changed): sent once a provider is. Without
 # one, a run would only skip them again: they are not sent, whatever else found them.
@@ -394,7 +397,7 @@ def _resting(db: Database, backoff: Backoff | None) -> tuple[set[int], set[int],
     under the new model would be sent by every sweep)."""
     resting, retried, failed = set(), set(), set()
     rows = db.all(
-        "SELECT item_id, status, attempts, (julianday('now') - julianday(updated_at)) * 86400 "
+        f"SELECT item_id, status, {ATTEMPTS}, (julianday('now') - julianday(updated_at)) * 86400 "
         f"FROM item_index_state WHERE status IN {RESTING_STATUSES}"
     )
     for item_id, status, attempts, waited in rows:

@@ -126,7 +126,10 @@ def _cut_at(db: Database, item_id: int) -> int | None:
     """The target an item's chunks were cut at: recorded with its state, TARGET_CHUNK_SIZE
     before it was (the only one then); None for what a host wrote there."""
     row = db.one(
-        "SELECT coalesce(chunk_target, ?) FROM item_index_state WHERE item_id = ?",
+        # (typed in SQL: a host's text that is not UTF-8 raised in apsw, and the item failed
+        # at every run, since only a run that succeeds rewrites it)
+        "SELECT CASE WHEN chunk_target IS NULL THEN ? WHEN typeof(chunk_target) = 'integer' "
+        "THEN chunk_target END FROM item_index_state WHERE item_id = ?",
         (TARGET_CHUNK_SIZE, item_id),
     )
     value = row[0] if row is not None else TARGET_CHUNK_SIZE

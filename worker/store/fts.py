@@ -295,7 +295,11 @@ def fts_present(db: Database, table: FtsTable) -> bool:
     if have != len(shadows):
         return False
     try:
-        version = db.scalar(f"SELECT v FROM {table.name}_config WHERE k = 'version'")
+        # (typed in SQL: a host's text that is not UTF-8 raised in apsw, at every sweep)
+        version = db.scalar(
+            f"SELECT CASE typeof(v) WHEN 'integer' THEN v END FROM {table.name}_config "
+            "WHERE k = 'version'"
+        )
     except apsw.Error:
         return False
     return version == FTS5_VERSION
@@ -392,12 +396,13 @@ def sync_fts(db: Database, *, verify: bool = False, check: bool = True) -> dict[
     # Checked before the transaction, each in its own: once FTS5 found its index corrupt (a
     # host dropped its `_idx`), every later statement of that transaction failed the same way,
     # the DROP below included, and the sweep failed at every run.
+    # Without `verify` (a process's connect) the look of `fts_present` still: a `_config` a
+    # host wrote made FTS5 refuse the table, and every command failed as it opened the file.
     broken = {
         t.name
         for t in FTS_TABLES
-        if verify
-        and db.table_exists(t.name)
-        and not (fts_intact(db, t) if check else fts_present(db, t))
+        if db.table_exists(t.name)
+        and not (fts_intact(db, t) if verify and check else fts_present(db, t))
     }
     with db.atomic():
         every = verify and not db.scalar(  # as bytes: a host's value may not be UTF-8

@@ -233,7 +233,8 @@ def _ids_used_up(db: Database) -> None:
     after, even once the row is gone, as `sqlite_sequence` keeps it), and "the disk holding
     the database is full" sent the user to look at a disk with room to spare."""
     last = db.scalar("SELECT seq FROM sqlite_sequence WHERE name = 'knowledge_items'")
-    if last == 2**63 - 1:
+    # (a REAL of 9.2e18 too: a host's 2**63, which no integer holds, in a table it came from)
+    if isinstance(last, int | float) and not isinstance(last, bool) and last >= 2**63 - 1:
         raise StoreError(
             "no item id left to give: knowledge_items has had an item with the largest id "
             "SQLite holds (9223372036854775807, written by a host); give that row a smaller id, "

@@ -253,11 +253,11 @@ DELETE FROM sqlite_sequence WHERE name = 'knowledge_items';
 INSERT INTO sqlite_sequence(name, seq)
 SELECT 'knowledge_items', coalesce(max(m), 0) FROM (
     SELECT max(id) AS m FROM knowledge_items
-    UNION ALL SELECT max(item_id) FROM item_index_state
-    UNION ALL SELECT max(item_id) FROM note_chunks
-    UNION ALL SELECT max(item_id) FROM note_embeddings
-    UNION ALL SELECT max(item_id) FROM code_chunks
-    UNION ALL SELECT max(item_id) FROM index_jobs
+    UNION ALL SELECT max(item_id) FROM item_index_state WHERE typeof(item_id) = 'integer'
+    UNION ALL SELECT max(item_id) FROM note_chunks WHERE typeof(item_id) = 'integer'
+    UNION ALL SELECT max(item_id) FROM note_embeddings WHERE typeof(item_id) = 'integer'
+    UNION ALL SELECT max(item_id) FROM code_chunks WHERE typeof(item_id) = 'integer'
+    UNION ALL SELECT max(item_id) FROM index_jobs WHERE typeof(item_id) = 'integer'
 );
 
 CREATE TRIGGER knowledge_items_content_changed
@@ -717,13 +717,14 @@ def migrate(db: Database) -> int:
             current = schema_version(db)  # again, under the write lock: another may have won
             check_not_newer(db, current)
             _refuse_taken(db, current)
+            _refuse_rebuilt(db, current)
             for number, sql in MIGRATIONS:
                 if number <= current:
                     continue
                 with db.atomic():
                     for statement in _statements(sql):
                         if not _column_there(db, statement):
-                            db.execute(statement)
+                            _run(db, number, statement)
                     set_meta(db, "schema_version", str(number))
     finally:
         db.execute("PRAGMA legacy_alter_table = OFF")
@@ -732,6 +733,49 @@ def migrate(db: Database) -> int:
 
 
 _CREATES = re.compile(r"CREATE TABLE IF NOT EXISTS (\w+)")
+
+
+def _run(db: Database, number: int, statement: str) -> None:
+    """One statement of migration `number`; a row it cannot keep (a host's, written with its
+    CHECKs off: a `kind` of 'Note') is said as such, not as apsw's bare ConstraintError that
+    every kidx command printed."""
+    try:
+        db.execute(statement)
+    except apsw.ConstraintError as e:
+        raise StoreError(
+            f"{db.path}: migration {number} cannot keep a row a host wrote ({e}): mend or "
+            "delete it, then open the database again (nothing was changed)"
+        ) from None
+
+
+# knowledge_items as migration 5 rebuilds it, and what kidx had made on it before then.
+_ITEM_COLUMNS_V4 = frozenset(
+    {"id", "kind", "title", "source", "content", "content_hash", "created_at", "updated_at"}
+)
+_ITEM_OBJECTS_V4 = frozenset({"knowledge_items_content_changed"})
+
+
+def _refuse_rebuilt(db: Database, current: int) -> None:
+    """Migration 5 rebuilds knowledge_items with kidx's columns only: a host's own column,
+    index or trigger on it would be dropped, its data with it. Refused before any migration
+    runs, naming them, so that the host can move them first."""
+    if current >= 5 or not db.table_exists("knowledge_items"):
+        return
+    columns = {str(r[1]) for r in db.all("SELECT * FROM pragma_table_info('knowledge_items')")}
+    objects = {
+        str(r[0])
+        for r in db.all(
+            "SELECT name FROM sqlite_schema WHERE tbl_name = 'knowledge_items' "
+            "AND type IN ('index', 'trigger') AND sql IS NOT NULL"
+        )
+    }
+    theirs = sorted(columns - _ITEM_COLUMNS_V4) + sorted(objects - _ITEM_OBJECTS_V4)
+    if theirs:
+        raise StoreError(
+            f"{db.path}: upgrading rebuilds knowledge_items, which would drop what a host added "
+            f"to it ({', '.join(theirs)[:300]}): move it to a table of its own (or restore a "
+            "backup), then open the database again (nothing was changed)"
+        )
 
 
 def _refuse_taken(db: Database, current: int) -> None:
