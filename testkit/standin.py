@@ -144,9 +144,11 @@ class StandIn:
 
     Per request: count it and record body and headers; ``garbage``;
     ``fail_status`` (consuming ``fail_times``); reject an unparsable or invalid request (400);
-    ``poison``; then answer, applying ``wrong_count``, ``nan`` and ``shuffle``, ``delay``
-    seconds after the request arrived (the stand-in's own work included, so that the latency
-    is the same whatever the load). ``texts`` only grows on answers that carry embeddings.
+    ``poison``; ``max_batch`` (more texts in one request: 413, as text-embeddings-inference
+    answers past its maximum batch size); then answer, applying ``wrong_count``, ``nan`` and
+    ``shuffle``, ``delay`` seconds after the request arrived (the stand-in's own work
+    included, so that the latency is the same whatever the load). ``texts`` only grows on
+    answers that carry embeddings.
 
     ``chaos`` (a probability, 0 = off) comes first, right after counting: a request it picks
     (drawn from ``random.Random(chaos_seed)``) meets one of ``CHAOS_KINDS`` at random: a 500; a
@@ -172,6 +174,7 @@ class StandIn:
     shuffle: bool
     poison: str | None
     poison_status: int
+    max_batch: int | None
     garbage: bool
     chaos: float
     chaos_seed: int
@@ -284,6 +287,7 @@ class StandIn:
             self.shuffle = False
             self.poison = None
             self.poison_status = 400
+            self.max_batch = None
             self.garbage = False
             self.chaos = 0.0
             self.chaos_seed = 0
@@ -412,6 +416,13 @@ class StandIn:
                 "Stand-in fault: an input contains the poison string",
                 code=self.error_code,
                 headers=self._fault_headers(),
+            )
+
+        if self.max_batch is not None and len(texts) > self.max_batch:
+            return _error_reply(
+                413,
+                f"batch size {len(texts)} > maximum allowed batch size {self.max_batch}",
+                code=self.error_code,
             )
 
         dimensions = self.dimensions

@@ -336,3 +336,19 @@ def test_a_key_the_server_quotes_json_escaped_is_masked(standin: StandIn, key: s
             assert escaped not in shown and slashed not in shown
     finally:
         model.close()
+
+
+def test_a_provider_whose_batch_limit_is_under_the_batch_size_gets_halves_then_smaller_batches(
+    db: Database, embedder: EmbeddingModel, standin: StandIn
+) -> None:
+    """A 413 for a batch (text-embeddings-inference refuses over 32 texts) cost a refused
+    request and one request a text, for every batch, for good: 23 requests here, not 13."""
+    standin.max_batch = 3
+    text = "\n\n".join(f"# Part {n}\n\nParagraph {n}. " + "word " * 40 for n in range(20))
+    item = add_item(db, kind="note", title="T", content=text)
+    assert embedder.batch_size == 8
+    result = index_item(db, item, embedder=embedder)
+    assert result.status == "indexed" and result.chunks == 20 and result.embedded == 20
+    assert embedder.batch_size == 2  # the halves that went whole
+    assert standin.requests == 7 + 6  # 8 -> 4, 4 -> 2 x 4; then 12 texts 2 at a time
+    assert all(len(b["input"]) <= 3 for b in standin.bodies[-6:])

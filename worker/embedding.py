@@ -261,11 +261,12 @@ def embed_batch(
     cancel: CancelCheck | None,
     failures: PlanFailures,
     requests: Requests,
-) -> None:
-    """One request of up to the batch size; a failing batch is retried text by text, so that
-    one bad input costs one vector, not the batch. A plan whose vectors fail N times in a row
-    is aborted (`Plan.aborted`), the others go on. Raises IndexAborted (N failed requests in a
-    row) and PermanentProviderError (refused as a whole)."""
+) -> bool:
+    """One request of up to the batch size; a failing batch is retried text by text (in
+    halves when refused as too large), so that one bad input costs one vector, not the batch.
+    A plan whose vectors fail N times in a row is aborted (`Plan.aborted`), the others go on.
+    Raises IndexAborted (N failed requests in a row) and PermanentProviderError (refused as a
+    whole). Whether the batch went in one request."""
     check(cancel)
     try:
         vectors = embedder.embed_checked([p.input_of(i) for p, i in batch])
@@ -273,12 +274,42 @@ def embed_batch(
         requests.failed(e)
         if isinstance(e, PermanentProviderError) and not e.per_input:
             raise
-        _one_by_one(batch, embedder, cancel, failures, requests, e)
-    else:
-        for (p, i), vector in zip(batch, vectors, strict=True):
-            p.vectors[i] = to_blob(vector)
-            failures.ok(p)
-        requests.ok()
+        if getattr(e, "status", None) == 413 and len(batch) > 1:
+            _halves(batch, embedder, cancel, failures, requests)
+        else:
+            _one_by_one(batch, embedder, cancel, failures, requests, e)
+        return False
+    for (p, i), vector in zip(batch, vectors, strict=True):
+        p.vectors[i] = to_blob(vector)
+        failures.ok(p)
+    requests.ok()
+    return True
+
+
+def _halves(
+    batch: Sequence[tuple[Plan, int]],
+    embedder: EmbeddingModel,
+    cancel: CancelCheck | None,
+    failures: PlanFailures,
+    requests: Requests,
+) -> None:
+    """A batch the provider refused as too large (413), sent in two halves, each halved again
+    while refused: a server whose limit is under the batch size (text-embeddings-inference
+    takes 32) cost a refused request and a request a text, for every batch. When both halves
+    go whole, the batch size of the process becomes the half (said in the log); one input too
+    large alone ends at itself, refused, and changes nothing."""
+    half = (len(batch) + 1) // 2
+    whole = [
+        embed_batch(part, embedder, cancel, failures, requests)
+        for part in (batch[:half], batch[half:])
+    ]
+    if all(whole) and half < embedder.batch_size:
+        failures.log.warning(
+            f"{KI_EMBED} the provider refused {len(batch)} texts in one request as too large; "
+            f"{half} a request from now on (set KIDX_EMBEDDING__BATCH_SIZE to its limit)",
+            batch_size=half,
+        )
+        embedder.batch_size = half
 
 
 def abort_of(p: Plan) -> IndexAborted | None:
