@@ -494,6 +494,18 @@ def test_retry_after_above_the_cap_raises_at_once(
     assert "HTTP 429" in str(info.value)
 
 
+def test_retry_after_is_honoured_up_to_the_cap_in_all_not_each(build: Build) -> None:
+    """Every 429 asking 60 s, the cap: a call waited 4 x 60 s, three calls of a batch 720 s,
+    past the task's soft time limit, instead of leaving the wait to the queue."""
+    script = Script(then=status(429, headers={"Retry-After": "25"}))
+    model, sleeps = build(script, max_retries=4, retry_after_max=60.0)
+    with pytest.raises(RetryLater) as info:
+        model.embed_checked(["x"])
+    assert sleeps == [25.0, 25.0]  # a third would make 75 s in all
+    assert len(script.requests) == 3
+    assert info.value.retry_after == 25.0
+
+
 def test_retry_after_date_above_the_cap_raises_at_once(build: Build) -> None:
     date = email.utils.formatdate(time.time() + 3600, usegmt=True)
     script = Script(then=status(503, headers={"Retry-After": date}))
