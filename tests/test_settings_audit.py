@@ -324,8 +324,10 @@ def test_a_tilde_in_the_paths_is_the_home_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("KIDX_DATA_DIR", "~/kidx-data")
     monkeypatch.setenv("KIDX_VEC_PATH", "~/lib/vec0")
     (tmp_path / ".env").write_text("KIDX_DB=~/kidx.db\n")
-    settings = load_settings()
     home = tmp_path / "home"
+    (home / "lib").mkdir(parents=True)
+    (home / "lib" / "vec0.so").write_bytes(b"")  # (SQLite adds the suffix)
+    settings = load_settings()
     assert (settings.db, settings.data_dir) == (home / "kidx.db", home / "kidx-data")
     assert settings.vec_path == home / "lib" / "vec0"
 
@@ -435,3 +437,70 @@ def test_the_result_backends_kidx_takes():
         "db+postgresql+psycopg://h/k",
     ):
         assert load_settings(result_backend=url).result_backend == url
+
+
+# -- a second review of the settings -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("KIDX_EMBEDDING__MODEL", "text-\udcff-model"),  # b'\xff' from the environment
+        ("KIDX_EMBEDDING__BASE_URL", "https://api.\udcff.example/v1"),
+        ("KIDX_CHUNK__MODEL", "chat-\udcfe"),
+    ],
+)
+def test_a_setting_that_is_not_utf8_is_named(monkeypatch, variable: str, value: str) -> None:
+    """Accepted, it failed every command with UnicodeEncodeError, "a bug in kidx"."""
+    monkeypatch.setenv("KIDX_EMBEDDING__PROVIDER", "openai")
+    monkeypatch.setenv(variable, value)
+    assert "not UTF-8" in refused(variable)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/7/",  # kombu: "Database is int between 0 and limit - 1, not 7/"
+        "redis://127.0.0.1:6379/7/1",
+        "redis://127.0.0.1:6379/99999999999999999999999",
+    ],
+)
+def test_a_broker_url_whose_database_kombu_or_redis_cannot_take_is_refused(monkeypatch, url):
+    monkeypatch.setenv("KIDX_BROKER_URL", url)
+    assert "database number" in refused("KIDX_BROKER_URL")
+
+
+def test_a_scheme_in_capitals_is_written_as_celery_loads_it(monkeypatch) -> None:
+    """`REDIS://` passed `urlsplit` (lower-cased) and Celery then looked for a module `REDIS`."""
+    monkeypatch.setenv("KIDX_BROKER_URL", "REDIS://127.0.0.1:6379/7")
+    monkeypatch.setenv("KIDX_RESULT_BACKEND", "Redis://127.0.0.1:6379/8")
+    settings = load_settings()
+    assert (settings.broker_url, settings.backend_url) == (
+        "redis://127.0.0.1:6379/7",
+        "redis://127.0.0.1:6379/8",
+    )
+
+
+def test_json_nested_thousands_deep_is_a_config_error(monkeypatch) -> None:
+    monkeypatch.setenv("KIDX_FILES__ROOTS", "[" * 3000)
+    assert "too deeply" in refused("KIDX_")
+
+
+def test_a_variable_set_twice_in_two_cases_is_refused(monkeypatch, tmp_path) -> None:
+    """The one later in the environment chose the database, silently."""
+    monkeypatch.setenv("KIDX_DB", str(tmp_path / "a.db"))
+    monkeypatch.setenv("kidx_db", str(tmp_path / "b.db"))
+    assert "KIDX_DB, kidx_db" in refused("KIDX_DB is set 2 times")
+
+
+def test_a_data_dir_that_is_a_file_is_refused(monkeypatch, tmp_path) -> None:
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("KIDX_DATA_DIR", str(tmp_path / "afile"))
+    assert "is a file" in refused("KIDX_DATA_DIR")
+
+
+@pytest.mark.parametrize(("value", "words"), [("vec0.so", "absolute"), ("/no/vec0", "no such")])
+def test_a_vec_path_that_loads_nothing_is_refused(monkeypatch, value: str, words: str) -> None:
+    """Search fell back to the exact scan with only a warning in the log."""
+    monkeypatch.setenv("KIDX_VEC_PATH", value)
+    assert words in refused("KIDX_VEC_PATH")

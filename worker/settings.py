@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -204,11 +205,15 @@ def _redis_url(v: str, example: str) -> str:
         port = 0
     if port == 0:
         raise ValueError(f"must have a port from 1 to 65535, {example}")
-    db = parts.path.strip("/") or "0"
-    if not (db.isascii() and db.isdigit()):
+    # kombu takes the path after one "/" as it is: "/7/" is no database to it ("7/")
+    if parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]+", parts.path):
         raise ValueError(f"must end with a database number (/0, /1, ...), {example}")
+    if int(parts.path.strip("/") or "0") >= 2**31:  # Redis counts its databases in an int
+        raise ValueError(f"must end with a database number Redis can have, {example}")
     _redis_query(parts.scheme, parts.query)
-    return v
+    # `urlsplit` lower-cases the scheme; Celery loads its result backend by the scheme as
+    # written (REDIS:// is "No module named 'REDIS'")
+    return parts.scheme + v[len(parts.scheme) :]
 
 
 # The query parameters a Redis URL may carry: those that Celery's broker (kombu), Celery's Redis
@@ -689,6 +694,26 @@ class Settings(BaseSettings):
     def _home(cls, v: Path | None) -> Path | None:
         return v.expanduser() if v is not None else v
 
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir(cls, v: Path) -> Path:
+        if v.exists() and not v.is_dir():  # its logs and the metrics went off without a word
+            raise ValueError("is a file: give a folder (made if it is not there)")
+        return v
+
+    @field_validator("vec_path")
+    @classmethod
+    def _vec_path(cls, v: Path | None) -> Path | None:
+        """A library that is not there loaded nowhere, and search fell back to the exact scan
+        with only a warning; a relative one is looked for from each process's own folder."""
+        if v is None:
+            return v
+        if not v.is_absolute():
+            raise ValueError("must be an absolute path to the sqlite-vec library (vec0.so)")
+        if not any(Path(f"{v}{suffix}").is_file() for suffix in ("", ".so", ".dylib", ".dll")):
+            raise ValueError("no such file: give the path of the sqlite-vec library (vec0.so)")
+        return v
+
     @field_validator("broker_url")
     @classmethod
     def _broker(cls, v: str) -> str:
@@ -847,12 +872,16 @@ def load_settings(**overrides: object) -> Settings:
     from pydantic_settings import SettingsError
 
     env_file = Path(str(Settings.model_config.get("env_file") or ".env"))
+    if twice := _set_twice(os.environ):
+        raise ConfigError("invalid settings: " + "; ".join(twice))
     unknown = unknown_variables(sorted(os.environ))
     unknown += unknown_variables(read_dotenv(env_file), f" (in {env_file})")
     if unknown:
         raise ConfigError("invalid settings: " + "; ".join(unknown))
     try:
         settings = Settings(**overrides)  # type: ignore[arg-type]
+    except RecursionError:  # JSON nested thousands deep ('[[[[...'): not a kidx bug
+        raise ConfigError("invalid settings: a KIDX_ variable nests its JSON too deeply") from None
     except SettingsError as e:
         # pydantic-settings names the field and the source, not the variable, and keeps the
         # JSON error as the cause (never the value: it may hold a key).
@@ -870,4 +899,50 @@ def load_settings(**overrides: object) -> Settings:
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
     if problem := local_model_problem(settings.embedding):
         raise ConfigError(f"invalid settings: KIDX_EMBEDDING__MODEL: {problem}")
+    if names := _not_utf8(settings):
+        raise ConfigError(
+            "invalid settings: "
+            + "; ".join(f"{name}: holds bytes that are not UTF-8" for name in names)
+        )
     return settings
+
+
+def _set_twice(environ: Mapping[str, str]) -> list[str]:
+    """KIDX_ names set more than once in different cases (`KIDX_DB` and `kidx_db`): the
+    settings read names in any case, and the one later in the environment won, silently."""
+    spellings: dict[str, list[str]] = {}
+    for name in environ:
+        if name.upper().startswith("KIDX_"):
+            spellings.setdefault(name.upper(), []).append(name)
+    return [
+        f"{upper} is set {len(names)} times, as {', '.join(sorted(names))}: keep one"
+        for upper, names in sorted(spellings.items())
+        if len(names) > 1
+    ]
+
+
+def _not_utf8(model: BaseModel, prefix: str = "KIDX_") -> list[str]:
+    """The settings holding text that is not UTF-8 (a variable set from b'\xff' reads as a
+    lone surrogate): a model name or URL of that kind failed every command as a kidx bug.
+    Paths say so in their own validator, with more to say."""
+    found = []
+    for name, value in model:
+        key = f"{prefix}{name.upper()}"
+        if isinstance(value, BaseModel):
+            found += _not_utf8(value, key + "__")
+            continue
+        values = value if isinstance(value, list | tuple | set | frozenset) else [value]
+        for v in values:
+            text = v.get_secret_value() if isinstance(v, SecretStr) else v
+            if isinstance(text, str) and not _utf8(text):
+                found.append(key)
+                break
+    return found
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
