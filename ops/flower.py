@@ -22,6 +22,7 @@ import copy
 import os
 import re
 import secrets
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -101,9 +102,34 @@ def main(argv: list[str] | None = None) -> None:
             user = user or "kidx"
             password = password or secrets.token_urlsafe(12)
             print(f"Flower: http://127.0.0.1:{f.port}/ user {user} password {password}", flush=True)
+    if (why := cannot_listen(address, f.port)) is not None:
+        fail(
+            f"error: Flower cannot listen on {address or '*'}:{f.port} ({why}): set "
+            "KIDX_FLOWER__ADDRESS and KIDX_FLOWER__PORT to an address of this machine and a "
+            "free port",
+            2,
+        )
     cmd = flower_command(settings, address=address, port=f.port)
     os.environ["FLOWER_BASIC_AUTH"] = f"{user}:{password}"
     serve(cmd)
+
+
+def cannot_listen(address: str, port: int) -> str | None:
+    """Why a server could not listen there (a port taken, an address not this machine's, a
+    name that does not resolve), or None: looked at before Flower starts, whose own error is
+    a traceback of forty lines. (Flower binds a moment later: a port taken meanwhile is its
+    error again.)"""
+    try:
+        found = socket.getaddrinfo(
+            address or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, kind, proto, _, where = found[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as tornado binds
+            probe.bind(where)
+    except (OSError, UnicodeError) as e:  # (gaierror is an OSError)
+        return getattr(e, "strerror", None) or str(e)
+    return None
 
 
 def serve(cmd: list[str]) -> None:

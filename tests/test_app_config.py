@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 
 from worker.app import TASK_MODULES, create_app
@@ -127,3 +132,34 @@ def test_the_secrets_to_redact_include_the_broker_and_backend_passwords():
         embedding={"provider": "openai", "model": "m", "api_key": "sk-key-3"},
     )
     assert {"broker-pass-1", "backend-pass-2", "sk-key-3"} <= set(settings.secrets())
+
+
+@pytest.mark.parametrize("where", ["taken", "192.0.2.1", "nonexistent.invalid"])
+def test_flower_that_cannot_listen_says_so_in_one_line(tmp_path, where):
+    """A port taken, an address not this machine's, a name that does not resolve: Flower
+    ended on a traceback of forty lines."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        address = "127.0.0.1" if where == "taken" else where
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("KIDX_")}
+        env |= {
+            "KIDX_FLOWER__USER": "ops",
+            "KIDX_FLOWER__PASSWORD": "a long password",
+            "KIDX_FLOWER__ADDRESS": address,
+            "KIDX_FLOWER__PORT": str(busy.getsockname()[1]),
+            "KIDX_DATA_DIR": str(tmp_path / "data"),
+            "KIDX_DB": str(tmp_path / "kidx.db"),
+        }
+        out = subprocess.run(
+            [sys.executable, "-m", "ops.flower"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        busy.close()
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.count("\n") == 1 and "Flower cannot listen on" in out.stderr, out.stderr
