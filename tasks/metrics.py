@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -86,7 +87,9 @@ def _start(sender: Any = None, **_: Any) -> None:
         return
     from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 
-    folder = Path(settings.data_dir).resolve() / "metrics" / str(os.getpid())
+    # by host too: containers sharing one data volume each have their main process at pid 1,
+    # and each cleared the others' figures as it started
+    folder = Path(settings.data_dir).resolve() / "metrics" / f"{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     _m = _make(folder)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,3 +57,6 @@ def test_runs_chunks_provider_latency_and_failures_are_counted(stack):
     assert value(text, r'kidx_provider_seconds_count\{provider="embedding"\}') >= 1
     assert value(text, r'kidx_failures_total\{reason="bad_input"\}') >= 1
     assert value(text, r"kidx_run_seconds_count") >= 2
+    # a folder by host and pid: containers on one data volume each have their pid 1
+    folders = [f.name for f in (stack.tmp / "data" / "metrics").iterdir()]
+    assert folders and all(f.startswith(f"{socket.gethostname()}-") for f in folders), folders
