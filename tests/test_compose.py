@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from ops import stack as ops_stack
 from stack import free_port
-from worker.settings import Settings, TaskSettings
+from worker.settings import Settings, TaskSettings, variable_names
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("redis", "worker", "beat", "flower")
@@ -186,6 +186,28 @@ def test_every_setting_the_design_names_is_passed(compose: dict[str, Any]) -> No
             assert key in service(compose, name)["environment"], f"{name} lacks {key}"
 
 
+def test_every_setting_reaches_the_containers(compose: dict[str, Any]) -> None:
+    """Only the provider's and a few other variables were passed: KIDX_EMBEDDING__TIMEOUT,
+    KIDX_TASKS__SOFT_TIME_LIMIT and most others, set on the host, never reached a worker.
+    (A group's JSON form too; Flower's own only to Flower.)"""
+    names = variable_names()
+    every = [n for n in names[""] if n[5:] not in names]
+    every += [n for group, more in names.items() if group for n in more]
+    for name in ("worker", "beat", "flower"):
+        env = service(compose, name)["environment"]
+        wanted = [n for n in every if name == "flower" or not n.startswith("KIDX_FLOWER__")]
+        assert [n for n in wanted if n not in env] == [], name
+
+
+def test_the_files_to_index_are_mounted_where_the_roots_say(compose: dict[str, Any]) -> None:
+    """KIDX_FILES__ROOTS was passed, but no host folder was mounted: every file and code item
+    named a path the containers did not have."""
+    for name in ("worker", "flower"):
+        roots = service(compose, name)["environment"]["KIDX_FILES__ROOTS"]
+        mounted = {v.split(":")[1]: v.split(":")[2:] for v in service(compose, name)["volumes"]}
+        assert roots in mounted and mounted[roots] == ["ro"], (name, roots, mounted)
+
+
 def test_redis_never_evicts_and_the_broker_is_that_service(compose: dict[str, Any]) -> None:
     redis = service(compose, "redis")
     assert redis["image"].startswith("redis:7")
@@ -215,8 +237,9 @@ def test_workers_scale_and_share_the_data_volume(compose: dict[str, Any]) -> Non
         v.split(":")[0]
         for n in ("worker", "beat", "flower")
         for v in service(compose, n)["volumes"]
+        if v.split(":")[1] == "/data"
     }
-    assert len(mounts) == 1, "worker, beat and flower must share one volume"
+    assert len(mounts) == 1, "worker, beat and flower must share one data volume"
 
 
 def test_dockerfile_pins_torch_and_runs_unprivileged() -> None:
