@@ -352,3 +352,24 @@ def test_force_does_not_write_over_the_databases_own_wal_shm_or_journal(
         assert db.scalar("SELECT title FROM knowledge_items WHERE id = ?", (item,)) == "Kept"
     finally:
         db.close()
+
+
+def test_a_backup_is_a_database_of_its_own_instance(tmp_path: Path):
+    """The copy kept the original's instance id: pointed at one Redis, the two shared their
+    item locks, sweep locks and batch abort counts (batch ids overlap too)."""
+    source = tmp_path / "kidx.db"
+    db = connect(source, vec=False)
+    item = add_item(db, kind="note", title="kept", content="A note the copy keeps.")
+    original = db.instance()
+    db.close()
+    out = _backup(source, tmp_path, str(tmp_path / "copy.db"))
+    assert out.returncode == 0, out.stderr
+    copy = connect(tmp_path / "copy.db", vec=False)
+    try:
+        assert copy.instance() != original and len(copy.instance()) == 16
+        assert copy.scalar("SELECT title FROM knowledge_items WHERE id = ?", (item,)) == "kept"
+    finally:
+        copy.close()
+    again = connect(source, vec=False)
+    assert again.instance() == original  # the database's own is untouched
+    again.close()

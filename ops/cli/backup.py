@@ -222,6 +222,12 @@ def _copy(src: apsw.Connection, partial: Path) -> list[tuple[str, ...]]:
             out.execute("PRAGMA locking_mode=EXCLUSIVE; PRAGMA journal_mode=MEMORY").fetchall()
             with out.backup("main", src, "main") as b:
                 b.step(-1)  # every page, under one read snapshot
+            # The copy is a database of its own: the instance that names its keys in Redis
+            # (locks, sweeps, abort counts) is its own, or the two would share them.
+            if out.execute("SELECT 1 FROM sqlite_schema WHERE name = 'index_meta'").fetchall():
+                out.execute(
+                    "UPDATE index_meta SET value = lower(hex(randomblob(8))) WHERE key = 'instance'"
+                )
             return list(out.execute("PRAGMA integrity_check"))
         finally:
             out.close()
