@@ -108,3 +108,28 @@ def test_a_model_it_cannot_reproduce_is_refused_by_name(tmp_path, modules, pooli
 def test_an_unknown_model_name_is_a_clear_error():
     with pytest.raises(ConfigError, match="neither the bundled"):
         model_path("some/hub-model")
+
+
+@pytest.mark.model
+def test_texts_longer_than_the_model_reads_are_said_in_the_log(monkeypatch):
+    """Chunks are sized in characters: 1,500 of code or of Chinese are more than its 256
+    tokens, and were cut with nothing said. Said at the 1st, 10th, 100th cut text."""
+    import structlog
+
+    from worker.providers.local import LocalEmbeddings
+    from worker.settings import EmbeddingSettings
+
+    model = load_model("all-MiniLM-L6-v2")
+    monkeypatch.setattr(model, "cut", 0)
+    local = LocalEmbeddings(
+        EmbeddingSettings(provider="local", model="all-MiniLM-L6-v2"), dimensions=384
+    )
+    long = "中文字符 " * 200  # 1,000 characters, about 600 tokens
+    with structlog.testing.capture_logs() as logs:
+        local.embed_batch(["short", "a few more words", long])
+        local.embed_batch([long] * 8)  # 9 so far: nothing more said
+        local.embed_batch([long, "short"])  # the 10th
+        local.embed_batch(["short"] * 3)
+    said = [e for e in logs if "longer than the local model reads" in e["event"]]
+    assert [e["cut_so_far"] for e in said] == [1, 10]
+    assert said[0]["max_tokens"] == model.max_tokens == 256

@@ -24,9 +24,11 @@ from typing import Any
 import numpy as np
 
 from worker.errors import ConfigError, PermanentProviderError, input_failure
+from worker.log import KI_EMBED, get_logger
 from worker.providers.base import EmbeddingModel, Hooks
 from worker.settings import LOCAL_BUNDLED_MODELS, LOCAL_DEFAULT_MODEL, EmbeddingSettings
 
+log = get_logger("kidx.providers")
 # the names load_settings takes for the provider (`worker.settings.local_model_problem`)
 _BUNDLED = set(LOCAL_BUNDLED_MODELS)
 # Texts go through the model a few at a time, longest first, as sentence-transformers does:
@@ -53,6 +55,7 @@ class _Model:
     normalize: bool
     count: Callable[[str], int]  # a text's tokens, special ones included, untruncated
     max_tokens: int  # what the model reads of a text: the rest is cut off
+    cut: int = 0  # the texts this process embedded from their first `max_tokens` only
 
 
 def model_path(name: str) -> Path:
@@ -190,6 +193,7 @@ def encode(m: _Model, texts: list[str], batch: int = _ENCODE_BATCH) -> np.ndarra
         for start in range(0, len(order), batch):
             part = order[start : start + batch]
             hidden, attention = m.forward([texts[i] for i in part])
+            m.cut += int((attention.sum(dim=1) >= m.max_tokens).sum())
             mask = attention.unsqueeze(-1).to(hidden.dtype)
             if m.pooling == "cls":
                 vectors = hidden[:, 0]
@@ -224,11 +228,23 @@ class LocalEmbeddings(EmbeddingModel):
 
     def embed_batch(self, texts: list[str]) -> np.ndarray:
         model = load_model(self.model_id)
+        before = model.cut
         try:
-            return encode(model, texts)
+            vectors = encode(model, texts)
         except Exception as e:
             if not input_failure(e, *_MODEL_PACKAGES):
                 raise  # an interruption (Celery's soft time limit): the caller's to handle
             raise PermanentProviderError(
                 f"{self.model_id} (local): {type(e).__name__}: {e}"
             ) from None
+        # Chunks are sized in characters: 1,500 of code or of Chinese are more tokens than the
+        # model reads, and their rest does not count in search. Said at the 1st, 10th, 100th...
+        if any(before < 10**n <= model.cut for n in range(len(str(model.cut)))):
+            log.warning(
+                f"{KI_EMBED} texts longer than the local model reads were embedded from their "
+                "start only",
+                model=self.model_id,
+                max_tokens=model.max_tokens,
+                cut_so_far=model.cut,
+            )
+        return vectors
