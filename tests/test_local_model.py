@@ -133,3 +133,24 @@ def test_texts_longer_than_the_model_reads_are_said_in_the_log(monkeypatch):
     said = [e for e in logs if "longer than the local model reads" in e["event"]]
     assert [e["cut_so_far"] for e in said] == [1, 10]
     assert said[0]["max_tokens"] == model.max_tokens == 256
+
+
+@pytest.mark.model
+def test_a_lone_surrogate_in_a_query_is_the_querys_fault_not_the_models(tmp_path):
+    """The tokenizer's TypeError was a PermanentProviderError, "all-MiniLM-L6-v2 (local)"."""
+    from worker.errors import InvalidInput
+    from worker.indexers.memories import search_memories
+    from worker.providers.local import LocalEmbeddings
+    from worker.retrieval import search_chunks
+    from worker.settings import EmbeddingSettings
+    from worker.store import connect
+
+    settings = EmbeddingSettings(provider="local", model="all-MiniLM-L6-v2")
+    db = connect(tmp_path / "kidx.db", embedding=settings)
+    local = LocalEmbeddings(settings, dimensions=384)
+    try:
+        for search in (search_chunks, search_memories):
+            with pytest.raises(InvalidInput, match=r"lone surrogate U\+D800 at character 1"):
+                search(db, "a\ud800", local)
+    finally:
+        db.close()

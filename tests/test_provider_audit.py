@@ -352,3 +352,16 @@ def test_a_provider_whose_batch_limit_is_under_the_batch_size_gets_halves_then_s
     assert embedder.batch_size == 2  # the halves that went whole
     assert standin.requests == 7 + 6  # 8 -> 4, 4 -> 2 x 4; then 12 texts 2 at a time
     assert all(len(b["input"]) <= 3 for b in standin.bodies[-6:])
+
+
+def test_a_query_past_the_longest_is_refused_before_anything_is_embedded(
+    db: Database, embedder: EmbeddingModel, standin: StandIn
+) -> None:
+    """A 10 MB query made the local model's tokenizer take 1.5 GB, for the answer its first
+    256 tokens give."""
+    from worker.retrieval import QUERY_MAX
+
+    for search in (search_chunks, search_memories):
+        with pytest.raises(InvalidInput, match=f"at most {QUERY_MAX}"):
+            search(db, "word " * (QUERY_MAX // 5) + "x", embedder)
+    assert standin.requests == 0

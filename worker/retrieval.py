@@ -52,7 +52,7 @@ from worker.providers.base import EmbeddingModel
 from worker.settings import SearchSettings
 from worker.store.db import Database
 from worker.store.fts import NOTES, keyword_query
-from worker.store.text import integer_or_null, shown
+from worker.store.text import given_text, integer_or_null, shown
 from worker.store.vec import VEC, sound, vec_table_dimensions
 
 SNIPPET = 160
@@ -193,12 +193,20 @@ class ChunkSearch:
     notes: list[str] = field(default_factory=list)
 
 
+# The longest query taken: embedders read a few hundred tokens of it; a 10 MB one made the
+# local model's tokenizer take 1.5 GB, to give the answer its first 256 tokens give.
+QUERY_MAX = 100_000
+
+
 def check_query(query: object, k: object) -> int:
     """Every search's arguments, as a caller in any language may send them: a non-empty
     string, and k from 1 to MAX_K (k=-1 would slice all hits but the last), returned as an
     int (a numpy integer is one too: bound as an int, never as its bytes)."""
     if not isinstance(query, str):
         raise InvalidInput(f"the query must be a string, not {type(query).__name__}")
+    if len(query) > QUERY_MAX:  # a model reads a few hundred tokens; 10 MB took 1.5 GB
+        raise InvalidInput(f"the query is {len(query)} characters long: at most {QUERY_MAX}")
+    given_text(query, "query")  # (a lone surrogate: the local model's tokenizer raised)
     if not query.strip():
         raise InvalidInput("the query is empty")
     whole = integer(k)
