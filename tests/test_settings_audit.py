@@ -26,6 +26,7 @@ from worker.settings import (
     MONTH,
     NOT_SETTINGS,
     NOT_SETTINGS_PREFIX,
+    EmbeddingSettings,
     FilesSettings,
     Settings,
     load_settings,
@@ -504,3 +505,16 @@ def test_a_vec_path_that_loads_nothing_is_refused(monkeypatch, value: str, words
     """Search fell back to the exact scan with only a warning in the log."""
     monkeypatch.setenv("KIDX_VEC_PATH", value)
     assert words in refused("KIDX_VEC_PATH")
+
+
+@pytest.mark.parametrize(
+    ("config", "dimensions"),
+    [('{"hidden_size": 384}', 384), ('{"hidden_size": "384"}', None), ("not json", None)],
+)
+def test_a_local_model_directory_gives_its_dimension(tmp_path, config, dimensions) -> None:
+    """Without KIDX_EMBEDDING__DIMENSIONS the index was made at 1536, and every vector of
+    the directory's 384-dimension model was refused."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(config)
+    settings = EmbeddingSettings(provider="local", model=str(tmp_path / "model"))
+    assert settings.model_dimensions() == dimensions

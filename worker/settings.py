@@ -364,7 +364,7 @@ class EmbeddingSettings(HTTPProviderSettings):
         """The dimension the configured model produces, when known without calling it."""
         known = KNOWN_MODELS.get(self.model)
         if known is None:
-            return None
+            return _directory_dimensions(self.model) if self.provider == "local" else None
         if known.shortenable and self.dimensions:
             return self.dimensions
         return known.dimensions
@@ -842,6 +842,20 @@ def read_dotenv(path: Path) -> list[str]:
             f"{e.start})"
         ) from None
     return list(dotenv_values(stream=io.StringIO(text)))
+
+
+def _directory_dimensions(model: str) -> int | None:
+    """A local model directory's dimension, from its config.json (`hidden_size`), read without
+    loading the model: without it the index was made at the default 1536, and every vector of
+    a 384-dimension model was refused."""
+    import json
+
+    try:
+        config = json.loads((Path(model).expanduser() / "config.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    size = config.get("hidden_size") if isinstance(config, dict) else None
+    return size if type(size) is int and 0 < size <= 16000 else None  # (as DIMENSIONS)
 
 
 def local_model_problem(embedding: EmbeddingSettings) -> str | None:
