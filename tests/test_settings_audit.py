@@ -497,7 +497,9 @@ def test_a_variable_set_twice_in_two_cases_is_refused(monkeypatch, tmp_path) -> 
 def test_a_data_dir_that_is_a_file_is_refused(monkeypatch, tmp_path) -> None:
     (tmp_path / "afile").write_text("")
     monkeypatch.setenv("KIDX_DATA_DIR", str(tmp_path / "afile"))
-    assert "is a file" in refused("KIDX_DATA_DIR")
+    assert "afile is not a directory" in refused("KIDX_DATA_DIR")
+    monkeypatch.setenv("KIDX_DATA_DIR", str(tmp_path / "afile" / "below"))
+    assert "afile is not a directory" in refused("KIDX_DATA_DIR")
 
 
 @pytest.mark.parametrize(("value", "words"), [("vec0.so", "absolute"), ("/no/vec0", "no such")])

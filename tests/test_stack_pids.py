@@ -284,9 +284,18 @@ def test_start_and_stop_with_a_data_dir_that_is_a_file_say_so_in_one_line(tmp_pa
         for action in ("start", "stop"):
             extra = ("--demo",) if action == "start" else ()
             result = run_module(tmp_path, data_dir, "ops.stack", action, *extra)
-            line = one_config_error(result, data_dir)
-            assert f"{file} is not a directory" in line
+            line = settings_error(result)
+            assert "KIDX_DATA_DIR" in line and f"{file} is not a directory" in line
     assert file.read_text() == "not a directory"
+
+
+def settings_error(result: subprocess.CompletedProcess[str]) -> str:
+    """The one line of a setting refused as the settings are built (exit status 2)."""
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: invalid settings: "), result.stderr
+    return lines[0]
 
 
 def test_flower_with_a_data_dir_that_is_a_file_says_so_in_one_line(tmp_path: Path):
@@ -294,8 +303,8 @@ def test_flower_with_a_data_dir_that_is_a_file_says_so_in_one_line(tmp_path: Pat
     file = tmp_path / "data"
     file.write_text("not a directory")
     result = run_module(tmp_path, file, "ops.flower", "--demo")
-    line = one_config_error(result, file)
-    assert f"{file} is not a directory" in line
+    line = settings_error(result)
+    assert "KIDX_DATA_DIR" in line and f"{file} is not a directory" in line
     assert "password" not in result.stdout
     assert file.read_text() == "not a directory"
 

@@ -697,8 +697,14 @@ class Settings(BaseSettings):
     @field_validator("data_dir")
     @classmethod
     def _data_dir(cls, v: Path) -> Path:
-        if v.exists() and not v.is_dir():  # its logs and the metrics went off without a word
-            raise ValueError("is a file: give a folder (made if it is not there)")
+        """A file there, or on its way: its logs and the metrics went off without a word."""
+        for folder in (v, *v.parents):
+            if folder.exists():
+                if not folder.is_dir():
+                    raise ValueError(
+                        f"{folder} is not a directory: give a folder (made if not there)"
+                    )
+                break
         return v
 
     @field_validator("vec_path")
