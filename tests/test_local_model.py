@@ -154,3 +154,30 @@ def test_a_lone_surrogate_in_a_query_is_the_querys_fault_not_the_models(tmp_path
                 search(db, "a\ud800", local)
     finally:
         db.close()
+
+
+@pytest.mark.model
+def test_a_memory_the_model_reads_nothing_of_is_refused_added_or_written_by_a_host(tmp_path):
+    """NUL, a zero-width space, a BOM: the model read its markers alone, and such memories
+    came first for any query of punctuation, above every real one."""
+    from worker.errors import InvalidInput
+    from worker.indexers.memories import add_memory, embed_memories, search_memories
+    from worker.providers.local import LocalEmbeddings
+    from worker.settings import EmbeddingSettings
+    from worker.store import connect
+
+    settings = EmbeddingSettings(provider="local", model="all-MiniLM-L6-v2")
+    db = connect(tmp_path / "kidx.db", embedding=settings)
+    local = LocalEmbeddings(settings, dimensions=384)
+    try:
+        for text in ("\x00", "\u200b", "\ufeff"):
+            with pytest.raises(InvalidInput, match="holds nothing all-MiniLM-L6-v2 reads"):
+                add_memory(db, text, local)
+        tea = add_memory(db, "Tea, no milk.", local)
+        db.execute("INSERT INTO memories(content) VALUES (?)", ("\u200b\u200b",))  # a host's
+        report = embed_memories(db, local)
+        assert report.embedded == 0 and report.too_long == 1
+        hits, _, _ = search_memories(db, "!!!?!...", local, k=5)
+        assert [h.memory_id for h in hits] == [tea]
+    finally:
+        db.close()

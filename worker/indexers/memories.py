@@ -159,7 +159,14 @@ def over_model(text: str, embedder: EmbeddingModel) -> str | None:
     that says what it reads (`reads_whole`: the local provider) is asked; the APIs' limits
     (8k tokens) are far above a memory's."""
     counted = embedder.reads_whole(text)
-    if counted is None or counted[0] <= counted[1]:
+    if counted is None:
+        return None
+    empty = embedder.reads_whole("")
+    if empty is not None and counted[0] <= empty[0]:
+        # NUL, zero-width spaces, a BOM: the model reads its markers alone, and such memories
+        # came first for any query of punctuation, above every real one
+        return f"holds nothing {embedder.model_id} reads (only characters it drops)"
+    if counted[0] <= counted[1]:
         return None
     tokens, most = counted
     return (
