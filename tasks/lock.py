@@ -203,8 +203,12 @@ def only_one(client: redis.Redis, key: str, ttl: float) -> Iterator[bool]:
     try:
         yield True
     finally:
-        with contextlib.suppress(LockError):  # it expired: another run may hold it now
+        try:
             lock.release()
+        except LockError:  # it expired: another run may hold it now
+            pass
+        except redis.RedisError as e:  # it expires by itself; the sweep's outcome is what counts
+            log.warning("a sweep lock could not be released", key=key, reason=str(e))
 
 
 def rerun_key(space: str, item_id: int) -> str:
@@ -297,7 +301,8 @@ class ItemLock:
             raise conflict(self.client, self.key, what)
         if value is None or isinstance(value, Exception):
             return None
-        token = value.decode() if isinstance(value, bytes) else str(value)
+        # (another program's bytes: not this task's, never a UnicodeDecodeError for the group)
+        token = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
         if token.rsplit(":", 4)[0] != self.task_id:
             return None
         gone = holder_gone(token, self.task_id)
@@ -401,6 +406,24 @@ class LockSet:
         another type, is neither: it is `refused` (item -> the KeyConflict's line), and the
         value is left as it is."""
         tokens = [make_token(self.task_id) for _ in self.locks]
+        try:
+            return self._acquire(tokens)
+        except BaseException:
+            # A timeout or a foreign value halfway: the locks set so far are given back (each
+            # only if it still holds its token), or they stayed with no run behind them and
+            # every task asking for those items ended `coalesced` onto nothing.
+            for lock in self.held:  # (one taken over from this task's earlier run: its own)
+                with contextlib.suppress(redis.RedisError, LockError):
+                    lock.release()
+            self.held = []
+            pipe = self.client.pipeline(transaction=False)
+            for lock, token in zip(self.locks, tokens, strict=True):
+                lock.lock.lua_release(keys=[lock.key], args=[token], client=pipe)
+            with contextlib.suppress(redis.RedisError):
+                pipe.execute(raise_on_error=False)
+            raise
+
+    def _acquire(self, tokens: list[str]) -> tuple[list[int], list[int]]:
         now = time.monotonic()
         pipe = self.client.pipeline(transaction=False)
         for lock, token in zip(self.locks, tokens, strict=True):
@@ -459,7 +482,9 @@ class LockSet:
         pipe = self.client.pipeline(transaction=False)
         for lock in self.held:
             pipe.getdel(rerun_key(self.space, lock.item_id))
-        return _requests(self.held, pipe.execute())
+        # (every answer read, as at release: one key of another type raised before the others'
+        # answers were looked at, and the requests their GETDEL had cleared were lost)
+        return _requests(self.held, pipe.execute(raise_on_error=False))
 
     def release_one(self, item_id: int) -> None:
         """Let one item go before the others (a run of its own is coming for it)."""

@@ -205,6 +205,10 @@ class Database:
                         "VALUES ('instance', lower(hex(randomblob(8))))"
                     )
                     value = self.scalar(query)
+            except (apsw.BusyError, apsw.LockedError):
+                # Another writer past the busy timeout: a guess kept for the connection's life
+                # named other keys than every other process's (both held one item's lock).
+                raise
             except apsw.Error:  # a full disk, a read-only file: its name if it has one
                 value = self.scalar(query) if self.table_exists("index_meta") else None
             if value is None:  # (only a database kidx could never write to)
