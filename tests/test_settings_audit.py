@@ -520,3 +520,18 @@ def test_a_local_model_directory_gives_its_dimension(tmp_path, config, dimension
     (tmp_path / "model" / "config.json").write_text(config)
     settings = EmbeddingSettings(provider="local", model=str(tmp_path / "model"))
     assert settings.model_dimensions() == dimensions
+
+
+@pytest.mark.parametrize("blank", [" ", "\t", "  "])
+def test_a_broker_url_led_by_blanks_keeps_its_scheme(monkeypatch, blank: str) -> None:
+    """The scheme was cut from the value by its length, after the blanks urlsplit skips:
+    ' redis://' became 'rediss://' (TLS against a plain Redis), '  redis://' 'redisis://'."""
+    monkeypatch.setenv("KIDX_BROKER_URL", blank + "redis://127.0.0.1:6379/7")
+    assert load_settings().broker_url == "redis://127.0.0.1:6379/7"
+
+
+@pytest.mark.parametrize("variable", ["KIDX_DATA_DIR", "KIDX_VEC_PATH"])
+def test_a_path_no_folder_can_be_looked_at_is_a_config_error(monkeypatch, variable) -> None:
+    """`Path.exists` raised OSError (a name too long) out of the settings, no ConfigError."""
+    monkeypatch.setenv(variable, "/tmp/" + "a" * 300 + "/x")
+    assert "cannot be looked at" in refused(variable)

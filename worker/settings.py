@@ -213,7 +213,8 @@ def _redis_url(v: str, example: str) -> str:
     _redis_query(parts.scheme, parts.query)
     # `urlsplit` lower-cases the scheme; Celery loads its result backend by the scheme as
     # written (REDIS:// is "No module named 'REDIS'")
-    return parts.scheme + v[len(parts.scheme) :]
+    # (from the first ":": urlsplit skips leading blanks, which `len(scheme)` then counted)
+    return parts.scheme + v[v.index(":") :]
 
 
 # The query parameters a Redis URL may carry: those that Celery's broker (kombu), Celery's Redis
@@ -698,13 +699,16 @@ class Settings(BaseSettings):
     @classmethod
     def _data_dir(cls, v: Path) -> Path:
         """A file there, or on its way: its logs and the metrics went off without a word."""
-        for folder in (v, *v.parents):
-            if folder.exists():
-                if not folder.is_dir():
-                    raise ValueError(
-                        f"{folder} is not a directory: give a folder (made if not there)"
-                    )
-                break
+        try:
+            for folder in (v, *v.parents):
+                if folder.exists():
+                    if not folder.is_dir():
+                        raise ValueError(
+                            f"{folder} is not a directory: give a folder (made if not there)"
+                        )
+                    break
+        except OSError as e:  # a name too long, a folder it may not look into
+            raise ValueError(f"cannot be looked at ({e.strerror or e})") from None
         return v
 
     @field_validator("vec_path")
@@ -716,7 +720,11 @@ class Settings(BaseSettings):
             return v
         if not v.is_absolute():
             raise ValueError("must be an absolute path to the sqlite-vec library (vec0.so)")
-        if not any(Path(f"{v}{suffix}").is_file() for suffix in ("", ".so", ".dylib", ".dll")):
+        try:
+            there = any(Path(f"{v}{end}").is_file() for end in ("", ".so", ".dylib", ".dll"))
+        except OSError as e:  # a name too long, a folder it may not look into
+            raise ValueError(f"cannot be looked at ({e.strerror or e})") from None
+        if not there:
             raise ValueError("no such file: give the path of the sqlite-vec library (vec0.so)")
         return v
 
