@@ -365,3 +365,28 @@ def test_a_query_past_the_longest_is_refused_before_anything_is_embedded(
         with pytest.raises(InvalidInput, match=f"at most {QUERY_MAX}"):
             search(db, "word " * (QUERY_MAX // 5) + "x", embedder)
     assert standin.requests == 0
+
+
+def test_texts_each_refused_as_too_large_abort_their_item_in_a_few_requests(
+    db: Database, embedder: EmbeddingModel, standin: StandIn
+) -> None:
+    """Halving walked the tree to every text: 64 texts each refused cost 127 requests."""
+    standin.poison, standin.poison_status = "TOO-BIG", 413
+    text = "\n\n".join(f"# Part {n}\n\nTOO-BIG paragraph {n}. " + "word " * 40 for n in range(20))
+    item = add_item(db, kind="note", title="T", content=text)
+    with pytest.raises(IndexAborted):
+        index_item(db, item, embedder=embedder)
+    assert get_state(db, item)["status"] == "failed"
+    assert standin.requests <= 8  # 8, 4, 2, 1, 1, 2, 1 texts: the third refused alone aborts
+    assert embedder.batch_size == 8  # nothing went whole: nothing learnt
+
+
+def test_a_short_last_batch_refused_as_too_large_teaches_no_batch_size(
+    db: Database, embedder: EmbeddingModel, standin: StandIn
+) -> None:
+    """A last batch of 4 refused, its halves of 2 taken: 2 was learnt, whatever the limit."""
+    standin.max_batch = 3
+    text = "\n\n".join(f"# Part {n}\n\nParagraph {n}. " + "word " * 40 for n in range(4))
+    item = add_item(db, kind="note", title="T", content=text)
+    assert index_item(db, item, embedder=embedder).embedded == 4
+    assert standin.requests == 3 and embedder.batch_size == 8

@@ -261,12 +261,12 @@ def embed_batch(
     cancel: CancelCheck | None,
     failures: PlanFailures,
     requests: Requests,
-) -> bool:
+) -> int:
     """One request of up to the batch size; a failing batch is retried text by text (in
     halves when refused as too large), so that one bad input costs one vector, not the batch.
     A plan whose vectors fail N times in a row is aborted (`Plan.aborted`), the others go on.
     Raises IndexAborted (N failed requests in a row) and PermanentProviderError (refused as a
-    whole). Whether the batch went in one request."""
+    whole). The most texts a request of the batch took, when each got its vector so; else 0."""
     check(cancel)
     try:
         vectors = embedder.embed_checked([p.input_of(i) for p, i in batch])
@@ -275,15 +275,14 @@ def embed_batch(
         if isinstance(e, PermanentProviderError) and not e.per_input:
             raise
         if getattr(e, "status", None) == 413 and len(batch) > 1:
-            _halves(batch, embedder, cancel, failures, requests)
-        else:
-            _one_by_one(batch, embedder, cancel, failures, requests, e)
-        return False
+            return _halves(batch, embedder, cancel, failures, requests)
+        _one_by_one(batch, embedder, cancel, failures, requests, e)
+        return 0
     for (p, i), vector in zip(batch, vectors, strict=True):
         p.vectors[i] = to_blob(vector)
         failures.ok(p)
     requests.ok()
-    return True
+    return len(batch)
 
 
 def _halves(
@@ -292,24 +291,33 @@ def _halves(
     cancel: CancelCheck | None,
     failures: PlanFailures,
     requests: Requests,
-) -> None:
+) -> int:
     """A batch the provider refused as too large (413), sent in two halves, each halved again
     while refused: a server whose limit is under the batch size (text-embeddings-inference
-    takes 32) cost a refused request and a request a text, for every batch. When both halves
-    go whole, the batch size of the process becomes the half (said in the log); one input too
-    large alone ends at itself, refused, and changes nothing."""
+    takes 32) cost a refused request and a request a text, for every batch. A full batch whose
+    every text then went in requests of at most n makes n the batch size of the process (said
+    in the log); inputs refused alone end at themselves, and their plans abort as text by text
+    (no part of an aborted plan is sent). As `embed_batch`, what went whole."""
+    full = len(batch) >= embedder.batch_size  # (a last, short batch says less of the limit)
     half = (len(batch) + 1) // 2
-    whole = [
-        embed_batch(part, embedder, cancel, failures, requests)
-        for part in (batch[:half], batch[half:])
-    ]
-    if all(whole) and half < embedder.batch_size:
+    took = []
+    for part in (batch[:half], batch[half:]):
+        part = [(p, i) for p, i in part if p.aborted is None]
+        if not part:
+            took.append(0)
+            continue
+        check(cancel)
+        requests.before()  # the batch's provider is down: nothing more is sent
+        took.append(embed_batch(part, embedder, cancel, failures, requests))
+    most = max(took) if all(took) else 0
+    if full and most and most < embedder.batch_size:
         failures.log.warning(
             f"{KI_EMBED} the provider refused {len(batch)} texts in one request as too large; "
-            f"{half} a request from now on (set KIDX_EMBEDDING__BATCH_SIZE to its limit)",
-            batch_size=half,
+            f"{most} a request from now on (set KIDX_EMBEDDING__BATCH_SIZE to its limit)",
+            batch_size=most,
         )
-        embedder.batch_size = half
+        embedder.batch_size = most
+    return most
 
 
 def abort_of(p: Plan) -> IndexAborted | None:
