@@ -130,7 +130,7 @@ def test_texts_longer_than_the_model_reads_are_said_in_the_log(monkeypatch):
         local.embed_batch([long] * 8)  # 9 so far: nothing more said
         local.embed_batch([long, "short"])  # the 10th
         local.embed_batch(["short"] * 3)
-    said = [e for e in logs if "longer than the local model reads" in e["event"]]
+    said = [e for e in logs if "filled what the local model reads" in e["event"]]
     assert [e["cut_so_far"] for e in said] == [1, 10]
     assert said[0]["max_tokens"] == model.max_tokens == 256
 

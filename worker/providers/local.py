@@ -240,9 +240,9 @@ class LocalEmbeddings(EmbeddingModel):
         # Chunks are sized in characters: 1,500 of code or of Chinese are more tokens than the
         # model reads, and their rest does not count in search. Said at the 1st, 10th, 100th...
         if any(before < 10**n <= model.cut for n in range(len(str(model.cut)))):
-            log.warning(
-                f"{KI_EMBED} texts longer than the local model reads were embedded from their "
-                "start only",
+            log.warning(  # (a text of exactly max_tokens counts too: it is read whole)
+                f"{KI_EMBED} texts that filled what the local model reads were embedded from "
+                "their start only, if longer",
                 model=self.model_id,
                 max_tokens=model.max_tokens,
                 cut_so_far=model.cut,
