@@ -6,6 +6,7 @@ is too large to read."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,15 +44,24 @@ class _Redirect(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def redirecting() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Redirect)
+@contextlib.contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A server of `handler` on loopback, its base URL; stopped at the end."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/moved"
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+@pytest.fixture
+def redirecting() -> Iterator[str]:
+    with serving(_Redirect) as base:
+        yield f"{base}/moved"
 
 
 def test_a_host_name_idna_refuses_is_invalid_input_in_a_url_and_in_a_redirect(redirecting):
@@ -81,13 +91,8 @@ class _Padded(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def padded() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Padded)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with serving(_Padded) as base:
+        yield base
 
 
 def test_an_answer_whose_header_is_too_large_to_read_is_invalid_input_not_retried(padded):
