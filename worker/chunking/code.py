@@ -242,8 +242,13 @@ class _Python:
         return pieces
 
 
+# Python's tree of a module takes some 400 times its text (8 MB of `x = 1` lines: 3.4 GB, and
+# the code files' limit is 50 MB); a longer module is cut as other code is, by blocks.
+_PARSE_MAX = 500_000
+
+
 def _parse(text: str) -> ast.Module | None:
-    if "\r" in text:
+    if "\r" in text or len(text) > _PARSE_MAX:
         return None
     try:
         with warnings.catch_warnings():

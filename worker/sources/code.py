@@ -18,11 +18,13 @@ from __future__ import annotations
 import codecs
 import os
 import re
+import stat
 from pathlib import Path
 
 import pathspec
 
 from worker.errors import InvalidInput
+from worker.regular import read_regular
 from worker.settings import FilesSettings
 from worker.sources.decoding import NOT_CHARSETS, bom
 from worker.sources.files import read_under_roots
@@ -80,9 +82,11 @@ def _binary(head: bytes) -> bool:
     return "\0" in head[wide[1] :].decode(wide[0], "replace")  # cut anywhere: "replace"
 
 
-def _is_binary(path: Path) -> bool:
-    with path.open("rb") as f:
-        return _binary(f.read(_SNIFF))
+def _is_binary(path: Path) -> bool | None:
+    """None when `path` is no regular file (now): opened without blocking and without
+    following a link, a FIFO swapped in after the listing's look hung the listing for good."""
+    head = read_regular(path, _SNIFF)
+    return None if head is None else _binary(head)
 
 
 def _wanted_name(name: str) -> bool:
@@ -99,11 +103,34 @@ _Specs = list[tuple[tuple[str, ...], pathspec.GitIgnoreSpec]]
 """(folder relative to the top, its patterns), lowest precedence first."""
 
 
+# A `.gitignore` kidx reads: git's own are a few KB. Larger, or with a longer line, it is no
+# such file (a 1 MB line took 9 s to compile, a sparse file of NULs minutes): its folder is
+# left out, said, rather than listed against patterns it did not read.
+GITIGNORE_MAX = 1 << 20
+GITIGNORE_LINE_MAX = 4096
+
+
+class _Unusable(Exception):
+    """A `.gitignore` that is there but cannot be used; its message says why."""
+
+
 def _load_spec(file: Path) -> pathspec.GitIgnoreSpec | None:
+    """The patterns of `file`, None when there is none; `_Unusable` when one is there that
+    cannot be used. Not followed if a link (git refuses one too: out of the roots, it was
+    read, /proc/<pid>/environ included), and opened without blocking (a FIFO hung)."""
     try:
-        lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
+        data = read_regular(file, GITIGNORE_MAX + 1)
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        raise _Unusable(f"cannot be read ({e.strerror or e})") from None
+    if data is None:
+        raise _Unusable("is not a regular file")
+    if len(data) > GITIGNORE_MAX:
+        raise _Unusable(f"is larger than {GITIGNORE_MAX} bytes")
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    if any(len(line) > GITIGNORE_LINE_MAX for line in lines):
+        raise _Unusable(f"has a line longer than {GITIGNORE_LINE_MAX} characters")
     return pathspec.GitIgnoreSpec.from_lines(lines)
 
 
@@ -133,7 +160,10 @@ def _outer_specs(root: Path) -> tuple[_Specs, tuple[str, ...]]:
     for base, file in [((), exclude)] + [
         (prefix[:i], top.joinpath(*prefix[:i], ".gitignore")) for i in range(len(prefix))
     ]:
-        spec = _load_spec(file) if file.is_file() else None
+        try:
+            spec = _load_spec(file)
+        except _Unusable as e:
+            raise InvalidInput(f"{file} {e}: the listing below it needs its patterns") from None
         if spec is not None:
             specs.append((base, spec))
     if prefix and any(_ignored(specs, prefix[:i], True) for i in range(1, len(prefix) + 1)):
@@ -148,7 +178,10 @@ def _check_file(path: Path, max_bytes: int) -> str | None:
         return "is empty"
     if size > max_bytes:
         return f"is larger than {max_bytes} bytes ({size})"
-    if _is_binary(path):
+    binary = _is_binary(path)
+    if binary is None:
+        return "is not a regular file"
+    if binary:
         return "is binary"
     return None
 
@@ -198,40 +231,54 @@ def list_code_files(
 
     outer, prefix = _outer_specs(given.resolve())
     found: list[Path] = []
-    stack: list[tuple[Path, tuple[str, ...], _Specs]] = [(given, (), outer)]
+    real = given.resolve()  # (the folder named may be a link: the walk below follows none)
+    top = os.stat(real)
+    stack: list[tuple[Path, tuple[str, ...], _Specs, tuple[int, int]]] = [
+        (real, (), outer, (top.st_dev, top.st_ino))
+    ]
     while stack:
-        folder, rel, specs = stack.pop()
-        ignore_file = folder / ".gitignore"
-        spec = _load_spec(ignore_file) if ignore_file.is_file() else None
-        if spec is not None:
-            specs = [*specs, (prefix + rel, spec)]
+        folder, rel, specs, identity = stack.pop()
         try:
-            entries = list(os.scandir(folder))
+            entries = _entries(folder, identity)
+            spec = _load_spec(folder / ".gitignore")
+        except _Unusable as e:  # its patterns unread: none of its files is listed
+            skip((*rel, ".gitignore"), f"{e}: its folder is left out")
+            continue
         except OSError as e:
             if rel:  # the top folder's own failure is the caller's to see
                 skip(rel, f"cannot be read ({e.strerror or e})")
             continue
-        for entry in entries:
-            parts = (*rel, entry.name)
-            try:  # follow_symlinks=False: a link is neither a folder nor a file here
-                if entry.is_dir(follow_symlinks=False):
-                    if _skipped_dir(entry.name) or _ignored(specs, prefix + parts, True):
+        if entries is None:
+            skip(rel, "was replaced during the listing: left out")
+            continue
+        if spec is not None:
+            specs = [*specs, (prefix + rel, spec)]
+        for name, st in entries:
+            parts = (*rel, name)
+            if st is None:  # vanished meanwhile, or unreadable: its reason
+                continue
+            if isinstance(st, OSError):
+                skip(parts, f"cannot be read ({st.strerror or st})")
+                continue
+            try:  # (a link is neither a folder nor a file here: not followed)
+                if stat.S_ISDIR(st.st_mode):
+                    if _skipped_dir(name) or _ignored(specs, prefix + parts, True):
                         continue
-                    if not_utf8(entry.name):
+                    if not_utf8(name):
                         skip(parts, "is a folder whose name is not UTF-8")
                     else:
-                        stack.append((folder / entry.name, parts, specs))
+                        stack.append((folder / name, parts, specs, (st.st_dev, st.st_ino)))
                 elif (
-                    entry.is_file(follow_symlinks=False)
-                    and _wanted_name(entry.name)
+                    stat.S_ISREG(st.st_mode)
+                    and _wanted_name(name)
                     and not _ignored(specs, prefix + parts, False)
                 ):
-                    if entry.stat(follow_symlinks=False).st_size == 0:
+                    if st.st_size == 0:
                         continue  # nothing to index, and nothing worth saying
                     reason = (
                         "has a name that is not UTF-8"
-                        if not_utf8(entry.name)
-                        else _check_file(Path(entry.path), max_bytes)
+                        if not_utf8(name)
+                        else _check_file(folder / name, max_bytes)
                     )
                     if reason is None:
                         found.append(given.joinpath(*parts))
@@ -242,6 +289,34 @@ def list_code_files(
                     skip(parts, f"cannot be read ({e.strerror or e})")
                 continue
     return sorted(found)
+
+
+_Entry = tuple[str, os.stat_result | OSError | None]
+"""A name in a folder and its own status (not followed); None: gone; an error: unreadable."""
+
+
+def _entries(folder: Path, identity: tuple[int, int]) -> list[_Entry] | None:
+    """The entries of `folder` if it is still the folder the listing saw (device and inode),
+    else None: opened without following a link, and compared once open, so that a folder
+    swapped for a link to elsewhere (or a parent of it) is not walked. It was: a file outside
+    the roots was listed, then failed the whole import as a bug. Each entry's status is taken
+    while the folder is open (through it: an entry of a descriptor reads it later)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != identity:
+            return None
+        found: list[_Entry] = []
+        for entry in os.scandir(fd):
+            try:
+                found.append((entry.name, entry.stat(follow_symlinks=False)))
+            except FileNotFoundError:
+                found.append((entry.name, None))
+            except OSError as e:
+                found.append((entry.name, e))
+        return found
+    finally:
+        os.close(fd)
 
 
 # A declared encoding (PEP 263, and Emacs's and Vim's `-*- coding: ... -*-`, `fileencoding=`):

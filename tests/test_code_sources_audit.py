@@ -1,0 +1,127 @@
+"""Listing code under the roots against a review's attacks (tests/: an attacker controls the
+files): a FIFO swapped in after the listing's look (it hung for good), a folder swapped for a
+link to elsewhere (a file outside the roots listed, then the import failed as a bug), a
+`.gitignore` that is a FIFO, a link out of the roots, 1 MB of one line or a sparse file of
+NULs, one folder that cannot be read (it failed the whole import), and Python's tree of a long
+module (some 400 times its text)."""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+
+from worker.chunking import code as code_chunking
+from worker.sources import code
+from worker.sources.code import GITIGNORE_LINE_MAX, GITIGNORE_MAX, list_code_files
+
+
+def _listed(root: Path) -> tuple[list[str], dict[str, str]]:
+    skipped: list[tuple[Path, str]] = []
+    found = list_code_files(root, skipped=skipped)
+    return [str(p.relative_to(root)) for p in found], {
+        str(p.relative_to(root)): why for p, why in skipped
+    }
+
+
+@pytest.mark.timeout(10)
+def test_a_fifo_where_a_source_file_was_is_no_file_and_never_waited_on(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "a.py")
+    assert code._is_binary(tmp_path / "a.py") is None  # it blocked on open, for good
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kind", ["fifo", "link out", "too large", "long line", "directory"])
+def test_a_gitignore_that_cannot_be_used_leaves_its_folder_out_and_says_so(
+    tmp_path: Path, kind: str
+) -> None:
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.py").write_text("a = 1\n")
+    (root / "sub" / "b.py").write_text("b = 1\n")
+    (tmp_path / "outside").write_text("*.py\n")
+    ignore = root / "sub" / ".gitignore"
+    if kind == "fifo":
+        os.mkfifo(ignore)
+    elif kind == "link out":  # git refuses one too; this one hid every file below
+        ignore.symlink_to(tmp_path / "outside")
+    elif kind == "too large":
+        with ignore.open("wb") as f:  # sparse: no disk, minutes to read and compile
+            f.truncate(GITIGNORE_MAX + 1)
+    elif kind == "long line":
+        ignore.write_text("*" + "a" * GITIGNORE_LINE_MAX + "\n")
+    else:
+        ignore.mkdir()
+    found, skipped = _listed(root)
+    assert found == ["a.py"]
+    assert (
+        list(skipped) == ["sub/.gitignore"]
+        and "its folder is left out" in skipped["sub/.gitignore"]
+    )
+
+
+def test_a_folder_swapped_for_a_link_during_the_listing_is_not_walked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.py").write_text("a = 1\n")
+    (root / "sub" / "b.py").write_text("b = 1\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.py").write_text("KEY = 'secret'\n")
+    entries = code._entries
+
+    def swapping(folder: Path, identity: tuple[int, int]) -> object:
+        listed = entries(folder, identity)
+        if folder == root.resolve():  # listed as a folder; then a link takes its place
+            (root / "sub").rename(tmp_path / "moved")
+            (root / "sub").symlink_to(outside)
+        return listed
+
+    monkeypatch.setattr(code, "_entries", swapping)
+    found, skipped = _listed(root)
+    assert found == ["a.py"] and "sub" in skipped, (found, skipped)
+
+
+def test_a_folder_that_cannot_be_read_is_skipped_and_the_rest_listed(tmp_path: Path) -> None:
+    """Past PATH_MAX (a tree 20 folders of 250 bytes deep), the `.gitignore` look raised out
+    of the listing: `error: File name too long`, and no file was added."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "top.py").write_text("t = 1\n")
+    fd = os.open(root, os.O_RDONLY)
+    try:  # (made a level at a time: the whole path is too long for one call)
+        for level in range(20):
+            os.mkdir("d" * 250, dir_fd=fd)
+            below = os.open("d" * 250, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+            if level == 2:
+                with open(os.open("mid.py", os.O_WRONLY | os.O_CREAT, dir_fd=fd), "w") as f:
+                    f.write("m = 1\n")
+    finally:
+        os.close(fd)
+    found, skipped = _listed(root)
+    assert "top.py" in found and any(f.endswith("mid.py") for f in found)
+    assert skipped and all("cannot be read" in why for why in skipped.values())
+
+
+def test_a_long_python_module_is_cut_by_blocks_without_its_tree(monkeypatch) -> None:
+    """8 MB of `x = 1` lines took 3.4 GB as Python's tree (the code files' limit is 50 MB)."""
+    parsed: list[int] = []
+    parse = ast.parse
+
+    def counting(text: str, *args: object, **kwargs: object) -> ast.Module:
+        parsed.append(len(text))
+        return parse(text, *args, **kwargs)
+
+    monkeypatch.setattr(code_chunking.ast, "parse", counting)
+    text = "".join(f"x_{n} = {n}\n" for n in range(60_000))  # about 700 KB
+    chunks = code_chunking.chunk_code(text, "big.py")
+    assert parsed == []
+    assert "".join(c.content for c in chunks).replace("\n", "") == text.replace("\n", "")
+    code_chunking.chunk_code("def f():\n    return 1\n", "small.py")
+    assert parsed  # a module of ordinary size still has its tree
