@@ -54,6 +54,8 @@ def test_a_declaration_on_the_second_line_after_a_shebang_counts(tmp_path):
         (b"# coding: no-such-codec\nx = '\xe9'\n", "is not UTF-8 text"),
         (b"# coding: ascii\nx = '\xe9'\n", "is not UTF-8, nor the ascii it declares (byte 21)"),
         (b"# coding: utf-8\nx = '\xe9'\n", "is not UTF-8 text (byte 21)"),
+        # EBCDIC: its own declaration reads as garbage in it; the Latin-1 file was indexed so
+        (b"# -*- coding: cp037 -*-\nx = '\xe9'\n", "is not UTF-8 text"),
     ],
 )
 def test_what_cannot_be_read_as_declared_is_refused_saying_so(tmp_path, data, says):

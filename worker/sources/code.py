@@ -337,7 +337,15 @@ def _declared(data: bytes) -> str | None:
             except (LookupError, UnicodeDecodeError):
                 return None
             text = getattr(info, "_is_text_encoding", True)  # not base64, zlib, rot13...
-            return info.name if text and info.name not in NOT_CHARSETS else None
+            if not text or info.name in NOT_CHARSETS:
+                return None
+            # The line that declares it must read the same in it (as Python requires): EBCDIC
+            # (cp037) read a Latin-1 file as garbage, indexed.
+            try:
+                same = line.decode(info.name) == line.decode("latin-1")
+            except (UnicodeDecodeError, ValueError):
+                same = False
+            return info.name if same else None
     return None
 
 
