@@ -125,3 +125,27 @@ def test_a_long_python_module_is_cut_by_blocks_without_its_tree(monkeypatch) -> 
     assert "".join(c.content for c in chunks).replace("\n", "") == text.replace("\n", "")
     code_chunking.chunk_code("def f():\n    return 1\n", "small.py")
     assert parsed  # a module of ordinary size still has its tree
+
+
+def test_a_worktree_whose_git_is_a_file_is_listed(tmp_path: Path) -> None:
+    """Its `.git/info/exclude` gave ENOTDIR: the whole import was refused."""
+    root = tmp_path / "wt"
+    root.mkdir()
+    (root / ".git").write_text("gitdir: /elsewhere/.git/worktrees/wt\n")
+    (root / "a.py").write_text("a = 1\n")
+    assert _listed(root) == (["a.py"], {})
+
+
+def test_a_link_to_a_file_named_directly_is_taken(tmp_path: Path) -> None:
+    (tmp_path / "real.py").write_text("r = 1\n")
+    (tmp_path / "link.py").symlink_to(tmp_path / "real.py")
+    assert list_code_files(tmp_path / "link.py") == [tmp_path / "link.py"]
+
+
+def test_a_declaration_followed_by_text_in_its_own_codec_is_taken(tmp_path: Path) -> None:
+    from worker.settings import FilesSettings
+    from worker.sources.code import read_code
+
+    text = "# -*- coding: cp1252 -*- \u2019s\nx = '\u20ac'\n"
+    (tmp_path / "m.py").write_bytes(text.encode("cp1252"))
+    assert read_code(tmp_path / "m.py", FilesSettings(roots=[tmp_path])) == text

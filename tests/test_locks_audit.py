@@ -128,3 +128,18 @@ def test_an_instance_is_never_guessed_while_another_writer_holds_the_file(tmp_pa
     finally:
         first.close()
         second.close()
+
+
+def test_a_named_instance_is_read_while_another_writer_holds_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "kidx.db"
+    first = Database(path)
+    first.execute("CREATE TABLE index_meta(key TEXT PRIMARY KEY, value TEXT)")
+    name = first.instance()
+    second = Database(path, busy_timeout_ms=100)
+    try:
+        first.execute("BEGIN IMMEDIATE")
+        assert second.instance() == name  # a read needs no lock: every open failed behind one
+        first.execute("COMMIT")
+    finally:
+        first.close()
+        second.close()

@@ -535,3 +535,9 @@ def test_a_path_no_folder_can_be_looked_at_is_a_config_error(monkeypatch, variab
     """`Path.exists` raised OSError (a name too long) out of the settings, no ConfigError."""
     monkeypatch.setenv(variable, "/tmp/" + "a" * 300 + "/x")
     assert "cannot be looked at" in refused(variable)
+
+
+def test_a_local_model_name_no_folder_can_have_is_a_config_error(monkeypatch) -> None:
+    monkeypatch.setenv("KIDX_EMBEDDING__PROVIDER", "local")
+    monkeypatch.setenv("KIDX_EMBEDDING__MODEL", "/tmp/" + "m" * 300)
+    assert "cannot be looked at" in refused("KIDX_EMBEDDING__MODEL")

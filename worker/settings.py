@@ -879,8 +879,11 @@ def local_model_problem(embedding: EmbeddingSettings) -> str | None:
     if embedding.provider != "local" or embedding.model in LOCAL_BUNDLED_MODELS:
         return None
     path = Path(embedding.model).expanduser()
-    if (path / "config.json").is_file():
-        return None
+    try:
+        if (path / "config.json").is_file():
+            return None
+    except OSError as e:  # a name too long, a folder it may not look into
+        return f"the local model {embedding.model[:80]!r} cannot be looked at ({e.strerror or e})"
     what = (
         "a directory without config.json"
         if path.is_dir()

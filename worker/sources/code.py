@@ -82,10 +82,11 @@ def _binary(head: bytes) -> bool:
     return "\0" in head[wide[1] :].decode(wide[0], "replace")  # cut anywhere: "replace"
 
 
-def _is_binary(path: Path) -> bool | None:
-    """None when `path` is no regular file (now): opened without blocking and without
-    following a link, a FIFO swapped in after the listing's look hung the listing for good."""
-    head = read_regular(path, _SNIFF)
+def _is_binary(path: Path, *, follow: bool = False) -> bool | None:
+    """None when `path` is no regular file (now): opened without blocking and (unless
+    `follow`: a file named directly) without following a link, a FIFO swapped in after the
+    listing's look hung the listing for good."""
+    head = read_regular(path, _SNIFF, follow=follow)
     return None if head is None else _binary(head)
 
 
@@ -120,7 +121,7 @@ def _load_spec(file: Path) -> pathspec.GitIgnoreSpec | None:
     read, /proc/<pid>/environ included), and opened without blocking (a FIFO hung)."""
     try:
         data = read_regular(file, GITIGNORE_MAX + 1)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a worktree's `.git` is a file)
         return None
     except OSError as e:
         raise _Unusable(f"cannot be read ({e.strerror or e})") from None
@@ -171,14 +172,14 @@ def _outer_specs(root: Path) -> tuple[_Specs, tuple[str, ...]]:
     return specs, prefix
 
 
-def _check_file(path: Path, max_bytes: int) -> str | None:
+def _check_file(path: Path, max_bytes: int, *, follow: bool = False) -> str | None:
     """Why a file cannot be indexed, or None."""
     size = path.stat().st_size
     if size == 0:
         return "is empty"
     if size > max_bytes:
         return f"is larger than {max_bytes} bytes ({size})"
-    binary = _is_binary(path)
+    binary = _is_binary(path, follow=follow)
     if binary is None:
         return "is not a regular file"
     if binary:
@@ -208,8 +209,8 @@ def list_code_files(
     if not given.is_dir():
         if not given.is_file():
             raise InvalidInput(f"{given} is not a regular file")
-        try:
-            reason = _check_file(given, max_bytes)
+        try:  # (named directly: a link to it is followed, as the roots' guard allows)
+            reason = _check_file(given, max_bytes, follow=True)
         except OSError as e:
             raise InvalidInput(f"{given} cannot be read: {e}") from e
         if reason:
@@ -341,8 +342,9 @@ def _declared(data: bytes) -> str | None:
                 return None
             # The line that declares it must read the same in it (as Python requires): EBCDIC
             # (cp037) read a Latin-1 file as garbage, indexed.
+            declaration = line[: found.end()]  # (the rest may be text in that codec)
             try:
-                same = line.decode(info.name) == line.decode("latin-1")
+                same = declaration.decode(info.name) == declaration.decode("latin-1")
             except (UnicodeDecodeError, ValueError):
                 same = False
             return info.name if same else None

@@ -206,9 +206,12 @@ class Database:
                     )
                     value = self.scalar(query)
             except (apsw.BusyError, apsw.LockedError):
-                # Another writer past the busy timeout: a guess kept for the connection's life
-                # named other keys than every other process's (both held one item's lock).
-                raise
+                # Another writer past the busy timeout: the name if it has one (a read needs no
+                # lock); never a guess, kept for the connection's life, naming other keys than
+                # every other process's (both held one item's lock)
+                value = self.scalar(query) if self.table_exists("index_meta") else None
+                if value is None:
+                    raise
             except apsw.Error:  # a full disk, a read-only file: its name if it has one
                 value = self.scalar(query) if self.table_exists("index_meta") else None
             if value is None:  # (only a database kidx could never write to)
