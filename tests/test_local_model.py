@@ -132,7 +132,7 @@ def test_texts_longer_than_the_model_reads_are_said_in_the_log(monkeypatch):
         local.embed_batch(["short"] * 3)
     said = [e for e in logs if "filled what the local model reads" in e["event"]]
     assert [e["cut_so_far"] for e in said] == [1, 10]
-    assert said[0]["max_tokens"] == model.max_tokens == 256
+    assert said[0]["reads_at_most"] == model.max_tokens == 256
 
 
 @pytest.mark.model

@@ -244,7 +244,7 @@ class LocalEmbeddings(EmbeddingModel):
                 f"{KI_EMBED} texts that filled what the local model reads were embedded from "
                 "their start only, if longer",
                 model=self.model_id,
-                max_tokens=model.max_tokens,
+                reads_at_most=model.max_tokens,  # (a key with "token" is masked as a secret)
                 cut_so_far=model.cut,
             )
         return vectors
