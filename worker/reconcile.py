@@ -123,7 +123,7 @@ FINDINGS = {
 }
 # An item's attempts as the sweeps read them: NULL for what a host wrote that is no integer (its
 # item rests); read as it is, text that is not UTF-8 raised in apsw and ended every sweep.
-ATTEMPTS = "CASE typeof(attempts) WHEN 'integer' THEN attempts END"
+ATTEMPTS = integer_or_null("attempts")
 # Items indexed by structure because the chunk model failed them (their run's note in
 # `last_error`): the chunk model is asked again, each fallback it was asked for an attempt on
 # the retry backoff (`Backoff`), oldest first. A fallback degrades an item for good otherwise:

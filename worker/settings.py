@@ -170,12 +170,16 @@ def _path_text(value: object) -> None:
     text = str(value)
     if "\0" in text:
         raise ValueError("holds a NUL character, which no path can")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
+    if not _utf8(text):
         raise ValueError(
             "holds bytes that are not UTF-8: give a path in UTF-8 (kidx cannot pass on others)"
-        ) from None
+        )
+
+
+def _unseen(e: OSError) -> str:
+    """What is said of a path the settings could not look at (a name too long, a folder they
+    may not look into): as a ConfigError, not an OSError out of the settings."""
+    return f"cannot be looked at ({e.strerror or e})"
 
 
 def _url_secrets(url: str) -> list[str]:
@@ -707,8 +711,8 @@ class Settings(BaseSettings):
                             f"{folder} is not a directory: give a folder (made if not there)"
                         )
                     break
-        except OSError as e:  # a name too long, a folder it may not look into
-            raise ValueError(f"cannot be looked at ({e.strerror or e})") from None
+        except OSError as e:
+            raise ValueError(_unseen(e)) from None
         return v
 
     @field_validator("vec_path")
@@ -722,8 +726,8 @@ class Settings(BaseSettings):
             raise ValueError("must be an absolute path to the sqlite-vec library (vec0.so)")
         try:
             there = any(Path(f"{v}{end}").is_file() for end in ("", ".so", ".dylib", ".dll"))
-        except OSError as e:  # a name too long, a folder it may not look into
-            raise ValueError(f"cannot be looked at ({e.strerror or e})") from None
+        except OSError as e:
+            raise ValueError(_unseen(e)) from None
         if not there:
             raise ValueError("no such file: give the path of the sqlite-vec library (vec0.so)")
         return v
@@ -882,8 +886,8 @@ def local_model_problem(embedding: EmbeddingSettings) -> str | None:
     try:
         if (path / "config.json").is_file():
             return None
-    except OSError as e:  # a name too long, a folder it may not look into
-        return f"the local model {embedding.model[:80]!r} cannot be looked at ({e.strerror or e})"
+    except OSError as e:
+        return f"the local model {embedding.model[:80]!r} {_unseen(e)}"
     what = (
         "a directory without config.json"
         if path.is_dir()

@@ -21,7 +21,7 @@ from worker.store.db import Database
 from worker.store.fts import NOTES, chunk_parts, fts_insert, fts_write_item, keyword_row
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
-from worker.store.text import shown
+from worker.store.text import integer_or_null, shown
 from worker.store.vec import mirror_ready, vec_delete, vec_delete_from, vec_insert, vec_replace
 
 
@@ -128,8 +128,8 @@ def _cut_at(db: Database, item_id: int) -> int | None:
     row = db.one(
         # (typed in SQL: a host's text that is not UTF-8 raised in apsw, and the item failed
         # at every run, since only a run that succeeds rewrites it)
-        "SELECT CASE WHEN chunk_target IS NULL THEN ? WHEN typeof(chunk_target) = 'integer' "
-        "THEN chunk_target END FROM item_index_state WHERE item_id = ?",
+        f"SELECT CASE WHEN chunk_target IS NULL THEN ? ELSE {integer_or_null('chunk_target')} "
+        "END FROM item_index_state WHERE item_id = ?",
         (TARGET_CHUNK_SIZE, item_id),
     )
     value = row[0] if row is not None else TARGET_CHUNK_SIZE

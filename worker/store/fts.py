@@ -27,7 +27,7 @@ import apsw
 
 from worker.chunking.markdown import clip_title
 from worker.store.db import Database, set_meta
-from worker.store.text import shown
+from worker.store.text import integer_or_null, shown
 
 # The porter stemmer over unicode61 (diacritics folded): `moves` meets `move`. Measured on the
 # Chroma chunking benchmark end to end (target 600, top 5, hybrid): recall 85.6 with porter,
@@ -297,8 +297,7 @@ def fts_present(db: Database, table: FtsTable) -> bool:
     try:
         # (typed in SQL: a host's text that is not UTF-8 raised in apsw, at every sweep)
         version = db.scalar(
-            f"SELECT CASE typeof(v) WHEN 'integer' THEN v END FROM {table.name}_config "
-            "WHERE k = 'version'"
+            f"SELECT {integer_or_null('v')} FROM {table.name}_config WHERE k = 'version'"
         )
     except apsw.Error:
         return False

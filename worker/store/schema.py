@@ -761,14 +761,6 @@ def _run(db: Database, number: int, statement: str) -> None:
 _ITEM_COLUMNS_V4 = frozenset(
     {"id", "kind", "title", "source", "content", "content_hash", "created_at", "updated_at"}
 )
-# (every trigger and index a migration makes is kidx's: a database whose version a host set
-# back holds those of later migrations already)
-_KIDX_OBJECTS = frozenset(
-    re.findall(
-        r"CREATE\s+(?:TRIGGER|(?:UNIQUE\s+)?INDEX)\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)",
-        "\n".join(sql for _, sql in MIGRATIONS),
-    )
-)
 
 
 def _refuse_rebuilt(db: Database, current: int) -> None:
@@ -785,7 +777,10 @@ def _refuse_rebuilt(db: Database, current: int) -> None:
             "AND type IN ('index', 'trigger') AND sql IS NOT NULL"
         )
     }
-    theirs = sorted(columns - _ITEM_COLUMNS_V4) + sorted(objects - _KIDX_OBJECTS)
+    # (kidx's are those the migrations make on it: a database whose version a host set back
+    # holds those of later migrations already)
+    kidx = {name for _, name, table, _ in _reference() if table == "knowledge_items"}
+    theirs = sorted(columns - _ITEM_COLUMNS_V4) + sorted(objects - kidx)
     if theirs:
         raise StoreError(
             f"{db.path}: upgrading rebuilds knowledge_items, which would drop what a host added "
