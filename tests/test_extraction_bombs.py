@@ -9,15 +9,15 @@ The PDFs are written here byte by byte (`bomb_pdf`), with FlateDecode streams.""
 from __future__ import annotations
 
 import re
-import threading
 import zlib
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 from test_sources import ARTICLE, ARTICLE_HEADINGS, chapter, make_pdf, refused
 
+from conftest import serving
 from stack import Stack, running_stack
 from tasks.producer import enqueue
 from worker.errors import InvalidInput
@@ -239,15 +239,8 @@ def site() -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serving(Handler) as base:
+        yield base
 
 
 def test_the_url_fetcher_holds_pdf_and_html_to_the_same_limits(site: str):

@@ -6,13 +6,12 @@ is too large to read."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
+from conftest import serving
 from worker.errors import InvalidInput
 from worker.settings import UrlSettings
 from worker.sources.decoding import NOT_CHARSETS, _decode, decode_html, decode_text
@@ -42,20 +41,6 @@ class _Redirect(BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
-
-
-@contextlib.contextmanager
-def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
-    """A server of `handler` on loopback, its base URL; stopped at the end."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 @pytest.fixture
