@@ -306,6 +306,28 @@ class Pages:
         self.thread.join(timeout=5)
 
 
+def chat_model(standin: Any, **overrides: Any) -> Any:
+    """A chunk model at the stand-in: no retries, 2 s (`overrides` change either)."""
+    from worker.providers.chat import ChatModel
+    from worker.settings import ChunkSettings
+
+    values: dict[str, Any] = {
+        "model": "standin-chat",
+        "base_url": standin.base_url,
+        "max_retries": 0,
+        "timeout": 2,
+    }
+    values.update(overrides)
+    return ChatModel(ChunkSettings(**values))
+
+
+@pytest.fixture
+def chat(standin: Any) -> Iterator[Any]:
+    model = chat_model(standin)
+    yield model
+    model.close()
+
+
 @contextmanager
 def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """A server of `handler` on loopback, its base URL; stopped at the end."""

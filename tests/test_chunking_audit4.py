@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import random
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,20 +17,9 @@ from worker.bulk import index_item
 from worker.chunking import code, llm
 from worker.chunking.llm import MAX_CHUNK_SIZE, units_of
 from worker.indexers import IndexOptions
-from worker.providers.chat import ChatModel
-from worker.settings import ChunkSettings
 from worker.store.items import add_item, get_state
 
 WORDS = " ".join(f"w{i:03d}" for i in range(300))  # 1,499 characters
-
-
-@pytest.fixture
-def chat(standin) -> Iterator[ChatModel]:
-    model = ChatModel(
-        ChunkSettings(model="standin-chat", base_url=standin.base_url, max_retries=0, timeout=2)
-    )
-    yield model
-    model.close()
 
 
 def test_a_chunk_of_white_space_only_the_model_draws_is_no_chunk(db, embedder, chat, standin):

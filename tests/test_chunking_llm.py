@@ -23,15 +23,6 @@ from worker.store.items import add_item, get_state, update_content
 CHAPTER = "ch04-01-what-is-ownership.md"  # 25 KB: several windows
 
 
-@pytest.fixture
-def chat(standin) -> Iterator[ChatModel]:
-    model = ChatModel(
-        ChunkSettings(model="standin-chat", base_url=standin.base_url, max_retries=0, timeout=2)
-    )
-    yield model
-    model.close()
-
-
 def rows(db, item_id: int) -> list[dict]:
     return db.dicts(
         "SELECT c.chunk_index, c.content, c.summary, c.method, c.start_offset, c.end_offset, "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import random
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from conftest import chat_model
 from testkit.standin_chat import ChatReply
 from worker.bulk import index_item
 from worker.chunking import chunk_structure
@@ -32,24 +32,6 @@ from worker.store.items import add_item
 QUOTED = 'The officer said "stop the car now, please, and step out of it slowly." '
 CODE = "\n".join(f"def f{i}(x):\n    # step {i}: add one\n    return x + {i}\n" for i in range(260))
 BIG_FENCE = "# Listing\n\nThe code:\n\n```python\n" + CODE + "```\n\nAfter the code, prose again."
-
-
-def chat_model(standin: Any, **overrides: Any) -> ChatModel:
-    values: dict[str, Any] = {
-        "model": "standin-chat",
-        "base_url": standin.base_url,
-        "max_retries": 0,
-        "timeout": 2,
-    }
-    values.update(overrides)
-    return ChatModel(ChunkSettings(**values))
-
-
-@pytest.fixture
-def chat(standin) -> Iterator[ChatModel]:
-    model = chat_model(standin)
-    yield model
-    model.close()
 
 
 def lost(text: str, spans: list[tuple[int, int]]) -> str:

@@ -9,30 +9,21 @@ takes no temperature but its default is asked without one."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_llm_chunking_audit import chat_model
 
+from conftest import chat_model
 from testkit.standin import StandIn
 from testkit.standin_chat import ChatReply, automatic_chunks
 from worker.bulk import index_item
 from worker.chunking import ChunkMethod, LLMChunker, chunk
 from worker.chunking.llm import windows_of
 from worker.indexers import IndexOptions
-from worker.providers.chat import ChatModel
 from worker.providers.http import ProviderHTTPError
 from worker.store.items import add_item, get_state
 
 TEXT = "# Title\n\n" + "\n\n".join(f"Paragraph {i}. " + "word " * 60 for i in range(20))
-
-
-@pytest.fixture
-def chat(standin: StandIn) -> Iterator[ChatModel]:
-    model = chat_model(standin)
-    yield model
-    model.close()
 
 
 def stored(db: Any, item_id: int) -> list[tuple[int, int, str, str]]:
