@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -149,3 +151,64 @@ def test_a_declaration_followed_by_text_in_its_own_codec_is_taken(tmp_path: Path
     text = "# -*- coding: cp1252 -*- \u2019s\nx = '\u20ac'\n"
     (tmp_path / "m.py").write_bytes(text.encode("cp1252"))
     assert read_code(tmp_path / "m.py", FilesSettings(roots=[tmp_path])) == text
+
+
+@pytest.mark.timeout(20)
+def test_a_gitignore_line_that_backtracks_is_matched_in_linear_time(tmp_path: Path) -> None:
+    """`*a*a*...*.py` against a long name that does not match: Python's `re` took 51 s for
+    eight stars and a 60-character name, and a hostile tree hung the import for good."""
+    (tmp_path / ".gitignore").write_text("*a" * 12 + "*.py\n")
+    for name in ("a" * 12 + ".py", "a" * 11 + ".py", "a" * 200 + ".rs"):
+        (tmp_path / name).write_text("x = 1\n")
+    assert _listed(tmp_path) == (sorted(["a" * 11 + ".py", "a" * 200 + ".rs"]), {})
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git to compare with")
+def test_patterns_git_never_matches_are_no_error_and_the_rest_applies_as_git_does(
+    tmp_path: Path,
+) -> None:
+    """A line ending in `\\`, a reversed range or an unclosed bracket: pathspec raised on two
+    of them (the import failed); git matches nothing with any of them."""
+    lines = ["foo\\", "[z-a].py", "*.py[", "x.py", "[!a]b.py", "\\#c.py", "d\\ .py", "!keep.py"]
+    names = ["a.py", "x.py", "foo\\", "ab.py", "bb.py", "#c.py", "d .py", "keep.py", "[z-a].py"]
+    (tmp_path / ".gitignore").write_text("\n".join(lines) + "\n")
+    for name in names:
+        (tmp_path / name).write_text("x = 1\n")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    status = subprocess.run(
+        ["git", "-C", str(tmp_path), "status", "--porcelain", "--ignored", "-uall", "-z"],
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    ignored = {e[3:] for e in status.split("\0") if e.startswith("!! ")}
+    found, skipped = _listed(tmp_path)
+    wanted = {n for n in names if n.endswith(".py")}
+    assert ignored == {"x.py", "bb.py", "#c.py", "d .py"}  # (what git says, held here)
+    assert (set(found), skipped) == (wanted - ignored, {})
+
+
+def test_a_gitignore_of_thousands_of_patterns_is_matched_whole_last_match_deciding(
+    tmp_path: Path,
+) -> None:
+    """RE2 cannot compile a set of a few thousand patterns: they are matched in several, and
+    a `!` past the first set still overrides a pattern in it."""
+    lines = [f"gen{i}.py" for i in range(3000)] + ["!gen5.py", "other*.py"]
+    (tmp_path / ".gitignore").write_text("\n".join(lines) + "\n")
+    for name in ("gen5.py", "gen7.py", "gen2999.py", "gen3000.py", "other1.py"):
+        (tmp_path / name).write_text("x = 1\n")
+    assert _listed(tmp_path) == (["gen3000.py", "gen5.py"], {})
+    assert len(code._load_spec(tmp_path / ".gitignore") or []) > 1
+
+
+def test_names_that_are_not_utf8_are_matched_against_the_patterns(tmp_path: Path) -> None:
+    """RE2 takes UTF-8: a folder's name that is not (a lone surrogate in Python) raised."""
+    root = os.fsencode(tmp_path)
+    (tmp_path / ".gitignore").write_text("?gen/\n*.rs\n")
+    os.mkdir(os.path.join(root, b"\xffgen"))
+    os.mkdir(os.path.join(root, b"\xfesrc"))
+    for name in (b"\xffgen/a.py", b"\xfesrc/b.py", b"\xfdc.rs"):
+        with open(os.path.join(root, name), "w") as f:
+            f.write("x = 1\n")
+    found, skipped = _listed(tmp_path)
+    assert found == []
+    assert list(skipped) == [os.fsdecode(b"\xfesrc")]  # (gen/ and c.rs: ignored, unsaid)

@@ -19,9 +19,12 @@ import codecs
 import os
 import re
 import stat
+import warnings
 from pathlib import Path
 
 import pathspec
+import re2
+from pathspec.patterns.gitignore.spec import GitIgnoreSpecPattern
 
 from worker.errors import InvalidInput
 from worker.regular import read_regular
@@ -115,8 +118,8 @@ class _Unusable(Exception):
     """A `.gitignore` that is there but cannot be used; its message says why."""
 
 
-def _load_spec(file: Path) -> pathspec.GitIgnoreSpec | None:
-    """The patterns of `file`, None when there is none; `_Unusable` when one is there that
+def _load_spec(file: Path) -> list[pathspec.GitIgnoreSpec] | None:
+    """The patterns of `file` (`_sets`), None when there is none; `_Unusable` when one is there that
     cannot be used. Not followed if a link (git refuses one too: out of the roots, it was
     read, /proc/<pid>/environ included), and opened without blocking (a FIFO hung)."""
     try:
@@ -132,7 +135,47 @@ def _load_spec(file: Path) -> pathspec.GitIgnoreSpec | None:
     lines = data.decode("utf-8", errors="replace").splitlines()
     if any(len(line) > GITIGNORE_LINE_MAX for line in lines):
         raise _Unusable(f"has a line longer than {GITIGNORE_LINE_MAX} characters")
-    return pathspec.GitIgnoreSpec.from_lines(lines)
+    with warnings.catch_warnings():  # (re's FutureWarning on `[[`: the pattern is as written)
+        warnings.simplefilter("ignore", FutureWarning)
+        patterns = [p for line in lines if line and (p := _pattern(line)) is not None]
+    return _sets(patterns)
+
+
+def _pattern(line: str) -> GitIgnoreSpecPattern | None:
+    """A line's pattern; None for one git would never match (`foo\\`, `[z-a]`: pathspec
+    raised on them, and the whole import failed)."""
+    try:
+        return GitIgnoreSpecPattern(line)
+    except (ValueError, re.error):
+        return None
+
+
+# Patterns matched by one RE2 set. Python's `re` backtracks: one 20-character line
+# (`*a*a*a*a*a*a*a*a*b`) took 51 s to test a 60-character name, and a hostile tree hung the
+# import. RE2 matches in linear time, but compiles a set of a few thousand patterns past its
+# memory budget (measured: 1,000 short ones compiled, 2,000 did not): larger files are cut.
+SET_PATTERNS = 256
+
+
+def _sets(patterns: list[GitIgnoreSpecPattern]) -> list[pathspec.GitIgnoreSpec]:
+    """`patterns` in RE2 sets, in order (the last that matches decides, across sets too); a
+    set RE2 cannot compile is halved, and a single pattern it cannot is `_Unusable`."""
+    out: list[pathspec.GitIgnoreSpec] = []
+    for start in range(0, len(patterns), SET_PATTERNS):
+        out += _compiled(patterns[start : start + SET_PATTERNS])
+    return out
+
+
+def _compiled(patterns: list[GitIgnoreSpecPattern]) -> list[pathspec.GitIgnoreSpec]:
+    try:
+        return [pathspec.GitIgnoreSpec(patterns, backend="re2")]
+    except re2.error:
+        if len(patterns) == 1:
+            raise _Unusable(
+                f"has a pattern too large to match: {patterns[0].pattern[:80]!r}"
+            ) from None
+        half = len(patterns) // 2
+        return _compiled(patterns[:half]) + _compiled(patterns[half:])
 
 
 def _ignored(specs: _Specs, parts: tuple[str, ...], is_dir: bool) -> bool:
@@ -142,6 +185,8 @@ def _ignored(specs: _Specs, parts: tuple[str, ...], is_dir: bool) -> bool:
         if parts[: len(base)] != base or len(parts) == len(base):
             continue
         rel = "/".join(parts[len(base) :]) + ("/" if is_dir else "")
+        if not rel.isascii():  # RE2 takes UTF-8: a name's bytes that are not, as U+FFFD
+            rel = rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         include = spec.check_file(rel).include
         if include is not None:
             result = include
@@ -166,7 +211,7 @@ def _outer_specs(root: Path) -> tuple[_Specs, tuple[str, ...]]:
         except _Unusable as e:
             raise InvalidInput(f"{file} {e}: the listing below it needs its patterns") from None
         if spec is not None:
-            specs.append((base, spec))
+            specs += [(base, one) for one in spec]
     if prefix and any(_ignored(specs, prefix[:i], True) for i in range(1, len(prefix) + 1)):
         return [], prefix
     return specs, prefix
@@ -253,7 +298,7 @@ def list_code_files(
             skip(rel, "was replaced during the listing: left out")
             continue
         if spec is not None:
-            specs = [*specs, (prefix + rel, spec)]
+            specs = [*specs, *((prefix + rel, one) for one in spec)]
         for name, st in entries:
             parts = (*rel, name)
             if st is None:  # vanished meanwhile, or unreadable: its reason
