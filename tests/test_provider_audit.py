@@ -19,7 +19,7 @@ from testkit.standin import StandIn
 from tests.conftest import DIMS, standin_settings
 from worker.bulk import index_item
 from worker.errors import BadAnswer, IndexAborted, InvalidInput, KidxError
-from worker.indexers.memories import add_memory, search_memories
+from worker.indexers.memories import add_memory, embed_memories, search_memories
 from worker.providers import build_embedder
 from worker.providers.base import EmbeddingModel
 from worker.providers.http import parse_retry_after
@@ -352,6 +352,40 @@ def test_a_provider_whose_batch_limit_is_under_the_batch_size_gets_halves_then_s
     assert embedder.batch_size == 2  # the halves that went whole
     assert standin.requests == 7 + 6  # 8 -> 4, 4 -> 2 x 4; then 12 texts 2 at a time
     assert all(len(b["input"]) <= 3 for b in standin.bodies[-6:])
+
+
+def test_memories_whose_batch_is_refused_as_too_large_go_in_halves_then_smaller_batches(
+    db: Database, embedder: EmbeddingModel, standin: StandIn
+) -> None:
+    """The memory backfill sent a batch refused as too large (413) text by text: a request a
+    memory, for every batch (23 requests here, not 13), and learnt no batch size."""
+    standin.max_batch = 3
+    db.executemany(
+        "INSERT INTO memories(content) VALUES (?)",
+        [(f"Memory {n}: likes tea.",) for n in range(20)],
+    )
+    report = embed_memories(db, embedder)
+    assert (report.embedded, report.refused, report.error) == (20, 0, None)
+    assert embedder.batch_size == 2  # the halves that went whole
+    assert standin.requests == 7 + 6  # 8 -> 4, 4 -> 2 x 4; then 12 memories 2 at a time
+    vectors = db.all("SELECT memory_id FROM memory_embeddings ORDER BY 1")
+    assert db.all("SELECT memory_id FROM vec_memories ORDER BY 1") == vectors
+    assert len(vectors) == 20
+
+
+def test_a_memory_refused_as_too_large_alone_is_skipped_and_the_others_embedded(
+    db: Database, embedder: EmbeddingModel, standin: StandIn
+) -> None:
+    """Halving ends at the memory the provider refuses alone: it is recorded as refused, its
+    batch's others are embedded, and nothing is learnt (not every text went whole)."""
+    standin.poison, standin.poison_status = "TOO-BIG", 413
+    texts = [f"Memory {n}." for n in range(8)]
+    texts[5] = "TOO-BIG memory."
+    db.executemany("INSERT INTO memories(content) VALUES (?)", [(t,) for t in texts])
+    report = embed_memories(db, embedder)
+    assert (report.embedded, report.refused, report.error) == (7, 1, None)
+    assert standin.requests == 1 + 2 + 2 + 2  # 8; 4, 4; 2, 2 of the second; 1, 1
+    assert embedder.batch_size == 8
 
 
 def test_a_query_past_the_longest_is_refused_before_anything_is_embedded(

@@ -298,7 +298,6 @@ def _halves(
     every text then went in requests of at most n makes n the batch size of the process (said
     in the log); inputs refused alone end at themselves, and their plans abort as text by text
     (no part of an aborted plan is sent). As `embed_batch`, what went whole."""
-    full = len(batch) >= embedder.batch_size  # (a last, short batch says less of the limit)
     half = (len(batch) + 1) // 2
     took = []
     for part in (batch[:half], batch[half:]):
@@ -310,14 +309,22 @@ def _halves(
         requests.before()  # the batch's provider is down: nothing more is sent
         took.append(embed_batch(part, embedder, cancel, failures, requests))
     most = max(took) if all(took) else 0
-    if full and most and most < embedder.batch_size:
-        failures.log.warning(
-            f"{KI_EMBED} the provider refused {len(batch)} texts in one request as too large; "
+    learn_batch_size(embedder, len(batch), most, failures.log)
+    return most
+
+
+def learn_batch_size(embedder: EmbeddingModel, refused: int, most: int, log: Any) -> None:
+    """A batch of `refused` texts refused as too large, whose every text then went in requests
+    of at most `most` (0: some did not): if the batch was full, `most` is the process's batch
+    size from now on, said in the log, rather than a refused request before every batch (a
+    last, short batch says less of the limit)."""
+    if most and most < embedder.batch_size <= refused:
+        log.warning(
+            f"{KI_EMBED} the provider refused {refused} texts in one request as too large; "
             f"{most} a request from now on (set KIDX_EMBEDDING__BATCH_SIZE to its limit)",
             batch_size=most,
         )
         embedder.batch_size = most
-    return most
 
 
 def abort_of(p: Plan) -> IndexAborted | None:

@@ -11,7 +11,7 @@ from typing import Any
 import apsw
 
 from worker.chunking import Chunk, text_hash
-from worker.embedding import FailureCounter, Plan
+from worker.embedding import FailureCounter, Plan, learn_batch_size
 from worker.errors import IndexAborted, InvalidInput, KidxError, PermanentProviderError
 from worker.indexers.base import MAX_CONSECUTIVE_FAILURES, Indexer, IndexOptions, Planned
 from worker.log import KI_EMBED, get_logger
@@ -297,18 +297,11 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
     refusals: list[Refusal] = []
     todo = _readable(db, embedder, limit, report, refusals)
     counter = FailureCounter(MAX_CONSECUTIVE_FAILURES, log)
-    for start in range(0, len(todo), embedder.batch_size):
+    start = 0
+    while start < len(todo):  # (the batch size may be learnt on the way: `_embedded`)
         batch = todo[start : start + embedder.batch_size]
-        try:
-            vectors = embedder.embed_checked([text for _, _, text in batch])
-        except KidxError as e:
-            if not _per_input(e):
-                report.error = _why(e)
-                break
-            done = _one_by_one(batch, embedder, counter, report, e, refusals)
-        else:
-            counter.ok()
-            done = list(zip(batch, vectors, strict=True))
+        start += len(batch)
+        done, _ = _embedded(batch, embedder, counter, report, refusals)
         if not _written(report, _write, db, done, embedder.model_id, report):
             break
         if report.error:
@@ -370,6 +363,42 @@ def _readable(
             break
         first = rows[-1][0] + 1
     return todo
+
+
+def _embedded(
+    batch: list[Memory],
+    embedder: EmbeddingModel,
+    counter: FailureCounter,
+    report: MemoryBackfill,
+    refusals: list[Refusal],
+) -> tuple[list[tuple[Memory, Any]], int]:
+    """A batch's memories embedded, and the most texts a request took when every one went
+    whole (else 0). Refused for what may be one input's fault: text by text (`_one_by_one`);
+    refused as too large (413), in halves, as the pipeline's `embed_batch` does (a server
+    whose limit is under the batch size cost a request a memory), the batch size learnt from
+    a full batch. Any other error stops the run (`report.error`)."""
+    try:
+        vectors = embedder.embed_checked([text for _, _, text in batch])
+    except KidxError as e:
+        if not _per_input(e):
+            report.error = _why(e)
+            return [], 0
+        if getattr(e, "status", None) != 413 or len(batch) == 1:
+            return _one_by_one(batch, embedder, counter, report, e, refusals), 0
+        half = (len(batch) + 1) // 2
+        done: list[tuple[Memory, Any]] = []
+        took: list[int] = []
+        for part in (batch[:half], batch[half:]):
+            part_done, most = _embedded(part, embedder, counter, report, refusals)
+            done += part_done
+            took.append(most)
+            if report.error:
+                return done, 0
+        most = max(took) if all(took) else 0
+        learn_batch_size(embedder, len(batch), most, log)
+        return done, most
+    counter.ok()
+    return list(zip(batch, vectors, strict=True)), len(batch)
 
 
 def _one_by_one(
