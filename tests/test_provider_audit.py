@@ -388,6 +388,27 @@ def test_a_memory_refused_as_too_large_alone_is_skipped_and_the_others_embedded(
     assert embedder.batch_size == 8
 
 
+def test_a_host_s_thousands_of_unreadable_memories_are_recorded_as_read_not_held(
+    db: Database, embedder: EmbeddingModel
+) -> None:
+    """Each refusal held its text until the end of the run: 3,000 rows of 8 KB that are not
+    UTF-8 took 24 MB (a million, 8 GB). They are recorded as they are read now (8 MB here)."""
+    bad = b"\xff" + b"a" * 7_990
+    db.executemany(
+        "INSERT INTO memories(content) VALUES (?)", [(bad + b"%d" % n,) for n in range(3000)]
+    )
+    db.execute("INSERT INTO memories(content) VALUES ('The user likes tea.')")
+    tracemalloc.start()
+    try:
+        report = embed_memories(db, embedder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (report.embedded, report.unreadable, report.error) == (1, 3000, None)
+    assert db.scalar("SELECT count(*) FROM memory_refusals") == 3000
+    assert peak < 14 << 20, f"{peak >> 20} MB to read past 24 MB of unreadable memories"
+
+
 def test_a_query_past_the_longest_is_refused_before_anything_is_embedded(
     db: Database, embedder: EmbeddingModel, standin: StandIn
 ) -> None:

@@ -313,6 +313,10 @@ def embed_memories(db: Database, embedder: EmbeddingModel, *, limit: int = 512) 
     return report
 
 
+# Refusals a run holds before it records them (each may hold its text, up to `_MAX_BYTES`).
+REFUSALS_HELD = 256
+
+
 def _readable(
     db: Database,
     embedder: EmbeddingModel,
@@ -359,6 +363,11 @@ def _readable(
                 continue
             report.skip_too_long(memory_id)
             refusals.append((memory_id, raw, why))
+        if len(refusals) >= REFUSALS_HELD:
+            # recorded now: a host's million unreadable rows were held, 8 KB each, until the end
+            if not _written(report, _record_refusals, db, refusals, embedder.model_id):
+                return []  # the database refuses writes: nothing to embed (`report.error`)
+            refusals.clear()
         if not rows or rows[-1][0] >= 2**63 - 1:
             break
         first = rows[-1][0] + 1
