@@ -90,6 +90,7 @@ def _start(sender: Any = None, **_: Any) -> None:
     # by host too: containers sharing one data volume each have their main process at pid 1,
     # and each cleared the others' figures as it started
     folder = Path(settings.data_dir).resolve() / "metrics" / f"{socket.gethostname()}-{os.getpid()}"
+    _clear_dead(folder.parent)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     _m = _make(folder)
@@ -101,6 +102,27 @@ def _start(sender: Any = None, **_: Any) -> None:
         log.warning("metrics endpoint not started", port=port, reason=str(e))
         return
     log.info("metrics endpoint", url=f"http://{settings.metrics.address}:{port}/metrics")
+
+
+def _clear_dead(metrics: Path) -> None:
+    """Remove the folders of this host's workers that no longer run: each start made one,
+    and none was ever removed (a worker stopped or killed leaves its files: a folder a start,
+    for good). Another host's are left alone: whether they run cannot be seen from here."""
+    prefix = f"{socket.gethostname()}-"
+    try:
+        names = [e.name for e in os.scandir(metrics)]
+    except OSError:  # (none yet)
+        return
+    for name in names:
+        pid = name[len(prefix) :]
+        if not name.startswith(prefix) or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(metrics / name, ignore_errors=True)
+        except (OSError, OverflowError):
+            pass  # alive (another user's), or no pid at all: left as it is
 
 
 @worker_process_shutdown.connect

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,8 +23,24 @@ pytestmark = [pytest.mark.stack]
 PORT = free_port()
 
 
+def _gone_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
 class MetricsStack(Stack):
     def __init__(self, tmp: Path, standin: object) -> None:
+        # what earlier workers of this host left: one that ended, one that runs (this one)
+        host = socket.gethostname()
+        self.planted = {
+            "gone": tmp / "data" / "metrics" / f"{host}-{_gone_pid()}",
+            "running": tmp / "data" / "metrics" / f"{host}-{os.getpid()}",
+            "other host": tmp / "data" / "metrics" / f"{host}.elsewhere-1",
+        }
+        for folder in self.planted.values():
+            folder.mkdir(parents=True)
+            (folder / "counter_1.db").write_bytes(b"\0" * 16)
         super().__init__(tmp, standin, worker="metered", env={"KIDX_METRICS__PORT": str(PORT)})
 
 
@@ -59,4 +77,10 @@ def test_runs_chunks_provider_latency_and_failures_are_counted(stack):
     assert value(text, r"kidx_run_seconds_count") >= 2
     # a folder by host and pid: containers on one data volume each have their pid 1
     folders = [f.name for f in (stack.tmp / "data" / "metrics").iterdir()]
-    assert folders and all(f.startswith(f"{socket.gethostname()}-") for f in folders), folders
+    assert folders and all(f.startswith(f"{socket.gethostname()}") for f in folders), folders
+
+
+def test_the_folders_of_this_host_s_workers_that_ended_are_removed_at_start(stack):
+    """Each start made a folder and none was removed: a folder a restart, for good."""
+    assert not stack.planted["gone"].exists()
+    assert stack.planted["running"].exists() and stack.planted["other host"].exists()
