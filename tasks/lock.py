@@ -164,11 +164,16 @@ def conflict(client: redis.Redis, key: str, kind: bytes | str) -> KeyConflict:
 
 def wrong_type(answer: object) -> str | None:
     """The type named by a WRONGTYPE error among a pipeline's answers (`_REQUEST`'s `list`, or
-    Redis's own `WRONGTYPE Operation against a key ...`), or None for any other answer."""
-    if isinstance(answer, redis.ResponseError) and str(answer).startswith("WRONGTYPE"):
-        words = str(answer).split()
-        return words[1] if len(words) == 2 else "value of another type"
-    return None
+    Redis's own `WRONGTYPE Operation against a key ...`, which redis-py's MULTI/EXEC puts
+    after `Command # 1 (...) of pipeline caused error: `), or None for any other answer."""
+    if not isinstance(answer, redis.ResponseError):
+        return None
+    text = str(answer)
+    _, wrapped, inner = text.partition(" of pipeline caused error: ")
+    words = (inner if wrapped else text).split()
+    if not words or words[0] != "WRONGTYPE":
+        return None
+    return words[1] if len(words) == 2 else "value of another type"
 
 
 def lock_key(space: str, item_id: int) -> str:

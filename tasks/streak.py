@@ -15,6 +15,9 @@ database, and two kidx databases may share a Redis), and expires a day after its
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import redis
 
 from tasks.lock import conflict, wrong_type
@@ -24,6 +27,8 @@ from worker.log import get_logger
 log = get_logger("kidx.tasks")
 
 TTL_SECONDS = 86_400
+# How long a process counts its own after meeting another program's value at the key.
+FOREIGN_RETRY_S = 60.0
 
 
 def streak_key(space: str, batch_id: int) -> str:
@@ -38,10 +43,23 @@ class SharedStreak(Streak):
     """The shared count: a hash of `n` (failed requests in a row) and `cause` (the last one).
     Thread-safe as its Redis client is (the chunk model's is asked from one thread a run)."""
 
-    def __init__(self, client: redis.Redis, key: str) -> None:
+    def __init__(
+        self, client: redis.Redis, key: str, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__()
-        self.client, self.key = client, key
-        self.foreign = False  # another program's value is at the key (said once)
+        self.client, self.key, self.clock = client, key, clock
+        self._foreign_at: float | None = None  # when another program's value was met there
+        self._said = False
+
+    @property
+    def foreign(self) -> bool:
+        """Another program's value at the key, met in the last `FOREIGN_RETRY_S`: the count is
+        this process's own. Then the key is tried again (a chunk model's streak lives as long
+        as its process: once met, the shared count was never used again, even after the
+        value was deleted as the log asked)."""
+        if self._foreign_at is not None and self.clock() - self._foreign_at >= FOREIGN_RETRY_S:
+            self._foreign_at = None
+        return self._foreign_at is not None
 
     def _not_ours(self, e: redis.RedisError | ValueError) -> None:
         """Whether `e` says the key holds what kidx did not write (another type, a count that
@@ -50,8 +68,9 @@ class SharedStreak(Streak):
         kind = wrong_type(e)
         if kind is None and "not an integer" not in str(e) and not isinstance(e, ValueError):
             return
-        if not self.foreign:
-            self.foreign = True
+        self._foreign_at = self.clock()
+        if not self._said:
+            self._said = True
             problem = str(conflict(self.client, self.key, kind or "count that is no integer"))
             log.error(f"{problem}; until then each run counts its own failed requests")
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from stack import REDIS_DB, broker_url, flush
-from tasks.streak import TTL_SECONDS, SharedStreak, chat_streak_key
+from tasks.streak import FOREIGN_RETRY_S, TTL_SECONDS, SharedStreak, chat_streak_key
 from testkit.standin import StandIn
 from worker.providers.chat import ChatDown, ChatModel
 from worker.settings import ChunkSettings
@@ -141,3 +141,21 @@ def test_a_worker_process_s_chunk_model_counts_in_redis(tmp_path: Path, client) 
         assert client.hget(streak.key, "n") == b"1"
     finally:
         rt.close()
+
+
+def test_another_program_s_value_at_the_key_is_tried_again_after_a_while(client) -> None:
+    """A process's chunk-model streak lives as long as the process: once it met another
+    program's value at the key it counted alone for good, even after the value was deleted
+    as its log asked."""
+    now = [0.0]
+    key = chat_streak_key("test-foreign")
+    client.set(key, "not a hash")
+    streak = SharedStreak(client, key, clock=lambda: now[0])
+    assert streak.failed("a cause") == 1 and streak.foreign  # its own count
+    assert client.get(key) == b"not a hash"  # not kidx's to delete
+    client.delete(key)
+    now[0] += FOREIGN_RETRY_S - 1
+    assert streak.failed("a cause") == 2 and not client.exists(key)  # still its own
+    now[0] += 1
+    assert streak.failed("a cause") == 1  # the shared count again, from Redis
+    assert client.hget(key, "n") == b"1" and not streak.foreign
