@@ -165,6 +165,58 @@ def test_a_worker_process_killed_mid_task_runs_it_again(stack):
     assert "WorkerLostError" in stack.worker.log or "exited" in stack.worker.log
 
 
+def _own_ports() -> set[int]:
+    """The local ports of this process's TCP connections (/proc: its sockets' inodes)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:[") : -1])
+    ports = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_a_lost_broker_connection_does_not_cancel_the_run_in_progress(stack):
+    """Celery's `worker_cancel_long_running_tasks_on_connection_loss` sent SIGTERM to the pool
+    process of a running task when the worker lost Redis, which kidx takes for `kidx cancel
+    --terminate`: the item ended `cancelled`, its job `revoked`, and nothing sent it again."""
+    item = stack.note("Connection lost", corpus_text(CHAPTER))
+    stack.standin.delay = 1.0
+    seen = stack.standin.requests
+    task_id = enqueue(stack.db, item, app=stack.app)
+    wait_for(lambda: stack.standin.requests > seen, 30, "the run to reach the provider")
+    db = stack.redis.connection_pool.connection_kwargs["db"]
+    mine = _own_ports()  # this process's connections (its Celery client's) are kept
+    theirs = [
+        c["id"]
+        for c in stack.redis.client_list()
+        if int(c["db"]) == db and int(c["addr"].rsplit(":", 1)[1]) not in mine
+    ]
+    for client_id in theirs:
+        stack.redis.client_kill_filter(_id=client_id)
+    assert theirs
+    wait_for(lambda: "broker lost" in stack.worker.log, 30, "the worker to see the loss")
+    stack.standin.delay = 0
+    ended = wait_for(
+        lambda: (s := stack.state(item)["status"]) in ("indexed", "cancelled", "failed") and s,
+        60,
+        "the run to end",
+    )
+    assert ended == "indexed"
+    assert stack.db.scalar("SELECT state FROM index_jobs WHERE task_id = ?", (task_id,)) != (
+        "revoked"
+    )
+
+
 def test_kidx_cancel_revokes_a_running_task_and_keeps_the_previous_index(stack):
     text = corpus_text(CHAPTER)
     item = stack.note("Cancelled", text)

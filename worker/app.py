@@ -101,7 +101,11 @@ def create_app(settings: Settings) -> Celery:
         task_soft_time_limit=t.soft_time_limit,
         task_time_limit=t.time_limit,
         worker_hijack_root_logger=False,
-        worker_cancel_long_running_tasks_on_connection_loss=True,
+        # False: Celery's True sends SIGTERM to a running task's process when the worker loses
+        # Redis, which kidx takes for `kidx cancel --terminate` (the item ended `cancelled`,
+        # sent again by nothing). The run goes on and writes; its ack is lost with the
+        # connection, and the redelivered message finds the item indexed (a run that reuses).
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_connection_retry_on_startup=True,
         result_expires=7 * 24 * 3600,
         worker_concurrency=t.concurrency,
