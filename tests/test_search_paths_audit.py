@@ -286,6 +286,11 @@ VEC_DAMAGE = {
     "a short vectors blob": "UPDATE vec_chunk_embeddings_vector_chunks00 SET vectors = x'00'",
     "a validity of another size": "UPDATE vec_chunk_embeddings_chunks SET validity = x''",
     "its chunks deleted": "DELETE FROM vec_chunk_embeddings_chunks",
+    # `||` makes a BLOB TEXT, here not UTF-8: apsw raised reading it (UnicodeDecodeError)
+    "a validity made text": "UPDATE vec_chunk_embeddings_chunks "
+    "SET validity = CAST(x'ff' || validity AS TEXT)",
+    "vectors made text": "UPDATE vec_chunk_embeddings_vector_chunks00 "
+    "SET vectors = CAST(x'ff' || vectors AS TEXT)",
 }
 
 
@@ -303,9 +308,17 @@ def test_a_damaged_vec_table_leaves_vector_search_to_the_exact_path(notes, no_ve
     assert (ids(hybrid), hybrid.via) == (hybrid_want, "fts+fallback")
 
 
-def test_a_damaged_bit_mirror_leaves_two_passes_to_the_exact_path(notes, no_vec, fake):
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "DROP TABLE vec_chunk_bits_vector_chunks00",
+        "UPDATE vec_chunk_bits_chunks SET rowids = CAST(x'ff' || rowids AS TEXT)",
+        "UPDATE vec_chunk_bits_chunks SET validity = CAST(x'ff' || validity AS TEXT)",
+    ],
+)
+def test_a_damaged_bit_mirror_leaves_two_passes_to_the_exact_path(notes, no_vec, fake, damage):
     want = ids(search_chunks(no_vec, "alpha beta", fake, k=3, mode="vector"))
-    host(notes.path, ("DROP TABLE vec_chunk_bits_vector_chunks00", []))
+    host(notes.path, (damage, []))
     got = search_chunks(notes, "alpha beta", fake, k=3, mode="vector", tuning=TWO_PASSES)
     assert (ids(got), got.via) == (want, "fallback")
     assert "vec_chunk_bits" in str(got.reason)
@@ -317,6 +330,7 @@ def test_a_damaged_bit_mirror_leaves_two_passes_to_the_exact_path(notes, no_vec,
         "UPDATE vec_memories_vector_chunks00 SET vectors = x'00'",
         "DELETE FROM vec_memories_chunks",
         "DROP TABLE vec_memories_chunks",
+        "UPDATE vec_memories_chunks SET validity = CAST(x'ff' || validity AS TEXT)",
     ],
 )
 def test_a_damaged_memory_vec_table_leaves_memory_search_to_the_exact_path(db, fake, damage):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.store.db import Database
+from worker.store.text import blob_or_null, integer_or_null
 
 _SHADOW = {
     "chunks": 'CREATE TABLE "{t}_chunks"(chunk_id INTEGER PRIMARY KEY AUTOINCREMENT,'
@@ -91,7 +92,8 @@ def _load(db: Database, table: str, nbytes: int) -> _Bits | None:
     if not known_layout(db, table):
         return None
     rows = db.all(
-        f'SELECT c.size, c.validity, c.rowids, v.vectors FROM "{table}_chunks" c '
+        f"SELECT {integer_or_null('c.size')}, {blob_or_null('c.validity')}, "
+        f'{blob_or_null("c.rowids")}, {blob_or_null("v.vectors")} FROM "{table}_chunks" c '
         f'JOIN "{table}_vector_chunks00" v ON v.rowid = c.chunk_id ORDER BY c.chunk_id'
     )
     for size, validity, rowids, vectors in rows:

@@ -16,6 +16,7 @@ import numpy as np
 
 from worker import hamming
 from worker.store.db import Database
+from worker.store.text import blob_or_null, integer_or_null
 from worker.store.vec import VecTable, sound, vec_behind, vec_table_dimensions
 
 BLOCK = 20_000
@@ -126,7 +127,8 @@ def undirected(db: Database, table: str) -> bool:
     found = False
     if hamming.known_layout(db, table):
         cursor = db.execute(
-            f'SELECT c.size, c.validity, v.vectors FROM "{table}_chunks" c '
+            f"SELECT {integer_or_null('c.size')}, {blob_or_null('c.validity')}, "
+            f'{blob_or_null("v.vectors")} FROM "{table}_chunks" c '
             f'JOIN "{table}_vector_chunks00" v ON v.rowid = c.chunk_id'
         )
         try:

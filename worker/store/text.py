@@ -82,6 +82,12 @@ def integer_or_null(column: str) -> str:
     return f"CASE WHEN typeof({column}) = 'integer' THEN {column} END"
 
 
+def blob_or_null(column: str) -> str:
+    """SQL: `column` when it holds a BLOB, else NULL (as `integer_or_null`): a host's `||` on a
+    vec0 storage blob makes it TEXT, which apsw could not read (every search failed)."""
+    return f"CASE WHEN typeof({column}) = 'blob' THEN {column} END"
+
+
 def readable(column: str, name: str | None = None) -> str:
     """SQL: `column` as apsw can always read it, named `name` (default: the column's own name,
     without its table's alias). apsw raises UnicodeDecodeError on a TEXT value that is not
