@@ -20,6 +20,7 @@ from worker.store.fts import (
     CHECKED,
     DAMAGED,
     NOTES,
+    PHRASE_MAX,
     ROW_TITLE_MAX,
     ROWS_MADE,
     fts_counts,
@@ -272,3 +273,17 @@ def test_a_huge_title_is_cut_in_each_keyword_row_and_kept_whole_in_its_item(db, 
     host(db_path, ("UPDATE note_chunks_fts SET title = ?", [title]))  # as before the cut
     assert sync_fts(db, verify=True) == {"note_chunks_fts rewritten": len(rows)}
     assert db.all("SELECT rowid, title FROM note_chunks_fts ORDER BY rowid") == sorted(rows)
+
+
+def test_a_token_of_thousands_of_parts_is_searched_by_its_words_not_as_one_phrase(db, fake):
+    """`alpha.alpha.…` of 12,000 characters was one FTS5 phrase of 2,000 words: 7 s over
+    20,000 chunks (96,000 characters: 4 minutes), holding a read snapshot all along."""
+    item = add_item(db, kind="note", title="T", content="alpha beta gamma, alpha.beta here.")
+    index_item(db, item, embedder=fake)
+    query = keyword_query("alpha." * 16_000 + " alpha.beta")
+    assert query is not None
+    phrases = [t for t in query.split(" OR ") if " " in t]
+    assert phrases == ['"alpha beta"']  # the identifier's phrase stays
+    assert max(len(t.split()) for t in query.split(" OR ")) <= PHRASE_MAX
+    hits = search_chunks(db, "alpha." * 16_000, None, k=3, mode="keyword").hits
+    assert [h.item_id for h in hits] == [item]
