@@ -374,6 +374,22 @@ def test_filters_given_as_a_dict_are_refused_with_what_is_expected(notes, fake):
         search_chunks(notes, "alpha", fake, k=3, filters={"kinds": ["note"]})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("argument", "value", "said"),
+    [
+        ("tuning", {"exact_below": 0}, "tuning must be a worker.settings.SearchSettings"),
+        ("per_item", "no", "per_item must be True or False, not 'no'"),
+        ("per_item", 1, "per_item must be True or False, not 1"),
+    ],
+)
+def test_a_tuning_or_per_item_of_another_type_is_refused_with_what_is_expected(
+    notes, fake, argument, value, said
+):
+    """A dict for `tuning` raised AttributeError; `per_item="no"` was taken for true."""
+    with pytest.raises(InvalidInput, match=said):
+        search_chunks(notes, "alpha", fake, k=3, **{argument: value})
+
+
 def test_numpy_integers_are_integers_for_k_and_item_ids(notes, fake):
     items = [r[0] for r in notes.all("SELECT id FROM knowledge_items ORDER BY id")][:5]
     plain = search_chunks(notes, "alpha", fake, k=3, filters=Filters(item_ids=tuple(items)))

@@ -234,6 +234,13 @@ def search_chunks(
             "filters must be a worker.retrieval.Filters(kinds=..., item_ids=..., "
             f"source_prefix=...), not a {type(filters).__name__}"
         )
+    if tuning is not None and not isinstance(tuning, SearchSettings):
+        raise InvalidInput(
+            "tuning must be a worker.settings.SearchSettings (KIDX_SEARCH__*), not a "
+            f"{type(tuning).__name__}"
+        )
+    if not isinstance(per_item, bool | np.bool_):  # ("no" is true)
+        raise InvalidInput(f"per_item must be True or False, not {per_item!r:.60}")
     try:
         mode = Mode(mode)
     except ValueError:
