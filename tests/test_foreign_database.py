@@ -1,7 +1,8 @@
 """A SQLite file that is not kidx's. Commands that expect kidx's database (every one but
 `init` and `add`) refuse it in one line and write nothing, not even the switch to WAL: `kidx
-status` once gave the file 51 tables, 12 triggers and WAL mode. `kidx init` adds kidx's tables
-beside a host's own, and refuses, untouched, a file with tables of kidx's names that are not
+status` once gave the file 51 tables, 12 triggers and WAL mode; `add` (and a worker) make a
+new or empty file kidx's, and refuse one with another program's tables. `kidx init` alone adds
+kidx's tables beside a host's own, and refuses, untouched, a file with tables of kidx's names that are not
 kidx's (the migration failed half-way on another application's `knowledge_items`)."""
 
 from __future__ import annotations
@@ -47,6 +48,33 @@ def test_a_command_that_expects_kidx_s_database_refuses_another_file(kidx, tmp_p
     line = one_line_error(kidx(*command, "--db", str(path)))
     assert "is not a kidx database (it has tables users)" in line and "kidx init" in line
     assert untouched(path, digest)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["add", "note", "--title", "T", "--text", "x"], ["add", "memory", "The user likes tea."]],
+)
+def test_add_refuses_another_program_s_database_rather_than_adopt_it(kidx, tmp_path, command):
+    """`kidx add --db` mistyped gave another program's database (Firefox's moz_places) 112
+    of kidx's objects and WAL mode: only `kidx init` adds kidx's tables to such a file."""
+    path = tmp_path / "places.db"
+    digest = foreign(path, "CREATE TABLE moz_places(id INTEGER PRIMARY KEY, url TEXT)")
+    line = one_line_error(kidx(*command, "--db", str(path)))
+    assert "is not a kidx database (it has tables moz_places)" in line and "kidx init" in line
+    assert untouched(path, digest)
+
+
+def test_a_worker_refuses_another_program_s_database_and_an_empty_file_is_made_kidx_s(tmp_path):
+    path = tmp_path / "places.db"
+    digest = foreign(path, "CREATE TABLE moz_places(id INTEGER PRIMARY KEY, url TEXT)")
+    with pytest.raises(StoreError, match="is not a kidx database"):
+        connect(path, vec=False)  # (create=True: what a worker and `kidx add` open with)
+    assert untouched(path, digest)
+    empty = tmp_path / "new.db"
+    empty.write_bytes(b"")  # made by a host for kidx (touch): kidx's to fill
+    connect(empty, vec=False).close()
+    db = connect(empty, vec=False, create=False)
+    db.close()
 
 
 def test_an_empty_file_is_not_kidx_s_either(tmp_path):

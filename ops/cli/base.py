@@ -203,16 +203,17 @@ class Ctx:
         # stderr should stdout refuse the output (`output_failed`).
         self.done: str | None = None
 
-    def store(self, *, create: bool = False, claim: bool = False) -> Any:
+    def store(self, *, create: bool = False, claim: bool = False, adopt: bool = False) -> Any:
         """The database, which must exist: a mistyped --db or KIDX_DB is one line ("no database
         at PATH; run `kidx init`"), not a new empty database in new folders that a read-only
         command then reports as empty. `create=True`: init and add, which make it. `claim`:
         the command embeds here (`--inline`, memories): the index becomes its model's; any
         other command leaves an index of another model as it is (a shell with a stale .env
-        switched the workers' index back; `connect`)."""
+        switched the workers' index back; `connect`). `adopt`: init, which alone adds kidx's
+        tables to a file that holds another program's."""
         from worker.store import open_store
 
-        return open_store(self.settings, create=create, claim=claim)
+        return open_store(self.settings, create=create, claim=claim, adopt=adopt)
 
     def embedder(self, db: Any) -> Any:
         from worker.providers import build_embedder

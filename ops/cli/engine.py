@@ -36,7 +36,7 @@ def init(ctx: Ctx) -> None:
     """Create the database (or bring it up to date) and show what it runs with."""
     from worker.store.schema import schema_version
 
-    with ctx.store(create=True) as db:
+    with ctx.store(create=True, adopt=True) as db:
         info = {
             "db": str(ctx.settings.db),
             "schema_version": schema_version(db),  # the file's, as connect() left it

@@ -60,6 +60,7 @@ def connect(
     read_only: bool = False,
     claim: bool = True,
     configured_at: float | None = None,
+    adopt: bool = False,
 ) -> Database:
     """Open the database: WAL, busy timeout, foreign keys, migrations, sqlite-vec when it loads,
     and the vec tables at the resolved dimension (rebuilt only when it changed). `create=False`:
@@ -82,8 +83,9 @@ def connect(
     stale .env switched every worker's index back to the old model. `configured_at` (a
     time.time()): when this process's settings were read; an index another model claimed
     since is not claimed back (a pool process that a worker of the old model forks after the
-    switch, to replace one, has that worker's old settings)."""
-    _refuse_foreign(Path(path), must_be_kidx=not create)
+    switch, to replace one, has that worker's old settings). `adopt`: kidx's tables may be
+    added to a file that holds another program's (`kidx init` only: `_refuse_foreign`)."""
+    _refuse_foreign(Path(path), must_be_kidx=not create, adopt=adopt)
     db = Database(path, busy_timeout_ms=busy_timeout_ms, create=create)
     try:
         before = schema_version(db)
@@ -135,12 +137,14 @@ _KIDX_TABLES = frozenset(
 )
 
 
-def _refuse_foreign(path: Path, *, must_be_kidx: bool) -> None:
+def _refuse_foreign(path: Path, *, must_be_kidx: bool, adopt: bool = False) -> None:
     """Refuse, before anything is written (even the switch to WAL), a file that is not a
-    kidx database: one with tables of kidx's names but no kidx schema (another application's),
-    and, for a command that expects kidx's database (`must_be_kidx`: every one but `init` and
-    `add`), any file without kidx's schema. A host's own tables beside kidx's are fine: `kidx
-    init` adds kidx's tables to such a file, and nothing else does."""
+    kidx database: one with tables of kidx's names but no kidx schema (another application's);
+    for a command that expects kidx's database (`must_be_kidx`: every one but `init` and
+    `add`), any file without kidx's schema; and for any but `init` (`adopt`), a file with
+    tables that are not kidx's (`kidx add --db` mistyped gave another program's database 112
+    of kidx's objects and WAL mode). A host's own tables beside kidx's are fine: `kidx init`
+    adds kidx's tables to such a file, and nothing else does."""
     if str(path) == ":memory:" or not path.is_file():
         return
     try:
@@ -172,7 +176,7 @@ def _refuse_foreign(path: Path, *, must_be_kidx: bool) -> None:
             "it belongs to another application (point KIDX_DB at another file), or it is kidx's "
             f"and {lost} (restore a backup)"
         )
-    if must_be_kidx:
+    if must_be_kidx or (theirs and not adopt):
         shown = ", ".join(theirs[:5]) + (", ..." if len(theirs) > 5 else "")
         has = f" (it has tables {shown})" if theirs else " (it is empty)"
         raise StoreError(
@@ -188,6 +192,7 @@ def open_store(
     read_only: bool = False,
     claim: bool = True,
     configured_at: float | None = None,
+    adopt: bool = False,
 ) -> Database:
     """`connect()` with everything taken from the settings."""
     return connect(
@@ -200,4 +205,5 @@ def open_store(
         read_only=read_only,
         claim=claim,
         configured_at=configured_at,
+        adopt=adopt,
     )
