@@ -143,3 +143,26 @@ def test_a_named_instance_is_read_while_another_writer_holds_the_file(tmp_path: 
     finally:
         first.close()
         second.close()
+
+
+def test_a_named_instance_is_read_without_waiting_for_another_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The name was read inside a write transaction: every `kidx status`, `search` or `jobs`
+    waited out another writer's transaction (its busy timeout, 30 s) before it answered."""
+    path = tmp_path / "kidx.db"
+    first = Database(path)
+    first.execute("CREATE TABLE index_meta(key TEXT PRIMARY KEY, value TEXT)")
+    name = first.instance()
+    second = Database(path, busy_timeout_ms=30_000)
+    waits: list[int] = []
+    monkeypatch.setattr(second, "_busy", lambda n: waits.append(n) or False)
+    second.conn.set_busy_handler(second._busy)
+    try:
+        first.execute("BEGIN IMMEDIATE")
+        assert second.instance() == name
+        assert waits == []  # the busy handler never asked: no lock was wanted
+        first.execute("COMMIT")
+    finally:
+        first.close()
+        second.close()

@@ -199,12 +199,16 @@ class Database:
             # failed as a bug); every process decodes them alike, so all name the same keys.
             query = "SELECT CAST(value AS BLOB) FROM index_meta WHERE key = 'instance'"
             try:
-                with self.atomic():
-                    self.execute(
-                        "INSERT OR IGNORE INTO index_meta(key, value) "
-                        "VALUES ('instance', lower(hex(randomblob(8))))"
-                    )
-                    value = self.scalar(query)
+                # read first: a reader (`kidx status`) took the write lock to find the name
+                # there, and waited out another writer's transaction for it
+                value = self.scalar(query) if self.table_exists("index_meta") else None
+                if value is None:
+                    with self.atomic():
+                        self.execute(
+                            "INSERT OR IGNORE INTO index_meta(key, value) "
+                            "VALUES ('instance', lower(hex(randomblob(8))))"
+                        )
+                        value = self.scalar(query)
             except (apsw.BusyError, apsw.LockedError):
                 # Another writer past the busy timeout: the name if it has one (a read needs no
                 # lock); never a guess, kept for the connection's life, naming other keys than
