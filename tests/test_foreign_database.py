@@ -1,9 +1,10 @@
 """A SQLite file that is not kidx's. Commands that expect kidx's database (every one but
 `init` and `add`) refuse it in one line and write nothing, not even the switch to WAL: `kidx
 status` once gave the file 51 tables, 12 triggers and WAL mode; `add` (and a worker) make a
-new or empty file kidx's, and refuse one with another program's tables. `kidx init` alone adds
-kidx's tables beside a host's own, and refuses, untouched, a file with tables of kidx's names that are not
-kidx's (the migration failed half-way on another application's `knowledge_items`)."""
+new or empty file kidx's, and refuse one with another program's tables. `kidx init` alone
+adds kidx's tables beside a host's own, and refuses, untouched, a file with tables of kidx's
+names that are not kidx's (the migration failed half-way on another application's
+`knowledge_items`)."""
 
 from __future__ import annotations
 
