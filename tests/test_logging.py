@@ -119,3 +119,35 @@ def test_a_host_s_bytes_reach_a_terminal_s_log_lines_without_their_control_codes
     assert "\x07" not in shown and "]0;" not in shown.replace("\ufffd]0;", "")
     assert "\x1b[2J" not in shown
     assert "\nFORGED" not in shown
+
+
+FULL_SCRIPT = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from pathlib import Path
+    from worker.log import configure_logging, get_logger
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))  # as a full disk would
+    configure_logging(fmt="json", stream_level="error", file=Path(sys.argv[1]))
+    log = get_logger("kidx.test")
+    for n in range(500):
+        log.info("a record that fills the file", n=n, padding="x" * 100)
+    print("ran on")
+    """
+)
+
+
+def test_a_log_file_that_cannot_be_written_is_one_line_not_a_traceback_a_record(tmp_path):
+    """A full disk (or a rotation refused) printed logging's `--- Logging error ---` and some
+    50 lines of traceback for every record, on every command."""
+    out = subprocess.run(
+        [sys.executable, "-c", FULL_SCRIPT, str(tmp_path / "kidx.log")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and out.stdout == "ran on\n", out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "Logging error" not in out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and "cannot write the log file" in lines[0], out.stderr[-2000:]

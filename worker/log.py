@@ -8,6 +8,7 @@ configured secret value is replaced wherever it appears.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import logging.handlers
@@ -105,6 +106,24 @@ class _RegularFileHandler(logging.handlers.RotatingFileHandler):
             os.close(fd)
             raise
         return open(fd, self.mode, encoding=self.encoding, errors=self.errors)
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A write or a rotation that fails (a full disk, a folder made read-only): one line
+        on stderr, and the file is left out from then on (logging's own handler printed a
+        traceback of some 50 lines for every record)."""
+        self.failed = True
+        error = sys.exc_info()[1]
+        with contextlib.suppress(Exception):
+            (sys.stderr or _devnull()).write(
+                f"kidx: cannot write the log file {self.baseFilename} ({error}): "
+                "it is left out from now on\n"
+            )
 
 
 def configure_logging(
