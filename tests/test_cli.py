@@ -483,6 +483,9 @@ def seeded(tmp_path_factory) -> tuple[Kidx, Path]:
     locked = root / "locked.md"
     locked.write_text("secret\n", encoding="utf-8")
     locked.chmod(0)
+    with (root / "big.md").open("wb") as f:  # sparse: over the default KIDX_FILES__MAX_BYTES
+        f.truncate(50_000_001)
+    os.mkfifo(root / "fifo.md")  # no writer: an open() for reading would wait for good
     kidx = Kidx(root, base_env(root / "kidx.db", NOWHERE))
     assert kidx.add("Seed", "--text", "The one note.") == 1
     return kidx, root
@@ -516,6 +519,22 @@ BAD_INPUT = [
         ["add", "note", "--title", "T", "--file", "{d}/latin1.txt"], "not UTF-8", id="add-not-utf8"
     ),
     pytest.param(["update", "1", "--file", "{d}/latin1.txt"], "not UTF-8", id="update-not-utf8"),
+    # a 1.2 GB file took 2.5 GB of memory, then failed on SQLite's "string or blob too big"
+    pytest.param(
+        ["add", "note", "--title", "T", "--file", "{d}/big.md"],
+        "larger than KIDX_FILES__MAX_BYTES (50000000 bytes)",
+        id="add-too-large",
+    ),
+    pytest.param(
+        ["update", "1", "--file", "{d}/big.md"],
+        "larger than KIDX_FILES__MAX_BYTES",
+        id="update-big",
+    ),
+    pytest.param(
+        ["add", "note", "--title", "T", "--file", "{d}/fifo.md"],
+        "not a readable file",
+        id="add-fifo",
+    ),
     pytest.param(
         ["update", "1", "--file", "{d}/missing.md"], "missing.md", id="update-missing-file"
     ),

@@ -27,6 +27,7 @@ from rich.text import Text
 
 from worker.errors import Cancelled, ConfigError, InvalidInput, KidxError
 from worker.log import Redact, configure_logging
+from worker.regular import read_regular
 from worker.settings import Settings, load_settings
 
 # An id SQLite can hold (a larger one would overflow before any lookup): a usage error.
@@ -474,14 +475,27 @@ def cli() -> None:
     """kidx: notes, files, URLs and code into chunks with vectors in SQLite + sqlite-vec."""
 
 
-def read_text(text: str | None, file: Path | None) -> str:
+def read_text(text: str | None, file: Path | None, max_bytes: int) -> str:
+    """A note's text, given or read from `file` (its line ends made `\n`, as Python reads
+    text), which may hold at most `max_bytes` (KIDX_FILES__MAX_BYTES, as `kidx add file`): a
+    1.2 GB file was read whole (2.5 GB of memory, then SQLite's "string or blob too big")."""
     if (text is None) == (file is None):
         raise InvalidInput("give exactly one of --text and --file")
     if file is None:
         return text or ""
-    if not file.is_file():
-        raise InvalidInput(f"not a readable file: {file}")
     try:
-        return file.read_text(encoding="utf-8")
+        data = read_regular(file, max_bytes + 1, follow=True)
+    except OSError as e:
+        raise InvalidInput(f"{file} cannot be read ({e.strerror or e})") from None
+    if data is None:
+        raise InvalidInput(f"not a readable file: {file}")
+    if len(data) > max_bytes:
+        raise InvalidInput(
+            f"{file} is larger than KIDX_FILES__MAX_BYTES ({max_bytes} bytes); "
+            "`kidx add file` takes a file up to that size too"
+        )
+    try:
+        content = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InvalidInput(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return content.replace("\r\n", "\n").replace("\r", "\n")

@@ -79,7 +79,7 @@ def add_note(ctx: Ctx, title: str, text: str | None, file: Path | None, inline: 
     """Add a note; prints its id."""
     from worker.store.items import add_item
 
-    content = read_text(text, file)
+    content = read_text(text, file, ctx.settings.files.max_bytes)
     with ctx.store(create=True, claim=inline) as db:
         item_id = add_item(db, kind="note", title=title, content=content)
         results = index_inline(ctx, db, [item_id]) if inline else []
@@ -105,7 +105,7 @@ def update(ctx: Ctx, item: int, text: str | None, file: Path | None, title: str 
             raise InvalidInput("give --title, or exactly one of --text and --file")
         content = None
     else:
-        content = read_text(text, file)
+        content = read_text(text, file, ctx.settings.files.max_bytes)
     with ctx.store() as db:
         found = get_item(db, item, content=False)
         if content is None:
