@@ -107,7 +107,10 @@ def _store(settings: Settings, timeout: float, *, vec: bool = False) -> Iterator
     the resolved dimension; `vec`: sqlite-vec is needed, and its tables at that dimension."""
     if not Path(settings.db).is_file():
         raise NotChecked(f"no database at {settings.db}")
-    db = Database(settings.db, busy_timeout_ms=int(timeout * 1000), create=False, wal=False)
+    try:
+        db = Database(settings.db, busy_timeout_ms=int(timeout * 1000), create=False, wal=False)
+    except StoreError:  # (not a database at all: the database check says so, once)
+        raise NotChecked("the database cannot be opened") from None
     try:
         try:
             current = schema_version(db) == SCHEMA_VERSION
@@ -131,7 +134,10 @@ def check_database(settings: Settings, timeout: float) -> str:
         raise Fail(f"no database at {path}", "check KIDX_DB, or create it with `kidx init`")
     wal_path = Path(f"{path}-wal")  # before this check's connection (its close empties it)
     wal = wal_path.stat().st_size if wal_path.is_file() else 0
-    db = Database(path, busy_timeout_ms=int(timeout * 1000), create=False, wal=False)
+    try:
+        db = Database(path, busy_timeout_ms=int(timeout * 1000), create=False, wal=False)
+    except StoreError as e:
+        raise Fail(str(e), "point KIDX_DB at a kidx database, or restore a backup") from None
     try:
         try:
             version = schema_version(db)

@@ -58,3 +58,18 @@ def test_doctor_changes_nothing_in_a_file_that_is_not_a_kidx_database(tmp_path):
     assert conn.execute("PRAGMA journal_mode").fetchall() == [("delete",)]
     conn.close()
     assert empty.stat().st_size == 0
+
+
+def test_a_file_that_is_not_a_database_is_one_fail_line_and_the_rest_not_checked(tmp_path):
+    """Eight checks each said `fail StoreError: ... file is not a database`: one broken part
+    is one FAIL line, the checks that need it are warnings (`NotChecked`)."""
+    from ops.doctor import run_checks
+
+    path = tmp_path / "text.db"
+    path.write_text("just some text, not SQLite\n" * 100)
+    checks = {c.check: c for c in run_checks(Settings(db=path), 2.0)}
+    failed = [name for name, c in checks.items() if c.level == "fail" and "database" in c.detail]
+    assert failed == ["database"], {n: (c.level, c.detail) for n, c in checks.items()}
+    assert "not a database" in checks["database"].detail
+    for name in ("rows", "leftovers", "keywords", "failed", "stuck", "sweeps"):
+        assert checks[name].level == "warn", (name, checks[name].detail)
