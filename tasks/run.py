@@ -370,12 +370,16 @@ class Run:
 
     def _conflict(self, item_id: int, problem: str) -> None:
         """The item's lock or re-run request key holds another program's value (KeyConflict):
-        failed with that line, its state too (`kidx status` says what to do), and not counted
-        against its batch: another item's run is not the worse for it."""
+        failed with that line, its state too (`kidx status` says what to do), an attempt
+        counted (the retry sweep sent it again at its first backoff for good, a batch and a
+        task every time), and not counted against its batch: another item's run is not the
+        worse for it."""
         log.error(f"{KI_EMBED} failed", item_id=item_id, reason=problem)
         self._failed(item_id, self.line(item_id, problem), "key_conflict")
         with contextlib.suppress(apsw.Error, KidxError):
-            mark_not_run(self.rt.db, item_id, self.task_id, self.job(item_id)[0], problem)
+            mark_not_run(
+                self.rt.db, item_id, self.task_id, self.job(item_id)[0], problem, attempt=True
+            )
 
     def _skip(self, item_id: int) -> None:
         """Not run for an aborted batch (`mark_not_run`)."""

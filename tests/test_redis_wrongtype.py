@@ -156,6 +156,11 @@ def test_a_hash_at_a_rerun_request_key_is_not_written_over(stack: Stack) -> None
         assert state == "failed" and error is not None and key in error
         assert stack.redis.hgetall(key) == {b"field": b"value"}
         assert not stack.redis.exists(lock_key(stack.db.instance(), item))  # given back
+        # an attempt: the retry sweep sent it at its first backoff for good, never at the last
+        attempts = "SELECT attempts FROM item_index_state WHERE item_id = ?"
+        assert stack.db.scalar(attempts, (item,)) == 1
+        again = stack.app.send_task(NOTE, args=[item]).id
+        assert ended(stack, again).state == "FAILURE" and stack.db.scalar(attempts, (item,)) == 2
     finally:
         stack.redis.delete(key)
 
