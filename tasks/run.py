@@ -188,10 +188,18 @@ class Run:
                     self._failed(item_id, self.line(item_id, limit), "time_limit")
                 raise IndexFailed(self.failure()) from None
             self._revoked()
-        except Exception as e:  # a bug, or the database refusing: each open item names it
+        except Exception as e:  # a bug, Redis or the database refusing: each open item names it
             self._send_unserved()
             for item_id in self._open():
-                self._failed(item_id, self.line(item_id, f"{type(e).__name__}: {e}"), "error")
+                line = self.line(item_id, f"{type(e).__name__}: {e}")
+                self._failed(item_id, line, "error")
+                # its state too, an attempt counted, for the retry sweep to send it again: an
+                # item the run never got to (Redis refused its lock) kept `indexed` over its old
+                # text, and a file's or a URL's new text was never read (no sweep sees it)
+                with contextlib.suppress(apsw.Error, KidxError):
+                    mark_not_run(
+                        self.rt.db, item_id, self.task_id, self.job(item_id)[0], line, attempt=True
+                    )
             log.exception(f"{KI_EMBED} the run failed", reason=f"{type(e).__name__}: {e}")
             if self.failures:
                 raise IndexFailed(self.failure()) from None

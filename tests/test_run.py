@@ -44,7 +44,7 @@ from worker.errors import PermanentProviderError, TransientProviderError
 from worker.log import Redact
 from worker.pipeline import IndexResult
 from worker.providers.http import RetryLater
-from worker.settings import load_settings
+from worker.settings import FilesSettings, load_settings
 from worker.sources import Reader
 from worker.store.db import Database
 from worker.store.items import Status, add_item, get_state, set_state, update_content
@@ -575,6 +575,37 @@ def test_a_partial_items_error_reaches_the_result_without_a_secret(rt, kind) -> 
     shown = json.dumps(result)
     assert "partial" in shown and "invalid input for key ***" in shown
     assert "sk-test-key-not-for-logs" not in shown
+
+
+@pytest.mark.parametrize("kind", ["note", "file"])
+def test_an_item_a_run_never_got_to_for_redis_is_failed_for_the_retry_sweep(
+    rt, tmp_path, kind
+) -> None:
+    """Redis refusing the item's lock failed the job, but the item kept `indexed` over its
+    old text: neither sweep sent it again, and a file's new text was never read."""
+    from worker.reconcile import due_retries
+
+    source = tmp_path / "f.md"
+    source.write_text("# F\n\n" + "Words. " * 60)
+    if kind == "note":
+        (item,) = notes(rt.db, 1)
+    else:
+        item = add_item(rt.db, kind="file", title="f.md", content="", source=str(source))
+        rt.reader = Reader(FilesSettings(roots=[tmp_path]))
+    run, _ = single(rt, item)
+    run.kinds = frozenset({kind})
+    assert run.execute()["status"] == "indexed"
+    run, _ = single(rt, item)
+    run.kinds = frozenset({kind})
+    with pytest.MonkeyPatch.context() as mp:
+        refused = redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379")
+        mp.setattr(LockSet, "acquire", lambda self: (_ for _ in ()).throw(refused))
+        with pytest.raises(IndexFailed, match="ConnectionError"):
+            run.execute()
+    state = get_state(rt.db, item)
+    assert state["status"] == "failed" and "ConnectionError" in state["last_error"]
+    assert rt.db.scalar("SELECT attempts FROM item_index_state WHERE item_id = ?", (item,)) == 1
+    assert due_retries(rt.db, max_attempts=5, backoff=0, backoff_max=0, horizon=0) == [item]
 
 
 def test_a_failure_of_the_task_layer_has_its_ki_embed_line(rt) -> None:

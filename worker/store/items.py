@@ -342,15 +342,16 @@ def mark_not_run(
     """An item its run did not run (its batch was aborted) becomes `failed`, so that `kidx
     retry --failed` finds it (or `cancelled`: revoked before its run got to it); unless a later
     run has indexed it since this job was queued, or another run is indexing it now: that
-    run's outcome stands. `attempt`: the run counts as one of its attempts (it was refused for
-    a cause of its own, which a retry meets again until someone mends it). Whether it was
-    marked."""
+    run's outcome stands; nor one this task's run has marked failed already (the engine, with
+    its cause and its attempt). `attempt`: the run counts as one of its attempts (a cause a
+    retry may meet again until someone mends it). Whether it was marked."""
     with db.atomic():
         db.execute(CREATE_STATE, (item_id,))
         db.execute(
             f"UPDATE item_index_state SET status = :status, last_task_id = :task, "
             f"last_error = :error, updated_at = {NOW}, "
-            "attempts = coalesce(attempts, 0) + :attempt WHERE item_id = :item AND NOT ("
+            "attempts = coalesce(attempts, 0) + :attempt WHERE item_id = :item "
+            "AND NOT (status = 'failed' AND coalesce(last_task_id, '') = :task) AND NOT ("
             "(status = 'indexing' AND coalesce(last_task_id, '') <> :task) OR "
             "(status = 'indexed' AND indexed_at >= coalesce((SELECT "
             "min(coalesce(queued_at, started_at)) FROM index_jobs WHERE task_id = :job), "
