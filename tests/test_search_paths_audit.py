@@ -324,6 +324,19 @@ def test_a_damaged_bit_mirror_leaves_two_passes_to_the_exact_path(notes, no_vec,
     assert "vec_chunk_bits" in str(got.reason)
 
 
+def test_a_bit_mirror_a_host_partly_emptied_leaves_two_passes_to_the_exact_path(
+    notes, no_vec, fake
+):
+    """Two passes ranked the rows the mirror still marked valid (here 4 of 12; a host's
+    DELETE of one of its storage chunks, 1,024 rows) and answered their best, as `vec`, with
+    no word: the float KNN says when it ends short of the vectors it mirrors, and so do they."""
+    want = ids(search_chunks(no_vec, "alpha beta", fake, k=5, mode="vector"))
+    host(notes.path, ("UPDATE vec_chunk_bits_chunks SET validity = x'0f' || zeroblob(127)", []))
+    got = search_chunks(notes, "alpha beta", fake, k=5, mode="vector", tuning=TWO_PASSES)
+    assert (ids(got), got.via) == (want, "fallback")
+    assert "vec_chunk_bits holds fewer vectors" in str(got.reason)
+
+
 @pytest.mark.parametrize(
     "damage",
     [

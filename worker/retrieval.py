@@ -460,6 +460,10 @@ def _two_pass(
             ]
         if not candidates:  # fetch is at least 32: the mirror holds nothing
             return None
+        if len(candidates) < fetch:  # every row seen: as many as the vectors it mirrors?
+            # (a host's DELETE of one of its storage chunks left the first pass a part of
+            # the vectors, and the wrong hits, with no word)
+            knn_ended(db, VEC["vec_chunk_bits"], len(vector), len(candidates))
         passing = _rescore(db, vector, candidates, model, filters)
         # Enough once the full oversample of candidates passed: stopping at n of them gave a
         # filter only its share of it (a filter of a fifth of the chunks: recall 0.70 where
