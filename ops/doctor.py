@@ -28,7 +28,8 @@ import redis
 import worker.providers.chat
 import worker.providers.openai  # noqa: F401 - imported here, never by two check threads at once
 from ops.stack import url_host
-from scheduler.beat import HEARTBEAT_KEY, LEASE_TTL
+from scheduler.beat import HEARTBEAT_KEY, LEASE_KEY, LEASE_TTL
+from tasks.lock import conflict, not_a_lock
 from tasks.redis_at import redis_at
 from worker.chunking.llm import INSTRUCTIONS, SCHEMA, SYSTEM
 from worker.errors import BadAnswer, StoreError
@@ -387,9 +388,16 @@ def check_workers(settings: Settings, timeout: float) -> str:
 def check_beat(settings: Settings, timeout: float) -> str:
     client = _redis(settings, timeout)
     try:
-        kind, value = (
-            client.pipeline().type(HEARTBEAT_KEY).get(HEARTBEAT_KEY).execute(raise_on_error=False)
+        pipe = client.pipeline().type(HEARTBEAT_KEY).get(HEARTBEAT_KEY)
+        kind, value, lease, lease_ttl = (
+            pipe.type(LEASE_KEY).pttl(LEASE_KEY).execute(raise_on_error=False)
         )
+        # A lease that is no beat's (another type, or a string that never expires): beat
+        # follows it for good, sending nothing, while its heartbeat says all is well.
+        if (what := not_a_lock(lease, lease_ttl)) is not None:
+            raise Fail(
+                str(conflict(client, LEASE_KEY, what)), "until then beat sends no sweep at all"
+            )
     finally:
         client.close()
     start = "start beat (celery -A worker.app beat)"

@@ -29,12 +29,17 @@ HEARTBEAT_KEY = "kidx:beat:heartbeat"
 LEASE_TTL = 30  # seconds
 TICK = 5.0  # the longest sleep between ticks, so the lease is renewed well within its TTL
 
-# Renew the lease if we hold it; take it if it is free.
+# Renew the lease if we hold it; take it if it is free. -1: a value that never expires is
+# there, no beat's lease (each is set with a TTL): another program's, or one made persistent;
+# taken for another beat's, it stopped every sweep for good.
 _LEASE = """
 local v = redis.call('get', KEYS[1])
 if v == ARGV[1] or not v then
   redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
   return 1
+end
+if redis.call('pttl', KEYS[1]) == -1 then
+  return -1
 end
 return 0
 """
@@ -63,25 +68,34 @@ class LeaderScheduler(PersistentScheduler):
     def _lead(self) -> bool:
         try:
             self.redis.set(HEARTBEAT_KEY, f"{time.time():.0f} {self.identity}", ex=LEASE_TTL * 2)
-            got = bool(self.redis.eval(_LEASE, 1, LEASE_KEY, self.identity, LEASE_TTL))
+            answer = self.redis.eval(_LEASE, 1, LEASE_KEY, self.identity, LEASE_TTL)
         except redis.RedisError as e:
             if wrong_type(e) is None:
                 log.warning("beat cannot reach Redis; not sending", reason=str(e))
-            elif not self.foreign:  # not a Redis away: said once, not every tick
-                self.foreign = True
-                kind: bytes | str = wrong_type(e) or ""
-                with contextlib.suppress(redis.RedisError):
-                    kind = self.redis.type(LEASE_KEY)
-                log.error(f"{conflict(self.redis, LEASE_KEY, kind)}; beat sends nothing until then")
+            else:  # not a Redis away: said once, not every tick
+                self._foreign(wrong_type(e) or "")
             got = False
         else:
-            self.foreign = False
+            got = answer == 1
+            if answer == -1:
+                self._foreign("string that never expires")
+            else:
+                self.foreign = False
         if got != self.leading:
             log.info(
                 "beat leads" if got else "beat follows (another beat leads)", identity=self.identity
             )
             self.leading = got
         return got
+
+    def _foreign(self, kind: bytes | str) -> None:
+        if self.foreign:
+            return
+        self.foreign = True
+        if kind != "string that never expires":
+            with contextlib.suppress(redis.RedisError):
+                kind = self.redis.type(LEASE_KEY)
+        log.error(f"{conflict(self.redis, LEASE_KEY, kind)}; beat sends nothing until then")
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         if not self._lead():

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from ops.doctor import Fail, check_beat
-from scheduler.beat import HEARTBEAT_KEY
+from scheduler.beat import HEARTBEAT_KEY, LEASE_KEY
 from stack import SPARE_DB, broker_url
 from worker.settings import load_settings
 
@@ -20,9 +20,9 @@ from worker.settings import load_settings
 @pytest.fixture
 def client() -> Iterator[redis.Redis]:
     r = redis.Redis.from_url(broker_url(SPARE_DB))
-    r.delete(HEARTBEAT_KEY)
+    r.delete(HEARTBEAT_KEY, LEASE_KEY)
     yield r
-    r.delete(HEARTBEAT_KEY)
+    r.delete(HEARTBEAT_KEY, LEASE_KEY)
     r.close()
 
 
@@ -55,4 +55,28 @@ def test_a_fresh_heartbeat_is_ok_and_none_says_to_start_beat(client):
     import time
 
     client.set(HEARTBEAT_KEY, f"{time.time():.0f} host:42")
+    assert check_beat(settings, 2.0).endswith("from host:42")
+
+
+@pytest.mark.parametrize(
+    ("write", "shown"),
+    [
+        (lambda r: r.set(LEASE_KEY, "host:1"), "holds a string that never expires"),
+        (lambda r: r.rpush(LEASE_KEY, "x"), "holds a list"),
+    ],
+)
+def test_a_lease_that_is_no_beat_s_fails_the_beat_check_naming_the_key(client, write, shown):
+    """Beat followed such a value for good, sending no sweep, while its heartbeat (written
+    at every tick all the same) made the check say all was well."""
+    import time
+
+    client.set(HEARTBEAT_KEY, f"{time.time():.0f} host:42")
+    settings = load_settings(broker_url=broker_url(SPARE_DB))
+    assert check_beat(settings, 2.0).endswith("from host:42")
+    write(client)
+    with pytest.raises(Fail) as e:
+        check_beat(settings, 2.0)
+    assert f"{LEASE_KEY} {shown}" in e.value.detail and "DEL" in e.value.detail
+    client.delete(LEASE_KEY)
+    client.set(LEASE_KEY, "host:42", ex=30)  # a beat's lease: fine
     assert check_beat(settings, 2.0).endswith("from host:42")

@@ -233,17 +233,27 @@ def test_an_inline_run_names_the_key_not_an_unreachable_broker(stack: Stack) -> 
 
 
 @pytest.mark.stack
-def test_a_list_at_the_beat_lease_is_named_not_taken_for_redis_away(stack: Stack) -> None:
+@pytest.mark.parametrize(
+    ("value", "said"), [("list", "holds a list"), ("string", "holds a string that never expires")]
+)
+def test_a_list_at_the_beat_lease_is_named_not_taken_for_redis_away(
+    stack: Stack, value: str, said: str
+) -> None:
     """The lease script met WRONGTYPE and beat said, every five seconds, that it could not
-    reach Redis: the operator looked at a Redis that answered, while nothing was sent."""
-    stack.redis.rpush(LEASE_KEY, "host-data")
+    reach Redis: the operator looked at a Redis that answered, while nothing was sent. A
+    string that never expires (no beat's lease: each has a TTL) was taken for another beat's
+    lease, and beat followed it for good, its heartbeat saying all was well."""
+    if value == "list":
+        stack.redis.rpush(LEASE_KEY, "host-data")
+    else:
+        stack.redis.set(LEASE_KEY, "another-host:1")
     beat = Proc(
-        [*CELERY, "beat", "--loglevel=INFO", f"--schedule={stack.tmp}/beat-wrongtype.db"],
+        [*CELERY, "beat", "--loglevel=INFO", f"--schedule={stack.tmp}/beat-{value}.db"],
         stack.env,
-        stack.tmp / "beat-wrongtype.log",
+        stack.tmp / f"beat-{value}.log",
     )
     try:
-        said = wait_for(
+        lines = wait_for(
             lambda: [
                 line
                 for line in beat.log.splitlines()
@@ -252,9 +262,9 @@ def test_a_list_at_the_beat_lease_is_named_not_taken_for_redis_away(stack: Stack
             30,
             "beat to say why it does not lead",
         )
-        assert f"{LEASE_KEY} holds a list" in said[0] and "DEL" in said[0], said[0]
+        assert f"{LEASE_KEY} {said}" in lines[0] and "DEL" in lines[0], lines[0]
         assert "cannot reach Redis" not in beat.log
-        assert stack.redis.lrange(LEASE_KEY, 0, -1) == [b"host-data"]
+        assert stack.redis.type(LEASE_KEY) == value.encode()  # not kidx's to delete
     finally:
         beat.stop()
         stack.redis.delete(LEASE_KEY)
