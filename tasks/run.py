@@ -218,6 +218,7 @@ class Run:
         )
         held, busy = locks.acquire()
         asked: dict[int, str] = {}
+        failed_asked: dict[int, str] = {}
         try:
             for item_id, problem in locks.refused.items():  # another program's value at a key
                 self._conflict(item_id, problem)
@@ -233,6 +234,10 @@ class Run:
                 taken = locks.take_reruns()
                 again = [i for i in taken if self._indexed(i) and changed(self.rt, i)]
                 self.owed = {i: taken[i] for i in again}
+                # Asked for while this run failed it: the asker ended `coalesced`, trusting
+                # this run, and its request was dropped (a host's fix of a note the provider
+                # refused, left failed). Sent again as a run of its own if changed, below.
+                failed_asked = {i: t for i, t in taken.items() if not self._indexed(i)}
                 if again:  # edited while it ran, and asked for: once more, under the lock
                     log.info(
                         f"{KI_EMBED} changed while it was indexed: once more", items=len(again)
@@ -240,9 +245,9 @@ class Run:
                     self._index(again)
         finally:
             try:
-                asked = locks.release()
+                asked = {**failed_asked, **locks.release()}
             finally:
-                self.unserved = {**self.owed, **asked}
+                self.unserved = {**self.owed, **failed_asked, **asked}
         return asked
 
     def _send_unserved(self) -> None:

@@ -260,6 +260,31 @@ def test_an_item_changed_and_asked_for_while_it_ran_is_indexed_once_more(rt) -> 
     assert "changed while it was indexed" in content
 
 
+def test_an_item_fixed_and_asked_for_while_its_run_failed_it_is_sent_again(rt) -> None:
+    """The provider refuses the note's text for good; meanwhile a host fixes it and sends a
+    task, which ends coalesced, trusting the run: the run kept requests only for items it
+    indexed, and the fixed note stayed failed until the retry sweep's backoff."""
+    item = add_item(rt.db, kind="note", title="n", content="# n\n\nBAD " + "Words. " * 40)
+    run, _ = single(rt, item)
+    other = Database(rt.db.path)  # the host's own connection
+    sent: list[int] = []
+
+    def refuse(texts: list[str]) -> Any:
+        if not sent and not rt.redis.exists(rerun_key(rt.db.instance(), item)):
+            update_content(other, item, "# n\n\nfixed " + "Words. " * 40)
+            rt.redis.set(rerun_key(rt.db.instance(), item), "the host's task")
+        raise PermanentProviderError("400: input rejected")
+
+    rt.embedder.embed_batch = refuse  # type: ignore[union-attr, method-assign]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tasks.run.enqueue", lambda db, item_id, **kw: sent.append(item_id) or "next")
+        with pytest.raises(IndexFailed, match="400"):
+            run.execute()
+    other.close()
+    assert sent == [item]  # a run of its own, for the fixed text
+    assert not rt.redis.exists(rerun_key(rt.db.instance(), item))
+
+
 def test_an_unchanged_note_asked_for_again_while_it_ran_is_not_run_again(rt) -> None:
     """A duplicate delivery asks for the item while its run holds it: the note's text is the
     one just indexed, so no second pass and no follow-up task (`changed` read no hash at all,
