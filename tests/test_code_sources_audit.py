@@ -31,7 +31,7 @@ def _listed(root: Path) -> tuple[list[str], dict[str, str]]:
 @pytest.mark.timeout(10)
 def test_a_fifo_where_a_source_file_was_is_no_file_and_never_waited_on(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "a.py")
-    assert code._is_binary(tmp_path / "a.py") is None  # it blocked on open, for good
+    assert code._check_file(tmp_path / "a.py", 1000) is not None  # it blocked on open
 
 
 @pytest.mark.timeout(10)
@@ -212,3 +212,20 @@ def test_names_that_are_not_utf8_are_matched_against_the_patterns(tmp_path: Path
     found, skipped = _listed(tmp_path)
     assert found == []
     assert list(skipped) == [os.fsdecode(b"\xfesrc")]  # (gen/ and c.rs: ignored, unsaid)
+
+
+def test_a_folder_leaves_out_what_a_file_named_alone_is_refused_for(tmp_path: Path) -> None:
+    """`kidx add code FOLDER` added a Latin-1 file and random bytes with no NUL, which `kidx
+    add code FILE` refused, and each failed at its run. Its start is read as the run reads it:
+    a declared codec, a UTF-16 mark, a character cut at 8 KB are still fine."""
+    (tmp_path / "latin.py").write_bytes(b"x = '\xe9'\n")
+    (tmp_path / "noise.py").write_bytes(bytes(range(128, 256)) * 4)
+    (tmp_path / "declared.py").write_bytes(b"# -*- coding: latin-1 -*-\nx = '\xe9'\n")
+    (tmp_path / "wide.ps1").write_bytes("\ufeffWrite-Host 'h\u00e9'\n".encode("utf-16"))
+    (tmp_path / "cut.py").write_bytes(b"# " + b"a" * 8189 + "\u00e9\n".encode())  # 8 KB ends mid-é
+    found, skipped = _listed(tmp_path)
+    assert found == ["cut.py", "declared.py", "wide.ps1"]
+    assert skipped == {
+        "latin.py": "is not UTF-8 text (byte 5)",
+        "noise.py": "is not UTF-8 text (byte 0)",
+    }

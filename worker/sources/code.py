@@ -85,14 +85,6 @@ def _binary(head: bytes) -> bool:
     return "\0" in head[wide[1] :].decode(wide[0], "replace")  # cut anywhere: "replace"
 
 
-def _is_binary(path: Path, *, follow: bool = False) -> bool | None:
-    """None when `path` is no regular file (now): opened without blocking and (unless
-    `follow`: a file named directly) without following a link, a FIFO swapped in after the
-    listing's look hung the listing for good."""
-    head = read_regular(path, _SNIFF, follow=follow)
-    return None if head is None else _binary(head)
-
-
 def _wanted_name(name: str) -> bool:
     if name in LOCK_FILES or name.endswith((".min.js", ".min.css")):
         return False
@@ -218,17 +210,24 @@ def _outer_specs(root: Path) -> tuple[_Specs, tuple[str, ...]]:
 
 
 def _check_file(path: Path, max_bytes: int, *, follow: bool = False) -> str | None:
-    """Why a file cannot be indexed, or None."""
+    """Why a file cannot be indexed, or None. Its start is read without blocking and (unless
+    `follow`: a file named directly) without following a link: a FIFO swapped in after the
+    listing's look hung the listing for good."""
     size = path.stat().st_size
     if size == 0:
         return "is empty"
     if size > max_bytes:
         return f"is larger than {max_bytes} bytes ({size})"
-    binary = _is_binary(path, follow=follow)
-    if binary is None:
+    head = read_regular(path, _SNIFF, follow=follow)
+    if head is None:
         return "is not a regular file"
-    if binary:
+    if _binary(head):
         return "is binary"
+    try:  # its start, as the run will read it: `kidx add code FOLDER` added what `kidx add
+        # code FILE` refused (random bytes, Latin-1), and each failed at its run
+        _decoded(head, final=len(head) == size)
+    except _NotText as e:
+        return str(e)
     return None
 
 
@@ -405,20 +404,32 @@ def read_code(path: str | Path, settings: FilesSettings) -> str:
     _, data = read_under_roots(path, settings)
     if _binary(data[:_SNIFF]):
         raise InvalidInput(f"{path}: binary, not source code")
+    try:
+        text = _decoded(data)
+    except _NotText as e:
+        raise InvalidInput(f"{path}: {e}") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+class _NotText(Exception):
+    """Bytes `read_code` does not take as text; the message says why."""
+
+
+def _decoded(data: bytes, *, final: bool = True) -> str:
+    """`data` as text, as `read_code` reads it: UTF-16/32 after a byte-order mark, else UTF-8,
+    else what a coding comment declares. `final=False`: `data` is the start of a file (cut
+    anywhere)."""
     wide = _wide(data)
     encoding, skip = wide or ("utf-8-sig", 0)
     try:
-        text = data[skip:].decode(encoding)
+        return codecs.getincrementaldecoder(encoding)().decode(data[skip:], final)
     except UnicodeDecodeError as e:
         declared = None if wide else _declared(data)
         if declared is None or declared in ("utf-8", "utf-8-sig"):
             label = encoding.upper() if wide else "UTF-8"
-            raise InvalidInput(f"{path}: is not {label} text (byte {skip + e.start})") from None
+            raise _NotText(f"is not {label} text (byte {skip + e.start})") from None
         try:
-            text = data.decode(declared)
+            return codecs.getincrementaldecoder(declared)().decode(data, final)
         except (UnicodeDecodeError, UnicodeError) as d:
             at = f" (byte {d.start})" if isinstance(d, UnicodeDecodeError) else ""
-            raise InvalidInput(
-                f"{path}: is not UTF-8, nor the {declared} it declares{at}"
-            ) from None
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+            raise _NotText(f"is not UTF-8, nor the {declared} it declares{at}") from None
