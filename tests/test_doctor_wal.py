@@ -73,3 +73,23 @@ def test_a_file_that_is_not_a_database_is_one_fail_line_and_the_rest_not_checked
     assert "not a database" in checks["database"].detail
     for name in ("rows", "leftovers", "keywords", "failed", "stuck", "sweeps"):
         assert checks[name].level == "warn", (name, checks[name].detail)
+
+
+def test_the_keyword_check_warns_when_another_writer_holds_the_lock_its_check_needs(tmp_path):
+    """FTS5's integrity check is an INSERT command: with a worker's write under way it failed
+    the check (`BusyError: database is locked`), and doctor exited 1 on a healthy database."""
+    from ops.doctor import check_keywords
+
+    path = tmp_path / "kidx.db"
+    connect(path, vec=False).close()
+    settings = Settings(db=path)
+    assert check_keywords(settings, 0.5).startswith("one keyword row per chunk")
+    writer = apsw.Connection(str(path))
+    try:
+        writer.execute("BEGIN IMMEDIATE")
+        with pytest.raises(Warn, match=r"integrity check not run .*BusyError") as e:
+            check_keywords(settings, 0.5)
+        assert e.value.level == "warn" and "one keyword row per chunk" in e.value.detail
+        writer.execute("ROLLBACK")
+    finally:
+        writer.close()
