@@ -480,6 +480,18 @@ def test_invariants_hold_given_any_previous_version(text, e, bounds):
     text="```\n\n```\n\n" + "x" * 261 + "\n\n# a",
     bounds={"max_size": 300, "min_size": 20, "overlap": 30, "target": 90},
 )
+@example(  # a small last section merged across its heading, cut at it the second time
+    text="A a a a a a `code` a a a a a a a a a a `code` a a a a a a a a `code` a.\n\nA "
+    "aaaaaaaaaaaa.\n\nA a a aaaaaaaaaaaa. A `code` a. A a `code` a a `code` `code` a.\n\nA aa "
+    "ogjotjdcykeu `code` `code` `code` a a `code`.\n\n```\n"
+    + "# a comment, not a heading\n"
+    * 6
+    + "\n\nfn main() {}\n## two\n```\n\nA.\n\nA a a a `code` `code` a. Aa aaa nxsabxsisapi "
+    "`code` ge `code` `code` `code` `code` vdjupks `code` pwshr. `code` aaaaaaaaa. `code` `code` "
+    "aaaaaaaaaaaa `code` aaaaaaaaaaaa `code` `code` `code` a a a `code`.\n\naaae aaaaaaa aa "
+    "aaaaaaa aaaaaaaaaah aaaaaaa\n===\n\n# a a a a a",
+    bounds={"target": 300},
+)
 def test_an_unchanged_text_keeps_its_chunks(text, bounds):
     chunks = chunk_structure(text, **bounds)
     again = chunk_structure(text, previous=[(c.start, c.content) for c in chunks], **bounds)

@@ -260,11 +260,11 @@ class _Plan:
         return result
 
     def keep_previous(
-        self, previous: Sequence[tuple[int, str]], cuts: list[int]
+        self, previous: Sequence[tuple[int, str]], cuts: list[int], headings: set[int]
     ) -> tuple[list[int], set[int]]:
-        """The previous version's cuts, where they can still be found, plus those of `cuts` at
-        a heading, and the others only where a region between them has grown past the maximum;
-        and the cuts kept.
+        """The previous version's cuts, where they can still be found, plus `headings` (the
+        cuts at a heading that the text makes on its own), and the others only where a region
+        between them has grown past the maximum; and the cuts kept.
 
         `previous` is the old chunks as (start offset, content). Each old chunk's start is looked
         up by its first characters, at the occurrence nearest to where the shift so far puts it
@@ -297,8 +297,10 @@ class _Plan:
             return cuts, set()
         # A heading is always a cut where the text as it is now makes one: an edit under a
         # heading (its chunk's opening no longer found) or a heading added or renamed left a
-        # kept region running across it, under the heading path of the one before.
-        result = set(kept).union(x for x in cuts if x in self.heading_set)
+        # kept region running across it, under the heading path of the one before. Only where
+        # the text makes one on its own: a small last section merged across its heading there
+        # was cut at it here, and an unchanged text changed its chunks.
+        result = set(kept) | headings
         bounds = [self.first, *sorted(result), self.last]
         for a, c in itertools.pairwise(bounds):
             s, e = self._trim(a, c)
@@ -574,6 +576,16 @@ def _close_line(f: Fence) -> str:
     return lead + f.close_marker
 
 
+def _parts(plan: _Plan, cuts: list[int], kept: set[int]) -> list[tuple[int, int]]:
+    """The parts between `cuts`: regions split to size, small ones merged (not across a cut
+    in `kept`, the previous version's)."""
+    bounds = [plan.first, *cuts, plan.last]
+    parts = []
+    for a, c in itertools.pairwise(bounds):
+        parts.extend(plan.split(a, c, kept=a in kept and c in kept))
+    return plan.merge_small(parts, kept - {plan.first, plan.last})
+
+
 def chunk_structure(
     text: str,
     *,
@@ -607,13 +619,11 @@ def chunk_structure(
     else:
         cuts, kept = plan.cuts(), set()
         if previous:
-            cuts, kept = plan.keep_previous(previous, cuts)
+            starts = {s for s, _ in _parts(plan, cuts, set())}  # what the text makes alone
+            headings = {x for x in cuts if x in plan.heading_set and x in starts}
+            cuts, kept = plan.keep_previous(previous, cuts, headings)
             kept |= {plan.first, plan.last}
-        bounds = [plan.first, *cuts, plan.last]
-        parts = []
-        for a, c in itertools.pairwise(bounds):
-            parts.extend(plan.split(a, c, kept=a in kept and c in kept))
-        parts = plan.merge_small(parts, kept - {plan.first, plan.last})
+        parts = _parts(plan, cuts, kept)
 
     heading_pos = plan.layout.heading_pos
     paths = [(), *heading_paths(plan.layout)]
