@@ -27,6 +27,7 @@ from worker.indexers.memories import memories_missing
 from worker.log import get_logger
 from worker.reconcile import (
     Backoff,
+    close_lost_retries,
     due_retries,
     mark_lost,
     mark_overrun,
@@ -69,6 +70,7 @@ def _reconcile(self: Task, rt: Runtime) -> dict[str, Any]:
     model = rt.embedder.model_id if rt.embedder is not None else settings.embedding.model
     lost = _lost_jobs(rt, self.app.conf.task_default_queue)
     overrun = mark_overrun(rt.db, settings.tasks.time_limit + settings.tasks.lock_ttl)
+    lost_retries = close_lost_retries(rt.db, settings.tasks.visibility_timeout)
     drift = reconcile(
         rt.db,
         model=model,
@@ -96,6 +98,7 @@ def _reconcile(self: Task, rt: Runtime) -> dict[str, Any]:
         "memories_to_embed": memories,
         "lost": lost,
         "overrun": overrun,
+        "lost_retries": lost_retries,
     }
     record_sweep(rt.db, "reconcile", summary)
     log.info("reconcile sweep", **summary)

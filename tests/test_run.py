@@ -144,21 +144,30 @@ def group(rt: Runtime, ids: list[int], batch_id: int | None = None) -> tuple[Gro
     return run, task
 
 
-def single(rt: Runtime, item_id: int) -> tuple[SingleRun, FakeTask]:
+def single(
+    rt: Runtime,
+    item_id: int,
+    batch_id: int | None = None,
+    task_id: str | None = None,
+    attempt: int = 0,
+) -> tuple[SingleRun, FakeTask]:
+    """The single-item task's run; `task_id`, `attempt`: a redelivery or a retry of one."""
     from worker.store.jobs import record_start
 
     task = FakeTask(rt.app, NOTE)  # type: ignore[attr-defined]
+    task.request.id = task_id or task.request.id
+    task.request.retries = attempt
     run = SingleRun(
         task,
         rt,
         [item_id],
         reason="test",
-        batch_id=None,
+        batch_id=batch_id,
         structure_only=False,
         started=time.monotonic(),
         kinds=frozenset({"note"}),
     )
-    record_start(rt.db, run.task_id, 0, NOTE, item_id, None, "test")
+    record_start(rt.db, run.task_id, attempt, NOTE, item_id, batch_id, "test")
     return run, task
 
 
@@ -359,6 +368,48 @@ def test_a_provider_that_may_recover_retries_the_single_run_and_sends_a_group_it
     assert only["status"] == "retry" and only["next"]  # a task of its own, sent with a delay
     assert set(only) >= RESULT_FIELDS and only["chunks"] == 0
     assert job_states(rt, run) == {two: "retry"}
+
+
+def test_a_batch_item_whose_retry_was_lost_ends_its_batch_and_is_counted_once(rt) -> None:
+    """The retry's send failed (Celery drops the message), or Redis lost it in its countdown:
+    nothing counted the item again, and the batch stayed running for good (`kidx reindex
+    --wait` with it)."""
+    from worker.reconcile import close_lost_retries
+
+    (item,) = notes(rt.db, 1)
+    batch = create_batch(rt.db, "reindex", 1)
+    rt.embedder.down = True  # type: ignore[union-attr]
+    run, task = single(rt, item, batch)
+    with pytest.raises(Retried):
+        run.execute()
+    assert get_batch(rt.db, batch)["state"] == "running"
+    assert close_lost_retries(rt.db, 3600) == 0  # its retry may still come
+    rt.db.execute("UPDATE index_jobs SET finished_at = datetime('now', '-2 hours')")
+    assert close_lost_retries(rt.db, 3600) == 1
+    done = get_batch(rt.db, batch)
+    assert (done["state"], done["ok"], done["skipped"]) == ("done", 0, 1)
+    rt.embedder.down = False  # type: ignore[union-attr]
+    late, _ = single(rt, item, batch, task_id=task.request.id, attempt=1)  # after all
+    assert late.execute()["status"] == "indexed"
+    after = get_batch(rt.db, batch)
+    assert (after["ok"], after["skipped"]) == (0, 1)  # not counted twice
+
+
+def test_a_redelivered_attempt_that_had_asked_for_its_retry_counts_its_own_end(rt) -> None:
+    """The worker died after the attempt's `retry` was recorded and before the retry was
+    sent: Celery delivers that attempt again, whose success the batch never counted (the
+    `retry` had marked the row counted), and the batch stayed running for good."""
+    (item,) = notes(rt.db, 1)
+    batch = create_batch(rt.db, "reindex", 1)
+    rt.embedder.down = True  # type: ignore[union-attr]
+    run, task = single(rt, item, batch)
+    with pytest.raises(Retried):
+        run.execute()
+    rt.embedder.down = False  # type: ignore[union-attr]
+    again, _ = single(rt, item, batch, task_id=task.request.id)
+    assert again.execute()["status"] == "indexed"
+    done = get_batch(rt.db, batch)
+    assert (done["state"], done["ok"]) == ("done", 1)
 
 
 class FailsFlaky(FakeEmbedder):

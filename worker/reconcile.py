@@ -25,7 +25,7 @@ from worker.log import get_logger
 from worker.store.db import Database
 from worker.store.fts import check_due, sync_fts
 from worker.store.items import NOW
-from worker.store.jobs import batch_outcome
+from worker.store.jobs import LOST_RETRY, batch_outcome
 from worker.store.removal import remove_leftovers
 from worker.store.repair import RepairReport, repair_vectors
 from worker.store.schema import refused_by_host, restore_dropped
@@ -225,6 +225,29 @@ def mark_lost(db: Database, job_ids: list[str]) -> None:
                 if batch_id is not None:
                     # (abort_after: a skip never aborts a batch)
                     batch_outcome(db, batch_id, "skipped", LOST, abort_after=0, job=(job_id, 0))
+
+
+def close_lost_retries(db: Database, horizon: float) -> int:
+    """A batch's item whose last attempt ended `retry` that long ago (`horizon`: the broker's
+    visibility timeout, by which a retry on its way has run) with no later attempt: its retry
+    was lost (its send failed, or Redis lost it during its countdown), and its batch waited
+    for it for good (`kidx reindex --wait` with it). The row ends failed (`LOST_RETRY`), the
+    item counts skipped in its batch, and the retry sweep sends it again; a later attempt
+    that runs after all is not counted twice (`record_starts`). How many."""
+    age = "coalesce(abs(julianday('now') - julianday(finished_at)) * 86400 >= :horizon, 1)"
+    with db.atomic():
+        rows = db.all(
+            f"UPDATE index_jobs SET state = 'failed', error = :lost WHERE state = 'retry' "
+            f"AND {age} AND typeof(batch_id) = 'integer' "
+            "AND NOT EXISTS (SELECT 1 FROM index_jobs k WHERE k.task_id = index_jobs.task_id "
+            "AND k.attempt > index_jobs.attempt) "
+            "AND EXISTS (SELECT 1 FROM index_batches b WHERE b.id = index_jobs.batch_id "
+            "AND b.state = 'running') RETURNING batch_id",
+            {"horizon": horizon, "lost": LOST_RETRY},
+        )
+        for (batch_id,) in rows:  # (abort_after: a skip never aborts a batch)
+            batch_outcome(db, batch_id, "skipped", LOST_RETRY, abort_after=0)
+    return len(rows)
 
 
 OVERRUN = "ran past the hard time limit: killed, or its worker died (a redelivery may still run it)"

@@ -115,6 +115,17 @@ _SAME_RUN = (
 )
 
 
+# What a sweep wrote on an attempt whose retry it took for lost (`worker.reconcile`), having
+# counted the item skipped in its batch: a later attempt that runs after all is not counted.
+LOST_RETRY = (
+    "its retry did not run within the visibility timeout (lost with the broker, or never "
+    "sent): counted skipped in its batch; the retry sweep sends the item again"
+)
+_LOST_BEFORE = (
+    "(SELECT count(*) > 0 FROM index_jobs p WHERE p.task_id = ? AND p.attempt < ? AND p.error = ?)"
+)
+
+
 def record_starts(
     db: Database,
     runs: list[tuple[str, int | None]],
@@ -132,13 +143,18 @@ def record_starts(
         _close_unstarted(db, [job_id for job_id, _ in runs], attempt)
         db.executemany(
             "INSERT INTO index_jobs(task_id, attempt, task_name, item_id, batch_id, state, "
-            f"reason, started_at) VALUES (?, ?, ?, ?, ?, 'started', ?, {NOW}) "
+            "reason, started_at, counted) "
+            f"VALUES (?, ?, ?, ?, ?, 'started', ?, {NOW}, {_LOST_BEFORE}) "
             "ON CONFLICT(task_id, attempt) DO UPDATE SET state = 'started', "
             "started_at = excluded.started_at, finished_at = NULL, duration_ms = NULL, "
-            f"error = NULL, counted = CASE WHEN {_SAME_RUN} THEN counted ELSE 0 END, "
+            f"error = NULL, counted = CASE WHEN {_SAME_RUN} "
+            "THEN max(counted, excluded.counted) ELSE excluded.counted END, "
             "task_name = excluded.task_name, item_id = excluded.item_id, "
             "batch_id = excluded.batch_id, reason = excluded.reason",
-            [(job_id, attempt, task_name, item_id, batch_id, reason) for job_id, item_id in runs],
+            [
+                (job_id, attempt, task_name, item_id, batch_id, reason, job_id, attempt, LOST_RETRY)
+                for job_id, item_id in runs
+            ],
         )
 
 
@@ -301,9 +317,11 @@ def batch_outcome(
     that will run again), `refused` (final, for its input: a missing file, a deleted item),
     `skipped`. The Nth failure in a row aborts the batch; a refusal neither counts towards
     that nor breaks the run of failures. `job` (task
-    id, attempt): the run's row, counted once whatever redeliveries run it again."""
+    id, attempt): the run's row, counted once whatever redeliveries run it again; a `retry`
+    does not mark it: it is no end, and a redelivery of that attempt (its worker died before
+    the retry was sent) must still count its own (the batch waited for it for good)."""
     with db.atomic():
-        if job is not None:
+        if job is not None and outcome != "retry":
             db.execute(
                 "UPDATE index_jobs SET counted = 1 WHERE task_id = ? AND attempt = ? "
                 "AND counted = 0",
