@@ -385,8 +385,8 @@ def test_add_code_inline_names_every_item_that_failed(kidx, tmp_path):
     tree = tmp_path / "src"
     tree.mkdir()
     (tree / "a.py").write_text("a = 1\n")
-    for name in ("b.py", "c.py"):
-        (tree / name).write_bytes(b"# caf\xe9, not UTF-8\nx = 1\n")
+    for name in ("b.py", "c.py"):  # (past the 8 KB the listing reads: the run refuses them)
+        (tree / name).write_bytes(b"x = 1\n" * 2000 + b"# caf\xe9, not UTF-8\n")
     out = kidx("add", "code", str(tree), "--inline")
     assert out.returncode == 1
     failed = [line for line in out.stderr.splitlines() if "indexing failed" in line]
