@@ -337,6 +337,68 @@ def test_a_bit_mirror_a_host_partly_emptied_leaves_two_passes_to_the_exact_path(
     assert "vec_chunk_bits holds fewer vectors" in str(got.reason)
 
 
+def test_two_ids_swapped_in_the_knn_s_storage_leave_search_exact_until_the_sweep_rebuilds(
+    notes, no_vec, fake
+):
+    """The KNN ranked the worst match first with the best one's score, and the best was gone;
+    no sweep saw it (each row's own lookup, through `_rowids`, still held)."""
+    import struct
+
+    from worker.store.repair import repair_vectors
+
+    want = search_chunks(no_vec, "alpha beta", fake, k=3, mode="vector")
+    worst = search_chunks(no_vec, "alpha beta", fake, k=12, mode="vector").hits[-1].chunk_id
+    (blob,) = notes.one("SELECT rowids FROM vec_chunk_embeddings_chunks")
+    slots = list(struct.unpack(f"<{len(blob) // 8}q", blob))
+    i, j = slots.index(want.hits[0].chunk_id), slots.index(worst)
+    slots[i], slots[j] = slots[j], slots[i]
+    swapped = struct.pack(f"<{len(slots)}q", *slots)
+    host(
+        notes.path, ("UPDATE vec_chunk_embeddings_chunks SET rowids = ?", [{"hex": swapped.hex()}])
+    )
+    got = search_chunks(notes, "alpha beta", fake, k=3, mode="vector")
+    assert (ids(got), got.via) == (ids(want), "fallback")
+    assert "a vector that is not its own" in str(got.reason)
+    report = repair_vectors(notes, DIMS)
+    assert report.tables_rebuilt.get("vec_chunk_embeddings") == 12
+    again = search_chunks(notes, "alpha beta", fake, k=3, mode="vector")
+    assert (ids(again), again.via) == (ids(want), "vec")
+
+
+def test_a_validity_bit_a_host_moved_is_found_by_the_sweep_and_rebuilt(notes, no_vec, fake):
+    """One bit moved from the best hit's slot to an empty one (the count of valid slots still
+    agrees): the KNN never answered that chunk again, and no sweep saw it (the search now
+    leaves it to the exact path: the empty slot's vector has no direction)."""
+    import struct
+
+    from worker.store.repair import repair_vectors
+
+    want = search_chunks(no_vec, "alpha beta", fake, k=3, mode="vector")
+    (blob, bits) = notes.one("SELECT rowids, validity FROM vec_chunk_embeddings_chunks")
+    slot = list(struct.unpack(f"<{len(blob) // 8}q", blob)).index(want.hits[0].chunk_id)
+    flags = bytearray(bits)
+    flags[slot // 8] &= ~(1 << slot % 8) & 0xFF
+    flags[-1] |= 0x80  # the last slot, empty with 12 rows of 1,024
+    moved = {"hex": flags.hex()}
+    host(notes.path, ("UPDATE vec_chunk_embeddings_chunks SET validity = ?", [moved]))
+    assert search_chunks(notes, "alpha beta", fake, k=3, mode="vector").via == "fallback"
+    assert repair_vectors(notes, DIMS).tables_rebuilt.get("vec_chunk_embeddings") == 12
+    again = search_chunks(notes, "alpha beta", fake, k=3, mode="vector")
+    assert (ids(again), again.via) == (ids(want), "vec")
+
+
+def test_the_knn_s_hits_have_the_exact_path_s_scores(notes, no_vec, fake):
+    """sqlite-vec's float32 distances differed from numpy's in the sixth decimal: one chunk,
+    two scores, by the path that served it."""
+    for query in ("alpha beta", "gamma delta epsilon", "kappa"):
+        knn = search_chunks(notes, query, fake, k=5, mode="vector")
+        exact = search_chunks(no_vec, query, fake, k=5, mode="vector")
+        assert (knn.via, exact.via) == ("vec", "fallback")
+        assert [(h.chunk_id, h.score) for h in knn.hits] == [
+            (h.chunk_id, h.score) for h in exact.hits
+        ]
+
+
 @pytest.mark.parametrize(
     "damage",
     [

@@ -4,6 +4,7 @@ each on their own (note search, with its one-hit-per-item merge, is `worker.retr
 
 from __future__ import annotations
 
+import json
 import operator
 import weakref
 from collections import OrderedDict
@@ -231,7 +232,44 @@ def _knn(
     found = widening(max(2 * k, 32), KNN_MAX, attempt)
     if found is None:
         return None, f"the nearest {k} need more than {KNN_MAX} rows of {table.name}"
-    return found, None
+    return rescored(db, table, q, found), None
+
+
+# How far sqlite-vec's distance may be from numpy's for one vector (float32 both ways: about
+# 1e-6): further, its storage gave the key another vector.
+AGREE = 1e-3
+
+
+def rescored(
+    db: Database, table: VecTable, q: np.ndarray, found: list[tuple[int, float]]
+) -> list[tuple[int, float]]:
+    """A KNN's hits with the distances of their relational vectors, as the exact path scores
+    them (the same scores, to the last decimal, on every path), best first. VecUnreadable when
+    sqlite-vec's distance is not the vector's: a host swapped two ids in its storage, and the
+    KNN answered the worst match with the best one's score (no sweep saw it: each row's own
+    lookup still held)."""
+    if not found:
+        return found
+    rows = db.all(
+        f"SELECT {table.source_key}, vector FROM {table.source} WHERE {table.source_key} IN "
+        "(SELECT value FROM json_each(?)) AND dimensions = ?",
+        (json.dumps([key for key, _ in found]), len(q)),
+    )
+    vectors = {int(key): vector for key, vector in rows}
+    if len(vectors) < len(found):  # (each passed as sound a moment ago, in this transaction)
+        raise VecUnreadable(f"{table.source} changed during the search")
+    matrix = np.frombuffer(b"".join(vectors[key] for key, _ in found), dtype="<f4")
+    exact = distances(matrix.reshape(len(found), -1), q).tolist()
+    if any(abs(d - e) > AGREE for (_, d), e in zip(found, exact, strict=True)):
+        raise VecUnreadable(
+            f"{table.name} gives a key a vector that is not its own (its storage was written "
+            "behind sqlite-vec): the sweep's rebuild mends it"
+        )
+    return sorted(((key, e) for (key, _), e in zip(found, exact, strict=True)), key=_by_distance)
+
+
+def _by_distance(hit: tuple[int, float]) -> tuple[float, int]:
+    return hit[1], hit[0]
 
 
 def unit_rows(matrix: np.ndarray) -> np.ndarray:

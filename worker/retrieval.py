@@ -43,6 +43,7 @@ from worker.nearest import (
     exact_nearest,
     knn_ended,
     past_ties,
+    rescored,
     unavailable,
     undirected,
     vec_failed,
@@ -539,7 +540,8 @@ def _knn(
         found = _best([(c, d) for c, d, ok in rows if ok], n)
         return found, len(rows) < fetch or past_ties(rows, found, n)
 
-    return widening(max(n + n // 8, 32), KNN_MAX, attempt)  # a few more: some may not pass
+    found = widening(max(n + n // 8, 32), KNN_MAX, attempt)  # a few more: some may not pass
+    return None if found is None else rescored(db, VEC["vec_chunk_embeddings"], vector, found)
 
 
 def _exact(

@@ -7,6 +7,7 @@ in another shape, or whose shadow tables it damaged (sqlite-vec then fails, or f
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -133,6 +134,32 @@ VERIFY_SLICE = 10_000
 _KEY = re.compile(rb"-?[0-9]+")  # a cursor kidx wrote (`str.isdigit` takes `²`: int() not)
 
 
+class _Damaged(Exception):
+    """A vec table's storage that no row-by-row mend can put right: it is rebuilt."""
+
+
+def _check_slots(db: Database, t: VecTable, keys: list[int]) -> None:
+    """`_Damaged` when a key's slot in the table's storage (its chunk's id list and validity
+    bits, which the KNN reads) holds another id than the key, or is marked empty (a host
+    swapped two ids there, zeroed the list, moved a bit): the KNN answered one chunk with
+    another's vector, or never answered it, and each row's own lookup (`_rowids`), which every
+    other check goes through, still held."""
+    if not keys:
+        return
+    slots = db.all(
+        f"SELECT s.rowid, s.chunk_offset, substr(c.rowids, s.chunk_offset * 8 + 1, 8), "
+        f'substr(c.validity, s.chunk_offset / 8 + 1, 1) FROM "{t.name}_rowids" s '
+        f'JOIN "{t.name}_chunks" c ON c.chunk_id = s.chunk_id '
+        "WHERE s.rowid IN (SELECT value FROM json_each(?))",
+        (json.dumps(keys),),
+    )
+    for key, offset, held, flags in slots:
+        if held != int(key).to_bytes(8, "little", signed=True):
+            raise _Damaged(f"the slot of row {key} of {t.name} holds another id")
+        if not flags or not flags[0] >> (offset % 8) & 1:  # (the KNN never returns it)
+            raise _Damaged(f"the slot of row {key} of {t.name} is marked empty")
+
+
 def _verify(db: Database, t: VecTable, dims: int, report: RepairReport, n: int) -> None:
     """Replace the vec rows, of the next `n` keys, that are not their relational vector (a
     host wrote into the vec table, or a quantized row drifted): key checks never see them."""
@@ -150,6 +177,7 @@ def _verify(db: Database, t: VecTable, dims: int, report: RepairReport, n: int) 
         f"AND r.dimensions = :dims AND {sound('r')} ORDER BY r.{t.source_key} LIMIT :n",
         {"after": after, "dims": dims, "n": n},
     )
+    _check_slots(db, t, [key for key, _ in rows])
     wrong = [(key, vector) for key, vector in rows if vector is not None]
     for key, vector in wrong:
         db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
@@ -245,6 +273,8 @@ def _full(db: Database, t: VecTable, dims: int, report: RepairReport, verify: in
                 _verify(db, t, dims, found, verify)
     except (apsw.SQLError, apsw.CorruptError) as e:  # a shadow table of another schema, too
         reason = f"{type(e).__name__}: {e}"
+    except _Damaged as e:
+        reason = str(e)
     if reason is None:
         report.merge(found)
         return
