@@ -453,6 +453,31 @@ def test_a_host_trigger_that_refuses_the_sweeps_repairs_leaves_the_sweep_sending
         db.close()
 
 
+@pytest.mark.parametrize("item_id", ["'abc'", "CAST(x'ff' AS TEXT)", "x'01'"])
+def test_a_kept_leftover_whose_item_id_is_no_integer_leaves_the_sweep_running(
+    db_path: Path, emb_settings: EmbeddingSettings, embedder, item_id: str
+) -> None:
+    """The leftover the host's trigger keeps has no vector and an item id of text or bytes:
+    the findings read it raw, and every sweep failed on it (TypeError in sorted(), or apsw's
+    UnicodeDecodeError)."""
+    indexed_file(db_path, emb_settings, embedder)
+    as_host(
+        db_path,
+        "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
+        f"end_offset, embed_hash) VALUES ({item_id}, 0, 'left by hand', 'structure', 0, 12, 'h')",
+        "CREATE TRIGGER host_keep BEFORE DELETE ON note_chunks "
+        "BEGIN SELECT RAISE(ABORT, 'keep chunks'); END",
+        "INSERT INTO knowledge_items(kind, title, content) VALUES ('note', 'New', 'Otters.')",
+    )
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        new = db.scalar("SELECT max(id) FROM knowledge_items")
+        for _ in range(2):
+            assert reconcile(db, model=embedder.model_id, max_items=100).to_index == [new]
+    finally:
+        db.close()
+
+
 def test_a_table_a_host_makes_again_while_a_worker_runs_is_mended_by_the_next_sweep(
     db_path: Path, emb_settings: EmbeddingSettings, embedder
 ) -> None:

@@ -92,16 +92,20 @@ FINDINGS = {
         ON s.item_id = i.id WHERE s.status = 'cancelled'
         AND (s.indexed_at IS NULL OR i.updated_at > s.indexed_at)""",
     # (a vector a host wrote that kidx cannot read counts as none: `sound`)
+    # (an item id a host wrote as text or a blob: a leftover whose removal a host's trigger
+    # refused, kept; read, it failed every sweep from then on)
     "without_vectors": f"""SELECT DISTINCT c.item_id FROM note_chunks c
         LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id
-        WHERE e.chunk_id IS NULL OR NOT ({sound("e")})
+        WHERE (e.chunk_id IS NULL OR NOT ({sound("e")})) AND typeof(c.item_id) = 'integer'
         UNION SELECT DISTINCT c.item_id FROM code_chunks c
         LEFT JOIN code_chunk_embeddings e ON e.chunk_id = c.id
-        WHERE e.chunk_id IS NULL OR NOT ({sound("e")})""",
+        WHERE (e.chunk_id IS NULL OR NOT ({sound("e")})) AND typeof(c.item_id) = 'integer'""",
     "other_model": """SELECT DISTINCT c.item_id FROM note_chunks c JOIN note_chunk_embeddings e
-        ON e.chunk_id = c.id WHERE e.model != :model OR e.dimensions != :dims
+        ON e.chunk_id = c.id WHERE (e.model != :model OR e.dimensions != :dims)
+        AND typeof(c.item_id) = 'integer'
         UNION SELECT DISTINCT c.item_id FROM code_chunks c JOIN code_chunk_embeddings e
-        ON e.chunk_id = c.id WHERE e.model != :model OR e.dimensions != :dims""",
+        ON e.chunk_id = c.id WHERE (e.model != :model OR e.dimensions != :dims)
+        AND typeof(c.item_id) = 'integer'""",
     # An indexed item whose chunk rows are not the ones its run wrote: a host's plain DELETE
     # of some (or all) of them, or rows added under its id. Their vec rows go as orphans, and
     # nothing else would ever bring the chunks back: the item looked indexed and was not found.
