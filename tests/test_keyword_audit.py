@@ -287,3 +287,32 @@ def test_a_token_of_thousands_of_parts_is_searched_by_its_words_not_as_one_phras
     assert max(len(t.split()) for t in query.split(" OR ")) <= PHRASE_MAX
     hits = search_chunks(db, "alpha." * 16_000, None, k=3, mode="keyword").hits
     assert [h.item_id for h in hits] == [item]
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [
+        "fts5(a)",  # another application's columns
+        "fts5(title, headings, content, parts, content='')",  # contentless: no DELETE
+        "fts5(title, headings, content, parts)",  # another tokenizer
+    ],
+)
+def test_a_keyword_table_a_host_made_again_otherwise_is_rebuilt_by_the_sweep(
+    db, db_path, fake, declared
+):
+    """FTS5's integrity check passed on a host's table of another declaration, so it was
+    kept: every sweep failed (`no column named title`, `cannot DELETE from contentless`),
+    and every new note's write with it."""
+    target = add(db, fake, "target", "the pelican migrates in spring")
+    schema = db.all("SELECT type, name, sql FROM sqlite_master ORDER BY name")
+    host(
+        db_path,
+        ("DROP TABLE note_chunks_fts", []),
+        (f"CREATE VIRTUAL TABLE note_chunks_fts USING {declared}", []),
+    )
+    for _ in range(2):
+        assert reconcile(db, model=fake.model_id, max_items=100).to_index == []
+    assert db.all("SELECT type, name, sql FROM sqlite_master ORDER BY name") == schema
+    assert titles(db, "pelican") == ["target"]
+    assert add(db, fake, "later", "a heron waits in the reeds") > target
+    assert titles(db, "heron") == ["later"] and keyword_rows_problems(db) == []

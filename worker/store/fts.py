@@ -283,9 +283,23 @@ def check_due(db: Database) -> bool:
 FTS5_VERSION = 4  # the `version` FTS5 keeps in `_config` (SQLite 3.54)
 
 
+def _shape(sql: str) -> str:
+    return " ".join(sql.replace(" IF NOT EXISTS", "").split()).lower()
+
+
 def fts_present(db: Database, table: FtsTable) -> bool:
-    """Whether a keyword table has every shadow table and the file format FTS5 writes (what a
-    host's DROP or `_config` write breaks), looked at without FTS5's integrity check."""
+    """Whether a keyword table is kidx's (its declaration: a host's `fts5(a)`, or a
+    contentless one, made every sweep and every write fail on a column it lacks), has every
+    shadow table and the file format FTS5 writes (what a host's DROP or `_config` write
+    breaks), looked at without FTS5's integrity check."""
+    declared = db.scalar(
+        "SELECT CAST(sql AS BLOB) FROM sqlite_schema WHERE type = 'table' AND name = ?",
+        (table.name,),
+    )
+    if not isinstance(declared, bytes) or _shape(declared.decode("utf-8", "replace")) != _shape(
+        create_sql(table.name)
+    ):
+        return False
     shadows = [f"{table.name}_{s}" for s in _SHADOWS]
     have = db.scalar(
         f"SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name IN "
@@ -306,7 +320,10 @@ def fts_present(db: Database, table: FtsTable) -> bool:
 
 def fts_intact(db: Database, table: FtsTable) -> bool:
     """FTS5's own check of its index against its text (about 1 s at 100k chunks). A table FTS5
-    cannot open at all (a host wrote or dropped its `_config`) is not intact either."""
+    cannot open at all (a host wrote or dropped its `_config`), or that is not kidx's
+    (`fts_present`), is not intact either."""
+    if not fts_present(db, table):
+        return False
     try:
         refresh_fts(db, (table,))
         db.execute(f"INSERT INTO {table.name}({table.name}) VALUES ('integrity-check')")
