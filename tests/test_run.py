@@ -294,6 +294,27 @@ def test_an_item_fixed_and_asked_for_while_its_run_failed_it_is_sent_again(rt) -
     assert not rt.redis.exists(rerun_key(rt.db.instance(), item))
 
 
+def test_an_item_asked_for_while_its_run_asked_for_a_retry_is_left_to_that_retry(rt) -> None:
+    """A request for an item whose run ended `retry` (its retry is on its way, with its
+    backoff) was sent on at once as well: a second run while the provider is down."""
+    (item,) = notes(rt.db, 1)
+    run, _ = single(rt, item)
+    rt.embedder.down = True  # type: ignore[union-attr]
+    flaky = rt.embedder.embed_batch  # type: ignore[union-attr]
+
+    def ask_meanwhile(texts: list[str]) -> Any:
+        rt.redis.set(rerun_key(rt.db.instance(), item), "the host's task")
+        return flaky(texts)
+
+    rt.embedder.embed_batch = ask_meanwhile  # type: ignore[union-attr, method-assign]
+    sent: list[int] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tasks.run.enqueue", lambda db, item_id, **kw: sent.append(item_id) or "next")
+        with pytest.raises(Retried):
+            run.execute()
+    assert sent == []
+
+
 def test_an_unchanged_note_asked_for_again_while_it_ran_is_not_run_again(rt) -> None:
     """A duplicate delivery asks for the item while its run holds it: the note's text is the
     one just indexed, so no second pass and no follow-up task (`changed` read no hash at all,
@@ -393,6 +414,26 @@ def test_a_batch_item_whose_retry_was_lost_ends_its_batch_and_is_counted_once(rt
     assert late.execute()["status"] == "indexed"
     after = get_batch(rt.db, batch)
     assert (after["ok"], after["skipped"]) == (0, 1)  # not counted twice
+    again, _ = single(rt, item, batch, task_id=task.request.id)  # the closed attempt, again
+    assert again.execute()["status"] in ("indexed", "coalesced")
+    assert (get_batch(rt.db, batch)["ok"], get_batch(rt.db, batch)["skipped"]) == (0, 1)
+
+
+def test_a_group_item_s_retry_sent_as_a_task_of_its_own_is_not_taken_for_lost(rt) -> None:
+    """A group retries an item as a new task (its own id), which the lost-retry check took
+    for no later attempt: an hour on, the item counted skipped, then again when its task ran.
+    Its own task's loss is `mark_lost`'s to see. A redelivery of a closed attempt is not
+    counted again either."""
+    from worker.reconcile import close_lost_retries
+
+    rt.embedder = FailsFlaky()
+    ids = notes(rt.db, 1) + notes(rt.db, 1, "FLAKY")
+    batch = create_batch(rt.db, "reindex", 2)
+    run, _ = group(rt, ids, batch)
+    run.execute()
+    rt.db.execute("UPDATE index_jobs SET finished_at = datetime('now', '-2 hours')")
+    assert close_lost_retries(rt.db, 3600) == 0
+    assert get_batch(rt.db, batch)["state"] == "running"  # its task's run is to come
 
 
 def test_a_redelivered_attempt_that_had_asked_for_its_retry_counts_its_own_end(rt) -> None:
@@ -682,6 +723,29 @@ def test_an_item_a_run_never_got_to_for_redis_is_failed_for_the_retry_sweep(
     assert state["status"] == "failed" and "ConnectionError" in state["last_error"]
     assert rt.db.scalar("SELECT attempts FROM item_index_state WHERE item_id = ?", (item,)) == 1
     assert due_retries(rt.db, max_attempts=5, backoff=0, backoff_max=0, horizon=0) == [item]
+
+
+def test_a_retry_s_run_marks_over_its_own_task_s_earlier_failure(rt) -> None:
+    """A retry keeps its task's id: the guard that keeps an item this run's engine already
+    failed (its cause, its attempt) also kept the earlier attempt's failure, so a cancel of
+    the retry left the item failed (sent again by the retry sweep), and a retry that Redis
+    refused counted no attempt."""
+    from worker.store.items import mark_not_run
+
+    (item,) = notes(rt.db, 1)
+    set_state(rt.db, item, status=Status.FAILED, last_task_id="T", attempts=1)
+    rt.db.execute("UPDATE item_index_state SET updated_at = '2026-01-01T00:00:00.000Z'")
+    assert mark_not_run(rt.db, item, "T", "T", "cancelled", Status.CANCELLED)
+    assert get_state(rt.db, item)["status"] == "cancelled"
+    set_state(rt.db, item, status=Status.FAILED, last_task_id="T")
+    rt.db.execute("UPDATE item_index_state SET updated_at = '2026-01-01T00:00:00.000Z'")
+    since = "2026-06-01T00:00:00.000Z"  # the retry's run started after that failure
+    assert mark_not_run(rt.db, item, "T", "T", "Redis refused", attempt=True, since=since)
+    attempts = "SELECT attempts FROM item_index_state WHERE item_id = ?"
+    assert rt.db.scalar(attempts, (item,)) == 2
+    # marked failed by this run already (its engine): left as it is, not counted twice
+    assert not mark_not_run(rt.db, item, "T", "T", "again", attempt=True, since=since)
+    assert rt.db.scalar(attempts, (item,)) == 2
 
 
 def test_a_failure_of_the_task_layer_has_its_ki_embed_line(rt) -> None:

@@ -239,14 +239,19 @@ def close_lost_retries(db: Database, horizon: float) -> int:
     item counts skipped in its batch, and the retry sweep sends it again; a later attempt
     that runs after all is not counted twice (`record_starts`). How many."""
     age = "coalesce(abs(julianday('now') - julianday(finished_at)) * 86400 >= :horizon, 1)"
+    # A later row of the item in the batch is the run its retry became: a Celery retry's next
+    # attempt, or the task of its own a group sends for it (written as it is sent), whose loss
+    # `mark_lost` sees. `counted`: a redelivery of this attempt that starts after all is not
+    # counted a second time (`record_starts` keeps a row's mark for the same run).
     with db.atomic():
         rows = db.all(
-            f"UPDATE index_jobs SET state = 'failed', error = :lost WHERE state = 'retry' "
-            f"AND {age} AND typeof(batch_id) = 'integer' "
-            "AND NOT EXISTS (SELECT 1 FROM index_jobs k WHERE k.task_id = index_jobs.task_id "
-            "AND k.attempt > index_jobs.attempt) "
+            "UPDATE index_jobs SET state = 'failed', error = :lost, counted = 1 "
+            f"WHERE state = 'retry' AND {age} AND typeof(batch_id) = 'integer' "
             "AND EXISTS (SELECT 1 FROM index_batches b WHERE b.id = index_jobs.batch_id "
-            "AND b.state = 'running') RETURNING batch_id",
+            "AND b.state = 'running') "
+            "AND NOT EXISTS (SELECT 1 FROM index_jobs k WHERE k.item_id IS index_jobs.item_id "
+            "AND k.batch_id = index_jobs.batch_id AND k.rowid > index_jobs.rowid) "
+            "RETURNING batch_id",
             {"horizon": horizon, "lost": LOST_RETRY},
         )
         for (batch_id,) in rows:  # (abort_after: a skip never aborts a batch)
