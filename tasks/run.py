@@ -18,6 +18,7 @@ import contextlib
 import math
 import random
 import time
+from datetime import UTC, datetime
 from typing import Any, NamedTuple, NoReturn
 
 import apsw
@@ -91,6 +92,8 @@ class Run:
         self.ids = list(dict.fromkeys(item_ids))  # an item once, whatever was sent
         self.reason, self.batch_id, self.structure_only = reason, batch_id, structure_only
         self.started = started
+        # its start as the database writes times (NOW): what this run marked since is its own
+        self.since = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
         self.token = CancelToken(rt.redis, self.task_id)
         self.options = IndexOptions(
             chat=rt.chat,
@@ -198,7 +201,13 @@ class Run:
                 # text, and a file's or a URL's new text was never read (no sweep sees it)
                 with contextlib.suppress(apsw.Error, KidxError):
                     mark_not_run(
-                        self.rt.db, item_id, self.task_id, self.job(item_id)[0], line, attempt=True
+                        self.rt.db,
+                        item_id,
+                        self.task_id,
+                        self.job(item_id)[0],
+                        line,
+                        attempt=True,
+                        since=self.since,
                     )
             log.exception(f"{KI_EMBED} the run failed", reason=f"{type(e).__name__}: {e}")
             if self.failures:
@@ -237,7 +246,9 @@ class Run:
                 # Asked for while this run failed it: the asker ended `coalesced`, trusting
                 # this run, and its request was dropped (a host's fix of a note the provider
                 # refused, left failed). Sent again as a run of its own if changed, below.
-                failed_asked = {i: t for i, t in taken.items() if not self._indexed(i)}
+                failed_asked = {
+                    i: t for i, t in taken.items() if self.ended.get(i) == JobState.FAILED
+                }
                 if again:  # edited while it ran, and asked for: once more, under the lock
                     log.info(
                         f"{KI_EMBED} changed while it was indexed: once more", items=len(again)

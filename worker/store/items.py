@@ -338,20 +338,24 @@ def mark_not_run(
     status: Status = Status.FAILED,
     *,
     attempt: bool = False,
+    since: str | None = None,
 ) -> bool:
     """An item its run did not run (its batch was aborted) becomes `failed`, so that `kidx
     retry --failed` finds it (or `cancelled`: revoked before its run got to it); unless a later
     run has indexed it since this job was queued, or another run is indexing it now: that
-    run's outcome stands; nor one this task's run has marked failed already (the engine, with
-    its cause and its attempt). `attempt`: the run counts as one of its attempts (a cause a
-    retry may meet again until someone mends it). Whether it was marked."""
+    run's outcome stands. `attempt`: the run counts as one of its attempts (a cause a retry
+    may meet again until someone mends it). `since` (a time as NOW writes it: the run's
+    start): an item this run has marked failed since is left as it is (the engine did, with
+    its cause and its attempt; a retry keeps the task's id, so the id alone does not tell
+    this run from the one before). Whether it was marked."""
     with db.atomic():
         db.execute(CREATE_STATE, (item_id,))
         db.execute(
             f"UPDATE item_index_state SET status = :status, last_task_id = :task, "
             f"last_error = :error, updated_at = {NOW}, "
             "attempts = coalesce(attempts, 0) + :attempt WHERE item_id = :item "
-            "AND NOT (status = 'failed' AND coalesce(last_task_id, '') = :task) AND NOT ("
+            "AND NOT (:since IS NOT NULL AND status = 'failed' "
+            "AND coalesce(last_task_id, '') = :task AND updated_at >= :since) AND NOT ("
             "(status = 'indexing' AND coalesce(last_task_id, '') <> :task) OR "
             "(status = 'indexed' AND indexed_at >= coalesce((SELECT "
             "min(coalesce(queued_at, started_at)) FROM index_jobs WHERE task_id = :job), "
@@ -363,6 +367,7 @@ def mark_not_run(
                 "item": item_id,
                 "job": job_task_id,
                 "attempt": int(attempt),
+                "since": since,
             },
         )
         return db.conn.changes() > 0
