@@ -151,3 +151,31 @@ def test_a_log_file_that_cannot_be_written_is_one_line_not_a_traceback_a_record(
     assert "Traceback" not in out.stderr and "Logging error" not in out.stderr
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and "cannot write the log file" in lines[0], out.stderr[-2000:]
+
+
+BAD_RECORD_SCRIPT = textwrap.dedent(
+    """
+    import logging, sys
+    from pathlib import Path
+    from worker.log import configure_logging, get_logger
+
+    configure_logging(fmt="json", stream_level="critical", file=Path(sys.argv[1]))
+    logging.getLogger("a.library").warning("%s and %s", "one")  # a record that cannot format
+    get_logger("kidx.test").warning("after the bad one")
+    """
+)
+
+
+def test_a_record_that_cannot_be_formatted_leaves_the_log_file_on(tmp_path):
+    """Only a write that fails turns the file off: a library's record with a bad `%s` took
+    the log file away for the rest of the process."""
+    log_file = tmp_path / "kidx.log"
+    out = subprocess.run(
+        [sys.executable, "-c", BAD_RECORD_SCRIPT, str(log_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "after the bad one" in log_file.read_text()
+    assert "cannot write the log file" not in out.stderr

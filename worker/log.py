@@ -116,9 +116,13 @@ class _RegularFileHandler(logging.handlers.RotatingFileHandler):
     def handleError(self, record: logging.LogRecord) -> None:
         """A write or a rotation that fails (a full disk, a folder made read-only): one line
         on stderr, and the file is left out from then on (logging's own handler printed a
-        traceback of some 50 lines for every record)."""
-        self.failed = True
+        traceback of some 50 lines for every record). Any other error (a record that cannot
+        be formatted) is logging's to report, as ever: the file stays."""
         error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+            return
+        self.failed = True
         with contextlib.suppress(Exception):
             (sys.stderr or _devnull()).write(
                 f"kidx: cannot write the log file {self.baseFilename} ({error}): "
