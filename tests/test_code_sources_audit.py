@@ -229,3 +229,33 @@ def test_a_folder_leaves_out_what_a_file_named_alone_is_refused_for(tmp_path: Pa
         "latin.py": "is not UTF-8 text (byte 5)",
         "noise.py": "is not UTF-8 text (byte 0)",
     }
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git to compare with")
+def test_posix_classes_in_brackets_match_as_git_matches_them(tmp_path: Path) -> None:
+    """pathspec wrote `[[:digit:]]` as `[[:digit:]\\]` (other characters), which RE2 refused:
+    the folder of such a `.gitignore` was left out, or the whole import refused."""
+    lines = [
+        "[[:digit:]]*.py",
+        "x[[:upper:]].py",
+        "*[[:space:]]*.py",
+        "p[[:punct:]].py",
+        "q[[:alnum:]][[:alpha:]].py",
+        "r[![:lower:]].py",
+        "g[[:graph:]]g.py",
+    ]
+    names = ["1a.py", "a1.py", "xA.py", "xa.py", "s p.py", "p!.py", "p].py", "p_.py", "pa.py"]
+    names += ["qa1.py", "q1a.py", "rA.py", "ra.py", "g~g.py", "g g.py"]
+    (tmp_path / ".gitignore").write_text("\n".join(lines) + "\n")
+    for name in names:
+        (tmp_path / name).write_text("x = 1\n")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    status = subprocess.run(
+        ["git", "-C", str(tmp_path), "status", "--porcelain", "--ignored", "-uall", "-z"],
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    ignored = {e[3:] for e in status.split("\0") if e.startswith("!! ")}
+    found, skipped = _listed(tmp_path)
+    assert (set(found), skipped) == (set(names) - ignored, {})
+    assert set(names) - ignored == {"a1.py", "xa.py", "pa.py", "qa1.py", "ra.py"}

@@ -133,9 +133,31 @@ def _load_spec(file: Path) -> list[pathspec.GitIgnoreSpec] | None:
     return _sets(patterns)
 
 
+# POSIX character classes, which git's patterns take inside brackets (`[[:digit:]]`) and
+# pathspec does not: its translation (`[[:digit:]\\]`) matched other characters, and RE2
+# refused it. Given to pathspec as the ranges they are (in the C locale, as git reads them).
+_POSIX_CLASSES = {
+    "alnum": "a-zA-Z0-9",
+    "alpha": "a-zA-Z",
+    "blank": " \t",
+    "cntrl": "\x00-\x1f\x7f",
+    "digit": "0-9",
+    "graph": '"-~!',
+    "lower": "a-z",
+    "print": " -~",
+    "punct": '"-.:-@[-`{-~!',  # (no "/": it split the pattern; no "!" first: negation)
+    "space": " \t\n\r\f\v",
+    "upper": "A-Z",
+    "xdigit": "0-9A-Fa-f",
+}
+_POSIX_CLASS = re.compile(r"\[:([a-z]+):\]")
+
+
 def _pattern(line: str) -> GitIgnoreSpecPattern | None:
     """A line's pattern; None for one git would never match (`foo\\`, `[z-a]`: pathspec
     raised on them, and the whole import failed)."""
+    if "[:" in line:
+        line = _POSIX_CLASS.sub(lambda m: _POSIX_CLASSES.get(m[1], m[0]), line)
     try:
         return GitIgnoreSpecPattern(line)
     except (ValueError, re.error):
@@ -164,7 +186,7 @@ def _compiled(patterns: list[GitIgnoreSpecPattern]) -> list[pathspec.GitIgnoreSp
     except re2.error:
         if len(patterns) == 1:
             raise _Unusable(
-                f"has a pattern too large to match: {patterns[0].pattern[:80]!r}"
+                f"has a pattern kidx cannot match: {patterns[0].pattern[:80]!r}"
             ) from None
         half = len(patterns) // 2
         return _compiled(patterns[:half]) + _compiled(patterns[half:])
