@@ -199,16 +199,7 @@ class Run:
                 # its state too, an attempt counted, for the retry sweep to send it again: an
                 # item the run never got to (Redis refused its lock) kept `indexed` over its old
                 # text, and a file's or a URL's new text was never read (no sweep sees it)
-                with contextlib.suppress(apsw.Error, KidxError):
-                    mark_not_run(
-                        self.rt.db,
-                        item_id,
-                        self.task_id,
-                        self.job(item_id)[0],
-                        line,
-                        attempt=True,
-                        since=self.since,
-                    )
+                self._not_run(item_id, line, attempt=True, since=self.since)
             log.exception(f"{KI_EMBED} the run failed", reason=f"{type(e).__name__}: {e}")
             if self.failures:
                 raise IndexFailed(self.failure()) from None
@@ -400,23 +391,19 @@ class Run:
         worse for it."""
         log.error(f"{KI_EMBED} failed", item_id=item_id, reason=problem)
         self._failed(item_id, self.line(item_id, problem), "key_conflict")
-        with contextlib.suppress(apsw.Error, KidxError):
-            mark_not_run(
-                self.rt.db, item_id, self.task_id, self.job(item_id)[0], problem, attempt=True
-            )
+        self._not_run(item_id, problem, attempt=True)
 
     def _skip(self, item_id: int) -> None:
         """Not run for an aborted batch (`mark_not_run`)."""
         self.end(item_id, JobState.SKIPPED, "skipped", self.abort_reason)
-        with contextlib.suppress(apsw.Error, KidxError):
-            mark_not_run(
-                self.rt.db,
-                item_id,
-                self.task_id,
-                self.job(item_id)[0],
-                f"not run: batch {self.batch_id} was aborted ({self.abort_reason})",
-            )
+        self._not_run(item_id, f"not run: batch {self.batch_id} was aborted ({self.abort_reason})")
         self.results[item_id] = bare_result(item_id, "skipped", self.abort_reason)
+
+    def _not_run(self, item_id: int, error: str, **how: Any) -> None:
+        """The item's state for a run that did not index it (`mark_not_run`), if the database
+        takes it: the job row says what happened either way."""
+        with contextlib.suppress(apsw.Error, KidxError):
+            mark_not_run(self.rt.db, item_id, self.task_id, self.job(item_id)[0], error, **how)
 
     def _check_kinds(self) -> None:
         if self.kinds is None:

@@ -20,6 +20,17 @@ from worker.sources import code
 from worker.sources.code import GITIGNORE_LINE_MAX, GITIGNORE_MAX, list_code_files
 
 
+def _git_ignored(root: Path) -> set[str]:
+    """What `git status` says is ignored in `root` (made a repository here)."""
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    status = subprocess.run(
+        ["git", "-C", str(root), "status", "--porcelain", "--ignored", "-uall", "-z"],
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    return {e[3:] for e in status.split("\0") if e.startswith("!! ")}
+
+
 def _listed(root: Path) -> tuple[list[str], dict[str, str]]:
     skipped: list[tuple[Path, str]] = []
     found = list_code_files(root, skipped=skipped)
@@ -174,13 +185,7 @@ def test_patterns_git_never_matches_are_no_error_and_the_rest_applies_as_git_doe
     (tmp_path / ".gitignore").write_text("\n".join(lines) + "\n")
     for name in names:
         (tmp_path / name).write_text("x = 1\n")
-    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    status = subprocess.run(
-        ["git", "-C", str(tmp_path), "status", "--porcelain", "--ignored", "-uall", "-z"],
-        check=True,
-        capture_output=True,
-    ).stdout.decode()
-    ignored = {e[3:] for e in status.split("\0") if e.startswith("!! ")}
+    ignored = _git_ignored(tmp_path)
     found, skipped = _listed(tmp_path)
     wanted = {n for n in names if n.endswith(".py")}
     assert ignored == {"x.py", "bb.py", "#c.py", "d .py"}  # (what git says, held here)
@@ -249,13 +254,7 @@ def test_posix_classes_in_brackets_match_as_git_matches_them(tmp_path: Path) -> 
     (tmp_path / ".gitignore").write_text("\n".join(lines) + "\n")
     for name in names:
         (tmp_path / name).write_text("x = 1\n")
-    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    status = subprocess.run(
-        ["git", "-C", str(tmp_path), "status", "--porcelain", "--ignored", "-uall", "-z"],
-        check=True,
-        capture_output=True,
-    ).stdout.decode()
-    ignored = {e[3:] for e in status.split("\0") if e.startswith("!! ")}
+    ignored = _git_ignored(tmp_path)
     found, skipped = _listed(tmp_path)
     assert (set(found), skipped) == (set(names) - ignored, {})
     assert set(names) - ignored == {"a1.py", "xa.py", "pa.py", "qa1.py", "ra.py"}

@@ -391,18 +391,24 @@ def test_a_provider_that_may_recover_retries_the_single_run_and_sends_a_group_it
     assert job_states(rt, run) == {two: "retry"}
 
 
-def test_a_batch_item_whose_retry_was_lost_ends_its_batch_and_is_counted_once(rt) -> None:
-    """The retry's send failed (Celery drops the message), or Redis lost it in its countdown:
-    nothing counted the item again, and the batch stayed running for good (`kidx reindex
-    --wait` with it)."""
-    from worker.reconcile import close_lost_retries
-
+def _retried_in_a_batch(rt: Runtime) -> tuple[int, int, FakeTask]:
+    """A note of a batch of one whose single run asked for a retry (the provider down)."""
     (item,) = notes(rt.db, 1)
     batch = create_batch(rt.db, "reindex", 1)
     rt.embedder.down = True  # type: ignore[union-attr]
     run, task = single(rt, item, batch)
     with pytest.raises(Retried):
         run.execute()
+    return item, batch, task
+
+
+def test_a_batch_item_whose_retry_was_lost_ends_its_batch_and_is_counted_once(rt) -> None:
+    """The retry's send failed (Celery drops the message), or Redis lost it in its countdown:
+    nothing counted the item again, and the batch stayed running for good (`kidx reindex
+    --wait` with it)."""
+    from worker.reconcile import close_lost_retries
+
+    item, batch, task = _retried_in_a_batch(rt)
     assert get_batch(rt.db, batch)["state"] == "running"
     assert close_lost_retries(rt.db, 3600) == 0  # its retry may still come
     rt.db.execute("UPDATE index_jobs SET finished_at = datetime('now', '-2 hours')")
@@ -440,12 +446,7 @@ def test_a_redelivered_attempt_that_had_asked_for_its_retry_counts_its_own_end(r
     """The worker died after the attempt's `retry` was recorded and before the retry was
     sent: Celery delivers that attempt again, whose success the batch never counted (the
     `retry` had marked the row counted), and the batch stayed running for good."""
-    (item,) = notes(rt.db, 1)
-    batch = create_batch(rt.db, "reindex", 1)
-    rt.embedder.down = True  # type: ignore[union-attr]
-    run, task = single(rt, item, batch)
-    with pytest.raises(Retried):
-        run.execute()
+    item, batch, task = _retried_in_a_batch(rt)
     rt.embedder.down = False  # type: ignore[union-attr]
     again, _ = single(rt, item, batch, task_id=task.request.id)
     assert again.execute()["status"] == "indexed"

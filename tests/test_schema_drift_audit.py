@@ -426,6 +426,19 @@ def test_a_host_trigger_that_refuses_memory_vectors_is_named_not_raised(
         db.close()
 
 
+def _kept_leftover(db_path: Path, item_id: str) -> None:
+    """A chunk left under `item_id` (SQL), a host's trigger refusing every DELETE of chunks,
+    and a new note for the sweep to send."""
+    as_host(
+        db_path,
+        "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
+        f"end_offset, embed_hash) VALUES ({item_id}, 0, 'left by hand', 'structure', 0, 12, 'h')",
+        "CREATE TRIGGER host_keep BEFORE DELETE ON note_chunks "
+        "BEGIN SELECT RAISE(ABORT, 'keep chunks'); END",
+        "INSERT INTO knowledge_items(kind, title, content) VALUES ('note', 'New', 'Otters.')",
+    )
+
+
 def test_a_host_trigger_that_refuses_the_sweeps_repairs_leaves_the_sweep_sending_items(
     db_path: Path, emb_settings: EmbeddingSettings, embedder
 ) -> None:
@@ -434,14 +447,7 @@ def test_a_host_trigger_that_refuses_the_sweeps_repairs_leaves_the_sweep_sending
     again, ever. The refused repair is logged naming the trigger and left; the sweep goes on
     and sends the items that need a run."""
     indexed_file(db_path, emb_settings, embedder)
-    as_host(
-        db_path,
-        "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
-        "end_offset, embed_hash) VALUES (999, 0, 'left by hand', 'structure', 0, 12, 'h')",
-        "CREATE TRIGGER host_keep BEFORE DELETE ON note_chunks "
-        "BEGIN SELECT RAISE(ABORT, 'keep chunks'); END",
-        "INSERT INTO knowledge_items(kind, title, content) VALUES ('note', 'New', 'Otters.')",
-    )
+    _kept_leftover(db_path, "999")
     db = connect(db_path, embedding=emb_settings)
     try:
         new = db.scalar("SELECT max(id) FROM knowledge_items")
@@ -461,14 +467,7 @@ def test_a_kept_leftover_whose_item_id_is_no_integer_leaves_the_sweep_running(
     the findings read it raw, and every sweep failed on it (TypeError in sorted(), or apsw's
     UnicodeDecodeError)."""
     indexed_file(db_path, emb_settings, embedder)
-    as_host(
-        db_path,
-        "INSERT INTO note_chunks(item_id, chunk_index, content, method, start_offset, "
-        f"end_offset, embed_hash) VALUES ({item_id}, 0, 'left by hand', 'structure', 0, 12, 'h')",
-        "CREATE TRIGGER host_keep BEFORE DELETE ON note_chunks "
-        "BEGIN SELECT RAISE(ABORT, 'keep chunks'); END",
-        "INSERT INTO knowledge_items(kind, title, content) VALUES ('note', 'New', 'Otters.')",
-    )
+    _kept_leftover(db_path, item_id)
     db = connect(db_path, embedding=emb_settings)
     try:
         new = db.scalar("SELECT max(id) FROM knowledge_items")
