@@ -248,6 +248,8 @@ def test_posix_classes_in_brackets_match_as_git_matches_them(tmp_path: Path) -> 
         "q[[:alnum:]][[:alpha:]].py",
         "r[![:lower:]].py",
         "g[[:graph:]]g.py",
+        "[[:bogus:]]*.py",  # no such class: git matches nothing with it
+        "c[[:cntrl:]]c.py",
     ]
     names = ["1a.py", "a1.py", "xA.py", "xa.py", "s p.py", "p!.py", "p].py", "p_.py", "pa.py"]
     names += ["qa1.py", "q1a.py", "rA.py", "ra.py", "g~g.py", "g g.py"]

@@ -157,7 +157,9 @@ def _pattern(line: str) -> GitIgnoreSpecPattern | None:
     """A line's pattern; None for one git would never match (`foo\\`, `[z-a]`: pathspec
     raised on them, and the whole import failed)."""
     if "[:" in line:
-        line = _POSIX_CLASS.sub(lambda m: _POSIX_CLASSES.get(m[1], m[0]), line)
+        if any(name not in _POSIX_CLASSES for name in _POSIX_CLASS.findall(line)):
+            return None  # an unknown class: git's pattern matches nothing
+        line = _POSIX_CLASS.sub(lambda m: _POSIX_CLASSES[m[1]], line)
     try:
         return GitIgnoreSpecPattern(line)
     except (ValueError, re.error):
