@@ -23,7 +23,7 @@ import apsw
 from worker.chunking import FELL_BACK
 from worker.log import get_logger
 from worker.store.db import Database
-from worker.store.fts import check_due, sync_fts
+from worker.store.fts import SWEEP_ROWS, check_due, sync_fts
 from worker.store.items import NOW
 from worker.store.jobs import LOST_RETRY, batch_outcome
 from worker.store.removal import remove_leftovers
@@ -356,7 +356,7 @@ def reconcile(
         "keyword_rows": _mended(
             db,
             "mend the keyword index",
-            lambda: sync_fts(db, verify=True, check=check_due(db)),
+            lambda: sync_fts(db, verify=True, check=check_due(db), most=SWEEP_ROWS),
             {},
         ),
         "restored": report.restored,
