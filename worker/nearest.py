@@ -265,10 +265,11 @@ def rescored(
             f"{table.name} gives a key a vector that is not its own (its storage was written "
             "behind sqlite-vec): the sweep's rebuild mends it"
         )
-    return sorted(((key, e) for (key, _), e in zip(found, exact, strict=True)), key=_by_distance)
+    return sorted(((key, e) for (key, _), e in zip(found, exact, strict=True)), key=by_distance)
 
 
-def _by_distance(hit: tuple[int, float]) -> tuple[float, int]:
+def by_distance(hit: tuple[int, float]) -> tuple[float, int]:
+    """The order of (key, distance) hits on every path: nearest first, ties by key."""
     return hit[1], hit[0]
 
 

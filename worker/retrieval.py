@@ -39,6 +39,7 @@ from worker.nearest import (
     KNN_MAX,
     NO_DIRECTION,
     VecUnreadable,
+    by_distance,
     distances,
     exact_nearest,
     knn_ended,
@@ -507,7 +508,7 @@ def _count(db: Database, model: str, filters: Filters) -> int:
 
 def _best(rows: Sequence[tuple[int, float]], n: int) -> list[tuple[int, float]]:
     """(chunk id, distance) rows to the n nearest (ties by id: the same order on every path)."""
-    return sorted(rows, key=lambda r: (r[1], r[0]))[:n]
+    return sorted(rows, key=by_distance)[:n]
 
 
 def _knn(
