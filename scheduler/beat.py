@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from celery.beat import PersistentScheduler
 
-from tasks.lock import conflict, wrong_type
+from tasks.lock import NEVER_EXPIRES, conflict, wrong_type
 from tasks.redis_at import redis_at
 from worker.log import get_logger
 
@@ -78,7 +78,7 @@ class LeaderScheduler(PersistentScheduler):
         else:
             got = answer == 1
             if answer == -1:
-                self._foreign("string that never expires")
+                self._foreign(NEVER_EXPIRES)
             else:
                 self.foreign = False
         if got != self.leading:
@@ -92,7 +92,7 @@ class LeaderScheduler(PersistentScheduler):
         if self.foreign:
             return
         self.foreign = True
-        if kind != "string that never expires":
+        if kind != NEVER_EXPIRES:
             with contextlib.suppress(redis.RedisError):
                 kind = self.redis.type(LEASE_KEY)
         log.error(f"{conflict(self.redis, LEASE_KEY, kind)}; beat sends nothing until then")

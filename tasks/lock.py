@@ -74,6 +74,9 @@ return redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
 OURS = (b"string", b"none")
 
 
+NEVER_EXPIRES = "string that never expires"  # what a lock of kidx's never is
+
+
 def not_a_lock(kind: bytes, left: object) -> bytes | str | None:
     """What a lock key holds, when it is provably no lock kidx took (TYPE's and PTTL's answers):
     a value of another type, or a string that never expires (kidx's locks are always set with
@@ -81,7 +84,7 @@ def not_a_lock(kind: bytes, left: object) -> bytes | str | None:
     if kind not in OURS:
         return kind
     if kind == b"string" and left == -1:
-        return "string that never expires"
+        return NEVER_EXPIRES
     return None
 
 
