@@ -361,3 +361,25 @@ def test_a_memory_vector_a_host_replaces_goes_and_is_embedded_again(db, host):
     )
     hits, _, _ = search_memories(db, "Likes tea.", fake, k=1)
     assert hits[0].memory_id == ids[0] and hits[0].score > 0.99
+
+
+@pytest.mark.parametrize("index", [-1, -3, "x", 2.5, b"\x00", 2**62])
+def test_a_chunk_index_a_host_writes_anywhere_is_put_back(db, host, index):
+    """A run moved an item's chunks to `-1 - chunk_index` before putting the kept ones in
+    place: a host's -1 (0 then), -3 or 'x' (-1 either way) collided with another chunk, and
+    the item failed at every run with UNIQUE(item_id, chunk_index)."""
+    # sections that are a chunk each: the moved chunk is cut again the same, and kept
+    text = "# Doc\n\n" + "\n\n".join(
+        f"## Part {k}\n\nPart {k} says " + "alpha beta gamma. " * 25 for k in range(12)
+    )
+    item, fake = indexed_note(db, "Parts", text)
+    assert db.scalar("SELECT count(*) FROM note_chunks WHERE item_id = ?", (item,)) == 12
+    before = vectors_by_text(db, item)
+    host.execute(
+        "UPDATE note_chunks SET chunk_index = ? WHERE item_id = ? AND chunk_index = 4",
+        (index, item),
+    )
+    assert get_state(db, item)["status"] == "pending"
+    result = index_item(db, item, embedder=fake)
+    assert result.status == "indexed", result
+    assert exact_slices(db, item, text) and kept_true(db, item, before, result.embedded)

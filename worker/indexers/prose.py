@@ -5,6 +5,7 @@ their ids (and vec rows): only what changed is deleted and inserted."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -193,6 +194,23 @@ def _headings(chunk: Any) -> str:
     return heading_path(chunk.headings)
 
 
+def _out_of_the_way(db: Database, item_id: int) -> None:
+    """Move the item's chunks to indexes below zero that no row of it holds, out of the way of
+    UNIQUE(item_id, chunk_index) while kept chunks move: free by what the rows hold, not by
+    arithmetic on it (`-1 - chunk_index` met a host's -1, 'x' or 2.0 and failed the item at
+    every run)."""
+    rows = db.all(
+        "SELECT id, CASE WHEN typeof(chunk_index) IN ('integer', 'real') THEN chunk_index END "
+        "FROM note_chunks WHERE item_id = ?",
+        (item_id,),
+    )
+    # a REAL equal to an integer is that integer to the UNIQUE index
+    taken = {int(v) for _, v in rows if v is not None and float(v).is_integer()}
+    free = (n for n in itertools.count(-1, -1) if n not in taken)
+    moves = [(next(free), cid) for cid, _ in rows]
+    db.executemany("UPDATE note_chunks SET chunk_index = ? WHERE id = ?", moves)
+
+
 def write_notes(
     db: Database,
     item_id: int,
@@ -225,10 +243,7 @@ def write_notes(
         # a statement an id: an IN list of 40k chunks (a 12 MB note) passes SQLite's limit of
         # 32,766 bound values
         db.executemany("DELETE FROM note_chunks WHERE id = ?", [(cid,) for cid in gone])
-    # Out of the way of UNIQUE(item_id, chunk_index) while kept chunks move.
-    db.execute(
-        "UPDATE note_chunks SET chunk_index = -1 - chunk_index WHERE item_id = ?", (item_id,)
-    )
+    _out_of_the_way(db, item_id)
 
     db.executemany(
         "UPDATE note_chunks SET chunk_index = ?, content = ?, summary = ?, method = ?, "
