@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.errors import InvalidInput
+from worker.errors import InvalidInput, KidxError, input_failure
 from worker.settings import FilesSettings, UrlSettings
 from worker.store.items import Item
 
@@ -26,7 +26,20 @@ class Reader:
         read = _READ.get(item.kind)
         if read is None:
             raise InvalidInput(f"item {item.id} has an unknown kind {item.kind!r}")
-        return read(self, item, cancel)
+        try:
+            return read(self, item, cancel)
+        except KidxError:
+            raise
+        except Exception as e:
+            # A source's own failure that no check above it named (a library's, Python's on
+            # a host's odd path or a server's odd answer): this item's, never the whole run's
+            # (a bare ValueError failed every item of a bulk run as a bug). Anything else (a
+            # soft time limit) is an interruption and goes on up.
+            if not input_failure(e, *_SOURCE_PACKAGES):
+                raise
+            raise InvalidInput(
+                f"{item.kind} {item.id}: cannot be read ({type(e).__name__}: {e})"
+            ) from e
 
     def _file(self, item: Item, cancel: Callable[[], bool] | None) -> str:
         from worker.sources.files import read_file
@@ -57,3 +70,34 @@ _READ: dict[str, Callable[[Reader, Item, Callable[[], bool] | None], str]] = {
     "url": Reader._url,
     "code": Reader._code,
 }
+
+# Whose exceptions reading a source may raise on what it was given (`input_failure`).
+_SOURCE_PACKAGES = (
+    "httpx",
+    "httpcore",
+    "h11",
+    "h2",
+    "idna",
+    "socket",
+    "ssl",
+    "zlib",
+    "zipfile",
+    "brotli",
+    "zstandard",
+    "trafilatura",
+    "lxml",
+    "justext",
+    "htmldate",
+    "courlan",
+    "charset_normalizer",
+    "xml",
+    "docx",
+    "pypdf",
+    "cryptography",
+    "PIL",
+    "pathspec",
+    "re2",
+    "markdown_it",
+    "codecs",
+    "encodings",
+)

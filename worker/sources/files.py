@@ -109,6 +109,8 @@ def resolve_under_roots(path: str | Path, settings: FilesSettings) -> Path:
         raise refuse(path, "no such file") from None
     except (OSError, RuntimeError) as e:  # a symlink loop, a permission denied
         raise refuse(path, f"cannot be resolved ({e})") from None
+    except ValueError:  # a host's source with a NUL in it
+        raise refuse(path, "the path holds a NUL character") from None
     shown = str(path) if resolved == path else f"{path} (resolves to {resolved})"
     if any(resolved == r or resolved.is_relative_to(r) for r in SPECIAL_ROOTS):
         raise InvalidInput(f"{shown}: a special file system is never read")

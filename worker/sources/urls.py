@@ -89,7 +89,16 @@ def _public(ip: IPAddress) -> bool:
         if ip.teredo:
             inner.extend(ip.teredo)
     return all(
-        a.is_global and not (a.is_multicast or a.is_reserved or a.is_unspecified) for a in inner
+        a.is_global
+        # site-local fec0::/10: deprecated, still routed inside some networks, and global to
+        # Python 3.11's `is_global`
+        and not (
+            a.is_multicast
+            or a.is_reserved
+            or a.is_unspecified
+            or getattr(a, "is_site_local", False)
+        )
+        for a in inner
     )
 
 
@@ -158,6 +167,9 @@ def _parse(url: str, base: httpx.URL | None = None) -> httpx.URL:
         raise InvalidInput(f"{shown}: only http and https URLs can be fetched")
     if not host:
         raise InvalidInput(f"{shown}: the URL has no host")
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        # the resolver takes it modulo 65536, or raises OverflowError past a C long
+        raise InvalidInput(f"{shown}: the port {parsed.port} is not between 1 and 65535")
     return parsed
 
 
@@ -237,6 +249,8 @@ def _to_text(
     return check_text_size(text, name, limit)
 
 
+# httpx's error for a redirect's Location it cannot parse (a transport error otherwise).
+BAD_LOCATION = "Invalid URL in location header"
 # h11's error for a status line and headers longer than httpcore lets it buffer (100 KB).
 OVERSIZED_HEADER = "Receive buffer too long"
 
@@ -261,9 +275,16 @@ def _send(
         except (httpx.ConnectError, httpx.ConnectTimeout):
             if i == len(ips) - 1:
                 raise
-        except UnicodeError as e:  # httpx reads a redirect's Location even when not
-            # following it: idna's error for a host such as `xn--a.example` failed every item
-            # of a bulk run as a bug
+        except httpx.RemoteProtocolError as e:
+            if not str(e).startswith(BAD_LOCATION):
+                raise
+            # a Location such as `http://[::1`: the server's answer, the same next time
+            raise InvalidInput(
+                f"{safe_url(str(url))}: the server redirects to a URL that is not valid"
+            ) from None
+        except (UnicodeError, httpx.InvalidURL) as e:  # httpx reads a redirect's Location
+            # even when not following it: idna's error for a host such as `xn--a.example`, and
+            # the InvalidURL of a `mailto:` or `data:` one, failed every item of a bulk run
             raise InvalidInput(
                 f"{safe_url(str(url))}: the server answered with a URL that is not valid "
                 f"({safe_url(str(e))})"
