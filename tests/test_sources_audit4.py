@@ -126,3 +126,36 @@ def test_a_source_s_unnamed_failure_is_that_item_s_and_an_interruption_goes_on_u
     raised[0] = InvalidInput("its own words")
     with pytest.raises(KidxError, match=r"^its own words$"):
         Reader().text(item)  # type: ignore[arg-type]
+
+
+def test_a_page_that_never_closes_its_divs_is_read_to_its_end(tmp_path) -> None:
+    """libxml2 stops at elements nested 256 deep unless asked for huge trees: 400 unclosed
+    entries of a changelog were indexed as their first 252, the item `indexed`."""
+    from worker.sources.files import read_file
+
+    entries = "".join(
+        f"<div class='entry'><p>Entry {i} of the changelog, with enough words to count.</p>\n"
+        for i in range(400)
+    )
+    page = tmp_path / "changelog.html"
+    page.write_text(f"<html><body><h1>Changelog</h1>{entries}</body></html>", encoding="utf-8")
+    text = read_file(page, FilesSettings(roots=[tmp_path]))
+    assert "Entry 0 of" in text and "Entry 399 of" in text
+
+
+def test_a_page_nested_past_the_parser_s_limit_is_refused_not_cut(tmp_path) -> None:
+    from worker.sources.files import html_text
+
+    deep = "<div>" * 5_000 + "<p>the text in the middle</p>"
+    with pytest.raises(InvalidInput, match=r"parser stopped before its end .*would be lost"):
+        html_text(f"<html><body>{deep}</body></html>".encode(), "deep.html")
+
+
+def test_a_text_node_over_10_mb_as_utf_8_is_read_whole() -> None:
+    """3.5 MB of windows-1252 passes the 10 MB limit for HTML and is 10.5 MB as UTF-8:
+    libxml2 dropped the paragraph and everything after it."""
+    from worker.sources.files import html_text
+
+    data = b"<html><body><h1>Head</h1><p>" + "\u20ac".encode("cp1252") * 3_500_000
+    text = html_text(data + b"</p><p>The end of the page.</p></body></html>", "p", "cp1252")
+    assert text is not None and "The end of the page." in text and text.count("\u20ac") > 3e6

@@ -13,6 +13,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import Any
 
 from worker.errors import InvalidInput
 from worker.settings import HTML_BYTES, HTML_ELEMENTS, FilesSettings
@@ -36,13 +37,49 @@ _START_TAG = re.compile(r"<[A-Za-z]")
 # -- HTML -----------------------------------------------------------------------------
 
 
-def html_to_markdown(html: str) -> str | None:
+def parse_html(html: str, name: object = "the page") -> Any:
+    """The page's lxml tree, parsed as trafilatura parses it but with `huge_tree`: without it,
+    libxml2 stops at elements nested 256 deep (a template that never closes its `<div>`s) or
+    at a text node of 10 MB, and trafilatura found the main text of what came before: part of
+    a page indexed as the whole. Refused when the parser stopped all the same (nested past
+    even the huge limits): what follows would be lost."""
+    from lxml import etree
+    from lxml import html as lxml_html
+    from trafilatura.utils import repair_faulty_html
+
+    parser = lxml_html.HTMLParser(
+        collect_ids=False,
+        default_doctype=False,
+        encoding="utf-8",
+        remove_comments=True,
+        remove_pis=True,
+        huge_tree=True,
+    )
+    data = repair_faulty_html(html, html[:50].lower()).encode("utf-8", "surrogatepass")
+    try:
+        tree = lxml_html.fromstring(data, parser=parser)
+    except etree.ParserError:  # "Document is empty": nothing to read
+        return None
+    stopped = [e for e in parser.error_log if e.level == etree.ErrorLevels.FATAL]
+    if stopped:
+        raise refuse(
+            name,
+            f"the HTML parser stopped before its end ({stopped[0].message.split(', use')[0]}), so "
+            "the rest of its text would be lost",
+        )
+    return tree
+
+
+def html_to_markdown(html: str, name: object = "the page") -> str | None:
     """The page's main text as Markdown with headings (no navigation, scripts or footers), or
     None when trafilatura finds none."""
     import trafilatura  # slow to import; only the workers that read HTML pay for it
 
+    tree = parse_html(html, name)
+    if tree is None:
+        return None
     text = trafilatura.extract(
-        html,
+        tree,
         output_format="markdown",
         include_comments=False,
         include_tables=True,
@@ -78,7 +115,7 @@ def html_text(
                 f"the HTML has over {max_elements} elements, the limit for HTML (finding the "
                 "main text of more takes minutes)",
             )
-    return html_to_markdown(html)
+    return html_to_markdown(html, name)
 
 
 # -- files ----------------------------------------------------------------------------------
