@@ -45,9 +45,7 @@ Chunker = Callable[[str, str], list[tuple[int, int, str]]]
 def kidx_chunker(
     text: str, title: str, target: int = TARGET_CHUNK_SIZE
 ) -> list[tuple[int, int, str]]:
-    return [
-        (c.start, c.end, c.embedding_input(title)) for c in chunk_structure(text, target=target)
-    ]
+    return [(c.start, c.end, c.embedding_input("")) for c in chunk_structure(text, target=target)]
 
 
 def langchain_chunker() -> Chunker:
@@ -155,8 +153,8 @@ def reembedded_with_previous(
     """What the pipeline does: the new version is cut knowing the previous version's chunks."""
     first = chunk_structure(before, target=target)
     second = chunk_structure(after, previous=[(c.start, c.content) for c in first], target=target)
-    old = Counter(c.embedding_input(title) for c in first)
-    new = Counter(c.embedding_input(title) for c in second)
+    old = Counter(c.embedding_input("") for c in first)
+    new = Counter(c.embedding_input("") for c in second)
     return sum((new - old).values())
 
 

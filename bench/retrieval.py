@@ -122,13 +122,13 @@ Chunker = Callable[[str, str, str], list[Piece]]
 
 def kidx_chunker(target: int, embed_input: str) -> Chunker:
     """kidx's structural chunker at `target`; `embed_input` is `chunk` (the text alone) or
-    `kidx` (Chunk.embedding_input: title and heading path before the text, as the pipeline
-    embeds it)."""
+    `kidx` (Chunk.embedding_input: the heading path before the text, as the pipeline embeds
+    it; no title, since 2026-12-07, so that a rename re-embeds nothing)."""
 
     def run(corpus: str, text: str, title: str) -> list[Piece]:
         chunks = chunk_structure(text, target=target)
         if embed_input == "kidx":
-            return [Piece(corpus, c.start, c.end, c.embedding_input(title)) for c in chunks]
+            return [Piece(corpus, c.start, c.end, c.embedding_input("")) for c in chunks]
         return [Piece(corpus, c.start, c.end, c.content) for c in chunks]
 
     return run

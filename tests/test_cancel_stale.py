@@ -38,7 +38,7 @@ def test_a_rename_whose_run_was_cancelled_is_sent_again(db, embedder, standin):
     host(db.path, ("UPDATE knowledge_items SET title = 'Traits, renamed' WHERE id = ?", [item]))
     assert get_state(db, item)["status"] == "pending"
     cancelled_run(db, item, embedder)
-    assert sent(db, embedder) == [item]  # the chunks' embedder input still has the old title
+    assert sent(db, embedder) == [item]  # the chunks' keyword rows still have the old title
     index_item(db, item, embedder=embedder)
     assert sent(db, embedder) == []
 

@@ -30,8 +30,9 @@ from worker.store.items import add_item, get_state, list_chunks, update_content
 CHAPTER = "ch10-02-traits.md"  # 20 chunks or more
 
 
-def embedding_inputs(title: str, text: str, previous=None) -> list[str]:
-    return [c.embedding_input(title) for c in chunk_structure(text, previous=previous)]
+def embedding_inputs(text: str, previous=None) -> list[str]:
+    """What the pipeline embeds for each chunk: no title (a rename would re-embed them all)."""
+    return [c.embedding_input("") for c in chunk_structure(text, previous=previous)]
 
 
 def snapshot(db, item_id: int) -> dict[str, object]:
@@ -73,7 +74,7 @@ def test_first_run_embeds_every_chunk_and_mirrors_it(db, embedder, standin):
     text = corpus_text(CHAPTER)
     item = add_item(db, kind="note", title="Traits", content=text)
     result = index_item(db, item, embedder=embedder)
-    expected = embedding_inputs("Traits", text)
+    expected = embedding_inputs(text)
     assert result.status == "indexed" and result.chunks == len(expected) >= 20
     assert sorted(standin.texts) == sorted(expected)
     assert db.scalar("SELECT count(*) FROM vec_chunk_embeddings") == len(expected)
@@ -104,8 +105,8 @@ def test_an_edit_sends_only_changed_chunks(db, embedder, standin, edit):
     )
     standin.texts.clear()
     result = index_item(db, item, embedder=embedder)
-    before = Counter(embedding_inputs("Traits", text))
-    after = Counter(embedding_inputs("Traits", edited, previous))
+    before = Counter(embedding_inputs(text))
+    after = Counter(embedding_inputs(edited, previous))
     changed = sorted((after - before).elements())
     assert 1 <= len(changed) <= 3
     assert sorted(standin.texts) == changed  # exactly the new chunks, nothing else
@@ -123,7 +124,7 @@ def test_content_changed_directly_in_the_database_is_seen(db, embedder, standin)
     )
     standin.texts.clear()
     index_item(db, item, embedder=embedder)
-    assert standin.texts == ["T\n\nSecond version, written by a host app."]
+    assert standin.texts == ["Second version, written by a host app."]
     assert db.scalar("SELECT content FROM note_chunks WHERE item_id = ?", (item,)).startswith(
         "Second"
     )
@@ -192,11 +193,11 @@ def test_a_wrong_hash_a_host_wrote_is_mended_by_a_run_of_the_same_text(db):
 
 @pytest.mark.parametrize("column", ["title", "source"])
 def test_a_rename_during_the_run_leaves_the_item_pending_for_the_sweep(db, emb_settings, column):
-    """The embedder was given the old title: the item is `pending`, not `indexed` (a title of
-    bytes that are not UTF-8 is compared as the bytes it is, or it would never be indexed).
-    Or, when the rename came before the run's `indexing` mark (the mark and the request are
-    on two threads), the run saw its state change and read the item again: `indexed` then,
-    from a second request made after the rename."""
+    """The run read the old title (its keyword rows hold it): the item is `pending`, not
+    `indexed` (a title of bytes that are not UTF-8 is compared as the bytes it is, or it
+    would never be indexed). Or, when the rename came before the run's `indexing` mark (the
+    mark and the request are on two threads), the run saw its state change and read the item
+    again: `indexed` then, from a second request made after the rename."""
     item = add_item(db, kind="note", title="Old title", content="Body text of the note.")
     db.execute("UPDATE knowledge_items SET title = x'ff4f6c64' WHERE id = ?", (item,))
     index_item(db, item, embedder=FakeEmbedder())
@@ -211,8 +212,13 @@ def test_a_rename_during_the_run_leaves_the_item_pending_for_the_sweep(db, emb_s
         other.close()
     status = get_state(db, item)["status"]
     assert (status, len(embedder.calls)) in {("pending", 1), ("indexed", 2)}
-    if status == "indexed":
-        assert column == "source" or "New" in embedder.calls[-1][0]
+    if status == "indexed":  # read again after the rename: its keyword rows say so
+        titles = db.all(
+            "SELECT DISTINCT CAST(f.title AS BLOB) FROM note_chunks_fts f "
+            "JOIN note_chunks c ON c.id = f.rowid WHERE c.item_id = ?",
+            (item,),
+        )
+        assert column == "source" or titles == [(b"New",)]
         assert reconcile(db, model="fake", max_items=10).to_index == []
     else:
         assert reconcile(db, model="fake", max_items=10).to_index == [item]
@@ -377,7 +383,7 @@ def test_items_indexed_together_fill_each_request_and_equal_one_by_one(
     ids = [add_item(db, kind="note", title=name, content=t) for name, t in texts.items()]
     results = index_items(db, ids, embedder=embedder)
     assert [results[i].status for i in ids] == ["indexed"] * len(ids)
-    total = sum(len(embedding_inputs(n, t)) for n, t in texts.items())
+    total = sum(len(embedding_inputs(t)) for t in texts.values())
     sizes = [len(b["input"]) for b in standin.bodies]
     # Requests are filled across items: all full but the last (one per item would not be).
     assert sum(sizes) == total and sizes[:-1] == [embedder.batch_size] * (len(sizes) - 1)
@@ -732,3 +738,38 @@ def test_new_items_written_together_fall_back_to_one_by_one_when_a_write_fails(d
             )
             == results[i].chunks
         )
+
+
+def test_a_rename_re_embeds_nothing_and_its_keyword_rows_take_the_new_title(db):
+    """The seed: chunks whose content and summary are unchanged keep their vectors. The title
+    went first into every chunk's embedder input, and a rename embedded the whole note again."""
+    text = corpus_text("ch04-01-what-is-ownership.md")
+    item = add_item(db, kind="note", title="Ownership", content=text)
+    fake = FakeEmbedder()
+    first = index_item(db, item, embedder=fake)
+    assert first.embedded == first.chunks > 10
+    db.execute("UPDATE knowledge_items SET title = 'Who owns what' WHERE id = ?", (item,))
+    again = index_item(db, item, embedder=fake)
+    assert (again.status, again.embedded, again.reused) == ("indexed", 0, first.chunks)
+    hits = search_chunks(db, "owns", embedder=fake, mode="keyword", k=3).hits
+    assert hits and all(h.item_id == item for h in hits)
+
+
+def test_vectors_kidx_made_with_the_title_first_are_kept_after_the_upgrade(db):
+    """Chunks kidx embedded before, their input led by the title (and keyed on its hash): an
+    upgraded worker's next run of the item embeds nothing again."""
+    text = corpus_text("ch04-01-what-is-ownership.md")
+    item = add_item(db, kind="note", title="Ownership", content=text)
+    fake = FakeEmbedder()
+    index_item(db, item, embedder=fake)
+    before = db.all("SELECT chunk_id, vector FROM note_chunk_embeddings ORDER BY chunk_id")
+    rows = db.all("SELECT id FROM note_chunks WHERE item_id = ? ORDER BY chunk_index", (item,))
+    chunks = chunk_structure(text)
+    assert len(rows) == len(chunks)
+    db.executemany(
+        "UPDATE note_chunks SET embed_hash = ? WHERE id = ?",
+        [(text_hash(c.embedding_input("Ownership")), r[0]) for c, r in zip(chunks, rows)],
+    )
+    result = index_item(db, item, embedder=fake)
+    assert (result.status, result.embedded) == ("indexed", 0)
+    assert db.all("SELECT chunk_id, vector FROM note_chunk_embeddings ORDER BY chunk_id") == before

@@ -353,8 +353,8 @@ class EmbeddingSettings(HTTPProviderSettings):
     # How vectors come back from an OpenAI-compatible server: base64 (a quarter of the bytes,
     # what the OpenAI SDKs ask for) or float; a server that refuses base64 is asked for floats.
     encoding_format: Literal["base64", "float"] = "base64"
-    # Characters of the title, heading path and summary put before each chunk's text for the
-    # embedder (the stored title is never cut): a huge title must not ride on every chunk.
+    # Characters of the heading path and summary (a code chunk's path and symbol) put before
+    # each chunk's text for the embedder: a huge heading must not ride on every chunk.
     context_chars: int = Field(default=300, ge=20, le=20_000)
 
     _model = field_validator("model", mode="before")(_stripped)

@@ -62,8 +62,9 @@ class Chunk(NamedTuple):
     fence_close: str | None = None
 
     def embedding_input(self, title: str, context: int = CONTEXT_CHARS) -> str:
-        """Title, heading path, summary (each cut to `context` characters), then the
-        (re-fenced) content: what is embedded."""
+        """`title` (the pipeline gives none: a rename would re-embed every chunk), heading
+        path, summary (each cut to `context` characters), then the (re-fenced) content: what
+        is embedded."""
         path = clip(" > ".join(self.headings), context, keep_end=True)
         head = [line for line in (clip(title.strip(), context), path) if line]
         if self.summary:

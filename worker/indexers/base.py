@@ -117,14 +117,16 @@ def plan_vectors(
     vectors_table: str,
     key: Callable[[Any], str] | None = None,
     older_key: Callable[[Any], str] | None = None,
+    label: str | None = None,
 ) -> Plan:
-    """The chunks' embedder inputs (each chunk's `embedding_input(title, context)`) and, for
-    each, a vector made before for the same input and model, wherever that chunk was (the
-    item's rows of `chunks_table` / `vectors_table`). An inserted paragraph moves every later
-    chunk: keyed on the position, all of them would be embedded again. `key`: what a chunk's
-    vector is kept under (default: the hash of its input); `older_key`: what an earlier
-    version kept it under, looked up when `key` finds nothing."""
-    title, context = item.title, options.context_chars
+    """The chunks' embedder inputs (each chunk's `embedding_input(label, context)`, `label` the
+    item's title unless given) and, for each, a vector made before for the same input and
+    model, wherever that chunk was (the item's rows of `chunks_table` / `vectors_table`). An
+    inserted paragraph moves every later chunk: keyed on the position, all of them would be
+    embedded again. `key`: what a chunk's vector is kept under (default: the hash of its
+    input); `older_key`: what an earlier version kept it under, looked up when `key` finds
+    nothing."""
+    title, context = item.title if label is None else label, options.context_chars
     plan = Plan(
         chunks,
         lambda i: chunks[i].embedding_input(title, context),

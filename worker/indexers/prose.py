@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from worker.chunking import LLMChunker, chunk, heading_path
-from worker.chunking.base import TARGET_CHUNK_SIZE
+from worker.chunking.base import TARGET_CHUNK_SIZE, text_hash
 from worker.embedding import FailureCounter, Plan
 from worker.errors import StoreError
 from worker.indexers.base import Indexer, IndexOptions, Planned, mirror_chunks, plan_vectors
@@ -71,6 +71,7 @@ class Prose(Indexer):
             dimensions=dims,
             chat_calls=llm.calls if llm else 0,
         )
+        title, context = item.title, options.context_chars
         plan = plan_vectors(
             db,
             item,
@@ -79,6 +80,12 @@ class Prose(Indexer):
             options,
             chunks_table="note_chunks",
             vectors_table="note_chunk_embeddings",
+            # Not the title: a chunk whose heading context, summary and content are unchanged
+            # keeps its vector (the seed's reuse, DESIGN 3.4), and a rename re-embedded every
+            # chunk. (A Markdown note's first heading, most often its title, is in the path.)
+            label="",
+            # vectors kidx made with the title first: an upgrade embeds nothing again
+            older_key=lambda c: text_hash(c.embedding_input(title, context)),
         )
         parts: tuple[str, ...] = ()
         if not plan.reuse:  # a new item, maybe: its keyword rows go in `write_new_notes`
