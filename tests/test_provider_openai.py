@@ -637,10 +637,6 @@ def _repeat_first(data: list[Any]) -> list[Any]:
         (answer(edit=lambda d: [d[0], {"index": 1}]), "item 1 of 'data' has no embedding"),
         (answer(edit=lambda d: [d[0], "vector"]), "item 1 of 'data' has no embedding"),
         (answer(edit=lambda d: [{**d[0], "embedding": "AAAA"}, d[1]]), "item 0"),
-        (raw(b"<html>oops</html>"), "not JSON"),
-        (raw(b""), "not JSON"),
-        (raw(b'{"data": ['), "not JSON"),
-        (raw(b"\xff\xfe\xfa garbage"), "not JSON"),
     ],
 )
 def test_unusable_answer_is_bad_answer_and_not_retried(
@@ -652,6 +648,33 @@ def test_unusable_answer_is_bad_answer_and_not_retried(
         model.embed_checked(["x", "y"])
     assert len(script.requests) == 1
     assert sleeps == []
+
+
+@pytest.mark.parametrize(
+    "body", [b"<html>oops</html>", b"", b'{"data": [', b"\xff\xfe\xfa garbage"]
+)
+def test_a_200_that_is_not_json_is_asked_again_then_refused(build: Build, body: bytes) -> None:
+    """A gateway's or a proxy's page in place of the answer, once: asked again as a 5xx is
+    (a BadAnswer at once failed every item of a bulk run); the same every time: BadAnswer."""
+    script = Script(raw(body), then=answer())
+    model, sleeps = build(script, max_retries=3)
+    assert len(model.embed_checked(["x", "y"])) == 2
+    assert len(script.requests) == 2 and len(sleeps) == 1
+    script = Script(then=raw(body))
+    model, sleeps = build(script, max_retries=3)
+    with pytest.raises(BadAnswer, match=r"not JSON.*after 4 attempts") as info:
+        model.embed_checked(["x", "y"])
+    assert len(script.requests) == 4 and info.value.per_input is False
+
+
+@pytest.mark.parametrize(
+    "error", [{"message": "upstream timed out", "code": 504}, "upstream timed out"]
+)
+def test_a_200_carrying_an_error_is_transient_in_the_server_s_words(build: Build, error) -> None:
+    script = Script(then=lambda r: httpx.Response(200, json={"error": error}))
+    model, _ = build(script, max_retries=3)
+    with pytest.raises(TransientProviderError, match="the answer is an error: upstream timed"):
+        model.embed_checked(["x", "y"])
 
 
 # -- validation in the base class ------------------------------------------------------------
@@ -919,8 +942,8 @@ def test_real_non_json_answer_is_bad_answer(
 ) -> None:
     standin.garbage = True
     with pytest.raises(BadAnswer, match="not JSON"):
-        real().embed(["x"])
-    assert standin.requests == 1
+        real(max_retries=1, backoff=0.01).embed(["x"])
+    assert standin.requests == 2
 
 
 @pytest.mark.parametrize(

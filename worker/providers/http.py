@@ -424,6 +424,7 @@ class JSONClient:
         content = encode_body(body)  # once, not at every attempt
         attempts = s.max_retries + 1
         cause = ""
+        garbled = False  # the last attempt's answer was a 200 that is not JSON
         wait: float | None = None
         asked = 0.0  # the waits servers asked for (Retry-After) in this call, in all
         for attempt in range(attempts):
@@ -436,6 +437,7 @@ class JSONClient:
                     raise OutOfTime(
                         f"{self.where}: no time left to ask{said}", unanswered=bool(cause)
                     )
+            garbled = False
             try:
                 with (
                     # in all (a server trickling bytes included), and cut by a cancellation
@@ -475,28 +477,34 @@ class JSONClient:
             except httpx.TransportError as e:  # its text may quote a header or the URL
                 cause = mask(f"connection failed ({type(e).__name__}: {e})", self._secrets)
             else:
-                if ok:
-                    try:
+                try:
+                    if ok:
                         return json.loads(data)
-                    except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
-                        raise BadAnswer(f"{self.where}: the answer is not JSON") from None
-                    except RecursionError:
-                        raise BadAnswer(f"{self.where}: the answer nests too deeply") from None
-                # a server may echo the key back, in its message or its code: masked first
-                code, message = _error_detail(data, self._secrets)
-                cause = f"HTTP {response.status_code}" + (f" {code}" if code else "")
-                cause += f": {message}" if message else ""
-                quota = response.status_code == 429 and "insufficient_quota" in (code + message)
-                if response.status_code not in RETRYABLE or quota:
-                    raise ProviderHTTPError(f"{self.where}: {cause}", status=response.status_code)
-                wait = parse_retry_after(response.headers)
-                # In all, not each: a 429 storm asking 60 s a time kept a worker waiting 720
-                # s over three calls, past the task's soft time limit; longer is the queue's.
-                if wait is not None and asked + wait > s.retry_after_max:
-                    raise RetryLater(
-                        f"{self.where}: {cause} (asked to wait {wait:g}s)", retry_after=wait
-                    )
-                asked += wait or 0.0
+                except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+                    # a gateway's or a proxy's page in place of the answer: asked again, as a
+                    # 5xx is (once, it failed every item of a bulk run); every time, refused
+                    garbled = True
+                    cause = f"the answer is not JSON ({_error_detail(data, self._secrets)[1]})"
+                except RecursionError:
+                    raise BadAnswer(f"{self.where}: the answer nests too deeply") from None
+                else:
+                    # a server may echo the key back, in its message or its code: masked first
+                    code, message = _error_detail(data, self._secrets)
+                    cause = f"HTTP {response.status_code}" + (f" {code}" if code else "")
+                    cause += f": {message}" if message else ""
+                    status = response.status_code
+                    quota = status == 429 and "insufficient_quota" in (code + message)
+                    if status not in RETRYABLE or quota:
+                        raise ProviderHTTPError(f"{self.where}: {cause}", status=status)
+                    wait = parse_retry_after(response.headers)
+                    # In all, not each: a 429 storm asking 60 s a time kept a worker waiting
+                    # 720 s over three calls, past the task's soft time limit; longer is the
+                    # queue's.
+                    if wait is not None and asked + wait > s.retry_after_max:
+                        raise RetryLater(
+                            f"{self.where}: {cause} (asked to wait {wait:g}s)", retry_after=wait
+                        )
+                    asked += wait or 0.0
             if attempt + 1 < attempts:
                 if wait is None:
                     wait = backoff_delay(attempt, s.backoff, s.backoff_max, self._rand())
@@ -512,6 +520,8 @@ class JSONClient:
                     wait_s=round(wait, 3),
                 )
                 self.sleep(wait)
+        if garbled:  # the same every time: what the server at this URL answers
+            raise BadAnswer(f"{self.where}: {cause} (after {attempts} attempts)")
         raise RetryLater(f"{self.where}: {cause} (after {attempts} attempts)", retry_after=wait)
 
     def shown(self, text: str) -> str:

@@ -112,6 +112,15 @@ class OpenAIEmbeddings(EmbeddingModel):
     def _parse(self, answer: Any, count: int) -> list[list[float] | np.ndarray]:
         data = answer.get("data") if isinstance(answer, dict) else None
         if not isinstance(data, list):
+            error = answer.get("error") if isinstance(answer, dict) else None
+            if error:  # a gateway's upstream failure, sent as a 200: its words, and transient
+                # (a permanent BadAnswer failed every item of a bulk run, those never sent too)
+                said = (
+                    (error.get("message") or error.get("code")) if isinstance(error, dict) else None
+                )
+                raise RetryLater(
+                    f"{self._where}: the answer is an error: {self.http.shown(str(said or error))}"
+                )
             raise BadAnswer(f"{self._where}: the answer has no 'data' list")
         by_index: dict[int, list[float] | np.ndarray] = {}
         for position, item in enumerate(data):
