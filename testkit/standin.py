@@ -147,7 +147,8 @@ class StandIn:
     ``poison``; ``max_batch`` (more texts in one request: 413, as text-embeddings-inference
     answers past its maximum batch size); then answer, applying ``wrong_count``, ``nan`` and
     ``shuffle``, ``delay`` seconds after the request arrived (the stand-in's own work
-    included, so that the latency is the same whatever the load). ``texts`` only grows on
+    included, so that the latency is the same whatever the load), and ``delay_per_text``
+    seconds more for each text answered. ``texts`` only grows on
     answers that carry embeddings.
 
     ``chaos`` (a probability, 0 = off) comes first, right after counting: a request it picks
@@ -169,6 +170,7 @@ class StandIn:
     error_code: str | None
     retry_after: float | str | None
     delay: float
+    delay_per_text: float
     wrong_count: int
     nan: bool
     shuffle: bool
@@ -282,6 +284,7 @@ class StandIn:
             self.error_code = None
             self.retry_after = None
             self.delay = 0.0
+            self.delay_per_text = 0.0
             self.wrong_count = 0
             self.nan = False
             self.shuffle = False
@@ -380,7 +383,10 @@ class StandIn:
         # a provider of that latency, whatever this machine's load (stop() wakes the wait).
         # `delay` as it is now: a test holds a request with a long one and lets it go by
         # setting 0, when what it waits for has happened (not after a guess of the time).
-        while (left := arrived + self.delay - time.monotonic()) > 0:
+        # `delay_per_text` more for each text answered: a CPU server's large model.
+        while (
+            left := arrived + self.delay + self.delay_per_text * len(texts) - time.monotonic()
+        ) > 0:
             if self._stopping.wait(min(left, 0.05)):
                 break
         if texts:

@@ -10,7 +10,14 @@ from contextlib import contextmanager
 
 import pytest
 
+from conftest import standin_settings
+from testkit.standin import StandIn
+from worker.bulk import index_item
+from worker.indexers.memories import embed_memories
+from worker.providers import build_embedder
 from worker.providers.chat import _unwrapped
+from worker.store.db import Database
+from worker.store.items import add_item
 
 
 @contextmanager
@@ -44,3 +51,39 @@ def test_a_fence_followed_by_a_million_blanks_is_unwrapped_in_linear_time(blank:
 def test_fenced_json_is_still_unwrapped(opening: str) -> None:
     body = json.dumps({"chunks": [{"start": 1, "end": 2}]})
     assert _unwrapped(f"  {opening}{body}\n```  ") == body
+
+
+# A CPU server's large model: 0.15 s a text, a 1 s timeout. A batch of 8 takes 1.2 s, of 4 0.6.
+PER_TEXT, TIMEOUT = 0.15, 1.0
+
+
+def slow_embedder(standin: StandIn, db: Database):
+    standin.delay_per_text = PER_TEXT
+    settings = standin_settings(standin, timeout=TIMEOUT, max_retries=2)
+    return build_embedder(settings, dimensions=db.dimensions)
+
+
+def test_a_batch_that_times_out_goes_in_halves_and_the_size_that_answered_is_kept(
+    db: Database, standin: StandIn
+) -> None:
+    """A full batch the server cannot embed within the timeout was sent whole again at every
+    retry, then text by text, for every batch (at the defaults, 154 s for 64 texts before a
+    vector came back, past the soft time limit for a document of four batches)."""
+    embedder = slow_embedder(standin, db)
+    text = "\n\n".join(f"# Part {n}\n\nParagraph {n}. " + "word " * 40 for n in range(12))
+    item = add_item(db, kind="note", title="T", content=text)
+    result = index_item(db, item, embedder=embedder)
+    assert (result.status, result.chunks, result.embedded) == ("indexed", 12, 12)
+    assert [len(b["input"]) for b in standin.bodies] == [8, 4, 4, 4]
+    assert embedder.batch_size == 4
+
+
+def test_memories_whose_batch_times_out_go_in_halves(db: Database, standin: StandIn) -> None:
+    embedder = slow_embedder(standin, db)
+    db.executemany(
+        "INSERT INTO memories(content) VALUES (?)", [(f"Memory {n}: tea.",) for n in range(12)]
+    )
+    report = embed_memories(db, embedder)
+    assert (report.embedded, report.refused, report.error) == (12, 0, None)
+    assert [len(b["input"]) for b in standin.bodies] == [8, 4, 4, 4]
+    assert embedder.batch_size == 4

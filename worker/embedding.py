@@ -19,6 +19,7 @@ from worker.errors import (
     IndexAborted,
     PermanentProviderError,
     ProviderError,
+    TimedOut,
     TransientProviderError,
 )
 from worker.log import KI_EMBED
@@ -274,7 +275,9 @@ def embed_batch(
         requests.failed(e)
         if isinstance(e, PermanentProviderError) and not e.per_input:
             raise
-        if getattr(e, "status", None) == 413 and len(batch) > 1:
+        # Too large for the provider (413), or more than it embeds within the timeout (a CPU
+        # server's large model): a full batch sent whole again timed out at every attempt.
+        if (getattr(e, "status", None) == 413 or isinstance(e, TimedOut)) and len(batch) > 1:
             return _halves(batch, embedder, cancel, failures, requests)
         _one_by_one(batch, embedder, cancel, failures, requests, e)
         return 0
@@ -292,9 +295,10 @@ def _halves(
     failures: PlanFailures,
     requests: Requests,
 ) -> int:
-    """A batch the provider refused as too large (413), sent in two halves, each halved again
-    while refused: a server whose limit is under the batch size (text-embeddings-inference
-    takes 32) cost a refused request and a request a text, for every batch. A full batch whose
+    """A batch the provider refused as too large (413) or did not answer in time, sent in two
+    halves, each halved again while so: a server whose limit is under the batch size
+    (text-embeddings-inference takes 32) cost a refused request and a request a text, for
+    every batch. A full batch whose
     every text then went in requests of at most n makes n the batch size of the process (said
     in the log); inputs refused alone end at themselves, and their plans abort as text by text
     (no part of an aborted plan is sent). As `embed_batch`, what went whole."""
@@ -314,14 +318,15 @@ def _halves(
 
 
 def learn_batch_size(embedder: EmbeddingModel, refused: int, most: int, log: Any) -> None:
-    """A batch of `refused` texts refused as too large, whose every text then went in requests
-    of at most `most` (0: some did not): if the batch was full, `most` is the process's batch
-    size from now on, said in the log, rather than a refused request before every batch (a
-    last, short batch says less of the limit)."""
+    """A batch of `refused` texts refused as too large (or not answered in time), whose every
+    text then went in requests of at most `most` (0: some did not): if the batch was full,
+    `most` is the process's batch size from now on, said in the log, rather than a refused
+    request before every batch (a last, short batch says less of the limit)."""
     if most and most < embedder.batch_size <= refused:
         log.warning(
-            f"{KI_EMBED} the provider refused {refused} texts in one request as too large; "
-            f"{most} a request from now on (set KIDX_EMBEDDING__BATCH_SIZE to its limit)",
+            f"{KI_EMBED} the provider refused {refused} texts in one request as too large, or "
+            f"did not answer them in time; {most} a request from now on (set "
+            "KIDX_EMBEDDING__BATCH_SIZE to what it takes)",
             batch_size=most,
         )
         embedder.batch_size = most

@@ -12,6 +12,7 @@
     ├── KeyConflict              a key kidx uses in Redis holds another program's value
     ├── ProviderError            an embedding or chat provider failed
     │   ├── TransientProviderError   retrying later may help: 408/409/429/5xx, timeouts, resets
+    │   │   ├── TimedOut             no answer within the timeout (a batch may be too large)
     │   │   └── ProviderDown         failed too often in a row: not asked until its cool-down
     │   ├── OutOfTime                the caller's time for the call ran out
     │   └── PermanentProviderError   retrying cannot help: 400/401/403, exhausted quota
@@ -83,6 +84,11 @@ class ProviderError(KidxError):
 
 class TransientProviderError(ProviderError):
     """The provider failed in a way that may pass: retry later."""
+
+
+class TimedOut(TransientProviderError):
+    """The provider did not answer within the timeout: it may pass, and a batch may be more
+    than it embeds in that time (sent again in halves)."""
 
 
 class ProviderDown(TransientProviderError):

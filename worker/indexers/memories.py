@@ -12,7 +12,13 @@ import apsw
 
 from worker.chunking import Chunk, text_hash
 from worker.embedding import FailureCounter, Plan, learn_batch_size
-from worker.errors import IndexAborted, InvalidInput, KidxError, PermanentProviderError
+from worker.errors import (
+    IndexAborted,
+    InvalidInput,
+    KidxError,
+    PermanentProviderError,
+    TimedOut,
+)
 from worker.indexers.base import MAX_CONSECUTIVE_FAILURES, Indexer, IndexOptions, Planned
 from worker.log import KI_EMBED, get_logger
 from worker.nearest import nearest
@@ -383,16 +389,19 @@ def _embedded(
 ) -> tuple[list[tuple[Memory, Any]], int]:
     """A batch's memories embedded, and the most texts a request took when every one went
     whole (else 0). Refused for what may be one input's fault: text by text (`_one_by_one`);
-    refused as too large (413), in halves, as the pipeline's `embed_batch` does (a server
-    whose limit is under the batch size cost a request a memory), the batch size learnt from
-    a full batch. Any other error stops the run (`report.error`)."""
+    refused as too large (413) or not answered in time, in halves, as the pipeline's
+    `embed_batch` does (a server whose limit is under the batch size cost a request a
+    memory), the batch size learnt from a full batch. Any other error stops the run
+    (`report.error`)."""
     try:
         vectors = embedder.embed_checked([text for _, _, text in batch])
     except KidxError as e:
-        if not _per_input(e):
+        # too large (413), or more than the provider embeds within the timeout
+        halve = len(batch) > 1 and (getattr(e, "status", None) == 413 or isinstance(e, TimedOut))
+        if not halve and not _per_input(e):
             report.error = _why(e)
             return [], 0
-        if getattr(e, "status", None) != 413 or len(batch) == 1:
+        if not halve:
             return _one_by_one(batch, embedder, counter, report, e, refusals), 0
         half = (len(batch) + 1) // 2
         done: list[tuple[Memory, Any]] = []

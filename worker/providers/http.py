@@ -37,6 +37,7 @@ from worker.errors import (
     InvalidInput,
     OutOfTime,
     PermanentProviderError,
+    TimedOut,
     TransientProviderError,
 )
 from worker.log import get_logger
@@ -413,10 +414,13 @@ class JSONClient:
         *,
         max_answer_bytes: int | None = None,
         until: float | None = None,
+        retry_timeouts: bool = True,
     ) -> Any:
         """The JSON answer to `body`; `max_answer_bytes`: a tighter bound on the answer than
         the client's (what this request can need), never a looser one; `until`: the
-        `time.monotonic()` instant past which no attempt goes on and none is made (OutOfTime)."""
+        `time.monotonic()` instant past which no attempt goes on and none is made (OutOfTime).
+        `retry_timeouts=False`: an answer that does not come within the timeout is TimedOut
+        at once (a batch of texts the caller sends again in halves, rather than whole again)."""
         s = self.settings
         limit = self.max_answer_bytes
         if max_answer_bytes is not None:
@@ -425,6 +429,7 @@ class JSONClient:
         attempts = s.max_retries + 1
         cause = ""
         garbled = False  # the last attempt's answer was a 200 that is not JSON
+        slow = False  # the last attempt had no answer within the timeout
         wait: float | None = None
         asked = 0.0  # the waits servers asked for (Retry-After) in this call, in all
         for attempt in range(attempts):
@@ -437,7 +442,7 @@ class JSONClient:
                     raise OutOfTime(
                         f"{self.where}: no time left to ask{said}", unanswered=bool(cause)
                     )
-            garbled = False
+            garbled = slow = False
             try:
                 with (
                     # in all (a server trickling bytes included), and cut by a cancellation
@@ -474,6 +479,10 @@ class JSONClient:
                     cause = f"connect timed out after {s.connect_timeout:g}s"
                 else:
                     cause = f"timed out after {s.timeout:g}s"
+                    # sending or answering this request took too long (not the pool's wait)
+                    slow = isinstance(e, httpx.ReadTimeout | httpx.WriteTimeout)
+                    if slow and not retry_timeouts:
+                        raise TimedOut(f"{self.where}: {cause}") from None
             except httpx.TransportError as e:  # its text may quote a header or the URL
                 cause = mask(f"connection failed ({type(e).__name__}: {e})", self._secrets)
             else:
@@ -522,6 +531,8 @@ class JSONClient:
                 self.sleep(wait)
         if garbled:  # the same every time: what the server at this URL answers
             raise BadAnswer(f"{self.where}: {cause} (after {attempts} attempts)")
+        if slow:
+            raise TimedOut(f"{self.where}: {cause} (after {attempts} attempts)")
         raise RetryLater(f"{self.where}: {cause} (after {attempts} attempts)", retry_after=wait)
 
     def shown(self, text: str) -> str:

@@ -80,7 +80,10 @@ class OpenAIEmbeddings(EmbeddingModel):
             body["dimensions"] = self.settings.dimensions
         cap = self.answer_cap(len(texts))
         try:
-            answer = self.http.post("/embeddings", body, max_answer_bytes=cap)
+            # a batch that times out goes again in halves (worker.embedding), not whole again
+            answer = self.http.post(
+                "/embeddings", body, max_answer_bytes=cap, retry_timeouts=len(texts) == 1
+            )
         except AnswerTooLarge as e:
             if e.limit != cap:  # the client's own bound, not this request's
                 raise
