@@ -492,6 +492,19 @@ def test_invariants_hold_given_any_previous_version(text, e, bounds):
     "aaaaaaa aaaaaaaaaah aaaaaaa\n===\n\n# a a a a a",
     bounds={"target": 300},
 )
+@example(  # a chunk at a fence indented in a list item: its cut was at the line's start
+    text="# Setup\n\n"
+    + "Install it. " * 40
+    + "\n\n1. Run the installer:\n\n   ```sh\n"
+    + "   ./install --prefix /opt/tool --with-feature\n" * 6
+    + "   ```\n\n"
+    + "Install it. " * 40
+    + "\n\n2. Configure:\n\n   ```yaml\n"
+    + "   key: value # setting\n" * 8
+    + "   ```\n\n"
+    + "Install it. " * 40,
+    bounds={},
+)
 def test_an_unchanged_text_keeps_its_chunks(text, bounds):
     chunks = chunk_structure(text, **bounds)
     again = chunk_structure(text, previous=[(c.start, c.content) for c in chunks], **bounds)

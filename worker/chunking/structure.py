@@ -289,9 +289,10 @@ class _Plan:
                 if not found:
                     continue
                 p = min(found, key=lambda q: abs(q - expected))
-            if not self.first < p < self.last or not self._cuttable(p):
+            cut = self._cut_before(p)
+            if cut is None:
                 continue
-            kept.append(p)
+            kept.append(cut)
             shift, last = p - old_start, p
         if not kept:
             return cuts, set()
@@ -334,6 +335,27 @@ class _Plan:
         if nxt >= self.last or nxt in self.heading_set:
             return self.max_size
         return self.max_size - self.overlap
+
+    def _cut_before(self, p: int) -> int | None:
+        """Where to cut for a chunk found to start at `p`, or None if nowhere: a chunk's
+        stored start is past the white space before it, and the cut that made it was in that
+        white space (the strongest cuttable candidate there, else `p`). Cut at `p` itself, an
+        indented fence (a code block in a list item) split its fence-like line, and the cut
+        was lost at every run of the unchanged text."""
+        text, start = self.text, p
+        while start > 0 and text[start - 1].isspace():
+            start -= 1
+        pos = self.cand_pos
+        lo, hi = bisect_left(pos, start), bisect_right(pos, p)
+        best = None
+        for i in range(lo, hi):
+            x = pos[i]
+            if self._cuttable(x) and (best is None or self.cand_strength[i] >= best[0]):
+                best = (self.cand_strength[i], x)
+        cut = best[1] if best is not None else p
+        if not self.first < cut < self.last or (best is None and not self._cuttable(cut)):
+            return None
+        return cut
 
     def _cuttable(self, p: int) -> bool:
         """Not inside a fenced block that stays whole, and, inside a line, not where either
