@@ -689,3 +689,16 @@ def test_a_fenced_block_within_the_maximum_is_never_cut(size: int, target: int) 
     assert not [c for c in chunks if start < c.start < end or start < c.end < end]
     assert any(c.start <= start and end <= c.end for c in chunks)
     assert all(c.fence_open is None and c.fence_close is None for c in chunks)
+
+
+def test_previous_rows_that_cut_every_few_characters_do_not_make_tiny_chunks():
+    """A host's rows (the seed's application writes NoteChunks too) read as the previous
+    version: each found start became a cut, and 2-character chunks stayed so for good."""
+    text = "Plain prose paragraph. " * 1000
+    fresh = chunk_structure(text)
+    chunks = chunk_structure(text, previous=[(i, text[i]) for i in range(3000)])
+    assert min(len(c.content) for c in chunks[:-1]) >= MIN_CHUNK_SIZE // 2
+    assert len(chunks) <= 2 * len(fresh)
+    paragraphs = ("a" * 95 + "\n\n") * 300
+    chunks = chunk_structure(paragraphs, previous=[(i * 97, "a" * 95) for i in range(300)])
+    assert len(chunks) <= 2 * len(chunk_structure(paragraphs))

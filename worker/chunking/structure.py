@@ -260,11 +260,17 @@ class _Plan:
         return result
 
     def keep_previous(
-        self, previous: Sequence[tuple[int, str]], cuts: list[int], headings: set[int]
+        self,
+        previous: Sequence[tuple[int, str]],
+        cuts: list[int],
+        headings: set[int],
+        fresh: Collection[int] = (),
     ) -> tuple[list[int], set[int]]:
         """The previous version's cuts, where they can still be found, plus `headings` (the
         cuts at a heading that the text makes on its own), and the others only where a region
-        between them has grown past the maximum; and the cuts kept.
+        between them has grown past the maximum; and the cuts kept. `fresh`: where the text's
+        own parts start (a previous cut closer than the minimum to the one before is kept
+        only there).
 
         `previous` is the old chunks as (start offset, content). Each old chunk's start is looked
         up by its first characters, at the occurrence nearest to where the shift so far puts it
@@ -272,6 +278,7 @@ class _Plan:
         block that stays whole.
         """
         text, tol = self.text, 4 * self.max_size
+        fresh = set(fresh)
         kept: list[int] = []
         shift, last = 0, self.first
         for old_start, content in previous[1:]:
@@ -291,6 +298,10 @@ class _Plan:
                 p = min(found, key=lambda q: abs(q - expected))
             cut = self._cut_before(p)
             if cut is None:
+                continue
+            if cut - (kept[-1] if kept else self.first) < self.min_size and cut not in fresh:
+                # closer than the minimum to the one before, and not a cut the text makes on
+                # its own: a host's rows of 2-character chunks stayed 2 characters for good
                 continue
             kept.append(cut)
             shift, last = p - old_start, p
@@ -490,9 +501,12 @@ class _Plan:
         with the same rule, so a part it left small stays so (merging across a kept cut here
         would cut an unchanged text differently from the first time)."""
         out = list(parts)
+        marks = sorted(kept)  # (bisected: a scan of every kept cut for each small part was
+        # quadratic, 17 s for a host's 20,000 previous rows)
 
         def crosses(left: tuple[int, int], right: tuple[int, int]) -> bool:
-            return any(left[1] <= x <= right[0] for x in kept)
+            k = bisect_left(marks, left[1])
+            return k < len(marks) and marks[k] <= right[0]
 
         i = 0
         while i < len(out) and len(out) > 1:
@@ -643,7 +657,7 @@ def chunk_structure(
         if previous:
             starts = {s for s, _ in _parts(plan, cuts, set())}  # what the text makes alone
             headings = {x for x in cuts if x in plan.heading_set and x in starts}
-            cuts, kept = plan.keep_previous(previous, cuts, headings)
+            cuts, kept = plan.keep_previous(previous, cuts, headings, starts)
             kept |= {plan.first, plan.last}
         parts = _parts(plan, cuts, kept)
 
