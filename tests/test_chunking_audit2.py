@@ -103,6 +103,15 @@ def test_a_backtick_line_indented_4_spaces_does_not_close_a_fence():
     assert [f.closed for f in scan(doc).fences] == [True]
 
 
+@pytest.mark.parametrize("item", ["- Step one, run:", "2. Run:", "* Run:\n\n  it says"])
+def test_a_fence_left_open_in_a_list_item_ends_with_the_item(item):
+    """An item's fence indented under it (1 to 3 columns) and never closed: CommonMark ends it
+    with the item; it ran to the text's end, every later heading code."""
+    doc = f"# Guide\n\n{item}\n   ```sh\n   make install\n- Next.\n\n# Section\n\n{PROSE}"
+    assert _titles(doc) == ["Guide", "Section"]
+    assert scan(doc).fences == []
+
+
 @pytest.mark.parametrize(
     "opener, inside, closer",
     [

@@ -232,10 +232,16 @@ def scan(text: str) -> Layout:
             if marker[0] == "`" and "`" in m["info"]:
                 continue  # ```inline code``` on a line of its own, not a fence
             lead = _lead(m)
-            if (lead.strip() or _width(lead) > 3) and not _closed_ahead(
-                lines, i, ahead := ahead or _Ahead(lines)
-            ):
-                continue  # an indented code block's line, or an item's line that only says ```
+            # An indented code block's line, an item's line that only says ```, or an item's
+            # fence indented under it, which the item's end closes (one left open under
+            # `- run:` hid every heading after it).
+            width = _width(lead)
+            if (
+                lead.strip()
+                or width > 3
+                or (width and _in_list_item(text, m.start("fence"), width))
+            ) and not _closed_ahead(lines, i, ahead := ahead or _Ahead(lines)):
+                continue
             fence_start, opener = start, m
             open_line = text[start:end]
             edges.append(start)
@@ -269,6 +275,35 @@ def scan(text: str) -> Layout:
     return Layout(
         heading_pos, heading_level, heading_title, _outside(blank_ends, edges, fences), fences
     )
+
+
+# A list item's marker at a line's start: `-`, `*`, `+`, or up to 9 digits and `.` or `)`.
+_ITEM = re.compile(r"[ \t]*(?:[-*+]|\d{1,9}[.)])(?:[ \t]|$)")
+# How far back `_in_list_item` looks for the item (lines): bounded, or text of many indented
+# fence lines would be quadratic.
+LOOK_BACK = 64
+
+
+def _in_list_item(text: str, line_start: int, width: int) -> bool:
+    """Whether the line at `line_start`, indented `width` columns (1 to 3), goes on a list
+    item: going back over blank and indented lines (the item's text), a list item's marker
+    indented less comes before a line that is not indented. A top-level fence may be indented
+    as much (its text is code whatever its indentation); an item's ends with the item."""
+    end = line_start
+    for _ in range(LOOK_BACK):
+        if end <= 0:
+            return False
+        start = max(text.rfind("\n", 0, end - 1), text.rfind("\r", 0, end - 1)) + 1
+        line = text[start:end].rstrip("\r\n").expandtabs(4)
+        end = start
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent < width and _ITEM.match(line):
+            return True
+        if not indent:
+            return False
+    return False
 
 
 def _lead(m: re.Match[str]) -> str:
@@ -327,8 +362,8 @@ class _Ahead:
 
 
 def _closed_ahead(lines: list[tuple[int, int, re.Match[str]]], i: int, ahead: _Ahead) -> bool:
-    """Whether the fence line `lines[i]`, one indented 4 or more (a nested list item's fence,
-    or an indented code block's text) or after a list item's or a quote's marker, has its
+    """Whether the fence line `lines[i]`, one indented (a list item's fence, or an indented
+    code block's text) or after a list item's or a quote's marker, has its
     closing line before the next line less indented that is not a fence (a heading: the item
     ended there). Else it opens nothing: a lone indented ``` line, as a text on Markdown shows
     one, or an item's line that only mentions ```, never hides every heading after it. Lines
