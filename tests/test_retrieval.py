@@ -46,7 +46,7 @@ def corpus_db(tmp_path: Path, standin):
 
 def test_vec_and_fallback_return_the_same_items_in_the_same_order(corpus_db):
     db, model, _, settings = corpus_db
-    queries = ["ownership of a String", "threads and channels", "Short\n\nLifetimes in one line."]
+    queries = ["ownership of a String", "threads and channels", "Lifetimes in one line."]
     via_vec = {q: search(db, q, model, k=8) for q in queries}
     fallback_db = connect(db.path, embedding=settings, vec=False)
     for q in queries:
@@ -71,7 +71,7 @@ def test_a_connection_mapped_for_reading_answers_the_same(corpus_db):
 
 def test_one_hit_per_item_best_first_at_most_k(corpus_db):
     db, model, ids, _ = corpus_db
-    result = search(db, "Short\n\nLifetimes in one line.", model, k=5)
+    result = search(db, "Lifetimes in one line.", model, k=5)
     items = [h.item_id for h in result.hits]
     assert len(items) == len(set(items)) == 5
     assert items[0] == ids["short"]  # its exact text: its chunk and its whole-item vector
@@ -86,12 +86,12 @@ def test_one_hit_per_item_best_first_at_most_k(corpus_db):
 def test_a_chunk_is_found_by_its_exact_text(corpus_db):
     db, model, ids, _ = corpus_db
     row = db.one(
-        "SELECT c.chunk_index, c.content, i.title, c.headings FROM note_chunks c "
+        "SELECT c.chunk_index, c.content, c.headings FROM note_chunks c "
         "JOIN knowledge_items i ON i.id = c.item_id WHERE c.item_id = ? AND c.chunk_index = 3",
         (ids["ch16-01-threads.md"],),
     )
-    chunk_index, content, title, headings = row
-    query = f"{title}\n{headings}\n\n{content}"
+    chunk_index, content, headings = row
+    query = f"{headings}\n\n{content}"  # what was embedded (no title)
     hit = search(db, query, model, k=1).hits[0]
     assert (hit.item_id, hit.chunk_index) == (ids["ch16-01-threads.md"], chunk_index)
 

@@ -352,7 +352,7 @@ def test_dimension_change_rebuilds_and_refills_so_knn_keeps_working(tmp_path, st
     assert standin.requests == requests
     model_a = build_embedder(settings_a, dimensions=db.dimensions)
     for item, i in notes.items():
-        result = search(db, f"N{i}\n\nNote number {i} about topic {i}.", model_a, k=3)
+        result = search(db, f"Note number {i} about topic {i}.", model_a, k=3)
         assert result.via == "vec"
         assert result.hits[0].item_id == item
         assert result.hits[0].score == pytest.approx(1.0, abs=1e-5)
