@@ -53,7 +53,7 @@ from worker.nearest import (
 from worker.providers.base import EmbeddingModel
 from worker.settings import SearchSettings
 from worker.store.db import Database
-from worker.store.fts import NOTES, keyword_query
+from worker.store.fts import NOTES, fts_problem, keyword_query
 from worker.store.text import given_text, integer_or_null, shown
 from worker.store.vec import VEC, sound, vec_table_dimensions
 
@@ -253,8 +253,10 @@ def search_chunks(
     match = keyword_query(query) if mode != Mode.VECTOR else None
     if mode == Mode.KEYWORD and match is None:
         notes.append("the query has no word to search for: no keyword hit")
-    if match is not None and not db.table_exists(NOTES.name):
-        notes.append(f"{NOTES.name} is missing (the sweep rebuilds it): no keyword search")
+    # Not only there: kidx's (a host's `fts5(content)` in its place matched the host's rows
+    # and gave their rowids as chunks that hold none of the query's words)
+    if match is not None and (problem := fts_problem(db, NOTES)) is not None:
+        notes.append(f"{NOTES.name} {problem} (the sweep rebuilds it): no keyword search")
         match = None
     vector = None
     if mode != Mode.KEYWORD:

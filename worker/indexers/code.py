@@ -20,7 +20,7 @@ from worker.nearest import nearest
 from worker.providers.base import EmbeddingModel
 from worker.retrieval import check_query, fuse
 from worker.store.db import Database
-from worker.store.fts import CODE, fts_write_item, keyword_query
+from worker.store.fts import CODE, fts_problem, fts_write_item, keyword_query
 from worker.store.items import Item
 from worker.store.repair import repair_vectors
 from worker.store.text import integer_or_null, shown
@@ -177,7 +177,10 @@ def _ranked(
     similarity = {chunk_id: round(1 - distance, 6) for chunk_id, distance in found}
     match = keyword_query(query)
     keyword: list[int] = []
-    if match is not None and db.table_exists(CODE.name):
+    if match is not None and (problem := fts_problem(db, CODE)) is not None:
+        unusable = f"{CODE.name} {problem} (the sweep rebuilds it): no keyword hit"
+        reason = f"{reason}; {unusable}" if reason else unusable
+    elif match is not None:
         try:
             keyword = [
                 r[0]

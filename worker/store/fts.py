@@ -296,14 +296,22 @@ def fts_present(db: Database, table: FtsTable) -> bool:
     contentless one, made every sweep and every write fail on a column it lacks), has every
     shadow table and the file format FTS5 writes (what a host's DROP or `_config` write
     breaks), looked at without FTS5's integrity check."""
+    return fts_problem(db, table) is None
+
+
+def fts_problem(db: Database, table: FtsTable) -> str | None:
+    """What `fts_present` finds wrong, as words for a search's reason: `is missing`, `is not
+    kidx's` (another declaration), `is damaged`; None when nothing is."""
     declared = db.scalar(
         "SELECT CAST(sql AS BLOB) FROM sqlite_schema WHERE type = 'table' AND name = ?",
         (table.name,),
     )
+    if declared is None:
+        return "is missing"
     if not isinstance(declared, bytes) or _shape(declared.decode("utf-8", "replace")) != _shape(
         create_sql(table.name)
     ):
-        return False
+        return "is not kidx's"
     shadows = [f"{table.name}_{s}" for s in _SHADOWS]
     have = db.scalar(
         f"SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name IN "
@@ -311,15 +319,15 @@ def fts_present(db: Database, table: FtsTable) -> bool:
         shadows,
     )
     if have != len(shadows):
-        return False
+        return "is damaged"
     try:
         # (typed in SQL: a host's text that is not UTF-8 raised in apsw, at every sweep)
         version = db.scalar(
             f"SELECT {integer_or_null('v')} FROM {table.name}_config WHERE k = 'version'"
         )
     except apsw.Error:
-        return False
-    return version == FTS5_VERSION
+        return "is damaged"
+    return None if version == FTS5_VERSION else "is damaged"
 
 
 def fts_intact(db: Database, table: FtsTable) -> bool:

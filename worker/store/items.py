@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import numbers
+import operator
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -26,7 +28,10 @@ def valid_item_id(item_id: object) -> TypeGuard[int]:
 
 
 def check_item_id(item_id: object) -> int:
-    """`item_id`, or InvalidInput saying what it is when it is no `valid_item_id`."""
+    """`item_id` as an int (a numpy integer too: apsw bound it as bytes, and item 1 was "not
+    found"), or InvalidInput saying what it is when it is no `valid_item_id`."""
+    if isinstance(item_id, numbers.Integral) and not isinstance(item_id, bool):
+        item_id = operator.index(item_id)
     if not valid_item_id(item_id):
         raise InvalidInput(f"the item id must be a 64-bit integer, not {item_id!r:.60}")
     return item_id
@@ -246,6 +251,7 @@ def get_item(db: Database, item_id: int, *, content: bool = True) -> Item:
     """The item; with `content=False` its content is "" (a 20 MB note is 80 MB in Python).
     Columns a host filled with bytes that are not UTF-8 never raise here (worker.store.text):
     a title is shown with U+FFFD, content or a source that is not text sets `unreadable`."""
+    item_id = check_item_id(item_id)  # a host's call: "1", True, 2**70 are no id
     column = "content" if content else "''"
     sql = (
         "SELECT id, {}, {}, {}, " + column + ", {}, CAST(kind AS BLOB), CAST(title AS BLOB), "
@@ -376,7 +382,7 @@ def mark_not_run(
 def get_state(db: Database, item_id: int) -> dict[str, Any]:
     """The item's state row (STATE_COLUMNS); whatever a host wrote in it is shown as text,
     never raised (`readable`)."""
-    get_item(db, item_id)
+    item_id = get_item(db, item_id, content=False).id
     rows = db.dicts(
         f"SELECT {', '.join(readable('s.' + c) for c in STATE_COLUMNS)} "
         "FROM item_index_state s WHERE s.item_id = ?",
@@ -417,7 +423,9 @@ def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
     are stored by line. `has_embedding`: a vector search can find it, i.e. its vector is one
     of the index's dimension (not one left from before a model switch, nor a host's row kidx
     cannot read)."""
-    if get_item(db, item_id, content=False).kind == "code":
+    item = get_item(db, item_id, content=False)  # (the id checked)
+    item_id = item.id
+    if item.kind == "code":
         return _code_chunks(db, item_id)
     rows = db.dicts(
         f"SELECT {readable('c.chunk_index')}, CAST(c.method AS BLOB) AS chunk_method, "

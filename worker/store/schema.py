@@ -245,6 +245,12 @@ INSERT INTO knowledge_items_new(id, kind, title, source, content, content_hash, 
                                 updated_at)
 SELECT id, kind, title, source, content, content_hash, created_at, updated_at
   FROM knowledge_items;
+-- Run again on a table that has AUTOINCREMENT (a schema_version set back: a restored copy, a
+-- hand's edit), its sequence counts ids deleted items had: kept past the DROP, which takes
+-- it with the table (an id a host still held was given to a new item).
+INSERT INTO sqlite_sequence(name, seq)
+SELECT 'kidx_items_before', seq FROM sqlite_sequence
+ WHERE name = 'knowledge_items' AND typeof(seq) = 'integer';
 DROP TABLE knowledge_items;
 ALTER TABLE knowledge_items_new RENAME TO knowledge_items;
 
@@ -253,12 +259,14 @@ DELETE FROM sqlite_sequence WHERE name = 'knowledge_items';
 INSERT INTO sqlite_sequence(name, seq)
 SELECT 'knowledge_items', coalesce(max(m), 0) FROM (
     SELECT max(id) AS m FROM knowledge_items
+    UNION ALL SELECT max(seq) FROM sqlite_sequence WHERE name = 'kidx_items_before'
     UNION ALL SELECT max(item_id) FROM item_index_state WHERE typeof(item_id) = 'integer'
     UNION ALL SELECT max(item_id) FROM note_chunks WHERE typeof(item_id) = 'integer'
     UNION ALL SELECT max(item_id) FROM note_embeddings WHERE typeof(item_id) = 'integer'
     UNION ALL SELECT max(item_id) FROM code_chunks WHERE typeof(item_id) = 'integer'
     UNION ALL SELECT max(item_id) FROM index_jobs WHERE typeof(item_id) = 'integer'
 );
+DELETE FROM sqlite_sequence WHERE name = 'kidx_items_before';
 
 CREATE TRIGGER knowledge_items_content_changed
 AFTER UPDATE OF content ON knowledge_items

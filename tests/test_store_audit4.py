@@ -1,0 +1,73 @@
+"""The store against a fourth review: a keyword table a host made again in its own shape was
+searched as kidx's; a migration run again wound the item id sequence back; a vec table a host
+made at another dimension stayed until a write; the chunk list and state read any id."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FakeEmbedder
+from worker.bulk import index_items
+from worker.retrieval import search_chunks
+from worker.store.items import add_item
+
+
+def test_a_keyword_table_a_host_made_in_its_own_shape_is_not_searched(db, host):
+    """`fts5(content)` with the host's own rows: its rowids came back as chunks that hold
+    none of the query's words, `via=fts`, no reason given."""
+    fake = FakeEmbedder()
+    ids = [
+        add_item(db, kind="note", title=f"T{i}", content=f"zeta{i} omega. " * 40) for i in range(3)
+    ]
+    index_items(db, ids, embedder=fake)
+    host.execute("DROP TABLE note_chunks_fts")
+    host.execute("CREATE VIRTUAL TABLE note_chunks_fts USING fts5(content)")
+    first = db.scalar("SELECT min(id) FROM note_chunks")
+    host.execute("INSERT INTO note_chunks_fts(rowid, content) VALUES (?, 'platypus')", (first,))
+    keyword = search_chunks(db, "platypus", embedder=fake, k=3, mode="keyword")
+    assert keyword.hits == []
+    assert "note_chunks_fts is not kidx's (the sweep rebuilds it)" in " ".join(keyword.notes)
+    hybrid = search_chunks(db, "platypus", embedder=fake, k=3, mode="hybrid")
+    assert hybrid.via == "vec" and all("platypus" not in h.content for h in hybrid.hits)
+
+
+@pytest.mark.parametrize("bad", [True, "1", 1.0, 2**70, [1], None])
+def test_the_chunk_list_and_state_take_an_item_id_or_say_what_it_is_not(db, bad):
+    """Bound as it came: True, "1" and 1.0 meant item 1, 2**70 raised OverflowError, [1] a
+    TypeError; a numpy integer was bound as bytes and item 1 was "not found"."""
+    import numpy as np
+
+    from worker.errors import InvalidInput
+    from worker.store.items import get_state, list_chunks
+
+    item = add_item(db, kind="note", title="T", content="One short note.")
+    index_items(db, [item], embedder=FakeEmbedder())
+    assert list_chunks(db, np.int64(item)) == list_chunks(db, item)
+    assert get_state(db, np.int32(item))["status"] == "indexed"
+    for read in (list_chunks, get_state):
+        with pytest.raises(InvalidInput, match="must be a 64-bit integer"):
+            read(db, bad)
+
+
+def test_a_migration_run_again_keeps_the_ids_deleted_items_had(db_path, emb_settings):
+    """Migration 5 rebuilt knowledge_items and set its sequence from the ids left: run again
+    (schema_version set back, a restored copy), the sequence a deleted item had counted was
+    lost with the old table, and its id was given to the next item."""
+    import apsw
+
+    from worker.store import connect
+    from worker.store.removal import delete_items
+
+    db = connect(db_path, embedding=emb_settings)
+    ids = [add_item(db, kind="note", title=f"T{i}", content=f"Note {i}.") for i in range(4)]
+    delete_items(db, [ids[-1]])
+    db.close()
+    host = apsw.Connection(str(db_path))
+    host.execute("UPDATE index_meta SET value = '4' WHERE key = 'schema_version'")
+    host.close()
+    db = connect(db_path, embedding=emb_settings)
+    try:
+        assert add_item(db, kind="note", title="new", content="A new note.") == ids[-1] + 1
+        assert db.all("SELECT name FROM sqlite_sequence WHERE name = 'kidx_items_before'") == []
+    finally:
+        db.close()
