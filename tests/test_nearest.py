@@ -218,7 +218,7 @@ def test_chunk_vectors_of_nan_a_host_wrote_score_zero_on_every_path(db, fake, em
     NaN. Every path now gives the same ten: those nearer than distance 1, then the NaN rows by
     id, with score 0."""
     for n in range(12):
-        item = add_item(db, kind="note", title=f"n{n}", content=f"alpha note number {n}.\n")
+        item = add_item(db, kind="note", title=f"n{n}", content=f"alpha note {n}.\n")
         index_item(db, item, embedder=fake)
     nan = np.full(DIMS, np.nan, dtype="<f4").tobytes()
     chunks = [r[0] for r in db.all("SELECT id FROM note_chunks ORDER BY id")]
