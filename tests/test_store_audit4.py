@@ -71,3 +71,32 @@ def test_a_migration_run_again_keeps_the_ids_deleted_items_had(db_path, emb_sett
         assert db.all("SELECT name FROM sqlite_sequence WHERE name = 'kidx_items_before'") == []
     finally:
         db.close()
+
+
+def test_a_vec_table_a_host_made_at_another_dimension_is_rebuilt_by_the_sweep(db):
+    """At 32 dimensions where the index and every other table are at this model's: the sweep
+    rebuilt only missing tables, and search stayed on the exact fallback until a write."""
+    import apsw
+
+    from worker.reconcile import reconcile
+    from worker.store import db as store_db
+
+    fake = FakeEmbedder()
+    ids = [
+        add_item(db, kind="note", title=f"T{i}", content=f"zeta{i} omega. " * 40) for i in range(3)
+    ]
+    index_items(db, ids, embedder=fake)
+    host = apsw.Connection(str(db.path))
+    host.enable_load_extension(True)
+    host.load_extension(store_db.vec_library_path())
+    host.execute("DROP TABLE vec_chunk_embeddings")
+    host.execute(
+        "CREATE VIRTUAL TABLE vec_chunk_embeddings USING vec0(chunk_id INTEGER PRIMARY KEY, "
+        "embedding float[32] distance_metric=cosine)"
+    )
+    host.close()
+    assert search_chunks(db, "zeta1 omega", fake, k=3, mode="vector").via == "fallback"
+    drift = reconcile(db, model=fake.model_id, max_items=100)
+    assert drift.repaired["tables_rebuilt"] == {"vec_chunk_embeddings": 3}
+    found = search_chunks(db, "zeta1 omega", fake, k=3, mode="vector")
+    assert found.via == "vec" and found.hits

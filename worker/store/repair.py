@@ -19,6 +19,7 @@ from worker.store.db import Database
 from worker.store.vec import (
     VEC_TABLES,
     VecTable,
+    claimed,
     rebuild_vec_table,
     set_meta,
     sound,
@@ -248,7 +249,12 @@ def _remake(db: Database, dimensions: int, report: RepairReport) -> bool:
     summary said nothing of a rebuild of every table."""
     declared = vec_table_dimensions(db).values()
     remade = None in declared and all(d in (None, dimensions) for d in declared)
-    if not (vec_behind(db) or remade):
+    # One made again at another dimension (a host's CREATE with kidx's declaration), while
+    # others and the index's recorded model are at this process's: no model switch did that,
+    # and search was left on the slow exact fallback until some vector was written.
+    stray = bool(set(declared) - {None, dimensions}) and dimensions in declared
+    stray = stray and claimed(db) and db.dimensions == dimensions
+    if not (vec_behind(db) or remade or stray):
         return False
     with db.atomic():  # what sync_vec_tables rebuilds, read under its write lock
         before, behind = vec_table_dimensions(db), vec_behind(db)
