@@ -48,7 +48,8 @@ MARKS = {
     "beat": "worker.app",
     "flower": "ops.flower",
 }
-STOP_WAIT = {"worker": 60.0, "beat": 15.0, "flower": 15.0, "redis": 15.0}
+# (a worker's: past the tasks' hard time limit, `stop_wait`)
+STOP_WAIT = {"worker": 15.0, "beat": 15.0, "flower": 15.0, "redis": 15.0}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -435,6 +436,15 @@ def start(stack: Stack, demo: bool) -> None:
         print(line)
 
 
+def stop_wait(stack: Stack, name: str) -> float:
+    """How long a component has to end after SIGTERM: a worker's warm shutdown lets running
+    tasks finish, which may take the hard time limit (killed at 60 s, a run left its item
+    `indexing` until the overrun sweep failed it, an attempt spent)."""
+    if name == "worker":
+        return stack.settings.tasks.time_limit + STOP_WAIT[name]
+    return STOP_WAIT[name]
+
+
 def stop_one(stack: Stack, name: str) -> str:
     pid = stack.pid(name)
     path = stack.pid_file(name)
@@ -443,7 +453,7 @@ def stop_one(stack: Stack, name: str) -> str:
         problem = remove_pid_file(path)
         return "not running" + (f" ({problem or 'stale pid file removed'})" if had else "")
     os.kill(pid, signal.SIGTERM)
-    graceful = wait_until(lambda: not alive(pid, MARKS[name]), STOP_WAIT[name])
+    graceful = wait_until(lambda: not alive(pid, MARKS[name]), stop_wait(stack, name))
     kill_group(pid, MARKS[name])  # what is left of its group (pool processes, too)
     wait_until(lambda: not alive(pid, MARKS[name]), 5)
     problem = remove_pid_file(path)

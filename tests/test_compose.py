@@ -352,3 +352,25 @@ def test_make_clean_never_removes_the_default_database():
         ["make", "-n", "clean"], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True
     ).stdout
     assert "rm " in recipe and not re.search(r"(^|\s)\.?/?data(/|\s|$)", recipe)
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration ("12m", "90s", "1m30s") in seconds."""
+    import re
+
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert parts is not None and duration, duration
+    h, m, s = (int(x or 0) for x in parts.groups())
+    return h * 3600 + m * 60 + s
+
+
+def test_workers_get_longer_than_the_hard_time_limit_to_stop(compose: dict[str, Any]) -> None:
+    """2 minutes (and ops.stack's 60 s) against a 660 s hard limit: every stop or deploy killed
+    runs that would have finished, their items `indexing` until the overrun sweep failed them."""
+    from ops.stack import Stack, stop_wait
+    from worker.settings import Settings
+
+    limit = Settings().tasks.time_limit
+    assert _seconds(compose["services"]["worker"]["stop_grace_period"]) > limit
+    assert stop_wait(Stack(Settings()), "worker") > limit
+    assert stop_wait(Stack(Settings()), "beat") < 60
