@@ -14,7 +14,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -389,6 +389,23 @@ def fail(message: str, code: int = 1, redact: Redact | None = None) -> NoReturn:
     message = printable(message)  # an error may quote a title, a path, a provider's text
     err.print(f"[red]error:[/red] {escape(message)}", markup=True, highlight=False)
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def one_line_errors(db: str | Path = "the database") -> Iterator[None]:
+    """A script's errors (`make run`'s, `make demo`'s) as a kidx command says them: one line,
+    status 2 for invalid settings, 1 for the rest (`db`: the file SQLite's errors are about).
+    They printed tracebacks."""
+    try:
+        yield
+    except ConfigError as e:
+        fail(str(e), 2)
+    except KidxError as e:
+        fail(str(e), 1)
+    except apsw.Error as e:
+        fail(sqlite_problem(e, db), 1)
+    except OSError as e:
+        fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), 1)
 
 
 def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:

@@ -12,10 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from worker.errors import ConfigError
+from ops.cli.base import one_line_errors
 from worker.log import configure_logging
 from worker.regular import read_regular
-from worker.settings import load_settings
+from worker.settings import Settings, load_settings
 from worker.store import open_store
 from worker.store.items import add_item, update_content
 
@@ -55,15 +55,18 @@ def main() -> None:
     args = ap.parse_args()
     if not args.folder.is_dir():
         sys.exit(f"error: not a folder: {args.folder}")
-    try:
+    with one_line_errors():  # one line, status 2, as every kidx command says it
         settings = load_settings(**({"db": args.db} if args.db else {}))
-    except ConfigError as e:  # one line, status 2, as every kidx command says it
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     configure_logging(fmt=settings.log_format, level="warning", secrets=settings.secrets())
+    with one_line_errors(settings.db):
+        load(args.folder, settings)
+
+
+def load(folder: Path, settings: Settings) -> None:
     added = updated = same = skipped = 0
-    with open_store(settings) as db:
-        for path in sorted(args.folder.glob("*.md")):
+    # (not created here: `kidx init` does that, and a mistyped --db is no new database)
+    with open_store(settings, create=False) as db:
+        for path in sorted(folder.glob("*.md")):
             text = read_note(path)
             if text is None:
                 skipped += 1
@@ -83,7 +86,7 @@ def main() -> None:
     print(
         f"{added} notes added, {updated} updated, {same} unchanged"
         + (f", {skipped} skipped" if skipped else "")
-        + f", from {args.folder}"
+        + f", from {folder}"
     )
 
 

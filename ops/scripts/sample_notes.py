@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ops.cli.base import one_line_errors
 from worker.log import configure_logging
-from worker.settings import load_settings
+from worker.settings import Settings, load_settings
 from worker.store import open_store
 from worker.store.items import add_item, update_content
 
@@ -33,10 +34,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--db", type=Path)
     args = ap.parse_args()
-    settings = load_settings(**({"db": args.db} if args.db else {}))
+    with one_line_errors():
+        settings = load_settings(**({"db": args.db} if args.db else {}))
     configure_logging(fmt=settings.log_format, level="warning", secrets=settings.secrets())
+    with one_line_errors(settings.db):
+        add_notes(settings)
+
+
+def add_notes(settings: Settings) -> None:
     added = updated = 0
-    with open_store(settings) as db:
+    # (not created here: `kidx init` does that, and a mistyped --db is no new database)
+    with open_store(settings, create=False) as db:
         for title, text in NOTES.items():
             source = f"sample:{title.lower()}"
             row = db.one("SELECT id, content FROM knowledge_items WHERE source = ?", (source,))

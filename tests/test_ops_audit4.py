@@ -1,0 +1,47 @@
+"""The scripts `make run` and `make demo` call, against bad settings and paths: a traceback,
+and a database made at a mistyped --db, where every kidx command says one line and makes
+nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {
+    "sample_notes": [],
+    "load_corpus": [str(ROOT.parent / "shared" / "corpus" / "rustbook")],
+}
+
+
+def run(script: str, *args: str, tmp: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {**os.environ, "KIDX_DATA_DIR": str(tmp / "data"), "KIDX_DB": str(tmp / "k.db")}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "ops" / "scripts" / f"{script}.py"), *SCRIPTS[script], *args],
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_a_script_says_a_bad_setting_in_one_line(script: str, tmp_path: Path) -> None:
+    done = run(script, tmp=tmp_path, KIDX_CHUNK__TARGET="abc")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: invalid settings: KIDX_CHUNK__TARGET")
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_a_script_makes_no_database_at_a_mistyped_path(script: str, tmp_path: Path) -> None:
+    done = run(script, "--db", str(tmp_path / "typo" / "x.db"), tmp=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "no database at" in done.stderr and not (tmp_path / "typo").exists()
+    (tmp_path / "notdb.txt").write_text("not a database")
+    done = run(script, "--db", str(tmp_path / "notdb.txt"), tmp=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "not a database" in done.stderr
