@@ -331,7 +331,7 @@ def test_the_values_those_checks_take():
         metrics={"address": "[::1]"},
         flower={"address": ""},
         files={"roots": "~/docs,/srv/docs"},
-        result_backend="db+sqlite:///results.db",
+        result_backend="redis://127.0.0.1:6379/4",
     )
     assert settings.urls.content_types == ["text/html", "application/pdf"]
     assert (settings.metrics.address, settings.flower.address) == ("::1", "")

@@ -431,13 +431,34 @@ def test_a_result_backend_kidx_does_not_take_is_refused(monkeypatch, url):
     assert "redis://" in line and "db+" in line
 
 
-def test_the_result_backends_kidx_takes():
-    for url in (
-        "redis://127.0.0.1:6379/4",
-        "db+sqlite:///results.db",
-        "db+postgresql+psycopg://h/k",
-    ):
+def test_the_result_backends_kidx_takes(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(  # SQLAlchemy there, whether this environment has it or not
+        importlib.util, "find_spec", lambda n, *a: object() if n == "sqlalchemy" else real(n, *a)
+    )
+    for url in ("redis://127.0.0.1:6379/4", "db+postgresql+psycopg://h/k", "db+mysql://h/k"):
         assert load_settings(result_backend=url).result_backend == url
+
+
+@pytest.mark.parametrize("url", ["db+sqlite:///results.db", "db+sqlite+pysqlite:///r.db"])
+def test_a_sqlite_result_backend_is_refused(monkeypatch, url):
+    """Python's sqlite3 in every worker beside kidx's apsw: two SQLite libraries, one process."""
+    monkeypatch.setenv("KIDX_RESULT_BACKEND", url)
+    assert "two SQLite libraries in one process" in refused("KIDX_RESULT_BACKEND")
+
+
+def test_the_sqlalchemy_backend_without_sqlalchemy_is_refused_when_read(monkeypatch):
+    """Taken, then the worker died at its start (Celery loads the backend for its banner)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "sqlalchemy" else real(n, *a)
+    )
+    monkeypatch.setenv("KIDX_RESULT_BACKEND", "db+postgresql://h/k")
+    assert "needs SQLAlchemy" in refused("KIDX_RESULT_BACKEND")
 
 
 # -- a second review of the settings -----------------------------------------------------------

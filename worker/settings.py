@@ -6,6 +6,7 @@ name, never on the hundredth task.
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 import re
@@ -756,7 +757,19 @@ class Settings(BaseSettings):
         if not _SQLALCHEMY_URL.match(v):
             raise ValueError(
                 f"must be a redis:// or rediss:// URL {example}, or db+dialect:// for Celery's "
-                "SQLAlchemy backend (db+postgresql://..., db+sqlite:///results.db)"
+                "SQLAlchemy backend (db+postgresql://...)"
+            )
+        if scheme.startswith("db+sqlite"):
+            # Python's sqlite3 beside apsw: two SQLite libraries in one worker process
+            raise ValueError(
+                "db+sqlite would load Python's sqlite3 beside kidx's SQLite (apsw) in each "
+                f"worker, two SQLite libraries in one process: use Redis {example}, or a "
+                "server's database (db+postgresql://...)"
+            )
+        if importlib.util.find_spec("sqlalchemy") is None:  # (a worker died at its start)
+            raise ValueError(
+                "Celery's SQLAlchemy backend needs SQLAlchemy and the database's driver, which "
+                "kidx does not install: pip install sqlalchemy psycopg2-binary (PostgreSQL)"
             )
         return v
 
