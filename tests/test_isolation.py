@@ -181,3 +181,15 @@ def test_a_refused_document_in_a_batch_fails_alone_and_three_in_a_row_still_abor
     batch = get_batch(stack.db, batch_id)
     assert batch["state"] == "aborted" and "3 consecutive failures" in batch["abort_reason"]
     assert batch["failed"] >= 3 and batch["failed"] + batch["skipped"] == 5
+
+
+def test_refusals_that_are_not_in_a_row_leave_the_item_partial(db, embedder, standin):
+    """The seed: three *consecutive* failures abort. Chunks 1, 3 and 5 refused, each followed
+    by one that embeds: three in all, none two in a row; the item is written, `partial`."""
+    text = sections("doc", 8, poisoned={1, 3, 5})
+    item = add_item(db, kind="note", title="Spread", content=text)
+    standin.poison = "POISON"
+    result = index_item(db, item, embedder=embedder)
+    assert (result.status, result.failed, result.embedded) == ("partial", 3, result.chunks - 3)
+    assert get_state(db, item)["status"] == "partial"
+    assert [i for i, _, has in chunks(db, item) if not has] == [1, 3, 5]

@@ -227,6 +227,22 @@ def test_resolution_1_the_latest_embedding_row_of_the_configured_model(tmp_path)
     known = EmbeddingSettings(provider="local")  # all-MiniLM-L6-v2: 384
     _embedding_row(db, "all-MiniLM-L6-v2", 999)
     assert resolve_dimensions(db, known).dimensions == 999
+    # Rows of the configured model at two dimensions (KIDX_EMBEDDING__DIMENSIONS 256, then
+    # 512): the most recent one's, whatever order the rows were written in.
+    _embedding_row(db, "my-model", 512)
+    _embedding_row(db, "my-model", 256)
+    with as_a_run(db):
+        for dims, at in (
+            (768, "2025-01-01T00:00:00.000Z"),
+            (256, "2026-01-01T00:00:00.000Z"),
+            (512, "2026-06-01T00:00:00.000Z"),
+        ):
+            db.execute(
+                "UPDATE note_chunk_embeddings SET created_at = ? WHERE model = 'my-model' "
+                "AND dimensions = ?",
+                (at, dims),
+            )
+    assert resolve_dimensions(db, settings).dimensions == 512
     db.close()
 
 
