@@ -933,9 +933,11 @@ def test_an_item_a_host_turned_into_code_or_a_note_leaves_the_other_search(notes
     assert search_code(db, "StoreError", fake, k=3)[0] == []
 
 
-def test_a_chunk_has_an_embedding_only_of_the_index_dimension(db_path, emb_settings, fake):
+def test_a_chunk_has_an_embedding_only_of_the_index_dimension_and_model(db_path, emb_settings):
     """After a switch of model and dimension the old vectors stay until the item is indexed
-    again; the chunk list said `has_embedding` for them, while no search could find them."""
+    again; the chunk list said `has_embedding` for them, while no search could find them. So
+    after a switch to another model of the same dimension (its vec tables are not rebuilt)."""
+    fake = FakeEmbedder(model_id=emb_settings.model)  # the connection's model
     db = connect(db_path, embedding=emb_settings)
     item = add_item(db, kind="note", title="n", content=corpus_text(CHAPTERS[2]))
     index_item(db, item, embedder=fake)
@@ -947,6 +949,12 @@ def test_a_chunk_has_an_embedding_only_of_the_index_dimension(db_path, emb_setti
     wide = emb_settings.model_copy(update={"dimensions": DIMS * 2, "model": "wide"})
     db = connect(db_path, embedding=wide)
     assert {c["has_embedding"] for c in list_chunks(db, item)} == {False}
+    db.close()
+    same = emb_settings.model_copy(update={"model": "another-of-the-same-size"})
+    db = connect(db_path, embedding=same)
+    assert {c["has_embedding"] for c in list_chunks(db, item)} == {False}
+    other = FakeEmbedder(model_id=same.model)  # what vector search finds: none of them either
+    assert search_chunks(db, "ownership", other, k=3, mode="vector").hits == []
     db.close()
 
 

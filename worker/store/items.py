@@ -407,13 +407,27 @@ def list_states(db: Database) -> list[dict[str, Any]]:
     return [shown_row(r) for r in rows]
 
 
-# The chunk's embedding row (`e`, LEFT JOINed) holds a vector of the index's dimension
-# (`:dims`; any, on a bare connection that knows none).
-_USABLE = f"e.chunk_id IS NOT NULL AND (:dims IS NULL OR e.dimensions = :dims) AND {sound('e')}"
+# The chunk's embedding row (`e`, LEFT JOINed) holds a vector of the index's dimension and
+# model, as vector search asks (`:dims`, `:model`; any, on a connection that knows none): a
+# switch to another model of the same size left the old vectors "embedded" in the chunk list,
+# which search did not use.
+_USABLE = (
+    "e.chunk_id IS NOT NULL AND (:dims IS NULL OR e.dimensions = :dims) "
+    f"AND (:model IS NULL OR e.model = :model) AND {sound('e')}"
+)
 
 
-def _dimensions(db: Database) -> int | None:
-    return db.resolution.dimensions if db.resolution is not None else None
+def _index(db: Database) -> dict[str, object]:
+    """The `:dims` and `:model` of `_USABLE`."""
+    res = db.resolution
+    return (
+        {"dims": res.dimensions, "model": res.model}
+        if res is not None
+        else {
+            "dims": None,
+            "model": None,
+        }
+    )
 
 
 def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
@@ -435,7 +449,7 @@ def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
         "c.end_offset - c.start_offset AS length FROM note_chunks c "
         "LEFT JOIN note_chunk_embeddings e ON e.chunk_id = c.id "
         "WHERE c.item_id = :item ORDER BY c.chunk_index",
-        {"item": item_id, "dims": _dimensions(db)},
+        {"item": item_id, **_index(db)},
     )
     rows = [shown_row(row) for row in rows]  # a host's bytes are shown, never raised
     for row in rows:
@@ -451,7 +465,7 @@ def _code_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:
         "FROM code_chunks c "
         "LEFT JOIN code_chunk_embeddings e ON e.chunk_id = c.id "
         "WHERE c.item_id = :item ORDER BY c.chunk_index",
-        {"item": item_id, "dims": _dimensions(db)},
+        {"item": item_id, **_index(db)},
     )
     return [
         {
