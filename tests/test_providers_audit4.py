@@ -7,12 +7,14 @@ import json
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
-from conftest import standin_settings
+from conftest import FakeEmbedder, standin_settings
 from testkit.standin import StandIn
-from worker.bulk import index_item
+from worker.bulk import index_item, index_items
+from worker.errors import BadAnswer, IndexAborted
 from worker.indexers.memories import embed_memories
 from worker.providers import build_embedder
 from worker.providers.chat import _unwrapped
@@ -87,3 +89,25 @@ def test_memories_whose_batch_times_out_go_in_halves(db: Database, standin: Stan
     assert (report.embedded, report.refused, report.error) == (12, 0, None)
     assert [len(b["input"]) for b in standin.bodies] == [8, 4, 4, 4]
     assert embedder.batch_size == 4
+
+
+class TurnsAfterItsFirstAnswer(FakeEmbedder):
+    """A provider that answers once, then refuses every text alone (NaN in every vector)."""
+
+    def embed_batch(self, texts: list[str]) -> Any:
+        if self.calls:
+            self.calls.append(list(texts))
+            raise BadAnswer("NaN in the vector", per_input=True)
+        return super().embed_batch(texts)
+
+
+def test_a_provider_that_turns_to_refusing_every_text_stops_the_run(db: Database) -> None:
+    """The stop counted only a run that had embedded nothing yet: one good answer first, and
+    every later item cost a request a text (37 requests for 40 notes), all failing alike."""
+    ids = [add_item(db, kind="note", title=f"t{i}", content=f"Note {i}. " * 5) for i in range(40)]
+    fake = TurnsAfterItsFirstAnswer()
+    out = index_items(db, ids, embedder=fake)
+    assert [out[i].status for i in ids[:8]] == ["indexed"] * 8  # the first answer's
+    assert all(isinstance(out[i], IndexAborted) for i in ids[8:])
+    assert "embedded no text of 3 items" in str(out[ids[-1]])
+    assert len(fake.calls) <= 1 + 2 * (1 + 8)  # two batches at most after it turned

@@ -150,7 +150,8 @@ def _index_pass(
     again: list[Work] = []  # taken between their read and their mark
     written: list[int] = []
     limit = options.max_consecutive_failures
-    unembedded = 0  # items that asked for vectors and got not one
+    unembedded = 0  # items in a row that asked for vectors and got not one
+    embedded_before = 0  # the texts the run had embedded when the first of them was counted
     refusing: IndexAborted | None = None  # set when the provider takes no text at all
     unmirrored = 0  # items in a row whose write was aborted by its vec rows failing
 
@@ -176,17 +177,21 @@ def _index_pass(
         return IndexAborted(f"the vec writes of {unmirrored} items in a row failed, last: {e}")
 
     def count_vectors(plan: Plan) -> None:
-        """A provider that refuses each text alone (a 400 for every input) is not down as
-        the request count sees it: once N items got not one vector while the run has had no
-        text embedded at all, it stops (else every item costs N requests and fails alike).
-        An item refused among others that are embedded never stops it: its vectors, and its
-        abort, are its own."""
-        nonlocal unembedded, refusing
+        """A provider that refuses each text alone (a 400 for every input, NaN for every
+        vector) is not down as the request count sees it: once N items in a row got not one
+        vector while no text at all was embedded since the first of them, it stops (else
+        every item costs a request a text and fails alike; counting only a run that had
+        embedded nothing yet, a provider that turned after its first answer cost every item
+        of the run that). An item refused among others that are embedded never stops it:
+        its vectors, and its abort, are its own."""
+        nonlocal unembedded, refusing, embedded_before
         if not plan.failed or len(plan.vectors) > len(plan.reuse):
             return
-        unembedded += 1
         assert queue is not None
-        if unembedded >= limit and queue.embedded == 0 and refusing is None:
+        if queue.embedded != embedded_before:  # texts were embedded since: a new count
+            unembedded, embedded_before = 0, queue.embedded
+        unembedded += 1
+        if unembedded >= limit and refusing is None:
             refusing = IndexAborted(
                 f"the provider embedded no text of {unembedded} items, last: {plan.last_error}",
                 transient=isinstance(plan.last_error, TransientProviderError),
