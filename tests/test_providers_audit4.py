@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import signal
+import socketserver
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -111,3 +113,78 @@ def test_a_provider_that_turns_to_refusing_every_text_stops_the_run(db: Database
     assert all(isinstance(out[i], IndexAborted) for i in ids[8:])
     assert "embedded no text of 3 items" in str(out[ids[-1]])
     assert len(fake.calls) <= 1 + 2 * (1 + 8)  # two batches at most after it turned
+
+
+class _DrippingProxy(socketserver.BaseRequestHandler):
+    """A forward proxy whose answer comes a byte every 0.2 s: each read within any timeout,
+    the whole far past it (about 12 s for this body)."""
+
+    BODY = json.dumps({"data": [{"index": 0, "embedding": [0.5, 0.5, 0.5, 0.5]}]}).encode()
+
+    def handle(self) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head and len(head) < 65536:
+            part = self.request.recv(4096)
+            if not part:
+                return
+            head += part
+        self.server.requests.append(head.split(b"\r\n", 1)[0])  # type: ignore[attr-defined]
+        answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        answer += b"Content-Length: %d\r\n\r\n" % len(self.BODY)
+        self.request.sendall(answer)
+        for i in range(len(self.BODY)):
+            if self.server.stopping.wait(0.2):  # type: ignore[attr-defined]
+                return
+            try:
+                self.request.sendall(self.BODY[i : i + 1])
+            except OSError:
+                return  # the client gave up: as it should
+
+
+@pytest.fixture
+def dripping_proxy() -> Iterator[socketserver.ThreadingTCPServer]:
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _DrippingProxy)
+    server.daemon_threads = True
+    server.requests = []  # type: ignore[attr-defined]
+    server.stopping = threading.Event()  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.stopping.set()  # type: ignore[attr-defined]
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_a_provider_through_a_proxy_gets_the_timeout_in_all(
+    dripping_proxy: socketserver.ThreadingTCPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through HTTP(S)_PROXY, httpx's own transport timed each read alone: an answer a byte
+    every 0.2 s never tripped a 1 s timeout, and a chunk deadline of 5 s waited 67 s."""
+    from worker.errors import TransientProviderError
+    from worker.providers.openai import OpenAIEmbeddings
+    from worker.settings import EmbeddingSettings
+
+    port = dripping_proxy.server_address[1]
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+    settings = EmbeddingSettings(
+        provider="openai",
+        model="m",
+        base_url="http://provider.example/v1",
+        dimensions=4,
+        timeout=1.0,
+        max_retries=0,
+        encoding_format="float",
+    )
+    model = OpenAIEmbeddings(settings, dimensions=4)
+    try:
+        with pytest.raises(TransientProviderError, match="timed out"):
+            model.embed(["x"])
+    finally:
+        model.close()
+    assert dripping_proxy.requests == [  # type: ignore[attr-defined]
+        b"POST http://provider.example/v1/embeddings HTTP/1.1"
+    ]

@@ -195,20 +195,43 @@ def _default_ssl_context(trust_env: bool) -> ssl.SSLContext:
 
 
 class DeadlineTransport(httpx.HTTPTransport):
-    """httpx's transport (HTTP/1.1, no proxy) whose connections honour `deadline()`."""
+    """httpx's transport (HTTP/1.1) whose connections honour `deadline()`; through an HTTP
+    proxy too (`proxy`: its URL), which httpx's own transport times read by read only (a
+    proxy or a server trickling a byte every half second held a worker for days)."""
 
     def __init__(
-        self, *, verify: Any = True, trust_env: bool = False, limits: httpx.Limits | None = None
+        self,
+        *,
+        verify: Any = True,
+        trust_env: bool = False,
+        limits: httpx.Limits | None = None,
+        proxy: str | None = None,
     ) -> None:
         limits = limits or httpx.Limits(max_connections=100, max_keepalive_connections=20)
         context = _default_ssl_context(trust_env) if verify is True else None
         if context is None:
             context = httpx.create_ssl_context(verify=verify, trust_env=trust_env)
         super().__init__(verify=context, trust_env=trust_env, limits=limits)
-        self._pool = httpcore.ConnectionPool(
-            ssl_context=context,
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-            network_backend=_Backend(),
+        pool = {
+            "ssl_context": context,
+            "max_connections": limits.max_connections,
+            "max_keepalive_connections": limits.max_keepalive_connections,
+            "keepalive_expiry": limits.keepalive_expiry,
+            "network_backend": _Backend(),
+        }
+        if proxy is None:
+            self._pool = httpcore.ConnectionPool(**pool)
+            return
+        via = httpx.Proxy(url=proxy)  # as httpx builds its own (HTTPTransport.__init__)
+        self._pool = httpcore.HTTPProxy(
+            proxy_url=httpcore.URL(
+                scheme=via.url.raw_scheme,
+                host=via.url.raw_host,
+                port=via.url.port,
+                target=via.url.raw_path,
+            ),
+            proxy_auth=via.raw_auth,
+            proxy_headers=via.headers.raw,
+            proxy_ssl_context=via.ssl_context,
+            **pool,
         )

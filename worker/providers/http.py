@@ -254,6 +254,23 @@ def proxied(url: str) -> bool:
     return not _in_networks(host, proxies.get("no", ""))
 
 
+def proxy_for(url: str) -> str | None:
+    """The environment's proxy for `url` (`proxied`), or None."""
+    if not proxied(url):
+        return None
+    proxies = getproxies()
+    return proxies.get(urlsplit(url).scheme) or proxies.get("all")
+
+
+def _transport(url: str) -> httpx.BaseTransport | None:
+    """A transport that honours `net.deadline()` for requests to `url`; None (httpx's own,
+    which finds the proxy) for a proxy of another scheme than http(s)."""
+    proxy = proxy_for(url)
+    if proxy is not None and urlsplit(proxy).scheme not in ("http", "https"):
+        return None
+    return net.DeadlineTransport(trust_env=True, proxy=proxy)
+
+
 def _in_networks(host: str, no_proxy: str) -> bool:
     """Whether `host` is an IP address in one of NO_PROXY's networks (`a.b.c.d/n`, `::/n`)."""
     try:
@@ -399,9 +416,9 @@ class JSONClient:
             base_url=settings.base_url,
             headers=headers,
             timeout=httpx.Timeout(settings.timeout, connect=settings.connect_timeout),
-            # Through a proxy from the environment (httpx's own transport, per-read
-            # timeouts), else with the deadline in all: NO_PROXY alone keeps the deadline.
-            transport=None if proxied(settings.base_url) else net.DeadlineTransport(trust_env=True),
+            # With the deadline in all, through the environment's HTTP proxy too (a SOCKS
+            # one: httpx's own transport, its timeouts read by read).
+            transport=_transport(settings.base_url),
         )
         # shown in errors (stored, shown by Flower) and logs: never the URL's user:password@
         self.where = f"{model} at {safe_url(settings.base_url)}"
