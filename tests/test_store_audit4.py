@@ -100,3 +100,15 @@ def test_a_vec_table_a_host_made_at_another_dimension_is_rebuilt_by_the_sweep(db
     assert drift.repaired["tables_rebuilt"] == {"vec_chunk_embeddings": 3}
     found = search_chunks(db, "zeta1 omega", fake, k=3, mode="vector")
     assert found.via == "vec" and found.hits
+
+
+def test_a_database_path_under_a_file_says_which_file_is_in_the_way(tmp_path):
+    """`kidx init --db notes.txt/x.db` said "File exists: notes.txt" (and add "Not a
+    directory"), for a path that names no existing file."""
+    from worker.errors import StoreError
+    from worker.store import connect
+
+    (tmp_path / "notes.txt").write_text("a note")
+    for path in (tmp_path / "notes.txt" / "x.db", tmp_path / "notes.txt" / "sub" / "x.db"):
+        with pytest.raises(StoreError, match=r"notes\.txt is a file, not a folder"):
+            connect(path)

@@ -88,7 +88,13 @@ class Database:
                 # (a device: SQLite opened /dev/zero and left /dev/zero-journal beside it)
                 raise StoreError(f"{path} is not a regular file: not a database")
             if create:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):  # a file where a folder goes
+                    blocking = next(p for p in self.path.parents if p.exists())
+                    raise StoreError(
+                        f"cannot create {path}: {blocking} is a file, not a folder"
+                    ) from None
             elif not self.path.exists():
                 raise StoreError(f"no database at {path}; run `kidx init`")
             else:  # if it went since: an error, not a new file
