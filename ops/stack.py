@@ -119,10 +119,23 @@ class Stack:
         return "\n".join(f"    {line}" for line in text[-lines:])
 
     def flower_url(self) -> str:
-        demo = not self.settings.flower.password  # --demo binds loopback
+        # --demo binds loopback, whatever KIDX_FLOWER__ADDRESS says: a Flower started so with
+        # a password set was looked for at the address (60 s, then "did not answer")
+        demo = not self.settings.flower.password or self._flower_demo()
         return f"http://{url_host('' if demo else self.settings.flower.address)}:" + (
             f"{self.settings.flower.port}/"
         )
+
+    def _flower_demo(self) -> bool:
+        """Whether the running Flower was started with --demo (its command line)."""
+        pid = self.pid("flower")
+        if pid is None:
+            return False
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return b"--demo" in args
 
     def demo_line(self) -> str | None:
         """The credentials line `python -m ops.flower --demo` printed at this start, if any."""

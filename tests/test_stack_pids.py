@@ -402,3 +402,22 @@ def test_a_redis_started_for_a_loopback_url_answers_at_that_url(tmp_path: Path, 
     finally:
         ops_stack.stop_one(stack, "redis")
     assert stack.pid("redis") is None
+
+
+@pytest.mark.parametrize("demo", [True, False])
+def test_a_flower_started_with_demo_is_looked_for_on_loopback(tmp_path: Path, demo: bool):
+    """--demo binds 127.0.0.1 whatever KIDX_FLOWER__ADDRESS says; with a password set, the
+    stack looked for it at that address, and `start` failed after 60 s."""
+    stack = make_stack(tmp_path)
+    flower = FlowerSettings(address="10.1.2.3", port=5555, user="kidx", password="horse-staple")
+    stack.settings = stack.settings.model_copy(update={"flower": flower})
+    # a process that the stack takes for Flower: its command line names ops.flower
+    args = ["ops.flower", *(["--demo"] if demo else [])]
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    try:
+        stack.pid_file("flower").write_text(str(process.pid))
+        expected = "127.0.0.1" if demo else "10.1.2.3"
+        assert stack.flower_url() == f"http://{expected}:5555/"
+    finally:
+        process.kill()
+        process.wait(timeout=10)
