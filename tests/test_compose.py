@@ -374,3 +374,15 @@ def test_workers_get_longer_than_the_hard_time_limit_to_stop(compose: dict[str, 
     assert _seconds(compose["services"]["worker"]["stop_grace_period"]) > limit
     assert stop_wait(Stack(Settings()), "worker") > limit
     assert stop_wait(Stack(Settings()), "beat") < 60
+
+
+def test_doctor_and_a_scraper_reach_flower_and_the_worker_across_containers(
+    compose: dict[str, Any],
+) -> None:
+    """In a worker's container, `kidx doctor` looked for Flower at 127.0.0.1:5555 (its own
+    loopback: never 0), and the worker's metrics listened on its loopback, unscrapable."""
+    services = compose["services"]
+    worker, flower = services["worker"]["environment"], services["flower"]["environment"]
+    assert (worker["KIDX_FLOWER__ADDRESS"], worker["KIDX_FLOWER__PORT"]) == ("flower", "5555")
+    assert flower["KIDX_FLOWER__ADDRESS"] == "0.0.0.0" and flower["KIDX_FLOWER__PORT"] == "5555"
+    assert worker["KIDX_METRICS__ADDRESS"] == "${KIDX_METRICS__ADDRESS:-0.0.0.0}"
