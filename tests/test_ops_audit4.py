@@ -45,3 +45,21 @@ def test_a_script_makes_no_database_at_a_mistyped_path(script: str, tmp_path: Pa
     done = run(script, "--db", str(tmp_path / "notdb.txt"), tmp=tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "not a database" in done.stderr
+
+
+@pytest.mark.parametrize("task_id", ["a b", "x" * 256, "abc:" + "9" * 21])
+def test_cancel_refuses_what_is_no_task_id_before_anything_is_sent(task_id: str, tmp_path) -> None:
+    """Ids with spaces or of 100,000 characters were sent to Redis and every worker."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "cancel", task_id],
+        # nothing listens at this broker: a refusal comes before any use of it
+        env={
+            **os.environ,
+            "KIDX_DATA_DIR": str(tmp_path),
+            "KIDX_BROKER_URL": "redis://127.0.0.1:9/0",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "not a task id or a job id" in done.stderr

@@ -258,6 +258,11 @@ def retry(
     _send_batch(ctx, ids, "retry", wait, timeout)
 
 
+# The longest task id taken: Celery's are UUIDs (36 characters); a 100,000-character one was
+# sent to Redis and to every worker as it was.
+TASK_ID_MAX = 255
+
+
 @command(cli)
 @click.argument("task_ids", nargs=-1, required=True)
 @click.option("--terminate", is_flag=True, help="Also signal the process running it.")
@@ -270,9 +275,10 @@ def cancel(ctx: Ctx, task_ids: tuple[str, ...], terminate: bool) -> None:
         task, colon, item = t.partition(":")
         if (
             not task
+            or len(task) > TASK_ID_MAX
             or not task.isprintable()
-            or task != task.strip()
-            or (colon and not re.fullmatch(r"-?[0-9]+", item))
+            or any(c.isspace() for c in task)  # (a pasted "id1 id2" is two, not one)
+            or (colon and not re.fullmatch(r"-?[0-9]{1,20}", item))
         ):
             raise InvalidInput(f"not a task id or a job id (<task id>:<item id>): {t!r:.80}")
     client = ctx.redis()
