@@ -63,3 +63,23 @@ def test_cancel_refuses_what_is_no_task_id_before_anything_is_sent(task_id: str,
         timeout=60,
     )
     assert done.returncode == 1 and "not a task id or a job id" in done.stderr
+
+
+def test_a_table_of_thousands_of_rows_is_printed_plain_and_safe(capsys, monkeypatch) -> None:
+    """rich laid out 20,000 rows at once (`kidx status`: 8 s to print them); past PLAIN_ROWS
+    a table is a line a row, aligned, free text cut to the terminal, nothing of a host's
+    control characters passed on."""
+    from ops.cli import base
+    from worker.settings import Settings
+
+    monkeypatch.setattr(base.out, "_width", 80)
+    ctx = base.Ctx(Settings(), as_json=False)
+    rows = [(n, "indexed", f"title {n}") for n in range(base.PLAIN_ROWS + 1)]
+    rows[7] = (7, "failed", "\x1b[31mred\x1b[0m and " + "long " * 40)
+    ctx.table(["item_id", "status", "title"], rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + len(rows) and "\x1b" not in "".join(lines)
+    assert lines[0].split() == ["item_id", "status", "title"]
+    assert lines[2 + 1].split() == ["1", "indexed", "title", "1"]
+    assert lines[2 + 7].endswith("…") and len(lines[2 + 7]) <= 80
+    assert lines[3].index("indexed") == lines[0].index("status")  # aligned

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import apsw
 import click
+from rich.cells import cell_len, set_cell_size
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Column, Table
@@ -307,6 +308,9 @@ class Ctx:
                 break
             if name in names and names.index(name) in keep:
                 keep.remove(names.index(name))
+        if len(cells) > PLAIN_ROWS:
+            _plain_table([names[i] for i in keep], [[r[i] for i in keep] for r in cells])
+            return
         # Too wide as it is: the table takes the terminal's width, and the free-text columns
         # share what the others leave in proportion to their text (rich's own squeeze would
         # give a title as much room as the snippet beside it).
@@ -328,6 +332,35 @@ class Ctx:
         for row in cells:
             table.add_row(*(row[i] for i in keep))
         out.print(table)
+
+
+# Past this many rows a table is printed plain, a line a row: rich lays out every cell of a
+# table at once, 0.4 ms a row (`kidx status` of 20,000 items took 8 s to print).
+PLAIN_ROWS = 1000
+
+
+def _plain_table(names: list[str], cells: list[list[Text]]) -> None:
+    """`Ctx.table`'s rows as aligned lines under a header: every column but free text at its
+    widest cell, free text (FOLD) sharing what is left of the terminal, cut with `…`."""
+    texts = [[" ".join(c.plain.split()) for c in row] for row in cells]
+    widest = [
+        max(cell_len(names[i]), *(cell_len(row[i]) for row in texts)) for i in range(len(names))
+    ]
+    folds = [i for i, n in enumerate(names) if n in FOLD]
+    room = out.width - sum(w for i, w in enumerate(widest) if i not in folds) - 2 * len(names)
+    share = max(FOLD_MIN, room // len(folds)) if folds else 0
+    widths = [min(w, share) if i in folds else w for i, w in enumerate(widest)]
+
+    def line(values: Sequence[str]) -> str:
+        parts = []
+        for value, w in zip(values, widths, strict=True):
+            if cell_len(value) > w:
+                value = set_cell_size(value, w - 1) + "…"
+            parts.append(set_cell_size(value, w))
+        return "  ".join(parts).rstrip()
+
+    lines = [line(names), "  ".join("─" * w for w in widths), *(line(row) for row in texts)]
+    click.echo("\n".join(lines))
 
 
 def configure_cli_logging(settings: Settings, verbose: bool) -> None:
