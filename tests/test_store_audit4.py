@@ -112,3 +112,45 @@ def test_a_database_path_under_a_file_says_which_file_is_in_the_way(tmp_path):
     for path in (tmp_path / "notes.txt" / "x.db", tmp_path / "notes.txt" / "sub" / "x.db"):
         with pytest.raises(StoreError, match=r"notes\.txt is a file, not a folder"):
             connect(path)
+
+
+def test_the_chunk_list_tells_the_index_s_vectors_whatever_model_the_reader_has(
+    db_path, emb_settings
+):
+    """`kidx chunks` in a shell without the workers' .env (another model, or none) said 0 of
+    8 chunks embedded where `kidx status` said the item indexed: judged by the reader's
+    settings, not by the model the index is kept for."""
+    from worker.store import connect
+    from worker.store.items import list_chunks
+
+    writer = connect(db_path, embedding=emb_settings)
+    item = add_item(writer, kind="note", title="T", content="zeta omega. " * 400)
+    index_items(writer, [item], embedder=FakeEmbedder(model_id=emb_settings.model))
+    count = len(list_chunks(writer, item))
+    writer.close()
+    other = emb_settings.model_copy(update={"model": "not-the-index-s"})
+    for settings in (other, None):
+        reader = connect(db_path, embedding=settings, read_only=True, claim=False)
+        try:
+            assert [c["has_embedding"] for c in list_chunks(reader, item)] == [True] * count
+        finally:
+            reader.close()
+
+
+def test_a_sweep_record_nested_past_what_kidx_writes_is_left_out(db, host):
+    """json read 500 levels, and what shows the summary walked it recursively: `kidx status
+    --summary --json` ended in a RecursionError, "a bug in kidx"."""
+    import json
+
+    from worker.reconcile import last_sweeps, record_sweep
+
+    record_sweep(db, "retry", {"sent": 1, "found": {"failed": 1}})
+    deep: object = 1
+    for _ in range(500):
+        deep = {"a": deep}
+    host.execute(
+        "INSERT OR REPLACE INTO index_meta(key, value) VALUES ('last_reconcile', ?)",
+        (json.dumps({"at": "now", "deep": deep}),),
+    )
+    sweeps = last_sweeps(db)
+    assert set(sweeps) == {"retry"} and sweeps["retry"]["found"] == {"failed": 1}

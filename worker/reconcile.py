@@ -496,6 +496,26 @@ def last_sweeps(db: Database) -> dict[str, dict[str, object]]:
             kind, record = key[len("last_") :].decode("utf-8"), json.loads(value)
         except (ValueError, RecursionError):  # not UTF-8, not JSON, too long a number, too deep
             continue
-        if isinstance(record, dict):
+        # nested past what kidx writes: json read it, but what shows it walks it recursively
+        # (a host's 500 levels: `kidx status --json` a RecursionError)
+        if isinstance(record, dict) and _nesting(record) <= SWEEP_NESTING:
             found[kind] = record
     return found
+
+
+SWEEP_NESTING = 8  # levels a sweep's record may have (kidx's own have 3)
+
+
+def _nesting(value: object) -> int:
+    """How deep `value` nests (a scalar: 0), found without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if depth > SWEEP_NESTING:
+            break
+        if isinstance(item, dict):
+            todo.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            todo.extend((v, depth + 1) for v in item)
+    return deepest

@@ -15,7 +15,7 @@ from worker.errors import InvalidInput, ItemNotFound, StoreError
 from worker.store.db import Database
 from worker.store.schema import ITEM_KINDS, host_objects, named_refusals
 from worker.store.text import NotText, given_text, readable, shown, shown_row, strict
-from worker.store.vec import sound
+from worker.store.vec import index_config, sound
 
 NOW = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
 
@@ -418,16 +418,14 @@ _USABLE = (
 
 
 def _index(db: Database) -> dict[str, object]:
-    """The `:dims` and `:model` of `_USABLE`."""
+    """The `:dims` and `:model` of `_USABLE`: the index's, as recorded by the writer that
+    claimed it (a shell with another model in its settings is told what the index holds),
+    else this connection's."""
+    recorded = index_config(db)
+    if recorded is not None:
+        return {"model": recorded[0], "dims": recorded[1]}
     res = db.resolution
-    return (
-        {"dims": res.dimensions, "model": res.model}
-        if res is not None
-        else {
-            "dims": None,
-            "model": None,
-        }
-    )
+    return {"dims": res.dimensions if res else None, "model": res.model if res else None}
 
 
 def list_chunks(db: Database, item_id: int) -> list[dict[str, Any]]:

@@ -234,6 +234,11 @@ def _recorded_config(db: Database) -> tuple[str, int] | None:
     return (model, dims) if isinstance(model, str) and type(dims) is int else None
 
 
+def index_config(db: Database) -> tuple[str, int] | None:
+    """The (model, dimensions) the index is kept for, as its last writer recorded it."""
+    return _recorded_config(db)
+
+
 def claimed_since(db: Database, configured_at: float | None) -> bool:
     """Whether the index was claimed after `configured_at` (None: unknown, never). A claim
     recorded in the future (a clock set back since, a host's year 9999 or Infinity) is no
