@@ -310,8 +310,8 @@ def check_failed(settings: Settings, timeout: float) -> str:
     with _store(settings, timeout) as db:
         # The error as bytes: a host's TEXT there that is not UTF-8 made this check report
         # apsw's UnicodeDecodeError in place of the failed items.
-        rows = db.all(
-            "SELECT item_id, CAST(last_error AS BLOB) FROM item_index_state "
+        rows = db.all(  # (the error's start: a host's 100 MB one was read whole)
+            "SELECT item_id, substr(CAST(last_error AS BLOB), 1, 2000) FROM item_index_state "
             "WHERE status = 'failed' ORDER BY updated_at DESC"
         )
     if rows:

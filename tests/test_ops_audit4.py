@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import apsw
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,3 +84,29 @@ def test_a_table_of_thousands_of_rows_is_printed_plain_and_safe(capsys, monkeypa
     assert lines[2 + 1].split() == ["1", "indexed", "title", "1"]
     assert lines[2 + 7].endswith("…") and len(lines[2 + 7]) <= 80
     assert lines[3].index("indexed") == lines[0].index("status")  # aligned
+
+
+def test_a_host_s_huge_error_is_one_short_line_of_doctor_and_of_every_echo(tmp_path) -> None:
+    """A host's 100 MB last_error was one line of `kidx doctor` (5 s, 700 MB to print); a
+    batch's abort reason and a sweep's time were printed whole by `kidx jobs` and `status`."""
+    from ops.cli.base import CELL_MAX, Ctx
+    from ops.doctor import Fail, check_failed
+    from worker.settings import Settings
+    from worker.store import connect
+    from worker.store.items import add_item
+
+    db_path = tmp_path / "k.db"
+    db = connect(db_path)
+    item = add_item(db, kind="note", title="t", content="x")
+    db.close()
+    host = apsw.Connection(str(db_path))
+    host.execute(
+        "UPDATE item_index_state SET status = 'failed', last_error = ? WHERE item_id = ?",
+        ("E" * 5_000_000, item),
+    )
+    host.close()
+    settings = Settings(db=db_path, data_dir=tmp_path / "data")
+    with pytest.raises(Fail) as failed:
+        check_failed(settings, 5)
+    assert 0 < len(str(failed.value)) < 3 * CELL_MAX
+    assert len(Ctx(settings, as_json=False).say("why: " + "R" * 1_000_000)) == CELL_MAX

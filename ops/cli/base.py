@@ -263,8 +263,9 @@ class Ctx:
 
     def say(self, text: object) -> str:
         """Free text that may hold stored data, as it may be shown: no control character,
-        no secret."""
-        return printable(self.redact.scrub(str(text)))
+        no secret, and no longer than a table's cell (`_cell`: a host's 100 MB error was one
+        line of `kidx doctor`, 5 s and 700 MB to print; `--json` has it whole)."""
+        return _cell(printable(self.redact.scrub(str(text))))
 
     def echo(self, text: object) -> None:
         """A line on stdout that may hold stored data (an abort reason, an error): `say`."""
