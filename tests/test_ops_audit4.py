@@ -110,3 +110,37 @@ def test_a_host_s_huge_error_is_one_short_line_of_doctor_and_of_every_echo(tmp_p
         check_failed(settings, 5)
     assert 0 < len(str(failed.value)) < 3 * CELL_MAX
     assert len(Ctx(settings, as_json=False).say("why: " + "R" * 1_000_000)) == CELL_MAX
+
+
+TRACEBACK_SCRIPT = """
+import io, logging
+from worker.log import configure_logging, get_logger
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+stream = Terminal()
+configure_logging(fmt="console", level="info", stream=stream)
+try:
+    raise RuntimeError("trigger says: \\x1b]0;PWNED\\x07\\x1b[2J")
+except RuntimeError as e:
+    logging.getLogger("celery.app.trace").error("raised: %r", e, exc_info=True)
+    get_logger("kidx.tasks").exception("[KI Embed] the run failed")
+print(repr(stream.getvalue()))
+"""
+
+
+def test_a_traceback_on_the_console_shows_a_host_s_escape_sequences_inert() -> None:
+    """The console format cleaned every value but the traceback, whose last line is the
+    exception's text: a host trigger's RAISE message in an apsw error reached the terminal's
+    escape sequences (a title set, the screen cleared). (In a process of its own: logging is
+    configured once a process.)"""
+    import ast
+
+    done = subprocess.run(
+        [sys.executable, "-c", TRACEBACK_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    out = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert "PWNED" in out and "\x1b]0;" not in out and "\x07" not in out
+    assert "Traceback (most recent call last):\n" in out  # its line ends kept

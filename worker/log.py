@@ -82,11 +82,19 @@ def _visible(value: Any) -> Any:
     return value
 
 
+# In a traceback: its line ends and indentation kept.
+_TRACE_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
 def visible(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Any:
-    """Control characters in a console line's text and values shown as U+FFFD."""
+    """Control characters in a console line's text and values shown as U+FFFD; in a
+    traceback too, but for its line ends and tabs (its last line is the exception's text,
+    which may quote a host's: an apsw error of a host's trigger, an ESC sequence in it)."""
     for key in list(event):
-        if key != "exception":  # (a traceback: kidx's own text, its line ends kept)
+        if key != "exception":
             event[key] = _visible(event[key])
+        elif isinstance(event[key], str):
+            event[key] = _TRACE_CONTROL.sub("\ufffd", event[key])
     return event
 
 
