@@ -46,8 +46,9 @@ def format_task(task: Any) -> Any:
     runtime = None
     if task.started and task.failed and task.failed >= task.started:
         runtime = task.failed - task.started
-    elif found := _AFTER.search(str(task.exception or "")):
-        runtime = float(found.group(1))
+    elif found := _AFTER.findall(str(task.exception or "")):
+        # kidx's suffix is the last: an earlier one is an item's of a group, or quoted text
+        runtime = float(found[-1])
     if runtime is not None:
         task = copy.copy(task)
         task.runtime = runtime

@@ -144,3 +144,22 @@ def test_a_traceback_on_the_console_shows_a_host_s_escape_sequences_inert() -> N
     out = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     assert "PWNED" in out and "\x1b]0;" not in out and "\x07" not in out
     assert "Traceback (most recent call last):\n" in out  # its line ends kept
+
+
+@pytest.mark.parametrize(
+    ("message", "runtime"),
+    [
+        ("IndexAborted: item 3 failed (after 0.4 s); the group failed (after 297.3 s)", 297.3),
+        ("RetryLater: server says (after 3600 s) (after 1.2 s)", 1.2),
+    ],
+)
+def test_the_tasks_page_takes_a_failure_s_own_runtime(message: str, runtime: float) -> None:
+    """The first "(after N s)" in the message was taken: a group's first failed item's, or
+    a provider's quoted text, rather than kidx's suffix, which is the last."""
+    from types import SimpleNamespace
+
+    from ops.flower import format_task
+
+    task = SimpleNamespace(state="FAILURE", runtime=None, started=None, failed=None)
+    task.exception = message
+    assert format_task(task).runtime == runtime
