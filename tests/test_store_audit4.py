@@ -154,3 +154,31 @@ def test_a_sweep_record_nested_past_what_kidx_writes_is_left_out(db, host):
     )
     sweeps = last_sweeps(db)
     assert set(sweeps) == {"retry"} and sweeps["retry"]["found"] == {"failed": 1}
+
+
+@pytest.mark.parametrize("items", [1, 3])
+def test_no_write_transaction_of_a_run_counts_whole_tables(db, items):
+    """The orphan check counted every vec table and its source (twice the chunk vectors)
+    inside each item's write transaction, or the group's: 0.5 s under the write lock at
+    200,000 chunks, for an item of two. Counted now in a read snapshot, outside it."""
+    ids = [
+        add_item(db, kind="note", title=f"T{i}", content=f"zeta{i} omega. " * 40)
+        for i in range(items)
+    ]
+    statements: list[str] = []
+    db.conn.exec_trace = lambda cursor, sql, bindings: statements.append(sql) or True
+    try:
+        index_items(db, ids, embedder=FakeEmbedder())
+    finally:
+        db.conn.exec_trace = None
+    inside, held = [], False
+    for sql in statements:
+        word = sql.lstrip().split(None, 1)[0].upper() if sql.strip() else ""
+        if sql.lstrip().upper().startswith("BEGIN IMMEDIATE"):
+            held = True
+        elif word in ("COMMIT", "ROLLBACK", "END"):
+            held = False
+        elif held:
+            inside.append(sql)
+    assert inside and not [s for s in inside if "count(*) FROM vec_" in s]
+    assert any("count(*) FROM vec_" in s for s in statements)  # the check is made, outside

@@ -254,7 +254,9 @@ def _index_pass(
                                 raise aborted  # its own: N failed in a row, or not one
                             check(cancel)
                             writing = True
-                            result = write_item(db, w, embedder.model_id, options, orphans=alone)
+                            # (orphans: looked for once the run's writes are done, outside
+                            # their transactions: `repair_orphans` counts whole tables)
+                            result = write_item(db, w, embedder.model_id, options, orphans=False)
                     except KidxError as e:
                         if writing:
                             halt = halt or count_write(e)
@@ -403,8 +405,10 @@ def _index_pass(
     finally:
         if queue is not None:
             queue.close()
-    if written and not alone:  # the orphan check of each item's write, once for all
+    if written:  # the orphan check of each item's write, once for all
         repaired = repair_orphans(db, db.dimensions)
+        if alone and isinstance(only := out.get(item_ids[0]), IndexResult):
+            only.repaired += repaired.total  # (a run of one says what it mended)
         if repaired.total:
             log.info(
                 f"{KI_EMBED} repaired the mirror",
