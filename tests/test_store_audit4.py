@@ -4,6 +4,8 @@ made at another dimension stayed until a write; the chunk list and state read an
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from conftest import FakeEmbedder
@@ -182,3 +184,48 @@ def test_no_write_transaction_of_a_run_counts_whole_tables(db, items):
             inside.append(sql)
     assert inside and not [s for s in inside if "count(*) FROM vec_" in s]
     assert any("count(*) FROM vec_" in s for s in statements)  # the check is made, outside
+
+
+def test_a_lock_held_past_the_busy_timeout_is_waited_out_once_a_run_not_once_an_item(
+    db_path, emb_settings
+):
+    """A host's transaction held the write lock: the run's write waited the busy timeout and
+    failed, then recording each item's outcome waited the whole timeout again ((N+1) x 30 s
+    for a group of N: past the soft time limit). Once locked out, the rest waits a moment."""
+    import threading
+
+    import apsw
+
+    from worker.store import connect
+
+    db = connect(db_path, embedding=emb_settings, busy_timeout_ms=300)
+    ids = [add_item(db, kind="note", title=f"T{i}", content=f"Note {i}. " * 30) for i in range(6)]
+    full_waits: list[int] = []
+
+    def spy(prior_calls: int) -> bool:
+        go_on = db._busy(prior_calls)
+        if not go_on and db.busy_timeout_ms == 300:
+            full_waits.append(prior_calls)
+        return go_on
+
+    db.conn.set_busy_handler(spy)
+    host = apsw.Connection(str(db_path))
+    host.execute("PRAGMA busy_timeout = 10000")  # (past the run's own short writes)
+    held = threading.Event()
+
+    class LocksOut(FakeEmbedder):  # the host takes the lock while the run embeds
+        def embed_batch(self, texts: list[str]) -> Any:
+            if not held.is_set():
+                host.execute("BEGIN IMMEDIATE")
+                held.set()
+            return super().embed_batch(texts)
+
+    try:
+        out = index_items(db, ids, embedder=LocksOut())
+    finally:
+        if held.is_set():
+            host.execute("COMMIT")
+        host.close()
+    assert all(type(out[i]).__name__ == "IndexAborted" for i in ids)
+    assert len(full_waits) == 1 and db.busy_timeout_ms == 300  # given back after the run
+    db.close()

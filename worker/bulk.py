@@ -74,6 +74,11 @@ def index_item(
     return outcome
 
 
+# How long the rest of a run waits for the write lock once another's lock outlasted the busy
+# timeout: a moment, for a lock that has just been let go.
+LOCKED_OUT_MS = 100
+
+
 def index_items(
     db: Database,
     item_ids: list[int],
@@ -151,6 +156,7 @@ def _index_pass(
     written: list[int] = []
     limit = options.max_consecutive_failures
     unembedded = 0  # items in a row that asked for vectors and got not one
+    patience = db.busy_timeout_ms  # (shortened once the database stayed locked: LOCKED_OUT_MS)
     embedded_before = 0  # the texts the run had embedded when the first of them was counted
     refusing: IndexAborted | None = None  # set when the provider takes no text at all
     unmirrored = 0  # items in a row whose write was aborted by its vec rows failing
@@ -267,6 +273,12 @@ def _index_pass(
                         if result.status != COALESCED:
                             count_write(None)
         except (apsw.Error, StoreError) as e:
+            if isinstance(e, apsw.BusyError | apsw.LockedError):
+                # Another's lock outlasted the busy timeout: what is left of the run is
+                # recorded if the lock is free, not after the whole timeout again for each
+                # item (a host's long transaction held a group of 128 for an hour, past the
+                # soft time limit). The caller's timeout comes back at the run's end.
+                db.busy_timeout_ms = min(db.busy_timeout_ms, LOCKED_OUT_MS)
             for w in fresh:  # their marks went with the transaction
                 w.claim, w.marked = read[id(w)], False
             # The cause, when an item met it first (a full disk), rather than its echo ("the
@@ -403,6 +415,7 @@ def _index_pass(
                         )
         raise
     finally:
+        db.busy_timeout_ms = patience
         if queue is not None:
             queue.close()
     if written:  # the orphan check of each item's write, once for all
