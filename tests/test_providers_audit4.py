@@ -188,3 +188,27 @@ def test_a_provider_through_a_proxy_gets_the_timeout_in_all(
     assert dripping_proxy.requests == [  # type: ignore[attr-defined]
         b"POST http://provider.example/v1/embeddings HTTP/1.1"
     ]
+
+
+class RefusesPoison(FakeEmbedder):
+    """Refuses, as one input's fault, a request holding POISON; embeds the rest."""
+
+    def embed_batch(self, texts: list[str]) -> Any:
+        if any("POISON" in t for t in texts):
+            self.calls.append(list(texts))
+            raise BadAnswer("input refused by the provider", per_input=True)
+        return super().embed_batch(texts)
+
+
+def test_refused_items_in_a_row_among_embedded_ones_never_stop_the_run(db: Database) -> None:
+    """Five notes in a row the provider refuses, in the middle of forty it embeds: they fail
+    alone; every other is indexed (counted in a row with no regard to the others' vectors in
+    the same requests, three of them stopped the run)."""
+    bad = set(range(10, 15))
+    ids = [
+        add_item(db, kind="note", title=f"t{i}", content=f"Note {i}{' POISON' * (i in bad)}. " * 5)
+        for i in range(40)
+    ]
+    out = index_items(db, ids, embedder=RefusesPoison())
+    assert [n for n, i in enumerate(ids) if isinstance(out[i], IndexAborted)] == sorted(bad)
+    assert all(out[i].status == "indexed" for n, i in enumerate(ids) if n not in bad)

@@ -157,7 +157,6 @@ def _index_pass(
     limit = options.max_consecutive_failures
     unembedded = 0  # items in a row that asked for vectors and got not one
     patience = db.busy_timeout_ms  # (shortened once the database stayed locked: LOCKED_OUT_MS)
-    embedded_before = 0  # the texts the run had embedded when the first of them was counted
     refusing: IndexAborted | None = None  # set when the provider takes no text at all
     unmirrored = 0  # items in a row whose write was aborted by its vec rows failing
 
@@ -185,17 +184,17 @@ def _index_pass(
     def count_vectors(plan: Plan) -> None:
         """A provider that refuses each text alone (a 400 for every input, NaN for every
         vector) is not down as the request count sees it: once N items in a row got not one
-        vector while no text at all was embedded since the first of them, it stops (else
-        every item costs a request a text and fails alike; counting only a run that had
-        embedded nothing yet, a provider that turned after its first answer cost every item
-        of the run that). An item refused among others that are embedded never stops it:
-        its vectors, and its abort, are its own."""
-        nonlocal unembedded, refusing, embedded_before
+        vector, nor any other text of the requests that carried theirs, it stops (else every
+        item costs a request a text and fails alike; counting only a run that had embedded
+        nothing yet, a provider that turned after its first answer cost every item of the
+        run that). An item refused among others that are embedded never stops it: its
+        vectors, and its abort, are its own."""
+        nonlocal unembedded, refusing
         if not plan.failed or len(plan.vectors) > len(plan.reuse):
             return
-        assert queue is not None
-        if queue.embedded != embedded_before:  # texts were embedded since: a new count
-            unembedded, embedded_before = 0, queue.embedded
+        if plan.beside_embedded:  # the provider embedded others' texts beside its own
+            unembedded = 0
+            return
         unembedded += 1
         if unembedded >= limit and refusing is None:
             refusing = IndexAborted(

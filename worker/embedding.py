@@ -48,6 +48,9 @@ class Plan:
     waiting: int = 0  # texts queued or in flight (EmbedQueue, on the caller's thread)
     in_a_row: int = 0  # its vectors that failed in a row (the embedding thread's)
     aborted: IndexAborted | None = None  # N failed in a row: its other texts are not sent
+    # a request that carried its texts brought back others' vectors (EmbedQueue): what of
+    # its own failed was refused for itself, the provider works
+    beside_embedded: bool = False
 
     def done(self) -> bool:
         """Whether every chunk has its vector or its failure."""
@@ -238,9 +241,11 @@ class EmbedQueue:
         future, batch = self._inflight
         self._inflight = None
         future.result()
+        embedded = any(i in p.vectors for p, i in batch)
         for p, i in batch:
             p.waiting -= 1
             self.embedded += i in p.vectors
+            p.beside_embedded |= embedded
         if any(p.aborted is not None for p, _ in batch):
             kept: deque[tuple[Plan, int]] = deque()
             for p, i in self.todo:
