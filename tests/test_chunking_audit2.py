@@ -112,6 +112,18 @@ def test_a_fence_left_open_in_a_list_item_ends_with_the_item(item):
     assert scan(doc).fences == []
 
 
+def test_a_fence_indented_less_than_an_item_s_content_is_not_the_item_s():
+    """`- Run:` puts its content at column 2: a fence at 1 is top-level, its `# comment` code.
+    Taken for the item's (its end at the comment), the comment was a heading and the fence's
+    closing line opened one that ran to the text's end."""
+    doc = (
+        "# Install\n\n- Run the script:\n\n ```sh\n# fetch the sources\ngit clone x\n ```\n\n"
+        f"# Usage\n\n{PROSE}\n\n# Troubleshooting\n\n{PROSE}\n"
+    )
+    assert _titles(doc) == ["Install", "Usage", "Troubleshooting"]
+    assert [f.closed for f in scan(doc).fences] == [True]
+
+
 @pytest.mark.parametrize(
     "opener, inside, closer",
     [

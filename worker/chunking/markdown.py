@@ -215,6 +215,7 @@ def scan(text: str) -> Layout:
 
     lines = list(_block_lines(text))
     ahead: _Ahead | None = None
+    starts: list[int] | None = None  # every line's start, for `_in_list_item`
     for i, (start, end, m) in enumerate(lines):
         if start < skip_to:
             continue
@@ -236,10 +237,12 @@ def scan(text: str) -> Layout:
             # fence indented under it, which the item's end closes (one left open under
             # `- run:` hid every heading after it).
             width = _width(lead)
+            if width and not lead.strip() and starts is None:
+                starts = _line_starts(text)  # (once, for the first indented fence line)
             if (
                 lead.strip()
                 or width > 3
-                or (width and _in_list_item(text, m.start("fence"), width))
+                or (width and _in_list_item(text, starts, m.start("fence"), width))
             ) and not _closed_ahead(lines, i, ahead := ahead or _Ahead(lines)):
                 continue
             fence_start, opener = start, m
@@ -277,30 +280,35 @@ def scan(text: str) -> Layout:
     )
 
 
-# A list item's marker at a line's start: `-`, `*`, `+`, or up to 9 digits and `.` or `)`.
-_ITEM = re.compile(r"[ \t]*(?:[-*+]|\d{1,9}[.)])(?:[ \t]|$)")
+# A list item's marker at a line's start: `-`, `*`, `+`, or up to 9 digits and `.` or `)`,
+# and the blanks after it (its content starts past them).
+_ITEM = re.compile(r"([ \t]*)([-*+]|\d{1,9}[.)])([ \t]+|$)")
 # How far back `_in_list_item` looks for the item (lines): bounded, or text of many indented
 # fence lines would be quadratic.
 LOOK_BACK = 64
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
-def _in_list_item(text: str, line_start: int, width: int) -> bool:
+def _line_starts(text: str) -> list[int]:
+    """Where every line of `text` starts (line ends as the scanner's: \r\n, \r, \n)."""
+    return [0, *(m.end() for m in _LINE_END.finditer(text))]
+
+
+def _in_list_item(text: str, starts: list[int], line_start: int, width: int) -> bool:
     """Whether the line at `line_start`, indented `width` columns (1 to 3), goes on a list
     item: going back over blank and indented lines (the item's text), a list item's marker
-    indented less comes before a line that is not indented. A top-level fence may be indented
+    comes before a line that is not indented, and the line is indented to the item's content
+    (`- ` then 2 columns: a fence at 1 is not the item's). A top-level fence may be indented
     as much (its text is code whatever its indentation); an item's ends with the item."""
-    end = line_start
-    for _ in range(LOOK_BACK):
-        if end <= 0:
-            return False
-        start = max(text.rfind("\n", 0, end - 1), text.rfind("\r", 0, end - 1)) + 1
-        line = text[start:end].rstrip("\r\n").expandtabs(4)
-        end = start
+    k = bisect_right(starts, line_start) - 1
+    for j in range(k - 1, max(k - 1 - LOOK_BACK, -1), -1):
+        line = text[starts[j] : starts[j + 1]].rstrip("\r\n").expandtabs(4)
         if not line.strip():
             continue
         indent = len(line) - len(line.lstrip())
-        if indent < width and _ITEM.match(line):
-            return True
+        if indent < width and (m := _ITEM.match(line)):
+            content = len(m[1]) + len(m[2]) + (len(m[3]) if 0 < len(m[3]) <= 4 else 1)
+            return width >= content
         if not indent:
             return False
     return False
