@@ -156,11 +156,13 @@ def dripping_proxy() -> Iterator[socketserver.ThreadingTCPServer]:
     thread.join(timeout=5)
 
 
+@pytest.mark.parametrize("scheme", ["http://", ""])
 def test_a_provider_through_a_proxy_gets_the_timeout_in_all(
-    dripping_proxy: socketserver.ThreadingTCPServer, monkeypatch: pytest.MonkeyPatch
+    dripping_proxy: socketserver.ThreadingTCPServer, monkeypatch: pytest.MonkeyPatch, scheme: str
 ) -> None:
     """Through HTTP(S)_PROXY, httpx's own transport timed each read alone: an answer a byte
-    every 0.2 s never tripped a 1 s timeout, and a chunk deadline of 5 s waited 67 s."""
+    every 0.2 s never tripped a 1 s timeout, and a chunk deadline of 5 s waited 67 s. A proxy
+    given without its scheme (`127.0.0.1:3128`, as curl takes it) is an http one too."""
     from worker.errors import TransientProviderError
     from worker.providers.openai import OpenAIEmbeddings
     from worker.settings import EmbeddingSettings
@@ -168,8 +170,8 @@ def test_a_provider_through_a_proxy_gets_the_timeout_in_all(
     port = dripping_proxy.server_address[1]
     for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
-    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HTTP_PROXY", f"{scheme}127.0.0.1:{port}")
+    monkeypatch.setenv("http_proxy", f"{scheme}127.0.0.1:{port}")
     settings = EmbeddingSettings(
         provider="openai",
         model="m",

@@ -296,7 +296,7 @@ class _Plan:
                 if not found:
                     continue
                 p = min(found, key=lambda q: abs(q - expected))
-            cut = self._cut_before(p)
+            cut = self._cut_before(p, last)
             if cut is None:
                 continue
             if cut - (kept[-1] if kept else self.first) < self.min_size and cut not in fresh:
@@ -347,14 +347,15 @@ class _Plan:
             return self.max_size
         return self.max_size - self.overlap
 
-    def _cut_before(self, p: int) -> int | None:
+    def _cut_before(self, p: int, floor: int) -> int | None:
         """Where to cut for a chunk found to start at `p`, or None if nowhere: a chunk's
         stored start is past the white space before it, and the cut that made it was in that
         white space (the strongest cuttable candidate there, else `p`). Cut at `p` itself, an
         indented fence (a code block in a list item) split its fence-like line, and the cut
-        was lost at every run of the unchanged text."""
+        was lost at every run of the unchanged text. Not back past `floor` (the start found
+        before): a host's rows of blank chunks in one long blank run each walked all of it."""
         text, start = self.text, p
-        while start > 0 and text[start - 1].isspace():
+        while start > floor + 1 and text[start - 1].isspace():
             start -= 1
         pos = self.cand_pos
         lo, hi = bisect_left(pos, start), bisect_right(pos, p)

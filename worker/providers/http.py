@@ -259,7 +259,9 @@ def proxy_for(url: str) -> str | None:
     if not proxied(url):
         return None
     proxies = getproxies()
-    return proxies.get(urlsplit(url).scheme) or proxies.get("all")
+    proxy = proxies.get(urlsplit(url).scheme) or proxies.get("all")
+    # `proxy.corp:3128`, as curl and httpx take it: http (else the read-by-read transport)
+    return f"http://{proxy}" if proxy and "://" not in proxy else proxy
 
 
 def _transport(url: str) -> httpx.BaseTransport | None:
