@@ -118,7 +118,7 @@ def _send(
     ItemNotFound and nothing is sent. `promise`: a refused send says what becomes of the item
     (a batch says what becomes of the batch instead). Bad arguments are InvalidInput, before
     any row is written."""
-    check_item_id(item_id)
+    item_id = check_item_id(item_id)  # (a numpy id as an int: its JSON and its row)
     _check_reason(reason)
     _check_batch(db, batch_id)
     app = app or _default_app()

@@ -196,6 +196,18 @@ def test_the_producer_refuses_what_its_tasks_refuse_before_writing_anything(
     assert db.scalar("SELECT count(*) FROM knowledge_items") == items
 
 
+def test_a_numpy_item_id_is_sent_as_the_integer_it_is(stack: Stack) -> None:
+    """check_item_id took a numpy integer, but enqueue sent the raw value: an 8-byte BLOB
+    item_id in index_jobs, and kombu's JSON refused it as a broker that did not take it."""
+    import numpy as np
+
+    db, app = stack.db, stack.app
+    note = stack.note("A note", "Its text.")
+    task_id = producer.enqueue(db, np.int64(note), app=app)
+    row = db.one("SELECT typeof(item_id), item_id FROM index_jobs WHERE task_id = ?", (task_id,))
+    assert row == ("integer", note)
+
+
 # -- 3. ids given twice --------------------------------------------------------------------------
 
 
