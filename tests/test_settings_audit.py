@@ -432,12 +432,10 @@ def test_a_result_backend_kidx_does_not_take_is_refused(monkeypatch, url):
 
 
 def test_the_result_backends_kidx_takes(monkeypatch):
-    import importlib.util
+    import worker.settings
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(  # SQLAlchemy there, whether this environment has it or not
-        importlib.util, "find_spec", lambda n, *a: object() if n == "sqlalchemy" else real(n, *a)
-    )
+    # SQLAlchemy and the database's driver there, whether this environment has them or not
+    monkeypatch.setattr(worker.settings, "_sqlalchemy_problem", lambda url: None)
     for url in ("redis://127.0.0.1:6379/4", "db+postgresql+psycopg://h/k", "db+mysql://h/k"):
         assert load_settings(result_backend=url).result_backend == url
 
@@ -459,6 +457,22 @@ def test_the_sqlalchemy_backend_without_sqlalchemy_is_refused_when_read(monkeypa
     )
     monkeypatch.setenv("KIDX_RESULT_BACKEND", "db+postgresql://h/k")
     assert "needs SQLAlchemy" in refused("KIDX_RESULT_BACKEND")
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("db+oracle://h/k", "needs the database's driver here: No module named 'oracledb'"),
+        ("db+nosuch://h/k", "not a database URL SQLAlchemy can use"),
+    ],
+)
+def test_a_sqlalchemy_backend_whose_driver_or_dialect_is_missing_is_refused(
+    monkeypatch, url, words
+):
+    """SQLAlchemy there, the driver not (psycopg for PostgreSQL): the worker died at its start
+    all the same, on ModuleNotFoundError."""
+    monkeypatch.setenv("KIDX_RESULT_BACKEND", url)
+    assert words in refused("KIDX_RESULT_BACKEND")
 
 
 # -- a second review of the settings -----------------------------------------------------------

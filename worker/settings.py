@@ -615,6 +615,26 @@ class UrlSettings(_Section):
         return types
 
 
+def _sqlalchemy_problem(url: str) -> str | None:
+    """Why Celery's SQLAlchemy backend at `url` (db+dialect://...) cannot load here, or None:
+    SQLAlchemy, or the dialect's driver, missing (kidx installs neither: `kidx[results-db]`
+    has SQLAlchemy and psycopg), or a dialect SQLAlchemy does not know."""
+    if importlib.util.find_spec("sqlalchemy") is None:
+        return (
+            "Celery's SQLAlchemy backend needs SQLAlchemy and the database's driver, which "
+            "kidx does not install: pip install 'kidx[results-db]' (PostgreSQL)"
+        )
+    from sqlalchemy.engine import make_url
+
+    try:
+        make_url(url.removeprefix("db+")).get_dialect().import_dbapi()
+    except ImportError as e:
+        return f"Celery's SQLAlchemy backend needs the database's driver here: {e}"
+    except Exception as e:  # an unknown dialect, a URL SQLAlchemy cannot read
+        return f"not a database URL SQLAlchemy can use ({type(e).__name__}: {e})"
+    return None
+
+
 class Settings(BaseSettings):
     """Everything configurable, from `KIDX_*` variables (and an optional `.env`)."""
 
@@ -766,11 +786,8 @@ class Settings(BaseSettings):
                 f"worker, two SQLite libraries in one process: use Redis {example}, or a "
                 "server's database (db+postgresql://...)"
             )
-        if importlib.util.find_spec("sqlalchemy") is None:  # (a worker died at its start)
-            raise ValueError(
-                "Celery's SQLAlchemy backend needs SQLAlchemy and the database's driver, which "
-                "kidx does not install: pip install sqlalchemy psycopg2-binary (PostgreSQL)"
-            )
+        if (problem := _sqlalchemy_problem(v)) is not None:  # (a worker died at its start)
+            raise ValueError(problem)
         return v
 
     @property
