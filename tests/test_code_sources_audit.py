@@ -260,3 +260,20 @@ def test_posix_classes_in_brackets_match_as_git_matches_them(tmp_path: Path) -> 
     found, skipped = _listed(tmp_path)
     assert (set(found), skipped) == (set(names) - ignored, {})
     assert set(names) - ignored == {"a1.py", "xa.py", "pa.py", "qa1.py", "ra.py"}
+
+
+def test_a_package_file_of_white_space_is_left_out_of_a_listing_without_a_word(tmp_path):
+    """A blank `__init__.py` was listed, then failed at every run ("no code to index"), and
+    `kidx add code DIR --inline` exited 1 on an ordinary Python package; named alone, it is
+    refused as the empty file it is."""
+    from worker.errors import InvalidInput
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("\n  \n\t\n")
+    (tmp_path / "pkg" / "core.py").write_text("def f():\n    return 1\n")
+    skipped: list[tuple[Path, str]] = []
+    files = list_code_files(tmp_path, skipped=skipped)
+    assert [f.relative_to(tmp_path).as_posix() for f in files] == ["pkg/core.py"]
+    assert skipped == []
+    with pytest.raises(InvalidInput, match="is empty"):
+        list_code_files(tmp_path / "pkg" / "__init__.py")

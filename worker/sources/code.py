@@ -239,7 +239,7 @@ def _check_file(path: Path, max_bytes: int, *, follow: bool = False) -> str | No
     listing's look hung the listing for good."""
     size = path.stat().st_size
     if size == 0:
-        return "is empty"
+        return EMPTY
     if size > max_bytes:
         return f"is larger than {max_bytes} bytes ({size})"
     head = read_regular(path, _SNIFF, follow=follow)
@@ -249,10 +249,15 @@ def _check_file(path: Path, max_bytes: int, *, follow: bool = False) -> str | No
         return "is binary"
     try:  # its start, as the run will read it: `kidx add code FOLDER` added what `kidx add
         # code FILE` refused (random bytes, Latin-1), and each failed at its run
-        _decoded(head, final=len(head) == size)
+        text = _decoded(head, final=len(head) == size)
     except _NotText as e:
         return str(e)
+    if len(head) == size and not text.strip():
+        return EMPTY  # (a package's `__init__.py` of a blank line: "no code to index" at its run)
     return None
+
+
+EMPTY = "is empty"  # (or white space only: left out of a folder's listing without a word)
 
 
 def list_code_files(
@@ -351,7 +356,7 @@ def list_code_files(
                     )
                     if reason is None:
                         found.append(given.joinpath(*parts))
-                    else:
+                    elif reason != EMPTY:
                         skip(parts, reason)
             except OSError as e:  # vanished or unreadable meanwhile: not part of the listing
                 if not isinstance(e, FileNotFoundError):
