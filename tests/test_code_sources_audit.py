@@ -202,7 +202,7 @@ def test_a_gitignore_of_thousands_of_patterns_is_matched_whole_last_match_decidi
     for name in ("gen5.py", "gen7.py", "gen2999.py", "gen3000.py", "other1.py"):
         (tmp_path / name).write_text("x = 1\n")
     assert _listed(tmp_path) == (["gen3000.py", "gen5.py"], {})
-    assert len(code._load_spec(tmp_path / ".gitignore") or []) > 1
+    assert len(code._load_spec(tmp_path / ".gitignore", code._Budget(60)) or []) > 1
 
 
 def test_names_that_are_not_utf8_are_matched_against_the_patterns(tmp_path: Path) -> None:
@@ -277,3 +277,23 @@ def test_a_package_file_of_white_space_is_left_out_of_a_listing_without_a_word(t
     assert skipped == []
     with pytest.raises(InvalidInput, match="is empty"):
         list_code_files(tmp_path / "pkg" / "__init__.py")
+
+
+def test_a_listing_spends_a_bounded_time_on_gitignore_patterns(tmp_path, monkeypatch):
+    """Each hostile `.gitignore` within the size limits (`*a*a*a...` lines) took 10-16 s to
+    compile, once for every folder that had one: a tree of them, without end. Past the
+    listing's budget (none here), a folder whose patterns are not compiled is left out, said."""
+    monkeypatch.setattr(code, "GITIGNORE_SECONDS", 0.0)
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / ".gitignore").write_text("*.log\n")
+        (tmp_path / folder / "m.py").write_text("x = 1\n")
+    (tmp_path / "top.py").write_text("y = 2\n")
+    skipped: list[tuple[Path, str]] = []
+    files = list_code_files(tmp_path, skipped=skipped)
+    assert [f.relative_to(tmp_path).as_posix() for f in files] == ["top.py"]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p, _ in skipped) == [
+        "a/.gitignore",
+        "b/.gitignore",
+    ]
+    assert all("for .gitignore patterns is spent" in why for _, why in skipped)

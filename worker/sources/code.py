@@ -19,6 +19,7 @@ import codecs
 import os
 import re
 import stat
+import time
 import warnings
 from pathlib import Path
 
@@ -110,7 +111,7 @@ class _Unusable(Exception):
     """A `.gitignore` that is there but cannot be used; its message says why."""
 
 
-def _load_spec(file: Path) -> list[pathspec.GitIgnoreSpec] | None:
+def _load_spec(file: Path, budget: _Budget) -> list[pathspec.GitIgnoreSpec] | None:
     """The patterns of `file` (`_sets`), None when there is none; `_Unusable` when one is there that
     cannot be used. Not followed if a link (git refuses one too: out of the roots, it was
     read, /proc/<pid>/environ included), and opened without blocking (a FIFO hung)."""
@@ -130,7 +131,7 @@ def _load_spec(file: Path) -> list[pathspec.GitIgnoreSpec] | None:
     with warnings.catch_warnings():  # (re's FutureWarning on `[[`: the pattern is as written)
         warnings.simplefilter("ignore", FutureWarning)
         patterns = [p for line in lines if line and (p := _pattern(line)) is not None]
-    return _sets(patterns)
+    return _sets(patterns, budget)
 
 
 # POSIX character classes, which git's patterns take inside brackets (`[[:digit:]]`) and
@@ -173,16 +174,38 @@ def _pattern(line: str) -> GitIgnoreSpecPattern | None:
 SET_PATTERNS = 256
 
 
-def _sets(patterns: list[GitIgnoreSpecPattern]) -> list[pathspec.GitIgnoreSpec]:
+def _sets(patterns: list[GitIgnoreSpecPattern], budget: _Budget) -> list[pathspec.GitIgnoreSpec]:
     """`patterns` in RE2 sets, in order (the last that matches decides, across sets too); a
     set RE2 cannot compile is halved, and a single pattern it cannot is `_Unusable`."""
     out: list[pathspec.GitIgnoreSpec] = []
     for start in range(0, len(patterns), SET_PATTERNS):
-        out += _compiled(patterns[start : start + SET_PATTERNS])
+        out += _compiled(patterns[start : start + SET_PATTERNS], budget)
     return out
 
 
-def _compiled(patterns: list[GitIgnoreSpecPattern]) -> list[pathspec.GitIgnoreSpec]:
+# What one listing may spend compiling `.gitignore` patterns: a hostile file within the size
+# limits (`*a*a*a...` lines) took 10-16 s, and a tree of such folders as many times that.
+GITIGNORE_SECONDS = 10.0
+
+
+class _Budget:
+    """The time left for a listing's `.gitignore` patterns (`GITIGNORE_SECONDS`)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.until = seconds, time.monotonic() + seconds
+
+    def check(self) -> None:
+        if time.monotonic() >= self.until:
+            raise _Unusable(
+                f"was not compiled: the listing's {self.seconds:g} s for .gitignore patterns "
+                "is spent"
+            )
+
+
+def _compiled(
+    patterns: list[GitIgnoreSpecPattern], budget: _Budget
+) -> list[pathspec.GitIgnoreSpec]:
+    budget.check()
     try:
         return [pathspec.GitIgnoreSpec(patterns, backend="re2")]
     except re2.error:
@@ -191,7 +214,7 @@ def _compiled(patterns: list[GitIgnoreSpecPattern]) -> list[pathspec.GitIgnoreSp
                 f"has a pattern kidx cannot match: {patterns[0].pattern[:80]!r}"
             ) from None
         half = len(patterns) // 2
-        return _compiled(patterns[:half]) + _compiled(patterns[half:])
+        return _compiled(patterns[:half], budget) + _compiled(patterns[half:], budget)
 
 
 def _ignored(specs: _Specs, parts: tuple[str, ...], is_dir: bool) -> bool:
@@ -209,7 +232,7 @@ def _ignored(specs: _Specs, parts: tuple[str, ...], is_dir: bool) -> bool:
     return result
 
 
-def _outer_specs(root: Path) -> tuple[_Specs, tuple[str, ...]]:
+def _outer_specs(root: Path, budget: _Budget) -> tuple[_Specs, tuple[str, ...]]:
     """The patterns that apply from above `root`: `.git/info/exclude` and the `.gitignore` files
     of the enclosing work tree down to the root's parent; and the root's path below that top.
     Dropped when they ignore the root itself: a folder asked for by name is listed."""
@@ -223,7 +246,7 @@ def _outer_specs(root: Path) -> tuple[_Specs, tuple[str, ...]]:
         (prefix[:i], top.joinpath(*prefix[:i], ".gitignore")) for i in range(len(prefix))
     ]:
         try:
-            spec = _load_spec(file)
+            spec = _load_spec(file, budget)
         except _Unusable as e:
             raise InvalidInput(f"{file} {e}: the listing below it needs its patterns") from None
         if spec is not None:
@@ -303,7 +326,8 @@ def list_code_files(
             return True
         return False
 
-    outer, prefix = _outer_specs(given.resolve())
+    budget = _Budget(GITIGNORE_SECONDS)
+    outer, prefix = _outer_specs(given.resolve(), budget)
     found: list[Path] = []
     real = given.resolve()  # (the folder named may be a link: the walk below follows none)
     top = os.stat(real)
@@ -314,7 +338,7 @@ def list_code_files(
         folder, rel, specs, identity = stack.pop()
         try:
             entries = _entries(folder, identity)
-            spec = _load_spec(folder / ".gitignore")
+            spec = _load_spec(folder / ".gitignore", budget)
         except _Unusable as e:  # its patterns unread: none of its files is listed
             skip((*rel, ".gitignore"), f"{e}: its folder is left out")
             continue
