@@ -229,3 +229,17 @@ def test_a_lock_held_past_the_busy_timeout_is_waited_out_once_a_run_not_once_an_
     assert all(type(out[i]).__name__ == "IndexAborted" for i in ids)
     assert len(full_waits) == 1 and db.busy_timeout_ms == 300  # given back after the run
     db.close()
+
+
+def test_a_host_s_memory_of_unicode_white_space_is_left_alone_as_an_empty_one(db, host):
+    """add_memory refuses "\\u3000\\xa0" as empty (Python's strip); the backfill trimmed ASCII
+    white space only, embedded a host's such row, and memory search returned it."""
+    from worker.indexers.memories import embed_memories
+
+    host.execute(
+        "INSERT INTO memories(id, content) VALUES (1, ?), (2, ?), (3, ?)",
+        ("\u3000\xa0\u2028", " \t\n", "Likes green tea."),
+    )
+    report = embed_memories(db, FakeEmbedder())
+    assert report.embedded == 1 and report.left == 0
+    assert db.all("SELECT memory_id FROM memory_embeddings") == [(3,)]

@@ -210,13 +210,17 @@ REFUSAL_TTL_S = 86_400
 # whitespace only, measured in bytes: `length()` of a text stops at its first NUL, and a memory
 # that starts with one was never embedded, counted or recorded. The content of a row longer
 # than `_MAX_BYTES` is not read (NULL), only its size.
+# The characters Python's str.strip() takes for white space (add_memory refuses a memory of
+# only them), as SQLite's trim() is told them: with ASCII's alone, a host's row of U+3000 was
+# embedded, and came back from memory search.
+_BLANKS = "char(" + ", ".join(str(ord(c)) for c in map(chr, range(0x3001)) if c.isspace()) + ")"
 _MISSING = (
     f"SELECT m.id, CASE WHEN length(CAST(m.content AS BLOB)) <= {_MAX_BYTES} "
     "THEN CAST(m.content AS BLOB) END, length(CAST(m.content AS BLOB)) "
     "FROM memories m LEFT JOIN memory_embeddings e "
     f"ON e.memory_id = m.id AND e.model = :model AND e.dimensions = :dims AND {sound('e')} "
     "WHERE e.memory_id IS NULL "
-    "AND length(CAST(trim(CAST(m.content AS TEXT), ' ' || char(9, 10, 11, 12, 13)) AS BLOB)) > 0 "
+    f"AND length(CAST(trim(CAST(m.content AS TEXT), {_BLANKS}) AS BLOB)) > 0 "
     "AND NOT EXISTS (SELECT 1 FROM memory_refusals r WHERE r.memory_id = m.id "
     "AND r.model = :model AND r.content IS CAST(m.content AS BLOB) "
     f"AND (julianday('now') - julianday(r.refused_at)) * 86400 BETWEEN 0 AND {REFUSAL_TTL_S})"
