@@ -230,8 +230,24 @@ def test_module_statements_are_grouped_but_definitions_never_merged() -> None:
     ]
     consts = "".join(f"CONSTANT_{i} = {i}\n" for i in range(200))
     grouped = chunk_code(consts, "c.py")
-    assert len(grouped) > 3
-    assert all(TARGET_SIZE - 20 < len(c.content) <= TARGET_SIZE for c in grouped[:-1])
+    assert 3 < len(grouped) < 200 // 4  # grouped, up to the target, an anchor starting one
+    assert all(len(c.content) <= TARGET_SIZE for c in grouped)
+
+
+@pytest.mark.parametrize("lines", [3, 10, 28])
+def test_a_block_added_at_the_top_leaves_the_later_chunks_as_they_were(lines: int) -> None:
+    """Blocks packed greedily from the top: one function added near the start of a Go file
+    shifted every later group, and re-embedded up to the whole file (the LESSONS trap)."""
+    funcs = [
+        f"func f{i}() int {{\n"
+        + "".join(f"    x{j} := g{i}({j})\n" for j in range(2 + i % 7))
+        + "    return x0\n}\n"
+        for i in range(300)
+    ]
+    before = chunk_code("package main\n\n" + "\n".join(funcs), "main.go")
+    added = "func added() {\n" + "    y := 1\n" * lines + "}\n\n"
+    after = chunk_code("package main\n\n" + added + "\n".join(funcs), "main.go")
+    assert len({c.content for c in after} - {c.content for c in before}) <= 3
 
 
 def test_decorators_and_comments_above_belong_to_the_definition() -> None:
