@@ -243,3 +243,21 @@ def test_a_host_s_memory_of_unicode_white_space_is_left_alone_as_an_empty_one(db
     report = embed_memories(db, FakeEmbedder())
     assert report.embedded == 1 and report.left == 0
     assert db.all("SELECT memory_id FROM memory_embeddings") == [(3,)]
+
+
+def test_a_savepoint_whose_release_fails_is_rolled_back_not_committed_with_its_parent(db):
+    """RELEASE outside the undo: a savepoint left open when it failed was committed with the
+    transaction around it (a run's claim marks stayed `indexing`, its items reported failed)."""
+    import apsw
+
+    def refuse_release(cursor, sql, bindings):
+        return not sql.startswith("RELEASE sp1")
+
+    with db.atomic():
+        db.execute("INSERT INTO index_meta(key, value) VALUES ('outer', '1')")
+        with pytest.raises(apsw.ExecTraceAbort), db.atomic():
+            db.execute("INSERT INTO index_meta(key, value) VALUES ('inner', '1')")
+            db.conn.exec_trace = refuse_release
+        db.conn.exec_trace = None
+    keys = {k for (k,) in db.all("SELECT key FROM index_meta WHERE key IN ('outer', 'inner')")}
+    assert keys == {"outer"} and db.conn.get_autocommit()

@@ -285,7 +285,12 @@ class Database:
             self._commit()
         else:
             self._still_open()
-            self.execute(f"RELEASE sp{self._depth}")
+            try:
+                self.execute(f"RELEASE sp{self._depth}")
+            except BaseException:  # (an interrupt, a host's hook): undone, as a failed body is
+                self._undo()
+                self._drop_on_commit(self._depth + 1)
+                raise
             # what the savepoint asked is its parent's now: a sibling's rollback keeps it
             self._on_commit = [(min(d, self._depth), w) for d, w in self._on_commit]
 
