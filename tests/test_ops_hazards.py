@@ -325,6 +325,10 @@ def test_kidx_with_a_fifo_at_its_log_file_does_not_hang(tmp_path: Path) -> None:
 
 
 def load_corpus(tmp_path: Path, folder: Path) -> subprocess.CompletedProcess[str]:
+    """The script, into a database `kidx init` made (the script makes none)."""
+    from worker.store import connect
+
+    connect(tmp_path / "kidx.db", vec=False).close()
     cmd = [sys.executable, str(ROOT / "ops/scripts/load_corpus.py"), str(folder)]
     cmd += ["--db", str(tmp_path / "kidx.db")]
     try:
