@@ -3,10 +3,11 @@ URLs fetched safely, code read from its file (`worker/sources/files.py`, `urls.p
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.errors import InvalidInput, KidxError, input_failure
+from worker.errors import InvalidInput, KidxError, SourceUnavailable, input_failure
 from worker.settings import FilesSettings, UrlSettings
 from worker.store.items import Item
 
@@ -37,9 +38,10 @@ class Reader:
             # soft time limit) is an interruption and goes on up.
             if not input_failure(e, *_SOURCE_PACKAGES):
                 raise
-            raise InvalidInput(
-                f"{item.kind} {item.id}: cannot be read ({type(e).__name__}: {e})"
-            ) from e
+            why = f"{item.kind} {item.id}: cannot be read ({type(e).__name__}: {e})"
+            if isinstance(e, OSError) and e.errno in _PASSING:
+                raise SourceUnavailable(why) from e  # the process's or the disk's, for now
+            raise InvalidInput(why) from e
 
     def _file(self, item: Item, cancel: Callable[[], bool] | None) -> str:
         from worker.sources.files import read_file
@@ -100,4 +102,10 @@ _SOURCE_PACKAGES = (
     "markdown_it",
     "codecs",
     "encodings",
+)
+
+# OS errors that say the process or the machine is short of something now, not that the source
+# is wrong: retried later (SourceUnavailable), not failed for good.
+_PASSING = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EIO, errno.EAGAIN, errno.ESTALE, errno.EINTR}
 )
