@@ -303,10 +303,10 @@ def _halves(
     """A batch the provider refused as too large (413) or did not answer in time, sent in two
     halves, each halved again while so: a server whose limit is under the batch size
     (text-embeddings-inference takes 32) cost a refused request and a request a text, for
-    every batch. A full batch whose
-    every text then went in requests of at most n makes n the batch size of the process (said
-    in the log); inputs refused alone end at themselves, and their plans abort as text by text
-    (no part of an aborted plan is sent). As `embed_batch`, what went whole."""
+    every batch. A full batch whose every text then went in requests of at most n makes n the
+    batch size of the process (said in the log); inputs refused alone end at themselves, and
+    their plans abort as text by text (no part of an aborted plan is sent). As `embed_batch`,
+    what went whole."""
     half = (len(batch) + 1) // 2
     took = []
     for part in (batch[:half], batch[half:]):

@@ -290,7 +290,7 @@ _LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 def _line_starts(text: str) -> list[int]:
-    """Where every line of `text` starts (line ends as the scanner's: \r\n, \r, \n)."""
+    """Where every line of `text` starts (line ends as the scanner's: CR LF, CR, LF)."""
     return [0, *(m.end() for m in _LINE_END.finditer(text))]
 
 
