@@ -261,3 +261,35 @@ def test_a_savepoint_whose_release_fails_is_rolled_back_not_committed_with_its_p
         db.conn.exec_trace = None
     keys = {k for (k,) in db.all("SELECT key FROM index_meta WHERE key IN ('outer', 'inner')")}
     assert keys == {"outer"} and db.conn.get_autocommit()
+
+
+def test_a_run_without_a_provider_leaves_alone_an_item_another_run_has_taken(db_path, emb_settings):
+    """A process with no provider marked the item `skipped` over the `indexing` mark of a run
+    that took it since this one read it (that run then ended coalesced, nothing written)."""
+    import time
+
+    from worker.indexers import IndexOptions
+    from worker.log import get_logger
+    from worker.pipeline import prepare_item
+    from worker.store import connect
+    from worker.store.items import claim_items, get_item, get_state, read_claim
+
+    db = connect(db_path, embedding=emb_settings)
+    item = add_item(db, kind="note", title="T", content="A note to index.")
+    claim = read_claim(db, item)  # what the provider-less run read
+    other = connect(db_path, embedding=emb_settings)
+    with other.atomic():  # another run takes the item meanwhile
+        assert item in claim_items(other, [(item, read_claim(other, item))], "other-task")
+    other.close()
+    result = prepare_item(
+        db,
+        get_item(db, item, content=False),
+        None,
+        IndexOptions(),
+        time.monotonic(),
+        get_logger("test"),
+        claim=claim,
+    )
+    assert result.status == "skipped"
+    assert get_state(db, item)["status"] == "indexing"  # the other run's, as it was
+    db.close()

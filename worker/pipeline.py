@@ -266,14 +266,19 @@ def prepare_item(
         item = get_item(db, item_id)
     if embedder is None:
         duration = int((time.monotonic() - started) * 1000)
-        set_state(
+        # not over the state of a run that has taken the item since it was read (a process
+        # with a provider): its `indexing` mark went, and that run ended coalesced
+        recorded = _record_unwritten(
             db,
             item_id,
+            claim,
             status=Status.SKIPPED,
             last_error=NO_PROVIDER,
             last_task_id=task_id,
             duration_ms=duration,
         )
+        if not recorded:
+            ilog.info(f"{KI_EMBED} {TAKEN_LOG}; its state is not this run's", outcome="skipped")
         ilog.info(f"{KI_EMBED} skipped", reason=NO_PROVIDER)
         return IndexResult(item_id, str(Status.SKIPPED), error=NO_PROVIDER, duration_ms=duration)
     check(options.cancel)
