@@ -280,9 +280,7 @@ def embed_batch(
         requests.failed(e)
         if isinstance(e, PermanentProviderError) and not e.per_input:
             raise
-        # Too large for the provider (413), or more than it embeds within the timeout (a CPU
-        # server's large model): a full batch sent whole again timed out at every attempt.
-        if (getattr(e, "status", None) == 413 or isinstance(e, TimedOut)) and len(batch) > 1:
+        if too_much(e) and len(batch) > 1:
             return _halves(batch, embedder, cancel, failures, requests)
         _one_by_one(batch, embedder, cancel, failures, requests, e)
         return 0
@@ -291,6 +289,13 @@ def embed_batch(
         failures.ok(p)
     requests.ok()
     return len(batch)
+
+
+def too_much(error: Exception) -> bool:
+    """Whether a request failed for what it carried, worth sending again in halves: too large
+    for the provider (413), or more than it embeds within the timeout (a CPU server's large
+    model: a full batch sent whole again timed out at every attempt)."""
+    return getattr(error, "status", None) == 413 or isinstance(error, TimedOut)
 
 
 def _halves(

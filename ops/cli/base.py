@@ -425,6 +425,11 @@ def fail(message: str, code: int = 1, redact: Redact | None = None) -> NoReturn:
     sys.exit(code)
 
 
+def os_problem(e: OSError) -> str:
+    """An OS error as a command's one line: its words and the file it is about."""
+    return f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
+
+
 @contextlib.contextmanager
 def one_line_errors(db: str | Path = "the database") -> Iterator[None]:
     """A script's errors (`make run`'s, `make demo`'s) as a kidx command says them: one line,
@@ -439,7 +444,7 @@ def one_line_errors(db: str | Path = "the database") -> Iterator[None]:
     except apsw.Error as e:
         fail(sqlite_problem(e, db), 1)
     except OSError as e:
-        fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), 1)
+        fail(os_problem(e), 1)
 
 
 def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
@@ -491,8 +496,7 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
                     raise OutputClosed() from None
                 fail("a pipe was closed (EPIPE) while kidx wrote to it", 1, redact)
             except OSError as e:
-                message = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
-                fail(message, 1, redact)
+                fail(os_problem(e), 1, redact)
             except (click.ClickException, click.exceptions.Exit, click.Abort):
                 raise  # click's own: usage errors (status 2), aborts
             except Exception as e:

@@ -11,13 +11,12 @@ from typing import Any
 import apsw
 
 from worker.chunking import Chunk, text_hash
-from worker.embedding import FailureCounter, Plan, learn_batch_size
+from worker.embedding import FailureCounter, Plan, learn_batch_size, too_much
 from worker.errors import (
     IndexAborted,
     InvalidInput,
     KidxError,
     PermanentProviderError,
-    TimedOut,
 )
 from worker.indexers.base import MAX_CONSECUTIVE_FAILURES, Indexer, IndexOptions, Planned
 from worker.log import KI_EMBED, get_logger
@@ -400,8 +399,7 @@ def _embedded(
     try:
         vectors = embedder.embed_checked([text for _, _, text in batch])
     except KidxError as e:
-        # too large (413), or more than the provider embeds within the timeout
-        halve = len(batch) > 1 and (getattr(e, "status", None) == 413 or isinstance(e, TimedOut))
+        halve = len(batch) > 1 and too_much(e)
         if not halve and not _per_input(e):
             report.error = _why(e)
             return [], 0

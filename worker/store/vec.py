@@ -228,15 +228,11 @@ def _record(db: Database) -> dict[str, object]:
     return found if isinstance(found, dict) else {}
 
 
-def _recorded_config(db: Database) -> tuple[str, int] | None:
+def index_config(db: Database) -> tuple[str, int] | None:
+    """The (model, dimensions) the index is kept for, as its last writer recorded it."""
     found = _record(db)
     model, dims = found.get("model"), found.get("dimensions")
     return (model, dims) if isinstance(model, str) and type(dims) is int else None
-
-
-def index_config(db: Database) -> tuple[str, int] | None:
-    """The (model, dimensions) the index is kept for, as its last writer recorded it."""
-    return _recorded_config(db)
 
 
 def claimed_since(db: Database, configured_at: float | None) -> bool:
@@ -260,7 +256,7 @@ def claim_config(db: Database) -> None:
     assert db.resolution is not None and db.resolution.model is not None
     mine = (db.resolution.model, db.resolution.dimensions)
     with db.atomic():
-        before = _recorded_config(db)  # again, under the write lock
+        before = index_config(db)  # again, under the write lock
         record = {"model": mine[0], "dimensions": mine[1], "at": time.time()}
         set_meta(db, INDEX_CONFIG, json.dumps(record))
     if before is not None and before != mine:
@@ -277,7 +273,7 @@ def claimed(db: Database) -> bool:
     res = db.resolution
     if res is None or res.model is None:
         return True
-    return _recorded_config(db) == (res.model, res.dimensions)
+    return index_config(db) == (res.model, res.dimensions)
 
 
 def _named(config: tuple[str, int]) -> str:
@@ -295,7 +291,7 @@ def config_conflict(db: Database) -> str | None:
     res = db.resolution
     if res is None or res.model is None:
         return None
-    mine, theirs = (res.model, res.dimensions), _recorded_config(db)
+    mine, theirs = (res.model, res.dimensions), index_config(db)
     if theirs is None or theirs == mine:
         return None
     return (
