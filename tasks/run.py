@@ -31,7 +31,7 @@ from tasks.lock import LockSet
 from tasks.producer import enqueue, send_group
 from tasks.runtime import Runtime
 from tasks.streak import SharedStreak, streak_key
-from worker.bulk import index_items
+from worker.bulk import LOCKED_OUT_MS, index_items
 from worker.chunking import text_hash
 from worker.errors import Cancelled, IndexAborted, KidxError, WrongTaskKind
 from worker.indexers import IndexOptions, kind_of
@@ -118,6 +118,7 @@ class Run:
         self.ended: dict[int, str] = {}  # item -> its job state
         self.results: dict[int, dict[str, Any]] = {}  # item -> its result, in order
         self.failures: dict[int, str] = {}  # item -> its one-line failure
+        self.locked_out = False  # an end the database stayed locked for: the rest wait less
 
     # -- what a task says ---------------------------------------------------------------------
 
@@ -152,8 +153,12 @@ class Run:
         scrubbed of every configured secret: it goes to the result backend and the Tasks page,
         and an item's error is what a provider said (the HTTP client masks its own key; a
         provider of a host's own may not)."""
-        with running():
-            return self.rt.redact.scrub(self._execute())
+        patience = self.rt.db.busy_timeout_ms
+        try:
+            with running():
+                return self.rt.redact.scrub(self._execute())
+        finally:
+            self.rt.db.busy_timeout_ms = patience  # (the process's next task waits as before)
 
     def _execute(self) -> dict[str, Any]:
         try:
@@ -309,8 +314,11 @@ class Run:
         transaction) is waited for again, `BUSY_TRIES` times in all: a row left `started`
         would be ended failed by the overrun sweep, and its item counted twice. A database
         that refuses (a full disk), or stays locked, is logged: the task's result still says
-        what happened."""
-        for tried in range(1, BUSY_TRIES + 1):
+        what happened. Once it stayed locked, the run's other items are tried once, for
+        `LOCKED_OUT_MS` (`locked_out`): a cancelled group of 128 waited the whole timeout
+        four times for each item, hours at the default."""
+        tries = 1 if self.locked_out else BUSY_TRIES
+        for tried in range(1, tries + 1):
             try:
                 with self.rt.db.atomic():
                     record_end(self.rt.db, *self.job(item_id), state, self.took(), error)
@@ -327,8 +335,10 @@ class Run:
             except (apsw.Error, KidxError) as e:
                 reason = f"{type(e).__name__}: {e}"
                 # (inside the caller's transaction, its own outcome decides: not tried again)
-                again = isinstance(e, BUSY) and tried < BUSY_TRIES
+                again = isinstance(e, BUSY) and tried < tries
                 if not again or self.rt.db.conn.in_transaction:
+                    if isinstance(e, BUSY) and not self.rt.db.conn.in_transaction:
+                        self._lock_out()
                     log.error(
                         "could not record an item's end",
                         item_id=item_id,
@@ -343,6 +353,13 @@ class Run:
                 )
         metrics.run(self.task.name, str(state), why)
         self.ended[item_id] = str(state)
+
+    def _lock_out(self) -> None:
+        """The database stayed locked past the busy timeout: what is left of the run is
+        recorded if the lock is free, not after the whole timeout again (as `index_items`
+        does, for the same reason); `execute` gives the timeout back."""
+        self.locked_out = True
+        self.rt.db.busy_timeout_ms = min(self.rt.db.busy_timeout_ms, LOCKED_OUT_MS)
 
     def _done(self, item_id: int, outcome: IndexResult | KidxError) -> None:
         """An item's outcome, recorded at once (progress shows while the run goes on)."""
@@ -402,8 +419,13 @@ class Run:
     def _not_run(self, item_id: int, error: str, **how: Any) -> None:
         """The item's state for a run that did not index it (`mark_not_run`), if the database
         takes it: the job row says what happened either way."""
-        with contextlib.suppress(apsw.Error, KidxError):
+        try:
             mark_not_run(self.rt.db, item_id, self.task_id, self.job(item_id)[0], error, **how)
+        except BUSY:
+            if not self.rt.db.conn.in_transaction:
+                self._lock_out()
+        except (apsw.Error, KidxError):
+            pass
 
     def _check_kinds(self) -> None:
         if self.kinds is None:
@@ -450,15 +472,7 @@ class Run:
             self.end(item_id, JobState.REVOKED, "skipped", "cancelled")
             # as an aborted batch's: not over another run's index, or its run under way (a
             # revoke seen before the start holds no lock)
-            with contextlib.suppress(apsw.Error, KidxError):
-                mark_not_run(
-                    self.rt.db,
-                    item_id,
-                    self.task_id,
-                    self.job(item_id)[0],
-                    "cancelled",
-                    status=Status.CANCELLED,
-                )
+            self._not_run(item_id, "cancelled", status=Status.CANCELLED)
         self.task.backend.mark_as_revoked(self.task_id, "cancelled", request=self.task.request)
         self.task.send_event(
             "task-revoked", terminated=TERMINATED.is_set(), signum=None, expired=False

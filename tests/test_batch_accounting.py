@@ -21,8 +21,9 @@ from scheduler.tasks import _reconcile
 from stack import broker_url, flush, wait_for
 from tasks import GROUP, NOTE
 from tasks.broker import live_task_ids
-from tasks.cancel import RunScope
+from tasks.cancel import RunScope, mark_revoked
 from tasks.producer import enqueue, send_batch
+from tasks.run import BUSY_TRIES
 from tasks.runtime import Runtime
 from worker.app import create_app
 from worker.log import Redact
@@ -290,3 +291,34 @@ def test_a_task_that_meets_the_database_locked_at_its_start_is_retried(tmp_path)
             0,
             0,
         )
+
+
+@pytest.mark.stack
+def test_a_run_cancelled_while_the_database_stays_locked_waits_it_out_once(tmp_path) -> None:
+    """Cancelled while a host holds the write lock: each of the group's items waited the whole
+    busy timeout three times for its job row and once more for its state (two hours for a
+    group of 128 at the default 30 s). The first item waits it out; the rest are tried once,
+    briefly, and the run ends revoked."""
+    with fault_stack(tmp_path, concurrency=1, env=BUSY) as s:
+        ids = [s.note(f"Held {n}", f"# Held {n}\n\n" + "delta. " * 50) for n in range(3)]
+        s.standin.delay = 2.0
+        group = str(uuid.uuid4())
+        record_queued_many(s.db, [(f"{group}:{i}", i) for i in ids], GROUP, None, "x")
+        s.app.send_task(GROUP, args=[ids], task_id=group)
+        wait_for(lambda: s.standin.requests >= 1, 30, "the task at the provider")
+        host = apsw.Connection(str(tmp_path / "kidx.db"))
+        try:
+            host.execute("BEGIN IMMEDIATE")  # held until the run has ended
+            mark_revoked(s.redis, [group])
+            result = s.app.AsyncResult(group)
+            wait_for(result.ready, 60, "the run to end")
+            assert result.state == "REVOKED"
+        finally:
+            host.close()
+        lines = [line.get("event", "") for line in log_lines(s.logs)]
+        waited = [e for e in lines if e.startswith("could not record an item's end yet")]
+        gave_up = [
+            e for e in lines if e.startswith("could not record an item's end") and e not in waited
+        ]
+        assert len(gave_up) == 3, lines  # every item's end was tried ...
+        assert len(waited) == BUSY_TRIES - 1, lines  # ... and the lock waited out once

@@ -11,7 +11,6 @@ stopped never writes its older text over the index another run made meanwhile.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -398,7 +397,7 @@ def _index_pass(
         for w in works:
             if w.item.id not in out:
                 # Recorded if the database lets us (a full disk may not): the cause is raised.
-                with contextlib.suppress(apsw.Error, StoreError):
+                try:
                     # Ctrl-C on an inline run is the user cancelling it, as a revoke is
                     # (not over the state of a run that has taken the item since)
                     if isinstance(e, Cancelled | KeyboardInterrupt):
@@ -412,6 +411,10 @@ def _index_pass(
                             w.elapsed(),
                             claim=w.claim,
                         )
+                except (apsw.BusyError, apsw.LockedError):  # the rest: not the whole wait each
+                    db.busy_timeout_ms = min(db.busy_timeout_ms, LOCKED_OUT_MS)
+                except (apsw.Error, StoreError):
+                    pass
         raise
     finally:
         db.busy_timeout_ms = patience
