@@ -43,7 +43,7 @@ from worker.store.fts import CHECKED, FTS_TABLES, fts_counts, fts_intact
 from worker.store.removal import leftovers
 from worker.store.schema import SCHEMA_VERSION, host_objects, schema_problems, schema_version
 from worker.store.text import integer_or_null, shown
-from worker.store.vec import config_conflict
+from worker.store.vec import VEC0_MAX_DIMENSIONS, config_conflict
 
 DEFAULT_TIMEOUT = 5.0
 # A WAL past this is not being checkpointed (workers cut it back to 16 MB once emptied; a bulk
@@ -203,6 +203,12 @@ def check_dimensions(settings: Settings, timeout: float) -> str:
             conflict,
             "a rolling restart not finished, or a stale .env: see 'Switching the embedding "
             "model' in ops/README.md",
+        )
+    if want > VEC0_MAX_DIMENSIONS:
+        raise Warn(
+            f"{want} dimensions (from the {source}): past sqlite-vec's {VEC0_MAX_DIMENSIONS}, "
+            "so no vec tables; search is exact, in memory, slower as the index grows",
+            f"a model or KIDX_EMBEDDING__DIMENSIONS of at most {VEC0_MAX_DIMENSIONS}",
         )
     if missing := [name for name, d in tables.items() if d is None]:
         raise Fail(f"vec tables missing: {', '.join(missing)}", "`kidx init` creates them")

@@ -649,6 +649,30 @@ def test_a_read_only_database_is_one_line_naming_it(kidx_process, tmp_path):
     assert str(db) in line and "read-only" in line
 
 
+def test_a_database_in_a_folder_kidx_cannot_write_names_the_folder(kidx_process, tmp_path):
+    """`kidx status` only reads, yet SQLite must make the -wal and -shm files beside the
+    database: it said "attempt to write a readonly database", naming neither."""
+    kidx_process.ok("init")
+    for leftover in tmp_path.glob("kidx.db-*"):  # (as a stopped stack leaves the folder)
+        leftover.unlink()
+    tmp_path.chmod(0o555)
+    try:
+        result = subprocess.run(
+            [*_unprivileged(), str(KIDX), "status", "--json"],
+            env=kidx_process.env,
+            cwd=kidx_process.cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        tmp_path.chmod(0o755)
+    assert "Traceback" not in result.stderr, result.stderr
+    line = one_line_error(result)
+    assert result.returncode == 1
+    assert f"its folder {tmp_path} is not writable" in line, line
+
+
 def test_a_locked_database_says_another_process_holds_the_write_lock(kidx_process, tmp_path):
     kidx_process.ok("init")
     holder = apsw.Connection(str(tmp_path / "kidx.db"))  # this process: the other writer

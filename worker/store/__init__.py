@@ -11,16 +11,15 @@ from worker.errors import StoreError
 from worker.log import KI_EMBED, get_logger
 from worker.settings import EmbeddingSettings, Settings
 from worker.store.db import Database, Resolution
-from worker.store.fts import sync_fts
 from worker.store.repair import RepairReport, repair_vectors
 from worker.store.schema import (
-    FTS_MIGRATION,
     MIGRATIONS,
     migrate,
+    named_refusals,
     restore_dropped,
-    schema_version,
 )
 from worker.store.vec import (
+    VEC0_MAX_DIMENSIONS,
     VEC_TABLES,
     claim_config,
     claimed,
@@ -88,7 +87,6 @@ def connect(
     _refuse_foreign(Path(path), must_be_kidx=not create, adopt=adopt)
     db = Database(path, busy_timeout_ms=busy_timeout_ms, create=create)
     try:
-        before = schema_version(db)
         migrate(db)
         if restored := restore_dropped(db):
             log.warning(
@@ -97,27 +95,34 @@ def connect(
                 restored=restored,
             )
         db.instance()  # named once, by whichever process opens it first
-        if before < FTS_MIGRATION:
-            sync_fts(db)  # the chunks a database already had get their keyword rows
         if vec:
             db.load_vec(vec_path)
         else:
             db.vec_error = "disabled by KIDX_VEC=off"
         db.resolution = resolve_dimensions(db, embedding or EmbeddingSettings())
+        if db.vec_loaded and db.resolution.dimensions > VEC0_MAX_DIMENSIONS:
+            # (vec0 refuses the table: every process failed to open the file)
+            db.vec_loaded = False
+            db.vec_error = (
+                f"not used: {db.resolution.dimensions} dimensions is past sqlite-vec's "
+                f"{VEC0_MAX_DIMENSIONS}; search is exact, in memory"
+            )
         conflict = config_conflict(db)
         claim = claim and not (conflict is not None and claimed_since(db, configured_at))
         rebuilds = not read_only and (claim or conflict is None)
         if conflict is not None and not (claim and not read_only):
             log.warning(f"{KI_EMBED} {conflict}")
+        # (a host's trigger that refuses the rebuild's writes is named, not SQLite's words)
         if rebuilds and claim and not claimed(db):
             # The newest indexing process's model is the index's (a rolling restart): its
             # rebuild and its record in one transaction, or two processes starting together
             # could leave the tables at one's dimension and the record naming the other.
-            with db.atomic():
+            with named_refusals(db), db.atomic():
                 sync_vec_tables(db, db.resolution.dimensions)
                 claim_config(db)
         elif rebuilds:
-            sync_vec_tables(db, db.resolution.dimensions)
+            with named_refusals(db):
+                sync_vec_tables(db, db.resolution.dimensions)
         elif db.vec_loaded and vec_behind(db):
             db.vec_loaded = False
             db.vec_error = (

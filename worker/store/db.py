@@ -118,7 +118,9 @@ class Database:
                 "try again when it ends, or raise KIDX_BUSY_TIMEOUT_MS"
             ) from None
         except apsw.Error as e:
-            raise StoreError(f"cannot open database {path}: {e}") from None
+            raise StoreError(
+                f"cannot open database {path}: {_open_problem(e, self.path)}"
+            ) from None
         if wal and str(path) != ":memory:" and str(mode).lower() != "wal":
             raise StoreError(f"cannot switch {path} to WAL (journal_mode is {mode})")
         # The sha256 of stored bytes (a text's hash is that of its UTF-8): what a writer
@@ -430,6 +432,24 @@ class Database:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open_problem(e: apsw.Error, path: Path) -> str:
+    """Why SQLite could not open the file, in the user's terms: a folder kidx cannot write was
+    "attempt to write a readonly database" for a command that only reads."""
+    folder = path.parent
+    if getattr(e, "extendedresult", None) == apsw.SQLITE_READONLY_DIRECTORY or (
+        isinstance(e, apsw.CantOpenError)
+        and folder.is_dir()
+        and not os.access(folder, os.W_OK | os.X_OK)
+    ):
+        return (
+            f"its folder {folder} is not writable: SQLite makes {path.name}-wal and "
+            f"{path.name}-shm beside the file, even to read it"
+        )
+    if isinstance(e, apsw.ReadOnlyError):
+        return f"{e} (the file, or its -wal or -shm beside it, is read-only: kidx writes to them)"
+    return str(e)
 
 
 def set_meta(db: Database, key: str, value: str) -> None:

@@ -14,7 +14,7 @@ import apsw
 
 from worker.errors import StoreError
 from worker.store.db import Database, set_meta
-from worker.store.fts import FTS_TABLES, create_sql
+from worker.store.fts import FTS_TABLES, create_sql, sync_fts
 
 ITEM_KINDS = ("note", "file", "url", "code")
 STATUSES = ("pending", "indexing", "indexed", "partial", "failed", "skipped", "cancelled")
@@ -743,6 +743,11 @@ def migrate(db: Database) -> int:
                         if not _column_there(db, statement):
                             _run(db, number, statement)
                     set_meta(db, "schema_version", str(number))
+            if current < FTS_MIGRATION:
+                # The chunks the database already had get their keyword rows, in the same
+                # transaction: filled by `connect` after it, a process stopped between the
+                # two left keyword search empty for good (the version said it was done).
+                sync_fts(db)
     finally:
         db.execute("PRAGMA legacy_alter_table = OFF")
         db.execute("PRAGMA foreign_keys = ON")

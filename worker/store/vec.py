@@ -66,6 +66,10 @@ class VecTable:
         return f"INSERT INTO {self.name}({self.key}, embedding) VALUES (?1, {self.value('?2')})"
 
 
+# sqlite-vec's vec0 declares no vector column longer (SQLITE_VEC_VEC0_MAX_DIMENSIONS).
+VEC0_MAX_DIMENSIONS = 8192
+
+
 def bit_width(dimensions: int) -> int:
     """The bits a quantized vector of `dimensions` takes in a `bit[N]` column: sqlite-vec
     needs N divisible by 8 (a model may have any dimension: OpenAI's `dimensions=100`)."""
@@ -340,6 +344,9 @@ def sync_vec_tables(db: Database, dimensions: int) -> bool:
         before = vec_table_dimensions(db)  # again, under the write lock
         behind = vec_behind(db)
         wrong = [t for t in VEC_TABLES if behind or before[t.name] != dimensions]
+        # A quantized table goes with its float table: one whose float table a host dropped
+        # reads as its bit width (9 dimensions -> bit[16]), as if of a 16-dimension model.
+        wrong += [m for t in list(wrong) for m in MIRRORS[t.name] if m not in wrong]
         if not wrong:
             return False
         refilled = {t.name: rebuild_vec_table(db, t, dimensions) for t in wrong}
