@@ -70,6 +70,11 @@ end
 return redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
 """
 
+# How long a re-run request waits for the run holding the item, in seconds, at least: that run
+# may last as long as its time limit (`keep`: the asker's time limit and lock TTL), or, inline
+# from the CLI, as long as it takes. A request no run takes is taken by the item's next run.
+REQUEST_KEPT = 86_400
+
 # What a key kidx keeps a lock or a request in may hold (TYPE's answer): a string, or nothing.
 OURS = (b"string", b"none")
 
@@ -242,13 +247,21 @@ class ItemLock:
     """Held by one task run at a time, for one item."""
 
     def __init__(
-        self, client: redis.Redis, space: str, item_id: int, task_id: str, ttl: int
+        self,
+        client: redis.Redis,
+        space: str,
+        item_id: int,
+        task_id: str,
+        ttl: int,
+        *,
+        keep: int = REQUEST_KEPT,
     ) -> None:
         self.client = client
         self.space = space
         self.item_id = item_id
         self.task_id = task_id
         self.ttl = ttl
+        self.keep = keep
         self.key = lock_key(space, item_id)
         self.lock: Lock = client.lock(self.key, timeout=ttl, thread_local=False)
         self._stop = threading.Event()
@@ -261,7 +274,8 @@ class ItemLock:
         then a WRONGTYPE error for a key holding a value of another type; else KeyConflict)."""
         key = rerun_key(self.space, self.item_id)
         try:
-            (pipe or self.client).eval(_REQUEST, 1, key, self.task_id, max(self.ttl * 10, 600))
+            kept = max(self.ttl * 10, self.keep)
+            (pipe or self.client).eval(_REQUEST, 1, key, self.task_id, kept)
         except redis.ResponseError as e:
             if (kind := wrong_type(e)) is None:
                 raise
@@ -395,13 +409,20 @@ class LockSet:
     way (pipelines of what ItemLock does alone), renewed by one thread (not one an item)."""
 
     def __init__(
-        self, client: redis.Redis, space: str, item_ids: list[int], task_id: str, ttl: int
+        self,
+        client: redis.Redis,
+        space: str,
+        item_ids: list[int],
+        task_id: str,
+        ttl: int,
+        *,
+        keep: int = REQUEST_KEPT,
     ) -> None:
         self.client = client
         self.space = space
         self.ttl = ttl
         self.task_id = task_id
-        self.locks = [ItemLock(client, space, i, task_id, ttl) for i in item_ids]
+        self.locks = [ItemLock(client, space, i, task_id, ttl, keep=keep) for i in item_ids]
         self.held: list[ItemLock] = []
         self.refused: dict[int, str] = {}  # item -> why it cannot be locked (KeyConflict)
         self._stop = threading.Event()

@@ -27,7 +27,7 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded
 
 from tasks import TASK_FOR_KIND, attempt_of, metrics
 from tasks.cancel import TERMINATED, CancelToken, running
-from tasks.lock import LockSet
+from tasks.lock import REQUEST_KEPT, LockSet
 from tasks.producer import enqueue, send_group
 from tasks.runtime import Runtime
 from tasks.streak import SharedStreak, streak_key
@@ -119,6 +119,7 @@ class Run:
         self.results: dict[int, dict[str, Any]] = {}  # item -> its result, in order
         self.failures: dict[int, str] = {}  # item -> its one-line failure
         self.locked_out = False  # an end the database stayed locked for: the rest wait less
+        self.rerun: set[int] = set()  # items in the once-more pass (already ended, counted)
 
     # -- what a task says ---------------------------------------------------------------------
 
@@ -177,7 +178,6 @@ class Run:
             asked = self._under_locks([i for i in self.ids if i not in self.ended])
             self._send_on([i for i in self.ids if i not in self.ended])
             for item_id in asked:  # asked for again after its re-run: a run of its own
-                self.unserved.pop(item_id, None)
                 if changed(self.rt, item_id):
                     follow = enqueue(self.rt.db, item_id, app=self.task.app, reason="changed")
                     log.info(
@@ -185,15 +185,24 @@ class Run:
                         item_id=item_id,
                         next=follow,
                     )
+                # served only now: a time limit during the send leaves it to `_send_unserved`
+                self.unserved.pop(item_id, None)
         except (Cancelled, SoftTimeLimitExceeded) as e:
             self._send_unserved()
             if isinstance(e, SoftTimeLimitExceeded) and not TERMINATED.is_set():
                 limit = f"ran over the soft time limit of {self.settings.tasks.soft_time_limit} s"
+                if not self._open() and not self.failures:  # (every item had ended well)
+                    log.warning(f"{KI_EMBED} {limit} once every item had ended")
+                    return self.result()
                 log.error(f"{KI_EMBED} failed", items=self._open(), reason=limit)
                 with contextlib.suppress(apsw.Error, KidxError):
                     name_failure(self.rt.db, self._open(), self.task_id, limit)
                 for item_id in self._open():
-                    self._failed(item_id, self.line(item_id, limit), "time_limit")
+                    line = self.line(item_id, limit)
+                    self._failed(item_id, line, "time_limit")
+                    # its state too, as below: an item the run never read kept `indexed`
+                    # over its old text, and no sweep read a file's or URL's new text
+                    self._not_run(item_id, line, attempt=True, since=self.since)
                 raise IndexFailed(self.failure()) from None
             self._revoked()
         except Exception as e:  # a bug, Redis or the database refusing: each open item names it
@@ -218,8 +227,14 @@ class Run:
         """Index the items under their locks; those asked for again after their re-run (item ->
         the task that asked). However the run ends, the requests it did not serve are kept
         (`unserved`): a task that ended `coalesced` trusted this run with its item."""
+        t = self.settings.tasks
         locks = self.locks = LockSet(
-            self.rt.redis, self.rt.db.instance(), ids, self.task_id, self.settings.tasks.lock_ttl
+            self.rt.redis,
+            self.rt.db.instance(),
+            ids,
+            self.task_id,
+            t.lock_ttl,
+            keep=max(REQUEST_KEPT, t.time_limit + t.lock_ttl),  # (a soft limit of a week)
         )
         held, busy = locks.acquire()
         asked: dict[int, str] = {}
@@ -241,18 +256,24 @@ class Run:
                 self.owed = {i: taken[i] for i in again}
                 # Asked for while this run failed it: the asker ended `coalesced`, trusting
                 # this run, and its request was dropped (a host's fix of a note the provider
-                # refused, left failed). Sent again as a run of its own if changed, below.
+                # refused, left failed). Or while another run had the item (this one's lock
+                # had expired: its write ended `coalesced`), whose request this run took.
+                # Sent again as a run of its own if changed, below.
                 failed_asked = {
-                    i: t for i, t in taken.items() if self.ended.get(i) == JobState.FAILED
+                    i: t
+                    for i, t in taken.items()
+                    if self.ended.get(i) in (JobState.FAILED, JobState.COALESCED)
                 }
                 if again:  # edited while it ran, and asked for: once more, under the lock
                     log.info(
                         f"{KI_EMBED} changed while it was indexed: once more", items=len(again)
                     )
+                    self.rerun = set(again)
                     self._index(again)
         finally:
             try:
-                asked = {**failed_asked, **locks.release()}
+                # (`owed`: what the once-more pass did not start, past the run's deadline)
+                asked = {**self.owed, **failed_asked, **locks.release()}
             finally:
                 self.unserved = {**self.owed, **failed_asked, **asked}
         return asked
@@ -376,6 +397,9 @@ class Run:
                 metrics.record_chunks(result)
             self.results[item_id] = result
             return
+        if isinstance(outcome, IndexAborted) and outcome.transient and item_id in self.rerun:
+            self._send_changed(item_id, outcome)
+            return
         if isinstance(outcome, IndexAborted) and outcome.provider_down and self.batch_id:
             # The batch's requests failed N times in a row, in this run or others: it stops.
             # The item whose outcome stopped it failed (with the cause); the rest are skipped.
@@ -392,6 +416,37 @@ class Run:
             return
         why = "provider_permanent" if isinstance(outcome, IndexAborted) else "bad_input"
         self._failed(item_id, message, why)
+
+    def _send_changed(self, item_id: int, error: IndexAborted) -> None:
+        """The once-more pass of an item this run indexed met a provider that may recover: the
+        first pass's index and its count in the batch stand, and the edit goes later as a run
+        of its own, outside the batch (a retry in it counted the item twice, and the batch
+        ended `done` before its other items ran)."""
+
+        def send() -> None:
+            try:
+                follow = enqueue(
+                    self.rt.db,
+                    item_id,
+                    app=self.task.app,
+                    reason="changed",
+                    countdown=backoff(self.rt, 0, error.retry_after),
+                )
+            except (apsw.Error, KidxError) as e:  # the retry sweep takes it (its state failed)
+                log.error(
+                    f"{KI_EMBED} could not send again an item changed during the run",
+                    item_id=item_id,
+                    reason=f"{type(e).__name__}: {e}",
+                )
+                return
+            log.warning(
+                f"{KI_EMBED} changed during the run, not indexed again yet: sent again later",
+                item_id=item_id,
+                reason=str(error),
+                next=follow,
+            )
+
+        self.rt.db.on_commit(send)
 
     def _failed(self, item_id: int, message: str, why: str) -> None:
         # bad input, a key another program holds: the item's own problem, no batch abort

@@ -795,3 +795,196 @@ def test_a_group_sent_on_keeps_its_reason_as_the_job_rows_keep_it(rt) -> None:
         "SELECT reason FROM index_jobs WHERE task_name = ? AND state = 'queued'", (GROUP,)
     )
     assert reasons == [("r" * 200,)] * 2
+
+
+# -- a sixth review: requests and ends that were lost -------------------------------------------
+
+
+def _edit_and_ask(rt: Runtime, items: list[int], other: Database, edit: int = 1) -> None:
+    """A host edits `items` and sends their tasks, which find them locked and ask for more."""
+    for item in items:
+        update_content(other, item, f"# Edit {edit} of {item}\n\nThe text changed while it ran.")
+        rt.redis.set(rerun_key(rt.db.instance(), item), "the host's task")
+
+
+def test_a_group_past_its_deadline_sends_on_what_its_once_more_pass_did_not_start(rt) -> None:
+    """Two items edited and asked for while a group ran past half its time limit: the
+    once-more pass started the first alone (the deadline had passed) and the other's request
+    was dropped, its asker `coalesced`: the edit was never indexed."""
+    a, b = notes(rt.db, 2)
+    run, _ = group(rt, [a, b])
+    other = Database(rt.db.path)
+    original = rt.embedder.embed_batch  # type: ignore[union-attr]
+
+    def edit_then_run_late(texts: list[str]) -> Any:
+        if not rt.embedder.calls:  # type: ignore[union-attr]
+            _edit_and_ask(rt, [a, b], other)
+            run.started -= rt.settings.tasks.soft_time_limit  # half the limit has gone by
+        return original(texts)
+
+    rt.embedder.embed_batch = edit_then_run_late  # type: ignore[union-attr, method-assign]
+    sent: list[int] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tasks.run.enqueue", lambda db, item_id, **kw: sent.append(item_id) or "next")
+        run.execute()
+    other.close()
+    indexed_again = [
+        i
+        for i in (a, b)
+        if "changed while it ran"
+        in rt.db.scalar("SELECT content FROM note_chunks WHERE item_id = ?", (i,))
+    ]
+    assert sorted(indexed_again + sent) == [a, b], (indexed_again, sent)
+
+
+def test_items_a_run_never_started_before_its_soft_time_limit_are_left_failed(rt, tmp_path) -> None:
+    """The soft time limit while the first of three files was read: the other two ended
+    `failed` in their job rows but kept `indexed` over their old text, so neither `kidx
+    retry --failed` nor a sweep ever read their new text."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from worker.reconcile import due_retries
+
+    rt.reader = Reader(FilesSettings(roots=[tmp_path]))
+    ids = []
+    for name in "xyz":
+        (tmp_path / f"{name}.md").write_text(f"# {name}\n\n" + "Old words. " * 40)
+        ids.append(
+            add_item(
+                rt.db, kind="file", title=name, content="", source=str(tmp_path / f"{name}.md")
+            )
+        )
+    for item in ids:
+        run, _ = single(rt, item)
+        run.kinds = frozenset({"file"})
+        assert run.execute()["status"] == "indexed"
+
+    class LimitAtTheFirst(Reader):
+        def text(self, item: Any, *args: Any, **kw: Any) -> Any:
+            if item.id == ids[0]:
+                raise SoftTimeLimitExceeded()  # as billiard raises it, in the main thread
+            return super().text(item, *args, **kw)
+
+    rt.reader = LimitAtTheFirst(FilesSettings(roots=[tmp_path]))
+    run, _ = group(rt, ids)
+    with pytest.raises(IndexFailed, match="soft time limit"):
+        run.execute()
+    assert set(job_states(rt, run).values()) == {"failed"}
+    assert {get_state(rt.db, i)["status"] for i in ids} == {"failed"}
+    assert sorted(due_retries(rt.db, max_attempts=5, backoff=0, backoff_max=0, horizon=0)) == ids
+
+
+def test_a_run_whose_lock_expired_leaves_the_new_holders_request_to_be_served(rt) -> None:
+    """The run's lock expired while its process stood still; another run took the item, and
+    a host's edit asked that run for more. The first run's write ended `coalesced` (the
+    fence), but it took the request with its own and dropped it: the edit was never indexed."""
+    (item,) = notes(rt.db, 1)
+    run, _ = single(rt, item)
+    other = Database(rt.db.path)
+    original = rt.embedder.embed_batch  # type: ignore[union-attr]
+
+    def another_run_takes_it(texts: list[str]) -> Any:
+        if not rt.embedder.calls:  # type: ignore[union-attr]
+            # the other run's mark (as `prepare_item` writes it) and the host's edit
+            other.execute(
+                "UPDATE item_index_state SET status = 'indexing', claim = ~claim, "
+                "last_task_id = 'the-other-run' WHERE item_id = ?",
+                (item,),
+            )
+            _edit_and_ask(rt, [item], other)
+        return original(texts)
+
+    rt.embedder.embed_batch = another_run_takes_it  # type: ignore[union-attr, method-assign]
+    sent: list[int] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tasks.run.enqueue", lambda db, item_id, **kw: sent.append(item_id) or "next")
+        assert run.execute()["status"] == "coalesced"
+    other.close()
+    assert sent == [item]
+
+
+def test_a_once_more_pass_a_provider_refuses_for_now_is_not_counted_again(rt) -> None:
+    """A batch item indexed, edited while it ran, and its once-more pass met a provider down:
+    the retry went into the batch, which counted the item a second time when it ran and ended
+    `done` before its other item had run."""
+    a, _ = notes(rt.db, 2)
+    batch = create_batch(rt.db, "reindex", 2)
+    run, task = single(rt, a, batch)
+    other = Database(rt.db.path)
+    original = rt.embedder.embed_batch  # type: ignore[union-attr]
+
+    def edit_then_go_down(texts: list[str]) -> Any:
+        first = not rt.embedder.calls  # type: ignore[union-attr]
+        vectors = original(texts)  # (raises once down)
+        if first:
+            _edit_and_ask(rt, [a], other)
+            rt.embedder.down = True  # type: ignore[union-attr]
+        return vectors
+
+    rt.embedder.embed_batch = edit_then_go_down  # type: ignore[union-attr, method-assign]
+    sent: list[tuple[int, Any]] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            "tasks.run.enqueue",
+            lambda db, item_id, **kw: sent.append((item_id, kw.get("batch_id"))) or "next",
+        )
+        result = run.execute()
+    other.close()
+    assert result["status"] == "indexed" and not task.retried
+    assert sent == [(a, None)]  # the edit, later, as a run of its own outside the batch
+    counted = get_batch(rt.db, batch)
+    assert (counted["state"], counted["ok"], counted["failed"]) == ("running", 1, 0)
+    assert counted["consecutive_failures"] == 0
+
+
+def test_a_time_limit_after_every_item_ended_keeps_the_result_and_the_request(rt) -> None:
+    """The soft time limit while a follow-up was sent for an item asked for again: the
+    item was dropped from the requests before the send, and the task failed with "the run
+    failed" though its item was indexed."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    (item,) = notes(rt.db, 1)
+    run, _ = single(rt, item)
+    other = Database(rt.db.path)
+    original = rt.embedder.embed_batch  # type: ignore[union-attr]
+
+    def edit_after_the_second_pass(texts: list[str]) -> Any:
+        if len(rt.embedder.calls) == 1:  # type: ignore[union-attr]
+            _edit_and_ask(rt, [item], other, edit=2)  # after the once-more pass read it
+        return original(texts)
+
+    def edit_before_the_first(texts: list[str]) -> Any:
+        if not rt.embedder.calls:  # type: ignore[union-attr]
+            _edit_and_ask(rt, [item], other)
+        return edit_after_the_second_pass(texts)
+
+    rt.embedder.embed_batch = edit_before_the_first  # type: ignore[union-attr, method-assign]
+    sent: list[int] = []
+
+    def slow_send(db: Any, item_id: int, **kw: Any) -> str:
+        sent.append(item_id)
+        if len(sent) == 1:
+            raise SoftTimeLimitExceeded()  # the limit, during the first send
+        return "next"
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tasks.run.enqueue", slow_send)
+        result = run.execute()
+    other.close()
+    assert result["status"] == "indexed"
+    assert sent == [item, item]  # sent again by `_send_unserved`, not dropped
+
+
+def test_a_rerun_request_outlives_the_longest_run_the_settings_allow(rt) -> None:
+    """A request was kept 600 s: a run with a soft limit of 30 minutes took none made in its
+    first 20 minutes (the asker ended `coalesced`, the edit never indexed)."""
+    (item,) = notes(rt.db, 1)
+    holder = LockSet(rt.redis, rt.db.instance(), [item], "the-holder", 30)
+    assert holder.acquire() == ([item], [])
+    try:
+        rt.settings.tasks.soft_time_limit, rt.settings.tasks.time_limit = 7200, 7260
+        run, _ = single(rt, item)
+        assert run.execute()["status"] == "coalesced"
+        assert rt.redis.ttl(rerun_key(rt.db.instance(), item)) >= 7260
+    finally:
+        holder.release()
