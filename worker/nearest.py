@@ -186,9 +186,12 @@ def nearest(
             found, reason = None, str(unreadable)
         if found is not None:
             return found, "vec", None
+    # (in rowid order, a block at a time: from `live`'s tables, SQLite sorted all of them
+    # again for each block; 1.05 s against 0.19 s at 200k code chunks)
     found = exact_nearest(
         db,
-        f"SELECT r.{table.source_key}, r.vector FROM {table.source} r {live} "
+        f"SELECT r.{table.source_key}, r.vector FROM {table.source} r "
+        f"{live.replace('JOIN ', 'CROSS JOIN ')} "
         f"WHERE {sound('r')} AND r.model = ? AND r.dimensions = ? AND r.rowid > ? "
         "ORDER BY r.rowid LIMIT ?",
         model,

@@ -388,16 +388,17 @@ def _vector(
     """The n nearest live chunks of `model` that pass the filter (cosine distance); which path
     served; why the fallback did."""
     reason = unavailable(db, VEC["vec_chunk_embeddings"], len(vector))
+    narrow = filters.active and _count(db, model, filters) <= FILTER_EXACT
     if reason is None:
-        if filters.active and _count(db, model, filters) <= FILTER_EXACT:
-            return _exact(db, vector, n, model, filters, tuning), "vec", None
+        if narrow:
+            return _exact(db, vector, n, model, filters, tuning, narrow=True), "vec", None
         try:
             found, reason = _indexed(db, vector, n, model, filters, tuning)
         except VecUnreadable as unreadable:  # a host wrote into sqlite-vec's storage
             found, reason = None, str(unreadable)
         if found is not None:
             return found, "vec", None
-    return _exact(db, vector, n, model, filters, tuning), "fallback", reason
+    return _exact(db, vector, n, model, filters, tuning, narrow=narrow), "fallback", reason
 
 
 def _indexed(
@@ -502,9 +503,14 @@ _LIVE = (
 
 
 def _count(db: Database, model: str, filters: Filters) -> int:
+    """The chunks passing the filter, counted up to FILTER_EXACT + 1 (all that is asked: a
+    filter that matched every chunk was counted whole, 88 ms of a 107 ms search at 160k)."""
     where, params = filters.where()
     return int(
-        db.scalar(f"SELECT count(*) FROM note_chunk_embeddings r {_LIVE}{where}", (model, *params))
+        db.scalar(
+            f"SELECT count(*) FROM (SELECT 1 FROM note_chunk_embeddings r {_LIVE}{where} LIMIT ?)",
+            (model, *params, FILTER_EXACT + 1),
+        )
     )
 
 
@@ -554,12 +560,20 @@ def _exact(
     model: str,
     filters: Filters,
     tuning: SearchSettings,
+    *,
+    narrow: bool = False,
 ) -> list[tuple[int, float]]:
-    """Exact cosine in memory over the relational vectors of live chunks passing the filter."""
+    """Exact cosine in memory over the relational vectors of live chunks passing the filter.
+
+    `narrow` (a filter of at most FILTER_EXACT chunks): SQLite finds them from the filter.
+    Else the vectors are read in rowid order (CROSS JOIN fixes it), a block at a time: from
+    the filter (every search has one: its kinds), each block read and sorted every row the
+    filter passes, 2.4 s against 0.3 s at 160k chunks, growing with the square of them."""
     where, params = filters.where()
+    join = "JOIN" if narrow else "CROSS JOIN"
     sql = (
         f"SELECT c.id, r.vector FROM note_chunk_embeddings r "
-        f"JOIN note_chunks c ON c.id = r.chunk_id JOIN knowledge_items i ON i.id = c.item_id "
+        f"{join} note_chunks c ON c.id = r.chunk_id {join} knowledge_items i ON i.id = c.item_id "
         f"WHERE {sound('r')}{where} AND r.model = ? AND r.dimensions = ? AND r.rowid > ? "
         "ORDER BY r.rowid LIMIT ?"
     )

@@ -444,7 +444,7 @@ def search(
 
     if code and memories:
         raise InvalidInput("give --code or --memories, not both")
-    filters = Filters(kinds=kinds, item_ids=items, source_prefix=source)
+    filters = Filters(kinds=kinds, item_ids=items, source_prefix=_source_prefix(source))
     if (code or memories) and (filters.active or chunks or mode != "hybrid"):
         raise InvalidInput("--code and --memories take only -k and --json")
     with reading_store(ctx) as db:
@@ -512,11 +512,23 @@ def _print_hits(ctx: Ctx, hits: list[Any]) -> None:
             click.echo("    " + line)
 
 
+def _source_prefix(given: str | None) -> str | None:
+    """A folder as `kidx add file` keeps a file's source (resolved: absolute, no `..`, no
+    link), so that `--source docs/` finds what `add file docs/a.md` added; a URL as given."""
+    if not given or "://" in given or "\0" in given:  # (Filters says what is wrong with it)
+        return given
+    try:
+        resolved = str(Path(given).expanduser().resolve())
+    except (OSError, RuntimeError):  # (a link loop, a name too long): as given
+        return given
+    return resolved + os.sep if given.endswith(("/", os.sep)) and resolved != os.sep else resolved
+
+
 def _search_other(ctx: Ctx, db: Any, query: str, embedder: Any, k: int, *, code: bool) -> None:
     if code:
         from worker.indexers.code import search_code
 
-        hits, _, reason = search_code(db, query, embedder, k=k)
+        hits, served, reason = search_code(db, query, embedder, k=k)
         headers = ("score", "item", "path", "lines", "snippet")
         rows = [
             (f"{h.score:.3f}", h.item_id, h.path, f"{h.start_line}-{h.end_line}", h.snippet)
@@ -525,11 +537,12 @@ def _search_other(ctx: Ctx, db: Any, query: str, embedder: Any, k: int, *, code:
     else:
         from worker.indexers.memories import search_memories
 
-        hits, _, reason = search_memories(db, query, embedder, k=k)
+        hits, served, reason = search_memories(db, query, embedder, k=k)
         headers = ("score", "memory", "content")
         rows = [(f"{h.score:.3f}", h.memory_id, h.content) for h in hits]
-    if reason:
-        err.print(f"note: served by the in-memory fallback: {escape(ctx.say(reason))}")
+    if reason:  # (code search's keyword side says its own problem where vectors served)
+        fell_back = "served by the in-memory fallback: " if "fallback" in served else ""
+        err.print(f"note: {fell_back}{escape(ctx.say(reason))}")
     ctx.emit([h.as_dict() for h in hits], lambda: ctx.table(headers, rows))
 
 

@@ -79,7 +79,10 @@ def create_sql(name: str) -> str:
 # that is left (no precomposed letter: `q̃`) stays in its token, as unicode61 keeps it there:
 # cut at the mark, a query's word became a phrase of two that the index never holds.
 _MARKS = "\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f"
-_TOKEN = re.compile(rf"(?:[^\W_]|[{_MARKS}])+")
+# Private use (category Co) is part of a word to unicode61 ("L* N* Co"): `build\uf8ffstatus`
+# is one token in the index, and a query cut there found nothing.
+_PRIVATE = "\ue000-\uf8ff\U000f0000-\U000ffffd\U00100000-\U0010fffd"
+_TOKEN = re.compile(rf"(?:[^\W_]|[{_MARKS}{_PRIVATE}])+")
 _WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
 # The same words beyond ASCII, found in a token's shape (`_Shapes`): an upper- or lowercase
 # letter of any script, a digit, a mark (with the letter before it). An ASCII-only split cut
