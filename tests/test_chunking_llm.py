@@ -381,6 +381,9 @@ def test_llm_chunking_past_its_deadline_falls_back_and_keeps_the_answers_it_had(
     assert {c["method"] for c in rows(db, item)} == {"structure"}
     assert standin.chat.requests == 2
     assert patient_chat.streak.current()[0] == 1  # it had the request and did not answer
+    # Not one of the item's attempts: the run got a window further (a text of more windows
+    # than KIDX_TASKS__RETRY_MAX_ATTEMPTS stayed structural for good).
+    assert db.scalar("SELECT attempts FROM item_index_state WHERE item_id = ?", (item,)) == 0
     standin.chat.script = []  # the automatic model answers at once
     again = index_item(db, item, embedder=embedder, options=options)
     assert again.chunk_method == "llm" and again.fallback is None
@@ -461,3 +464,18 @@ def test_the_prompt_asks_for_the_seed_s_sizes(db, embedder, chat, standin):
     assert "300 to 1500 characters per chunk" in asked
     assert "a text under 500 characters may be one chunk" in asked
     assert body["temperature"] == 0 and body["response_format"]["type"] == "json_schema"
+
+
+def test_a_line_that_starts_like_a_unit_marker_is_shown_escaped(db, embedder, chat, standin):
+    """A wiki link at a line's start (`[[2]] is ...`) read as unit 2 of a one-unit window:
+    the answer naming it was refused twice and the item fell back, at every sweep."""
+    text = (
+        "Meeting notes, see the linked page below for the plan.\n"
+        "[[2]] is the page id of the plan in our wiki, kept for reference.\n"
+    )
+    item = add_item(db, kind="note", title="Wiki", content=text)
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    assert result.chunk_method == "llm" and result.fallback is None
+    asked = standin.chat.bodies[0]["messages"][-1]["content"]
+    assert "\n\\[[2]] is the page id" in asked and standin.chat.requests == 1
+    assert_exact_and_covering(text, rows(db, item))

@@ -291,10 +291,20 @@ def _shown(text: str, unit: Unit) -> str:
     return text[unit.start : unit.end].strip()
 
 
+# A line of a unit's text that starts as a marker does (`[[2]] is the wiki page...`): shown
+# escaped, or the model (and the stand-in) read a unit that is not there, and the answer that
+# named it was refused.
+_LIKE_A_MARKER = re.compile(r"^([ \t]*)\[\[", re.MULTILINE)
+_ESCAPED = r"\1\\[["
+
+
 def prompt(text: str, window: Window, correction: str | None = None) -> list[dict[str, str]]:
     """The request for one window; asked again, it says what was wrong with the last answer
     (in the same message as the units: small models lose track of earlier turns)."""
-    body = "\n".join(f"[[{i}]] {_shown(text, u)}" for i, u in enumerate(window.units, 1))
+    body = "\n".join(
+        f"[[{i}]] {_LIKE_A_MARKER.sub(_ESCAPED, _shown(text, u))}"
+        for i, u in enumerate(window.units, 1)
+    )
     head = INSTRUCTIONS.format(n=len(window.units))
     if correction:
         head += f"\nYour previous answer could not be used: {correction}. Follow the rules."
@@ -383,9 +393,11 @@ def chunk_llm(text: str, llm: LLMChunker) -> list[Chunk]:
     windows = windows_of(text, llm.window, lay)
     until = None if llm.deadline is None else time.monotonic() + llm.deadline
     before = llm.calls
+    fresh = 0  # windows the model answered in this run (kept in the cache)
     for done, window in enumerate(windows):
         if llm.cancel is not None and llm.cancel():
             raise Cancelled("cancelled")
+        calls = llm.calls
         try:
             chunks = _window_chunks(text, window, llm, until)
         except OutOfTime:
@@ -394,11 +406,14 @@ def chunk_llm(text: str, llm: LLMChunker) -> list[Chunk]:
                 f"(KIDX_CHUNK__DEADLINE): {done} of {len(windows)} windows answered, "
                 "kept for the next run"
             )
-            failed.asked = llm.calls > before
+            # Not one of the item's attempts if it answered windows in this run: each run
+            # gets further, and a text of more windows than the attempts allow got none.
+            failed.asked = llm.calls > before and not fresh
             raise failed from None
         except ChunkingFailed as e:
             e.asked = llm.calls > before
             raise
+        fresh += llm.calls > calls
         for s, e, summary in chunks:
             a, b = _trimmed(text, window.units[s - 1].start, window.units[e - 1].end)
             if a < b:  # a chunk of white space only (a unit of a long run of spaces): none
