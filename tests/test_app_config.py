@@ -98,6 +98,15 @@ def test_flower_credentials_that_flower_would_mangle_are_refused_at_start(flower
         ({"tasks": {"retry_backoff_max": "inf"}}, "KIDX_TASKS__RETRY_BACKOFF_MAX"),
         ({"db": ""}, "KIDX_DB"),
         ({"db": "."}, "KIDX_DB"),
+        # a user with no home: pathlib's RuntimeError went out as "a bug in kidx"
+        ({"db": "~no-such-user-kidx/kidx.db"}, "KIDX_DB: .*no home directory"),
+        ({"data_dir": "~no-such-user-kidx/data"}, "KIDX_DATA_DIR: .*no home directory"),
+        ({"vec_path": "~no-such-user-kidx/vec0.so"}, "KIDX_VEC_PATH: .*no home directory"),
+        ({"files": {"roots": ["~no-such-user-kidx/r"]}}, "KIDX_FILES__ROOTS: .*no home"),
+        (
+            {"embedding": {"provider": "local", "model": "~no-such-user-kidx/m"}},
+            "KIDX_EMBEDDING__MODEL: .*no home directory",
+        ),
     ],
 )
 def test_settings_that_make_no_sense_are_refused_at_start(overrides, variable):

@@ -373,3 +373,38 @@ def test_a_backup_is_a_database_of_its_own_instance(tmp_path: Path):
     again = connect(source, vec=False)
     assert again.instance() == original  # the database's own is untouched
     again.close()
+
+
+def test_a_backup_of_a_file_that_is_not_kidxs_is_refused(tmp_path: Path):
+    """A mistyped --db in a nightly job: another program's database, or an empty file, was
+    copied and reported "integrity ok" (every other command refuses it)."""
+    import apsw
+
+    other = tmp_path / "other.db"
+    conn = apsw.Connection(str(other))
+    conn.execute("CREATE TABLE invoices(id INTEGER PRIMARY KEY, total REAL)")
+    conn.close()
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    for source, what in ((other, "it has tables invoices"), (empty, "it is empty")):
+        line = _one_line_error(_backup(source, tmp_path, str(tmp_path / "copy.db")))
+        assert f"{source} is not a kidx database ({what})" in line, line
+        assert not (tmp_path / "copy.db").exists()
+
+
+def test_a_backup_opens_from_read_only_storage(tmp_path: Path):
+    """The copy kept WAL mode in its header: on read-only storage (an archive, a read-only
+    mount) SQLite could not open it at all, for it needs the -shm beside it."""
+    import apsw
+
+    source = tmp_path / "kidx.db"
+    db = connect(source, vec=False)
+    add_item(db, kind="note", title="kept", content="A note the copy keeps.")
+    db.close()
+    out = _backup(source, tmp_path, str(tmp_path / "copy.db"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "copy.db").read_bytes()[18:20] == b"\x01\x01"  # rollback journal
+    uri = f"file:{tmp_path / 'copy.db'}?immutable=1"  # (as on storage nothing can be made)
+    conn = apsw.Connection(uri, flags=apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI)
+    assert conn.execute("SELECT title FROM knowledge_items").fetchall() == [("kept",)]
+    conn.close()

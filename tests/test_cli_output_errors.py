@@ -132,3 +132,30 @@ def test_help_to_a_reader_already_gone_ends_quietly(env: dict[str, str], tmp_pat
             os.close(write)
         assert result.returncode == -signal.SIGPIPE, (args, result.stderr)
         assert result.stderr == b""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_full_stdout_says_what_init_backup_and_an_inline_run_had_done(
+    env: dict[str, str], tmp_path
+) -> None:
+    """Only the adding commands said what they had done: a backup written, a database made, a
+    run that indexed items were each "write error on stdout" alone, which reads as not done."""
+    cwd = tmp_path / "work"
+    db = tmp_path / "kidx.db"
+    init = to_full(env, cwd, "init")
+    assert error_lines(init) == [f"error: {FULL} (the database {db} is ready)"], init.stderr
+    copy = tmp_path / "copy.db"
+    backup = to_full(env, cwd, "backup", str(copy))
+    assert error_lines(backup) == [f"error: {FULL} (the backup was written to {copy})"]
+    assert copy.is_file()
+    added = subprocess.run(
+        [str(KIDX), "add", "note", "--title", "T", "--text", "words"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert added.returncode == 0, added.stderr
+    run = to_full(env, cwd, "index", "--all", "--inline")
+    assert error_lines(run)[-1].startswith(f"error: {FULL} (the run ended: 0 of 1 items indexed")

@@ -370,3 +370,42 @@ def test_load_corpus_skips_what_is_no_utf8_markdown_file_in_one_line_each(
         f"skipped {folder / 'd-dir.md'}: not a regular file",
     ], result.stderr
     assert "2 notes added" in result.stdout and "3 skipped" in result.stdout, result.stdout
+
+
+def test_load_corpus_keeps_its_own_note_beside_a_file_item_and_reads_any_stored_bytes(
+    tmp_path: Path,
+) -> None:
+    """The note of a source was looked up by source alone: after `kidx add file` of the same
+    file, the script wrote the note's text into the file item and added no note; and a note a
+    host had left holding bytes that are not UTF-8 ended the script with a traceback."""
+    import apsw
+
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "a.md").write_text("# A\n\nThe first note.\n", encoding="utf-8")
+    (folder / "b.md").write_text("# B\n\nThe second note.\n", encoding="utf-8")
+    a, b = (str((folder / n).resolve()) for n in ("a.md", "b.md"))
+    from worker.store import connect
+
+    connect(tmp_path / "kidx.db", vec=False).close()
+    host = apsw.Connection(str(tmp_path / "kidx.db"))
+    host.execute(  # `kidx add file` of the same file, first
+        "INSERT INTO knowledge_items(kind, title, source, content) VALUES ('file', 'a.md', ?, '')",
+        (a,),
+    )
+    host.close()
+    assert load_corpus(tmp_path, folder).stdout.startswith("2 notes added")
+    host = apsw.Connection(str(tmp_path / "kidx.db"))
+    host.execute(
+        "UPDATE knowledge_items SET content = CAST(X'C328' AS TEXT) WHERE source = ?", (b,)
+    )
+    host.close()
+    result = load_corpus(tmp_path, folder)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stdout.startswith("0 notes added, 1 updated, 1 unchanged"), result.stdout
+    check = apsw.Connection(str(tmp_path / "kidx.db"))
+    kinds = check.execute(
+        "SELECT kind, CAST(content AS BLOB) FROM knowledge_items WHERE source = ? ORDER BY id", (a,)
+    ).fetchall()
+    check.close()
+    assert kinds == [("file", b""), ("note", b"# A\n\nThe first note.\n")]

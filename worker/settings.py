@@ -163,6 +163,17 @@ def _stripped(value: object) -> object:
     return value.strip() if isinstance(value, str) else value
 
 
+def expand_home(path: Path) -> Path:
+    """`~` and `~user` expanded; a user with no home directory is a ValueError that names the
+    setting (pathlib's RuntimeError went out as "a bug in kidx", and as a traceback from the
+    ops scripts)."""
+    try:
+        return path.expanduser()
+    except RuntimeError:
+        user = str(path).split("/", 1)[0]
+        raise ValueError(f"{user[:80]!r} has no home directory here (no such user)") from None
+
+
 def _path_text(value: object) -> None:
     """ValueError for a path no file can have here, or kidx cannot pass on: a NUL (ValueError
     from every os call), or bytes that are not UTF-8 (a variable set from b'\\xfe' reads as a
@@ -561,7 +572,7 @@ class FilesSettings(_Section):
         the CLI's and a worker's differ, and the worker would refuse what the CLI accepted."""
         for root in v:
             _path_text(root)
-            if not root.expanduser().is_absolute():
+            if not expand_home(root).is_absolute():
                 raise ValueError(f"{str(root)!r} must be an absolute path (or ~/...)")
         return v
 
@@ -696,7 +707,7 @@ class Settings(BaseSettings):
     @field_validator("db")
     @classmethod
     def _db_file(cls, v: Path) -> Path:
-        v = v.expanduser()  # no shell expands ~ in a .env or an env_file (as FILES__ROOTS)
+        v = expand_home(v)  # no shell expands ~ in a .env or an env_file (as FILES__ROOTS)
         if v.name in {"", ".."}:
             raise ValueError("must name the database file, such as ./data/kidx.db")
         if str(v) == ":memory:":  # each process its own, gone when it closes: all lost
@@ -718,7 +729,7 @@ class Settings(BaseSettings):
     @field_validator("data_dir", "vec_path")
     @classmethod
     def _home(cls, v: Path | None) -> Path | None:
-        return v.expanduser() if v is not None else v
+        return expand_home(v) if v is not None else v
 
     @field_validator("data_dir")
     @classmethod
@@ -899,7 +910,7 @@ def _directory_dimensions(model: str) -> int | None:
     import json
 
     try:
-        config = json.loads((Path(model).expanduser() / "config.json").read_bytes())
+        config = json.loads((expand_home(Path(model)) / "config.json").read_bytes())
     except (OSError, ValueError, RecursionError):
         return None
     size = config.get("hidden_size") if isinstance(config, dict) else None
@@ -912,7 +923,10 @@ def local_model_problem(embedding: EmbeddingSettings) -> str | None:
     the provider bundles, or a model directory."""
     if embedding.provider != "local" or embedding.model in LOCAL_BUNDLED_MODELS:
         return None
-    path = Path(embedding.model).expanduser()
+    try:
+        path = expand_home(Path(embedding.model))
+    except ValueError as e:
+        return f"the local model {embedding.model[:80]!r}: {e}"
     try:
         if (path / "config.json").is_file():
             return None

@@ -228,6 +228,9 @@ def _copy(src: apsw.Connection, partial: Path) -> list[tuple[str, ...]]:
                 out.execute(
                     "UPDATE index_meta SET value = lower(hex(randomblob(8))) WHERE key = 'instance'"
                 )
+            # A file of its own, not in WAL mode: on read-only storage (an archive, a
+            # read-only mount) a WAL database cannot be opened at all, not even to restore.
+            out.execute("PRAGMA journal_mode=DELETE").fetchall()
             return list(out.execute("PRAGMA integrity_check"))
         finally:
             out.close()
@@ -272,6 +275,11 @@ def _backup(ctx: Ctx, dest: Path, force: bool) -> None:
         raise InvalidInput(f"{dest} exists (use --force to replace it)")
     if dest.exists() and not _is_sqlite_or_empty(dest):
         raise InvalidInput(f"{dest} is not a SQLite database: not replacing it")
+    from worker.store import refuse_foreign
+
+    # (a mistyped --db in a nightly job: another program's file, an empty one, copied "ok";
+    # looked at once DEST is known not to be one of its files: opening it touches its -shm)
+    refuse_foreign(source, must_be_kidx=True)
     # The copy is never more readable than the database: its permission bits, once written.
     mode = stat.S_IMODE(os.stat(source).st_mode) & 0o666
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -299,6 +307,7 @@ def _backup(ctx: Ctx, dest: Path, force: bool) -> None:
         raise
     finally:
         os.close(fd)
+    ctx.done = f"the backup was written to {dest}"
     info = {
         "backup": str(dest),
         "bytes": dest.stat().st_size,

@@ -14,13 +14,14 @@ import math
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import apsw
 import click
-from rich.cells import cell_len, set_cell_size
+from rich.cells import cell_len, chop_cells, set_cell_size
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Column, Table
@@ -342,7 +343,8 @@ PLAIN_ROWS = 1000
 
 def _plain_table(names: list[str], cells: list[list[Text]]) -> None:
     """`Ctx.table`'s rows as aligned lines under a header: every column but free text at its
-    widest cell, free text (FOLD) sharing what is left of the terminal, cut with `…`."""
+    widest cell, free text (FOLD) sharing what is left of the terminal, wrapped onto lines
+    of its own (cut with `…`, a failure's reason lost its end past 1,000 rows)."""
     texts = [[" ".join(c.plain.split()) for c in row] for row in cells]
     widest = [
         max(cell_len(names[i]), *(cell_len(row[i]) for row in texts)) for i in range(len(names))
@@ -353,15 +355,33 @@ def _plain_table(names: list[str], cells: list[list[Text]]) -> None:
     widths = [min(w, share) if i in folds else w for i, w in enumerate(widest)]
 
     def line(values: Sequence[str]) -> str:
-        parts = []
-        for value, w in zip(values, widths, strict=True):
-            if cell_len(value) > w:
-                value = set_cell_size(value, w - 1) + "…"
-            parts.append(set_cell_size(value, w))
-        return "  ".join(parts).rstrip()
+        return "  ".join(set_cell_size(v, w) for v, w in zip(values, widths, strict=True)).rstrip()
 
-    lines = [line(names), "  ".join("─" * w for w in widths), *(line(row) for row in texts)]
+    def wrapped(values: Sequence[str]) -> list[str]:
+        pieces = [
+            _wrap(v, w) if i in folds else [v]
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        ]
+        return [
+            line([p[n] if n < len(p) else "" for p in pieces])
+            for n in range(max(len(p) for p in pieces))
+        ]
+
+    lines = [line(names), "  ".join("─" * w for w in widths)]
+    for row in texts:
+        lines += wrapped(row)
     click.echo("\n".join(lines))
+
+
+def _wrap(value: str, width: int) -> list[str]:
+    """Free text in lines of at most `width` cells: at spaces (textwrap) when every character
+    takes one cell, else at `width` cells (rich's chop_cells: wide CJK characters take two)."""
+    cells = cell_len(value)
+    if cells <= width:
+        return [value]
+    if cells == len(value):
+        return textwrap.wrap(value, width, break_on_hyphens=False) or [""]
+    return chop_cells(value, width)
 
 
 def configure_cli_logging(settings: Settings, verbose: bool) -> None:

@@ -59,6 +59,7 @@ def init(ctx: Ctx) -> None:
         ):
             out.print(printable(line), markup=False)
 
+    ctx.done = f"the database {info['db']} is ready"
     ctx.emit(info, human)
 
 
@@ -183,6 +184,8 @@ def show_results(ctx: Ctx, results: list[dict[str, Any]], seconds: float | None 
         if others := [r for r in results if r["status"] != "indexed"]:
             rows(others)
 
+    indexed = sum(r["status"] == "indexed" for r in results)
+    ctx.done = f"the run ended: {indexed} of {len(results)} items indexed"
     ctx.emit(results, summary if out.is_terminal else lambda: rows(results))
     if any(r["status"] == "failed" for r in results):
         sys.exit(1)

@@ -68,6 +68,7 @@ def send_items(
 
 
 def show_sent(ctx: Ctx, sent: list[dict[str, Any]]) -> None:
+    ctx.done = f"{len(sent)} tasks were sent"
     ctx.emit(
         sent, lambda: ctx.table(("item", "task"), ((s["item_id"], s["task_id"]) for s in sent))
     )
@@ -112,6 +113,7 @@ def _send_batch(ctx: Ctx, ids: list[int], kind: str, wait: bool, timeout: float 
     app = ctx.app()
     with ctx.store() as db:
         batch_id, task_ids = send_batch(db, ids, kind=kind, app=app)
+    ctx.done = f"batch {batch_id} was sent"
     if not wait:
         ctx.emit(
             {"batch_id": batch_id, "items": len(ids), "tasks": len(task_ids)},
@@ -285,6 +287,7 @@ def cancel(ctx: Ctx, task_ids: tuple[str, ...], terminate: bool) -> None:
     task_ids = tuple(dict.fromkeys(t.split(":")[0] for t in task_ids))  # a group's job ids
     mark_revoked(client, list(task_ids))  # seen by the task even if no worker is up now
     ctx.app().control.revoke(list(task_ids), terminate=terminate)
+    ctx.done = f"the revoke of {len(task_ids)} tasks was sent"
     ctx.emit(
         {"revoked": list(task_ids), "terminate": terminate},
         lambda: click.echo(f"revoke sent for {', '.join(task_ids)}"),

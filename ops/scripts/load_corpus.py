@@ -17,7 +17,7 @@ from worker.log import configure_logging
 from worker.regular import read_regular
 from worker.settings import Settings, load_settings
 from worker.store import open_store
-from worker.store.items import add_item, update_content
+from worker.store.items import keep_note
 
 
 def title_of(text: str, path: Path) -> str:
@@ -73,16 +73,10 @@ def load(folder: Path, settings: Settings) -> None:
                 continue
             if not text.strip():
                 continue
-            source = str(path.resolve())
-            row = db.one("SELECT id, content FROM knowledge_items WHERE source = ?", (source,))
-            if row is None:
-                add_item(db, kind="note", title=title_of(text, path), content=text, source=source)
-                added += 1
-            elif row[1] != text:
-                update_content(db, row[0], text)
-                updated += 1
-            else:
-                same += 1
+            done = keep_note(db, title=title_of(text, path), text=text, source=str(path.resolve()))
+            added += done == "added"
+            updated += done == "updated"
+            same += done == "unchanged"
     print(
         f"{added} notes added, {updated} updated, {same} unchanged"
         + (f", {skipped} skipped" if skipped else "")

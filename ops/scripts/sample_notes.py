@@ -15,7 +15,7 @@ from ops.cli.base import one_line_errors
 from worker.log import configure_logging
 from worker.settings import Settings, load_settings
 from worker.store import open_store
-from worker.store.items import add_item, update_content
+from worker.store.items import keep_note
 
 NOTES = {
     "Ownership": "# Ownership\n\nEach value has one owner. Assigning a String to another "
@@ -46,14 +46,9 @@ def add_notes(settings: Settings) -> None:
     # (not created here: `kidx init` does that, and a mistyped --db is no new database)
     with open_store(settings, create=False) as db:
         for title, text in NOTES.items():
-            source = f"sample:{title.lower()}"
-            row = db.one("SELECT id, content FROM knowledge_items WHERE source = ?", (source,))
-            if row is None:
-                add_item(db, kind="note", title=title, content=text, source=source)
-                added += 1
-            elif row[1] != text:
-                update_content(db, row[0], text)
-                updated += 1
+            done = keep_note(db, title=title, text=text, source=f"sample:{title.lower()}")
+            added += done == "added"
+            updated += done == "updated"
     print(f"{added} sample notes added, {updated} updated, of {len(NOTES)}")
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "Resolution",
     "connect",
     "open_store",
+    "refuse_foreign",
     "repair_vectors",
     "resolve_dimensions",
     "vec_ready",
@@ -83,8 +84,8 @@ def connect(
     time.time()): when this process's settings were read; an index another model claimed
     since is not claimed back (a pool process that a worker of the old model forks after the
     switch, to replace one, has that worker's old settings). `adopt`: kidx's tables may be
-    added to a file that holds another program's (`kidx init` only: `_refuse_foreign`)."""
-    _refuse_foreign(Path(path), must_be_kidx=not create, adopt=adopt)
+    added to a file that holds another program's (`kidx init` only: `refuse_foreign`)."""
+    refuse_foreign(Path(path), must_be_kidx=not create, adopt=adopt)
     db = Database(path, busy_timeout_ms=busy_timeout_ms, create=create)
     try:
         migrate(db)
@@ -142,7 +143,7 @@ _KIDX_TABLES = frozenset(
 )
 
 
-def _refuse_foreign(path: Path, *, must_be_kidx: bool, adopt: bool = False) -> None:
+def refuse_foreign(path: Path, *, must_be_kidx: bool, adopt: bool = False) -> None:
     """Refuse, before anything is written (even the switch to WAL), a file that is not a
     kidx database: one with tables of kidx's names but no kidx schema (another application's);
     for a command that expects kidx's database (`must_be_kidx`: every one but `init` and

@@ -292,6 +292,25 @@ def _item(row: tuple[Any, ...]) -> Item:
     )
 
 
+def keep_note(db: Database, *, title: str, text: str, source: str) -> str:
+    """A note kept in step with a source of a script's own (a corpus file, a sample): `added`,
+    `updated` or `unchanged`. Only a note of that source is the one (an item of another kind
+    there, `kidx add file` of the same file, was overwritten with the note's text), and its
+    stored text is compared as bytes (a host's TEXT that is not UTF-8 failed the script)."""
+    row = db.one(
+        "SELECT id, CAST(content AS BLOB) FROM knowledge_items WHERE kind = 'note' "
+        "AND source = ? ORDER BY id LIMIT 1",
+        (source,),
+    )
+    if row is None:
+        add_item(db, kind="note", title=title, content=text, source=source)
+        return "added"
+    if row[1] is not None and bytes(row[1]) == text.encode("utf-8", "surrogatepass"):
+        return "unchanged"
+    update_content(db, row[0], text)
+    return "updated"
+
+
 def update_content(db: Database, item_id: int, content: str, *, title: str | None = None) -> None:
     """Replace an item's text (the next index run sees it; so does a direct UPDATE)."""
     content = given_text(content, "content")
