@@ -479,3 +479,48 @@ def test_a_line_that_starts_like_a_unit_marker_is_shown_escaped(db, embedder, ch
     asked = standin.chat.bodies[0]["messages"][-1]["content"]
     assert "\n\\[[2]] is the page id" in asked and standin.chat.requests == 1
     assert_exact_and_covering(text, rows(db, item))
+
+
+def test_the_boundary_cache_keeps_an_items_current_windows_and_goes_with_the_item(
+    db, embedder, chat, standin, host
+):
+    """Each edit left the old windows' rows (model summaries of text no item holds), and a
+    deleted note's stayed in the file for good, by `kidx delete` or by a host's DELETE."""
+    text = corpus_text(CHAPTER)
+    item = add_item(db, kind="note", title="Ownership", content=text)
+    other = add_item(db, kind="note", title="Slices", content=corpus_text("ch04-03-slices.md"))
+    options = IndexOptions(chat=chat)
+    for n in range(3):  # the last paragraph edited each time: its window alone is new
+        update_content(db, item, text + f"\n\nAn edit, number {n}, at the end.\n")
+        assert index_item(db, item, embedder=embedder, options=options).chunk_method == "llm"
+    assert index_item(db, other, embedder=embedder, options=options).chunk_method == "llm"
+    windows = len(windows_of(text + "\n\nAn edit, number 2, at the end.\n", 6000))
+
+    def rows(of: int) -> int:
+        return int(db.scalar("SELECT count(*) FROM chunk_boundaries WHERE item_id = ?", (of,)))
+
+    assert rows(item) == windows  # the windows of its text now, no more
+    assert rows(other) == len(windows_of(corpus_text("ch04-03-slices.md"), 6000))
+    before = standin.chat.requests
+    assert index_item(db, item, embedder=embedder, options=options).chunk_method == "llm"
+    assert standin.chat.requests == before  # what is kept is what the text needs
+    host.execute("DELETE FROM knowledge_items WHERE id = ?", (item,))  # a host's, plain SQL
+    assert rows(item) == 0 and rows(other) > 0
+    assert db.scalar("SELECT count(*) FROM chunk_boundaries WHERE item_id IS NULL") == 0
+
+
+def test_rows_an_older_kidx_cached_are_taken_by_the_item_that_uses_them(db, embedder, chat):
+    """Rows written before they named an item are claimed when an item's whole text is chunked
+    from them, and pruned with its windows from then on."""
+    text = corpus_text("ch04-03-slices.md")
+    item = add_item(db, kind="note", title="Slices", content=text)
+    index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    db.execute("UPDATE chunk_boundaries SET item_id = NULL")  # as the earlier schema left them
+    db.execute(
+        "INSERT INTO chunk_boundaries(model, window_hash, boundaries) VALUES (?, 'old', '[]')",
+        (chat.model_id,),
+    )
+    index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    owners = dict(db.all("SELECT window_hash, item_id FROM chunk_boundaries"))
+    assert owners.pop("old") is None  # no item's: left as it is
+    assert set(owners.values()) == {item}

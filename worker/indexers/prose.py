@@ -32,11 +32,12 @@ class Prose(Indexer):
     def plan(
         self, db: Database, item: Item, text: str, model: str, options: IndexOptions, ilog: Any
     ) -> Planned:
-        llm = None
+        llm = cache = None
         if options.chat is not None and not options.structure_only:
+            cache = SqliteBoundaryCache(db, item.id)
             llm = LLMChunker(
                 options.chat,
-                SqliteBoundaryCache(db),
+                cache,
                 options.chunk_window,
                 options.cancel,
                 deadline=options.chunk_deadline,
@@ -61,6 +62,8 @@ class Prose(Indexer):
             else []
         )
         outcome = chunk(text, previous, llm=llm, target=options.chunk_target)
+        if cache is not None and outcome.method == "llm":  # (every window of it answered)
+            cache.prune()
         if outcome.fallback:
             ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=outcome.fallback)
         dims = db.dimensions

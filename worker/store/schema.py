@@ -682,6 +682,30 @@ MIGRATIONS.append(
     )
 )
 
+# Each cached window of LLM boundaries names the item whose chunking wrote it: gone with the
+# item (a deleted note's model summaries stayed in the file for good), and pruned when the
+# item's text is chunked again whole (every edit left the old windows' rows behind).
+MIGRATIONS.append(
+    (
+        19,
+        """
+ALTER TABLE chunk_boundaries ADD COLUMN item_id INTEGER;
+CREATE INDEX IF NOT EXISTS chunk_boundaries_item ON chunk_boundaries(item_id);
+CREATE TRIGGER IF NOT EXISTS chunk_boundaries_item_deleted
+AFTER DELETE ON knowledge_items
+BEGIN
+    DELETE FROM chunk_boundaries WHERE item_id = old.id;
+END;
+CREATE TRIGGER IF NOT EXISTS chunk_boundaries_item_renumbered
+AFTER UPDATE OF id ON knowledge_items
+WHEN new.id IS NOT old.id
+BEGIN
+    DELETE FROM chunk_boundaries WHERE item_id = old.id;
+END;
+""",
+    )
+)
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
