@@ -96,12 +96,13 @@ def _start(sender: Any = None, **_: Any) -> None:
     _m = _make(folder)
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(folder))
+    address = settings.metrics.address or "0.0.0.0"  # (empty: every interface, as Flower's)
     try:
-        start_http_server(port, addr=settings.metrics.address, registry=registry)
+        start_http_server(port, addr=address, registry=registry)
     except OSError as e:  # another worker on this host has the port: metrics from that one
         log.warning("metrics endpoint not started", port=port, reason=str(e))
         return
-    log.info("metrics endpoint", url=f"http://{settings.metrics.address}:{port}/metrics")
+    log.info("metrics endpoint", url=f"http://{address}:{port}/metrics")
 
 
 def _clear_dead(metrics: Path) -> None:

@@ -84,7 +84,7 @@ def test_flower_credentials_that_flower_would_mangle_are_refused_at_start(flower
     ("overrides", "variable"),
     [
         ({"busy_timeout_ms": 0}, "KIDX_BUSY_TIMEOUT_MS"),
-        ({"tasks": {"lock_ttl": 660}}, "lock_ttl must be below time_limit"),
+        ({"tasks": {"lock_ttl": 660}}, r"lock_ttl \(660 s\) must be below time_limit \(660 s\)"),
         ({"tasks": {"retry_backoff": 10, "retry_backoff_max": 5}}, "KIDX_TASKS: .*retry_backoff"),
         ({"scheduler": {"retry_backoff": 600, "retry_backoff_max": 60}}, "KIDX_SCHEDULER"),
         ({"embedding": {"backoff": 5, "backoff_max": 1}}, "KIDX_EMBEDDING: .*backoff_max"),
@@ -172,3 +172,31 @@ def test_flower_that_cannot_listen_says_so_in_one_line(tmp_path, where):
         busy.close()
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.count("\n") == 1 and "Flower cannot listen on" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "celery_level", "expected"),
+    [
+        ({"KIDX_LOG_LEVEL": "error"}, 20, "ERROR"),  # the setting, over every start's INFO
+        ({"KIDX_LOG_LEVEL": "debug"}, 20, "DEBUG"),
+        ({}, 20, "INFO"),  # unset: Celery's --loglevel
+    ],
+)
+def test_a_workers_log_level_is_kidx_log_level_when_set(tmp_path, env, celery_level, expected):
+    """Celery always hands its setup_logging a level (--loglevel=INFO in every start command,
+    else WARNING): KIDX_LOG_LEVEL was never in force in a worker or beat."""
+    script = (
+        "import logging, worker.app as a\n"
+        f"a._logging(loglevel={celery_level})\n"
+        "print(logging.getLevelName(logging.getLogger().level))\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k != "KIDX_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**base, "KIDX_DATA_DIR": str(tmp_path), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == expected, done.stdout + done.stderr

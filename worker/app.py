@@ -143,7 +143,10 @@ def _logging(loglevel: Any = None, logfile: str | None = None, **_: Any) -> None
     stream = open(logfile, "a", buffering=1, encoding="utf-8") if logfile else None  # noqa: SIM115
     if isinstance(loglevel, int):
         loglevel = logging.getLevelName(loglevel)
-    level = loglevel if isinstance(loglevel, str) else settings.log_level
+    # KIDX_LOG_LEVEL when it is set: Celery always passes a level (its --loglevel, every
+    # start command's INFO, else WARNING), and the setting was never in force in a worker
+    explicit = "log_level" in settings.model_fields_set
+    level = settings.log_level if explicit or not isinstance(loglevel, str) else loglevel
     configure_logging(
         fmt=settings.log_format, level=level.lower(), secrets=settings.secrets(), stream=stream
     )

@@ -269,7 +269,10 @@ def _redis_query(scheme: str, query: str) -> None:
 def _ordered_backoff(first: float, cap: float, name: str) -> None:
     """A cap below the first wait would silently make every wait the cap."""
     if cap < first:
-        raise ValueError(f"{name}_max must be at least {name}: the cap is below the first wait")
+        raise ValueError(
+            f"{name}_max ({cap:g}) must be at least {name} ({first:g}): the cap is below the "
+            "first wait"
+        )
 
 
 def _basic_auth_safe(value: str) -> None:
@@ -454,15 +457,19 @@ class TaskSettings(_Section):
 
     @model_validator(mode="after")
     def _ordered(self) -> TaskSettings:
-        if self.time_limit <= self.soft_time_limit:
-            raise ValueError("time_limit must exceed soft_time_limit")
-        if self.visibility_timeout <= self.time_limit:
+        # (the values in force named: one of the two may be a default the user never set)
+        soft, hard, ttl = self.soft_time_limit, self.time_limit, self.lock_ttl
+        if hard <= soft:
+            raise ValueError(f"time_limit ({hard} s) must exceed soft_time_limit ({soft} s)")
+        if self.visibility_timeout <= hard:
             raise ValueError(
-                "visibility_timeout must exceed time_limit, or Redis redelivers running tasks"
+                f"visibility_timeout ({self.visibility_timeout} s) must exceed time_limit "
+                f"({hard} s), or Redis redelivers running tasks"
             )
-        if self.lock_ttl >= self.time_limit:
+        if ttl >= hard:
             raise ValueError(
-                "lock_ttl must be below time_limit, or a killed run's lock outlasts the run"
+                f"lock_ttl ({ttl} s) must be below time_limit ({hard} s), or a killed run's "
+                "lock outlasts the run"
             )
         _ordered_backoff(self.retry_backoff, self.retry_backoff_max, "retry_backoff")
         return self
@@ -801,6 +808,21 @@ class Settings(BaseSettings):
             raise ValueError(problem)
         return v
 
+    @model_validator(mode="after")
+    def _chunk_deadline(self) -> Settings:
+        """With a chunk model, its deadline under the soft time limit: at or past it, a slow
+        model ran every long item into the limit, which fails it, where the deadline is there
+        to fall back to structure. (Under half of it, `kidx doctor` advises: a group starts
+        items until then.)"""
+        deadline, limit = self.chunk.deadline, self.tasks.soft_time_limit
+        if self.chunk.model and deadline >= limit:
+            raise ValueError(
+                f"KIDX_CHUNK__DEADLINE ({deadline:g} s) must be under "
+                f"KIDX_TASKS__SOFT_TIME_LIMIT ({limit} s), or a slow chunk model fails items "
+                "at the limit instead of falling back to structure"
+            )
+        return self
+
     @property
     def backend_url(self) -> str:
         return self.result_backend or self.broker_url
@@ -972,9 +994,12 @@ def load_settings(**overrides: object) -> Settings:
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            name = "KIDX_" + "__".join(str(p).upper() for p in err["loc"])
-            why = "no such setting" if err["type"] == "extra_forbidden" else err["msg"]
-            problems.append(f"{name}: {why}")
+            # The variable, not pydantic's place in it: a list's index (`KIDX_FILES__ROOTS__1`
+            # is no setting) is left out, and a check across settings names its own.
+            parts = [str(p).upper() for p in err["loc"] if not isinstance(p, int)]
+            why = err["msg"].removeprefix("Value error, ")  # (pydantic's, for every ValueError)
+            why = "no such setting" if err["type"] == "extra_forbidden" else why
+            problems.append(f"KIDX_{'__'.join(parts)}: {why}" if parts else why)
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
     if problem := local_model_problem(settings.embedding):
         raise ConfigError(f"invalid settings: KIDX_EMBEDDING__MODEL: {problem}")

@@ -478,7 +478,9 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
         @click.option(
             "--db",
             "db_path",
-            type=click.Path(dir_okay=False, path_type=Path),
+            # (as given: a Path dropped the slash of `--db store/`, and made a file `store`,
+            # which KIDX_DB=store/ refuses)
+            type=click.Path(dir_okay=False, path_type=str),
             help="SQLite file (default: KIDX_DB or ./data/kidx.db).",
         )
         @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
@@ -489,14 +491,14 @@ def command(group: click.Group, name: str | None = None) -> Callable[..., Any]:
             help="Log lines on stderr too (else below warning only in $KIDX_DATA_DIR/log).",
         )
         @functools.wraps(fn)
-        def run(db_path: Path | None, as_json: bool, verbose: bool, **kwargs: Any) -> None:
+        def run(db_path: str | None, as_json: bool, verbose: bool, **kwargs: Any) -> None:
             redact = None
             settings: Settings | None = None
             ctx: Ctx | None = None
             try:
                 check_utf8({"db_path": db_path, **kwargs})
                 fit_width()
-                settings = load_settings(**({"db": db_path} if db_path else {}))
+                settings = load_settings(**({"db": db_path} if db_path is not None else {}))
                 redact = Redact(settings.secrets())
                 configure_cli_logging(settings, verbose)
                 ctx = Ctx(settings, as_json)
