@@ -702,3 +702,17 @@ def test_previous_rows_that_cut_every_few_characters_do_not_make_tiny_chunks():
     paragraphs = ("a" * 95 + "\n\n") * 300
     chunks = chunk_structure(paragraphs, previous=[(i * 97, "a" * 95) for i in range(300)])
     assert len(chunks) <= 2 * len(chunk_structure(paragraphs))
+
+
+def test_a_forced_cut_never_parts_a_hangul_syllable_written_as_jamo() -> None:
+    """Korean in NFD (a leading consonant, a vowel, a trailing one per syllable) with no space
+    to cut at: hard cuts fell between a syllable's parts, and a chunk began with a lone vowel
+    or trailing consonant."""
+    import unicodedata
+
+    text = unicodedata.normalize("NFD", "한국어문장" * 800)  # 4,000 syllables, 11,200 jamo
+    chunks = chunk_structure(text, target=TARGET_CHUNK_SIZE)
+    assert len(chunks) > 5 and chunks[0].start == 0 and chunks[-1].end == len(text)
+    for c in chunks:
+        assert "\u1100" <= text[c.start] <= "\u115f", hex(ord(text[c.start]))  # a syllable's start
+        assert c.end - c.start <= MAX_CHUNK_SIZE

@@ -109,6 +109,28 @@ def _joins_previous(ch: str) -> bool:
 FLAG_RUN_MAX = 64
 
 
+def _jamo(ch: str) -> str:
+    """A Hangul character's part in a syllable (UAX #29): L leading, V vowel, T trailing, S a
+    precomposed syllable, "" none."""
+    if "\u1100" <= ch <= "\u115f" or "\ua960" <= ch <= "\ua97f":
+        return "L"
+    if "\u1160" <= ch <= "\u11a7" or "\ud7b0" <= ch <= "\ud7c6":
+        return "V"
+    if "\u11a8" <= ch <= "\u11ff" or "\ud7cb" <= ch <= "\ud7fb":
+        return "T"
+    return "S" if "\uac00" <= ch <= "\ud7a3" else ""
+
+
+def _one_syllable(prev: str, ch: str) -> bool:
+    """Whether `prev` and `ch` are parts of one Hangul syllable written as conjoining jamo
+    (text in NFD): a leading consonant before another part, a vowel or trailing consonant
+    after a part (loosely: a cut there is never made, one that would be allowed is rare)."""
+    if ch < "\u1100" or prev < "\u1100":
+        return False
+    before, part = _jamo(prev), _jamo(ch)
+    return bool(before) and ((before == "L" and part in ("L", "V", "S")) or part in ("V", "T"))
+
+
 def grapheme_safe(text: str, p: int) -> bool:
     """Whether a cut at `p` leaves every user-perceived character whole: not before a mark that
     joins the character before it, not after a zero width joiner, not inside a "\r\n", not
@@ -118,7 +140,7 @@ def grapheme_safe(text: str, p: int) -> bool:
     ch, prev = text[p], text[p - 1]
     if prev < "\u0300" and ch < "\u0300":
         return not (prev == "\r" and ch == "\n")
-    if prev == "\u200d" or _joins_previous(ch):
+    if prev == "\u200d" or _joins_previous(ch) or _one_syllable(prev, ch):
         return False
     if "\U0001f1e6" <= ch <= "\U0001f1ff" and "\U0001f1e6" <= prev <= "\U0001f1ff":
         k = p  # a flag is a pair: count the indicators before `p`, at most FLAG_RUN_MAX
