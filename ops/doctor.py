@@ -36,7 +36,7 @@ from worker.errors import BadAnswer, StoreError
 from worker.log import Redact
 from worker.providers import build_chat, build_embedder
 from worker.reconcile import changed_by_hand, last_sweeps
-from worker.settings import Settings
+from worker.settings import Settings, deadline_problem
 from worker.sources.urls import safe_url
 from worker.store import VEC_TABLES, Database, resolve_dimensions, vec_table_dimensions
 from worker.store.fts import CHECKED, FTS_TABLES, fts_counts, fts_intact
@@ -524,16 +524,10 @@ def check_chunk(settings: Settings, timeout: float) -> str:
             f"chunk model {model} answered without chunks",
             "use a model that follows JSON instructions, or unset KIDX_CHUNK__MODEL",
         )
-    # A group starts items until half its soft time limit: a deadline past that half lets a
-    # slow chunk model run an item into the limit, which fails it rather than falling back.
-    deadline, limit = settings.chunk.deadline, settings.tasks.soft_time_limit
-    if deadline >= limit / 2:
-        raise Warn(
-            f"{model} answers, but KIDX_CHUNK__DEADLINE ({deadline:g} s) is not under half of "
-            f"KIDX_TASKS__SOFT_TIME_LIMIT ({limit} s): a slow chunk model fails items there "
-            "instead of falling back to structure",
-            f"set KIDX_CHUNK__DEADLINE under {limit / 2:g}",
-        )
+    if (problem := deadline_problem(settings)) is not None:
+        limit = settings.tasks.soft_time_limit
+        fix = f"set KIDX_CHUNK__DEADLINE under {limit / 2:g}"
+        raise Warn(f"{model} answers, but {problem}", fix)
     return f"{model} answers"
 
 

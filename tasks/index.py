@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 from celery import Task, current_app, shared_task
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
 from tasks import KNOWLEDGE_ITEM, NOTE
 from tasks import cancel as cancellation
@@ -40,6 +40,7 @@ from tasks.run import (
 from tasks.runtime import close_runtime, runtime
 from worker.errors import IndexAborted
 from worker.log import KI_EMBED, get_logger
+from worker.settings import deadline_problem
 from worker.store.items import valid_item_id
 from worker.store.jobs import JobState, record_start
 
@@ -137,6 +138,15 @@ def start(task: Task, given: Arguments, kinds: frozenset[str]) -> dict[str, Any]
         return run.execute()
     finally:
         structlog.contextvars.unbind_contextvars("task_id", "item_id")
+
+
+@worker_init.connect
+def _said_at_start(sender: Any = None, **_: Any) -> None:
+    """What the settings allow but a worker should not run with unsaid (`kidx doctor` says it
+    too): once, in the main process's log."""
+    settings = getattr(getattr(sender, "app", None), "kidx_settings", None)
+    if settings is not None and (problem := deadline_problem(settings)) is not None:
+        log.warning(problem)
 
 
 @worker_process_init.connect

@@ -18,6 +18,7 @@ import contextlib
 import math
 import random
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any, NamedTuple, NoReturn
 
@@ -154,12 +155,8 @@ class Run:
         scrubbed of every configured secret: it goes to the result backend and the Tasks page,
         and an item's error is what a provider said (the HTTP client masks its own key; a
         provider of a host's own may not)."""
-        patience = self.rt.db.busy_timeout_ms
-        try:
-            with running():
-                return self.rt.redact.scrub(self._execute())
-        finally:
-            self.rt.db.busy_timeout_ms = patience  # (the process's next task waits as before)
+        with running():
+            return self.rt.redact.scrub(self._execute())
 
     def _execute(self) -> dict[str, Any]:
         try:
@@ -335,13 +332,13 @@ class Run:
         transaction) is waited for again, `BUSY_TRIES` times in all: a row left `started`
         would be ended failed by the overrun sweep, and its item counted twice. A database
         that refuses (a full disk), or stays locked, is logged: the task's result still says
-        what happened. Once it stayed locked, the run's other items are tried once, for
-        `LOCKED_OUT_MS` (`locked_out`): a cancelled group of 128 waited the whole timeout
-        four times for each item, hours at the default."""
+        what happened. Once it stayed locked, the run's other ends are tried once, for
+        `LOCKED_OUT_MS` (`locked_out`), until one is recorded: a cancelled group of 128 waited
+        the whole timeout four times for each item, hours at the default."""
         tries = 1 if self.locked_out else BUSY_TRIES
         for tried in range(1, tries + 1):
             try:
-                with self.rt.db.atomic():
+                with self._patience(), self.rt.db.atomic():
                     record_end(self.rt.db, *self.job(item_id), state, self.took(), error)
                     if self.batch_id is not None and outcome is not None:
                         batch_outcome(
@@ -352,6 +349,8 @@ class Run:
                             abort_after=self.settings.tasks.batch_abort_after,
                             job=self.job(item_id),
                         )
+                if not self.rt.db.conn.in_transaction:
+                    self.locked_out = False  # (recorded: the lock has gone)
                 break
             except (apsw.Error, KidxError) as e:
                 reason = f"{type(e).__name__}: {e}"
@@ -359,7 +358,7 @@ class Run:
                 again = isinstance(e, BUSY) and tried < tries
                 if not again or self.rt.db.conn.in_transaction:
                     if isinstance(e, BUSY) and not self.rt.db.conn.in_transaction:
-                        self._lock_out()
+                        self.locked_out = True
                     log.error(
                         "could not record an item's end",
                         item_id=item_id,
@@ -375,12 +374,21 @@ class Run:
         metrics.run(self.task.name, str(state), why)
         self.ended[item_id] = str(state)
 
-    def _lock_out(self) -> None:
-        """The database stayed locked past the busy timeout: what is left of the run is
-        recorded if the lock is free, not after the whole timeout again (as `index_items`
-        does, for the same reason); `execute` gives the timeout back."""
-        self.locked_out = True
-        self.rt.db.busy_timeout_ms = min(self.rt.db.busy_timeout_ms, LOCKED_OUT_MS)
+    @contextlib.contextmanager
+    def _patience(self) -> Iterator[None]:
+        """Once an end stayed locked out (`locked_out`), the next ones wait `LOCKED_OUT_MS`,
+        not the whole busy timeout again (as `index_items` does, for the same reason); only
+        for their own write: the connection is the process's, and its runs' writes wait as
+        configured."""
+        if not self.locked_out:
+            yield
+            return
+        patience = self.rt.db.busy_timeout_ms
+        self.rt.db.busy_timeout_ms = min(patience, LOCKED_OUT_MS)
+        try:
+            yield
+        finally:
+            self.rt.db.busy_timeout_ms = patience
 
     def _done(self, item_id: int, outcome: IndexResult | KidxError) -> None:
         """An item's outcome, recorded at once (progress shows while the run goes on)."""
@@ -475,10 +483,11 @@ class Run:
         """The item's state for a run that did not index it (`mark_not_run`), if the database
         takes it: the job row says what happened either way."""
         try:
-            mark_not_run(self.rt.db, item_id, self.task_id, self.job(item_id)[0], error, **how)
+            with self._patience():
+                mark_not_run(self.rt.db, item_id, self.task_id, self.job(item_id)[0], error, **how)
         except BUSY:
             if not self.rt.db.conn.in_transaction:
-                self._lock_out()
+                self.locked_out = True
         except (apsw.Error, KidxError):
             pass
 

@@ -481,46 +481,69 @@ def test_a_line_that_starts_like_a_unit_marker_is_shown_escaped(db, embedder, ch
     assert_exact_and_covering(text, rows(db, item))
 
 
-def test_the_boundary_cache_keeps_an_items_current_windows_and_goes_with_the_item(
+def _links(db, item: int) -> int:
+    return int(db.scalar("SELECT count(*) FROM chunk_windows WHERE item_id = ?", (item,)))
+
+
+def _unlinked(db) -> int:
+    """Cached windows no item's text holds."""
+    return int(
+        db.scalar(
+            "SELECT count(*) FROM chunk_boundaries b WHERE NOT EXISTS (SELECT 1 FROM "
+            "chunk_windows w WHERE w.model = b.model AND w.window_hash = b.window_hash)"
+        )
+    )
+
+
+def test_the_boundary_cache_keeps_the_windows_items_hold_and_goes_with_them(
     db, embedder, chat, standin, host
 ):
     """Each edit left the old windows' rows (model summaries of text no item holds), and a
-    deleted note's stayed in the file for good, by `kidx delete` or by a host's DELETE."""
+    deleted note's stayed in the file for good, by `kidx delete` or by a host's DELETE. A
+    window two notes hold (a copy) stays while either does: unchanged text never asks the
+    model again."""
     text = corpus_text(CHAPTER)
     item = add_item(db, kind="note", title="Ownership", content=text)
+    copy = add_item(db, kind="note", title="Copy", content=text)
     other = add_item(db, kind="note", title="Slices", content=corpus_text("ch04-03-slices.md"))
     options = IndexOptions(chat=chat)
+    for each in (item, copy, other):
+        assert index_item(db, each, embedder=embedder, options=options).chunk_method == "llm"
+    windows = len(windows_of(text, 6000))
+    asked = standin.chat.requests
+    assert _links(db, item) == _links(db, copy) == windows and _unlinked(db) == 0
     for n in range(3):  # the last paragraph edited each time: its window alone is new
         update_content(db, item, text + f"\n\nAn edit, number {n}, at the end.\n")
         assert index_item(db, item, embedder=embedder, options=options).chunk_method == "llm"
-    assert index_item(db, other, embedder=embedder, options=options).chunk_method == "llm"
-    windows = len(windows_of(text + "\n\nAn edit, number 2, at the end.\n", 6000))
-
-    def rows(of: int) -> int:
-        return int(db.scalar("SELECT count(*) FROM chunk_boundaries WHERE item_id = ?", (of,)))
-
-    assert rows(item) == windows  # the windows of its text now, no more
-    assert rows(other) == len(windows_of(corpus_text("ch04-03-slices.md"), 6000))
-    before = standin.chat.requests
-    assert index_item(db, item, embedder=embedder, options=options).chunk_method == "llm"
-    assert standin.chat.requests == before  # what is kept is what the text needs
+    assert _links(db, item) == windows and _unlinked(db) == 0  # no edit's window left over
+    assert standin.chat.requests == asked + 3  # one window a time
+    asked = standin.chat.requests
+    assert index_item(db, copy, embedder=embedder, options=options).chunk_method == "llm"
+    assert standin.chat.requests == asked  # the copy's windows stayed for it
     host.execute("DELETE FROM knowledge_items WHERE id = ?", (item,))  # a host's, plain SQL
-    assert rows(item) == 0 and rows(other) > 0
-    assert db.scalar("SELECT count(*) FROM chunk_boundaries WHERE item_id IS NULL") == 0
+    assert _links(db, item) == 0 and _unlinked(db) == 0
+    assert index_item(db, copy, embedder=embedder, options=options).chunk_method == "llm"
+    assert standin.chat.requests == asked  # what the copy holds is still there
+    total = int(db.scalar("SELECT count(*) FROM chunk_boundaries"))
+    host.execute("DELETE FROM knowledge_items WHERE id = ?", (copy,))
+    assert int(db.scalar("SELECT count(*) FROM chunk_boundaries")) == total - windows
+    assert _links(db, other) > 0 and _unlinked(db) == 0
 
 
-def test_rows_an_older_kidx_cached_are_taken_by_the_item_that_uses_them(db, embedder, chat):
-    """Rows written before they named an item are claimed when an item's whole text is chunked
-    from them, and pruned with its windows from then on."""
+def test_windows_an_older_kidx_cached_are_linked_by_the_item_that_uses_them(db, embedder, chat):
+    """Rows cached before windows were linked to items are linked when an item's whole text
+    is chunked from them, and go with its windows from then on; those no item uses stay."""
     text = corpus_text("ch04-03-slices.md")
     item = add_item(db, kind="note", title="Slices", content=text)
     index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
-    db.execute("UPDATE chunk_boundaries SET item_id = NULL")  # as the earlier schema left them
+    db.execute("DELETE FROM chunk_windows")  # as the earlier schema left them
     db.execute(
         "INSERT INTO chunk_boundaries(model, window_hash, boundaries) VALUES (?, 'old', '[]')",
         (chat.model_id,),
     )
     index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
-    owners = dict(db.all("SELECT window_hash, item_id FROM chunk_boundaries"))
-    assert owners.pop("old") is None  # no item's: left as it is
-    assert set(owners.values()) == {item}
+    assert _links(db, item) == len(windows_of(text, 6000)) and _unlinked(db) == 1  # 'old'
+    update_content(db, item, "A short note now, of one window.")
+    index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    assert _links(db, item) == 1 and _unlinked(db) == 1
+    assert int(db.scalar("SELECT count(*) FROM chunk_boundaries")) == 2

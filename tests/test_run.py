@@ -988,3 +988,24 @@ def test_a_rerun_request_outlives_the_longest_run_the_settings_allow(rt) -> None
         assert rt.redis.ttl(rerun_key(rt.db.instance(), item)) >= 7260
     finally:
         holder.release()
+
+
+def test_ends_a_locked_database_refused_leave_the_connections_own_wait_as_it_was(rt, host) -> None:
+    """The short wait after a locked-out end was set on the process's connection: a refused
+    task's ends (recorded before any run) left it at 100 ms for every later task of that pool
+    process, and an end met during a run cut its items' own writes to 100 ms too."""
+    from worker.store.jobs import JobState
+
+    a, b = notes(rt.db, 2)
+    run, _ = group(rt, [a, b])
+    rt.db.busy_timeout_ms = 300
+    host.execute("BEGIN IMMEDIATE")  # a host's long transaction
+    try:
+        run.end(a, JobState.FAILED, "refused", "bad", why="bad_input")
+        assert run.locked_out and rt.db.busy_timeout_ms == 300
+        run.end(b, JobState.FAILED, "refused", "bad", why="bad_input")  # (once, briefly)
+        assert rt.db.busy_timeout_ms == 300
+    finally:
+        host.execute("ROLLBACK")
+    run.end(b, JobState.FAILED, "refused", "bad", why="bad_input")  # the lock has gone
+    assert not run.locked_out and job_states(rt, run)[b] == "failed"

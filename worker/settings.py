@@ -808,21 +808,6 @@ class Settings(BaseSettings):
             raise ValueError(problem)
         return v
 
-    @model_validator(mode="after")
-    def _chunk_deadline(self) -> Settings:
-        """With a chunk model, its deadline under the soft time limit: at or past it, a slow
-        model ran every long item into the limit, which fails it, where the deadline is there
-        to fall back to structure. (Under half of it, `kidx doctor` advises: a group starts
-        items until then.)"""
-        deadline, limit = self.chunk.deadline, self.tasks.soft_time_limit
-        if self.chunk.model and deadline >= limit:
-            raise ValueError(
-                f"KIDX_CHUNK__DEADLINE ({deadline:g} s) must be under "
-                f"KIDX_TASKS__SOFT_TIME_LIMIT ({limit} s), or a slow chunk model fails items "
-                "at the limit instead of falling back to structure"
-            )
-        return self
-
     @property
     def backend_url(self) -> str:
         return self.result_backend or self.broker_url
@@ -844,6 +829,22 @@ class Settings(BaseSettings):
 # (tests/test_flower.py). Workers the tests start inherit them.
 NOT_SETTINGS = frozenset({"KIDX_SOAK", "KIDX_TASKS_SCREENSHOT"})
 NOT_SETTINGS_PREFIX = "KIDX_FAULT_"
+
+
+def deadline_problem(settings: Settings) -> str | None:
+    """With a chunk model, a deadline not under half the soft time limit (a group starts
+    items until then): a slow model runs an item into the limit, which fails it rather than
+    falling back to structure. Said by `kidx doctor` and at a worker's start, not refused: a
+    CLI that indexes inline has no time limit, and the default deadline (240 s) is over half
+    a soft limit an operator lowers to 300."""
+    deadline, limit = settings.chunk.deadline, settings.tasks.soft_time_limit
+    if not settings.chunk.model or deadline < limit / 2:
+        return None
+    return (
+        f"KIDX_CHUNK__DEADLINE ({deadline:g} s) is not under half of "
+        f"KIDX_TASKS__SOFT_TIME_LIMIT ({limit} s): a slow chunk model fails items there "
+        "instead of falling back to structure"
+    )
 
 
 def variable_names() -> dict[str, list[str]]:

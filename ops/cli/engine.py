@@ -517,12 +517,17 @@ def _print_hits(ctx: Ctx, hits: list[Any]) -> None:
 
 def _source_prefix(given: str | None) -> str | None:
     """A folder as `kidx add file` keeps a file's source (resolved: absolute, no `..`, no
-    link), so that `--source docs/` finds what `add file docs/a.md` added; a URL as given."""
-    if not given or "://" in given or "\0" in given:  # (Filters says what is wrong with it)
+    link), so that `--source docs/` finds what `add file docs/a.md` added. Only what reads as
+    a path (from `/`, `.` or `~`, or there on disk): a URL, a host's own `sample:` or any
+    other prefix is as given."""
+    if not given or "\0" in given:  # (Filters says what is wrong with it)
         return given
     try:
-        resolved = str(Path(given).expanduser().resolve())
-    except (OSError, RuntimeError):  # (a link loop, a name too long): as given
+        path = Path(given).expanduser()
+        if not (given.startswith(("/", ".", "~")) or path.exists()):
+            return given
+        resolved = str(path.resolve())
+    except (OSError, RuntimeError, ValueError):  # (a link loop, a name too long): as given
         return given
     return resolved + os.sep if given.endswith(("/", os.sep)) and resolved != os.sep else resolved
 

@@ -17,7 +17,7 @@ from worker.errors import StoreError
 from worker.indexers.base import Indexer, IndexOptions, Planned, mirror_chunks, plan_vectors
 from worker.log import CHUNK, KI_EMBED
 from worker.providers.base import EmbeddingModel
-from worker.store.boundaries import SqliteBoundaryCache
+from worker.store.boundaries import SqliteBoundaryCache, keep_windows
 from worker.store.db import Database
 from worker.store.fts import NOTES, chunk_parts, fts_insert, fts_write_item, keyword_row
 from worker.store.items import Item
@@ -34,7 +34,7 @@ class Prose(Indexer):
     ) -> Planned:
         llm = cache = None
         if options.chat is not None and not options.structure_only:
-            cache = SqliteBoundaryCache(db, item.id)
+            cache = SqliteBoundaryCache(db)
             llm = LLMChunker(
                 options.chat,
                 cache,
@@ -62,8 +62,8 @@ class Prose(Indexer):
             else []
         )
         outcome = chunk(text, previous, llm=llm, target=options.chunk_target)
-        if cache is not None and outcome.method == "llm":  # (every window of it answered)
-            cache.prune()
+        # (every window of it answered: the windows its text is made of now)
+        windows = tuple(cache.used) if cache is not None and outcome.method == "llm" else None
         if outcome.fallback:
             ilog.warning(f"{CHUNK} LLM chunking fell back to structure", reason=outcome.fallback)
         dims = db.dimensions
@@ -94,7 +94,13 @@ class Prose(Indexer):
         if not plan.reuse:  # a new item, maybe: its keyword rows go in `write_new_notes`
             parts = tuple(chunk_parts(_headings(c), c.content) for c in outcome.chunks)
         return Planned(
-            plan, outcome.method, outcome.fallback, outcome.asked, parts, options.chunk_target
+            plan,
+            outcome.method,
+            outcome.fallback,
+            outcome.asked,
+            parts,
+            options.chunk_target,
+            windows,
         )
 
     def write(
@@ -118,6 +124,8 @@ class Prose(Indexer):
             ilog,
             orphans=orphans,
         )
+        if planned.windows is not None:
+            keep_windows(db, item.id, planned.windows)
         if repaired:
             ilog.info(f"{KI_EMBED} repaired the mirror", repaired=repaired)
         return repaired, failed
@@ -125,7 +133,11 @@ class Prose(Indexer):
     def write_new(
         self, db: Database, items: Sequence[tuple[Item, Planned]], model: str
     ) -> list[int]:
-        return write_new_notes(db, [(item.id, planned) for item, planned in items], model)
+        written = write_new_notes(db, [(item.id, planned) for item, planned in items], model)
+        for item, planned in items:
+            if planned.windows is not None and item.id in written:
+                keep_windows(db, item.id, planned.windows)
+        return written
 
     def search(self, db: Database, query: str, embedder: EmbeddingModel, *, k: int = 10) -> Any:
         from worker.retrieval import search

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from worker.store.db import Database
 
 
 class SqliteBoundaryCache:
-    """`worker.chunking.llm.BoundaryCache` in the index's own database, for one item's
-    chunking: the rows it writes name the item (deleted with it), and `prune` drops the
-    item's rows this chunking did not use (the windows of its earlier texts)."""
+    """`worker.chunking.llm.BoundaryCache` in the index's own database. `used`: the windows a
+    chunking got or put, in order (what `keep_windows` links to its item)."""
 
-    def __init__(self, db: Database, item_id: int | None = None) -> None:
+    def __init__(self, db: Database) -> None:
         self.db = db
-        self.item_id = item_id
-        self.used: list[tuple[str, str]] = []  # (model, window hash) got or put
+        self.used: list[tuple[str, str]] = []
 
     def get(self, model: str, key: str) -> list[tuple[int, int, str | None]] | None:
         """The cached boundaries, or None (a miss) for a row that is not a JSON list of
@@ -30,7 +29,6 @@ class SqliteBoundaryCache:
         )
         if raw is None:
             return None
-        self.used.append((model, key))
         try:
             rows = json.loads(bytes(raw).decode("utf-8"))
         except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep
@@ -47,37 +45,48 @@ class SqliteBoundaryCache:
             ):
                 return None
             result.append((start, end, summary))
+        self.used.append((model, key))
         return result
 
     def put(self, model: str, key: str, value: list[tuple[int, int, str | None]]) -> None:
         self.used.append((model, key))
         with self.db.atomic():
             self.db.execute(
-                "INSERT INTO chunk_boundaries(model, window_hash, boundaries, item_id) "
-                "VALUES (?, ?, ?, ?) ON CONFLICT(model, window_hash) DO UPDATE SET "
-                "boundaries = excluded.boundaries, item_id = excluded.item_id",
-                (model, key, json.dumps(value), self.item_id),
+                "INSERT INTO chunk_boundaries(model, window_hash, boundaries) VALUES (?, ?, ?) "
+                "ON CONFLICT(model, window_hash) DO UPDATE SET boundaries = excluded.boundaries",
+                (model, key, json.dumps(value)),
             )
 
-    def prune(self) -> int:
-        """Once the item's whole text was chunked from this cache: its rows this chunking did
-        not use go, and the rows it used that name no item (written before items were named,
-        or by a host) become its own. How many rows went."""
-        if self.item_id is None:
-            return 0
-        used = json.dumps(self.used)
-        with self.db.atomic():
-            self.db.execute(
-                "UPDATE chunk_boundaries SET item_id = ?1 WHERE item_id IS NULL "
-                "AND (model, window_hash) IN (SELECT value ->> 0, value ->> 1 FROM json_each(?2))",
-                (self.item_id, used),
-            )
-            self.db.execute(
-                "DELETE FROM chunk_boundaries WHERE item_id = ?1 AND (model, window_hash) "
-                "NOT IN (SELECT value ->> 0, value ->> 1 FROM json_each(?2))",
-                (self.item_id, used),
-            )
-            return self.db.conn.changes()
+
+_USED = "SELECT value ->> 0, value ->> 1 FROM json_each(:used)"
+
+
+def keep_windows(db: Database, item_id: int, used: Sequence[tuple[str, str]]) -> None:
+    """The item's text is made of these windows now (its whole text chunked by the model):
+    they are linked to it, and the windows it held before and no longer does are unlinked;
+    a window no item's text holds goes from the cache. In the item's write transaction, once
+    its claim held (an older run finishing late must not unlink the newer text's windows)."""
+    args = {"item": item_id, "used": json.dumps(list(used))}
+    db.execute(
+        f"INSERT OR IGNORE INTO chunk_windows(item_id, model, window_hash) SELECT :item, * "
+        f"FROM ({_USED})",
+        args,
+    )
+    gone = (
+        "SELECT w.model, w.window_hash FROM chunk_windows w WHERE w.item_id = :item "
+        f"AND (w.model, w.window_hash) NOT IN ({_USED})"
+    )
+    db.execute(
+        f"DELETE FROM chunk_boundaries WHERE (model, window_hash) IN ({gone} AND NOT EXISTS "
+        "(SELECT 1 FROM chunk_windows o WHERE o.model = w.model "
+        "AND o.window_hash = w.window_hash AND o.item_id IS NOT :item))",
+        args,
+    )
+    db.execute(
+        "DELETE FROM chunk_windows WHERE item_id = :item "
+        f"AND (model, window_hash) NOT IN ({_USED})",
+        args,
+    )
 
 
 def _whole(value: Any) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -135,6 +136,11 @@ def _sweep(db: Database, t: VecTable, dims: int, report: RepairReport, *, restor
 # sweep: keys compare in full each time, contents a slice at a time (a point lookup into vec0
 # a row: about 0.2 s for 10k), from where the last sweep stopped, round and round.
 VERIFY_SLICE = 10_000
+# ... and at most this long a table, under the write lock: a lookup into vec0 reads its chunk
+# of 1,024 vectors, 2 ms a row at 1536 dimensions (0.07 at 384), and a sweep held every
+# writer 7-12 s at 100k x 1536. Read `VERIFY_STEP` rows at a time until it is spent.
+VERIFY_SECONDS = 0.5
+VERIFY_STEP = 500
 # Orphans deleted and missing rows restored a table at most, a repair (`_sweep`).
 REPAIR_SLICE = 10_000
 _KEY = re.compile(rb"-?[0-9]+")  # a cursor kidx wrote (`str.isdigit` takes `²`: int() not)
@@ -167,33 +173,44 @@ def _check_slots(db: Database, t: VecTable, keys: list[int]) -> None:
 
 
 def _verify(db: Database, t: VecTable, dims: int, report: RepairReport, n: int) -> None:
-    """Replace the vec rows, of the next `n` keys, that are not their relational vector (a
-    host wrote into the vec table, or a quantized row drifted): key checks never see them."""
+    """Replace the vec rows, of the next `n` keys (fewer once `VERIFY_SECONDS` is spent), that
+    are not their relational vector (a host wrote into the vec table, or a quantized row
+    drifted): key checks never see them."""
     cursor = f"vec_verified:{t.name}"
     # (a host's value, `--5`, `²`, out of range or not UTF-8: from the first key)
     last = db.scalar("SELECT CAST(value AS BLOB) FROM index_meta WHERE key = ?", (cursor,))
     after = int(last) if isinstance(last, bytes) and _KEY.fullmatch(last) else None
     if after is not None and not -(2**63) <= after < 2**63:
         after = None
-    rows = db.all(  # (a row's vector only when it is not its vec row's: to be written)
-        f"SELECT r.{t.source_key}, "
-        f"CASE WHEN {t.value('r.vector')} IS v.embedding THEN NULL ELSE r.vector END "
-        f"FROM {t.source} r JOIN {t.name} v ON v.{t.key} = r.{t.source_key} "
-        f"WHERE {'1' if after is None else f'r.{t.source_key} > :after'} "
-        f"AND r.dimensions = :dims AND {sound('r')} ORDER BY r.{t.source_key} LIMIT :n",
-        {"after": after, "dims": dims, "n": n},
-    )
-    _check_slots(db, t, [key for key, _ in rows])
-    wrong = [(key, vector) for key, vector in rows if vector is not None]
-    for key, vector in wrong:
-        db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
-        db.execute(t.insert(), (key, vector))
+    until = time.monotonic() + VERIFY_SECONDS
+    done, ended, wrong = 0, False, 0
+    while done < n and not ended:
+        step = min(VERIFY_STEP, n - done)
+        rows = db.all(  # (a row's vector only when it is not its vec row's: to be written)
+            f"SELECT r.{t.source_key}, "
+            f"CASE WHEN {t.value('r.vector')} IS v.embedding THEN NULL ELSE r.vector END "
+            f"FROM {t.source} r JOIN {t.name} v ON v.{t.key} = r.{t.source_key} "
+            f"WHERE {'1' if after is None else f'r.{t.source_key} > :after'} "
+            f"AND r.dimensions = :dims AND {sound('r')} ORDER BY r.{t.source_key} LIMIT :n",
+            {"after": after, "dims": dims, "n": step},
+        )
+        _check_slots(db, t, [key for key, _ in rows])
+        for key, vector in rows:
+            if vector is not None:
+                db.execute(f"DELETE FROM {t.name} WHERE {t.key} = ?", (key,))
+                db.execute(t.insert(), (key, vector))
+                wrong += 1
+        done += len(rows)
+        ended = len(rows) < step  # the end: the next sweep starts again from the first key
+        after = rows[-1][0] if rows else after
+        if time.monotonic() > until:
+            break
     if wrong:
-        report.replaced[t.name] = len(wrong)
-    if len(rows) < n:  # the end: the next sweep starts again from the first key
+        report.replaced[t.name] = wrong
+    if ended:
         db.execute("DELETE FROM index_meta WHERE key = ?", (cursor,))
     else:
-        set_meta(db, cursor, str(rows[-1][0]))
+        set_meta(db, cursor, str(after))
 
 
 def repair_vectors(

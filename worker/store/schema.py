@@ -682,25 +682,37 @@ MIGRATIONS.append(
     )
 )
 
-# Each cached window of LLM boundaries names the item whose chunking wrote it: gone with the
-# item (a deleted note's model summaries stayed in the file for good), and pruned when the
-# item's text is chunked again whole (every edit left the old windows' rows behind).
+# Which items' texts hold each cached window of LLM boundaries (`chunk_windows`, written with an
+# item's index): a window goes from the cache once no item's text holds it. Every edit left the
+# old windows' rows behind, and a deleted note's model summaries stayed in the file for good.
+_WINDOWS_OF_OLD = (
+    "SELECT w.model, w.window_hash FROM chunk_windows w WHERE w.item_id = old.id "
+    "AND NOT EXISTS (SELECT 1 FROM chunk_windows o WHERE o.model = w.model "
+    "AND o.window_hash = w.window_hash AND o.item_id IS NOT old.id)"
+)
 MIGRATIONS.append(
     (
         19,
-        """
-ALTER TABLE chunk_boundaries ADD COLUMN item_id INTEGER;
-CREATE INDEX IF NOT EXISTS chunk_boundaries_item ON chunk_boundaries(item_id);
-CREATE TRIGGER IF NOT EXISTS chunk_boundaries_item_deleted
+        f"""
+CREATE TABLE IF NOT EXISTS chunk_windows (
+    item_id     INTEGER NOT NULL,
+    model       TEXT NOT NULL,
+    window_hash TEXT NOT NULL,
+    PRIMARY KEY (item_id, model, window_hash)
+);
+CREATE INDEX IF NOT EXISTS chunk_windows_window ON chunk_windows(model, window_hash);
+CREATE TRIGGER IF NOT EXISTS chunk_windows_item_deleted
 AFTER DELETE ON knowledge_items
 BEGIN
-    DELETE FROM chunk_boundaries WHERE item_id = old.id;
+    DELETE FROM chunk_boundaries WHERE (model, window_hash) IN ({_WINDOWS_OF_OLD});
+    DELETE FROM chunk_windows WHERE item_id = old.id;
 END;
-CREATE TRIGGER IF NOT EXISTS chunk_boundaries_item_renumbered
+CREATE TRIGGER IF NOT EXISTS chunk_windows_item_renumbered
 AFTER UPDATE OF id ON knowledge_items
 WHEN new.id IS NOT old.id
 BEGIN
-    DELETE FROM chunk_boundaries WHERE item_id = old.id;
+    DELETE FROM chunk_boundaries WHERE (model, window_hash) IN ({_WINDOWS_OF_OLD});
+    DELETE FROM chunk_windows WHERE item_id = old.id;
 END;
 """,
     )
