@@ -338,5 +338,8 @@ def test_rows_that_are_right_are_not_made_again_in_python_at_every_sweep(db, fak
     made: list[str] = []
     real = fts.identifier_parts
     monkeypatch.setattr(fts, "identifier_parts", lambda text: made.append(text) or real(text))
+    monkeypatch.setattr(fts, "WHOLE_SLICE", 0)  # (rows compared whole: a bounded slice, apart)
     assert sync_fts(db, verify=True) == {}
     assert made == []
+    monkeypatch.setattr(fts, "WHOLE_SLICE", 1)  # one row whole a sweep, round and round
+    assert sync_fts(db, verify=True) == {} and len(made) == 1

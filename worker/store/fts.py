@@ -387,10 +387,14 @@ def _drop(db: Database, table: FtsTable) -> None:
 ROWS_MADE = ("fts_rows", "2")
 
 
-def _unlike(db: Database, table: FtsTable, *, every: bool) -> list[tuple]:
+def _unlike(
+    db: Database, table: FtsTable, *, every: bool, most: int | None = None
+) -> tuple[list[tuple], bool]:
     """The live chunks whose keyword row is not the one `_row` makes of them now: a row whose
     text is not its chunk's (a host's chunk under the id of a deleted one, whose row stayed:
-    the chunk table has no AUTOINCREMENT) or, with `every`, any row of text beyond ASCII."""
+    the chunk table has no AUTOINCREMENT) or, with `every`, any row of text beyond ASCII.
+    `most` of them at most (a host's rename of every title made 400k rows to rewrite in one
+    sweep, 9 s under the write lock); and whether that was all."""
     # A title longer than ROW_TITLE_MAX (its bytes, a bound on its characters) is held cut:
     # such rows are compared in Python, as `_row` cuts it.
     differs = " OR ".join(
@@ -415,7 +419,45 @@ def _unlike(db: Database, table: FtsTable, *, every: bool) -> list[tuple]:
             continue
         made = [v.encode("utf-8", "surrogatepass") for v in _row(*chunk)[1:]]
         if made != held:  # compared as bytes: a host's may not be UTF-8
+            if most is not None and len(out) >= most:
+                return out, False
             out.append(tuple(chunk))
+    return out, True
+
+
+# Keyword rows a sweep compares whole, their identifier parts too, a table at a time, from
+# where the last sweep stopped, round and round: `_unlike` compares a row's text only (making
+# every row's parts again costs 35 us a chunk), and a `parts` a host wrote was never mended.
+WHOLE_SLICE = 2_000
+_ID = re.compile(rb"-?[0-9]{1,19}")
+
+
+def _unlike_whole(db: Database, table: FtsTable, n: int) -> list[tuple]:
+    """The chunks, of the next `n` that have a keyword row, whose row is not the one `_row`
+    makes of them now, in whole (`WHOLE_SLICE`); the cursor moved on."""
+    if n <= 0:
+        return []
+    cursor = f"fts_compared:{table.name}"
+    last = db.scalar("SELECT CAST(value AS BLOB) FROM index_meta WHERE key = ?", (cursor,))
+    after = int(last) if isinstance(last, bytes) and _ID.fullmatch(last) else None
+    if after is not None and not -(2**63) <= after < 2**63:  # (a host's value: from the start)
+        after = None
+    rows = db.all(
+        "SELECT c.id, c.title, c.headings, c.content, CAST(f.title AS BLOB), "
+        "CAST(f.headings AS BLOB), CAST(f.content AS BLOB), CAST(f.parts AS BLOB) "
+        f"FROM ({table.rows}) c JOIN {table.name} f ON f.rowid = c.id "
+        f"WHERE {'1' if after is None else 'c.id > :after'} ORDER BY c.id LIMIT :n",
+        {"after": after, "n": n},
+    )
+    if len(rows) < n:
+        db.execute("DELETE FROM index_meta WHERE key = ?", (cursor,))
+    else:
+        set_meta(db, cursor, str(rows[-1][0]))
+    out = []
+    for row in rows:
+        made = [v.encode("utf-8", "surrogatepass") for v in _row(*row[:4])[1:]]
+        if made != list(row[4:8]):
+            out.append(tuple(row[:4]))
     return out
 
 
@@ -450,6 +492,7 @@ def sync_fts(
             "SELECT 1 FROM index_meta WHERE key = ? AND CAST(value AS BLOB) = ?",
             (ROWS_MADE[0], ROWS_MADE[1].encode()),
         )
+        every_done = True  # (`every` rewrote what it found, not capped by `most`)
         for t in FTS_TABLES:
             if t.name in broken and db.table_exists(t.name):
                 _drop(db, t)  # refilled below from the chunks
@@ -462,7 +505,12 @@ def sync_fts(
             fts_delete(db, t, stale)
             missing = db.all(t.missing("*") + cap)
             fts_write(db, t, missing)
-            unlike = _unlike(db, t, every=every) if verify else []
+            unlike: list[tuple] = []
+            if verify:
+                unlike, whole = _unlike(db, t, every=every, most=most)
+                every_done = every_done and whole
+                seen = {row[0] for row in unlike}
+                unlike += [r for r in _unlike_whole(db, t, WHOLE_SLICE) if r[0] not in seen]
             fts_write(db, t, unlike)
             if stale:
                 changed[f"{t.name} stale"] = len(stale)
@@ -470,7 +518,7 @@ def sync_fts(
                 changed[f"{t.name} missing"] = len(missing)
             if unlike:
                 changed[f"{t.name} rewritten"] = len(unlike)
-        if every:
+        if every and every_done:
             set_meta(db, *ROWS_MADE)
         if verify and check:  # (what was broken is made again above: whole now)
             set_meta(db, CHECKED, db.scalar("SELECT strftime('%Y-%m-%dT%H:%M:%fZ')"))
