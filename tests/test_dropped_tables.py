@@ -26,6 +26,7 @@ from worker.store.schema import SCHEMA_VERSION, SOURCE_TABLES
 
 DERIVED = (
     "chunk_boundaries",
+    "chunk_windows",
     "code_chunk_embeddings",
     "code_chunks",
     "index_batches",

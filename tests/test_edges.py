@@ -714,10 +714,11 @@ def fill(disk: Path, leave: int = 0) -> Path:
     margin = disk / "margin"
     margin.write_bytes(b"\0" * leave)
     filler = disk / "filler"
-    with open(filler, "wb") as f, contextlib.suppress(OSError):
+    # (unbuffered, the close's error suppressed too: a write cut short left bytes in the
+    # buffer, and the close that flushed them failed with ENOSPC, outside the suppress)
+    with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as f:
         for _ in range(10_000):
             f.write(b"\0" * 65536)
-            f.flush()
     margin.unlink()
     return filler
 

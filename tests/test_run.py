@@ -878,29 +878,33 @@ def test_a_run_whose_lock_expired_leaves_the_new_holders_request_to_be_served(rt
     """The run's lock expired while its process stood still; another run took the item, and
     a host's edit asked that run for more. The first run's write ended `coalesced` (the
     fence), but it took the request with its own and dropped it: the edit was never indexed."""
+    import worker.pipeline
+
     (item,) = notes(rt.db, 1)
     run, _ = single(rt, item)
-    other = Database(rt.db.path)
-    original = rt.embedder.embed_batch  # type: ignore[union-attr]
+    fence = worker.pipeline.read_claim
+    stolen: list[int] = []
 
-    def another_run_takes_it(texts: list[str]) -> Any:
-        if not rt.embedder.calls:  # type: ignore[union-attr]
-            # the other run's mark (as `prepare_item` writes it) and the host's edit
-            other.execute(
+    def another_run_took_it(db: Any, item_id: int) -> Any:
+        """The fence's read, once the other run has marked the item and a host's edit asked
+        it for more (written on the run's own connection: it holds the write lock here)."""
+        if not stolen:
+            stolen.append(item_id)
+            db.execute(
                 "UPDATE item_index_state SET status = 'indexing', claim = ~claim, "
                 "last_task_id = 'the-other-run' WHERE item_id = ?",
-                (item,),
+                (item_id,),
             )
-            _edit_and_ask(rt, [item], other)
-        return original(texts)
+            update_content(db, item_id, "# Edited\n\nThe text changed while it ran.")
+            rt.redis.set(rerun_key(rt.db.instance(), item_id), "the host's task")
+        return fence(db, item_id)
 
-    rt.embedder.embed_batch = another_run_takes_it  # type: ignore[union-attr, method-assign]
     sent: list[int] = []
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("worker.pipeline.read_claim", another_run_took_it)
         mp.setattr("tasks.run.enqueue", lambda db, item_id, **kw: sent.append(item_id) or "next")
         assert run.execute()["status"] == "coalesced"
-    other.close()
-    assert sent == [item]
+    assert stolen == [item] and sent == [item]
 
 
 def test_a_once_more_pass_a_provider_refuses_for_now_is_not_counted_again(rt) -> None:
