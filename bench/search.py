@@ -19,7 +19,11 @@ mirror `vec_chunk_bits`). The same queries go, interleaved, through:
 Reported: median and p95 ms a query, x numpy's median (same run), recall@k and the share of
 identical rankings against numpy's chunks, the database's size on disk, what each method keeps in
 memory between queries, and the growth of each method's median from the smallest size to the
-largest. The query embedder returns the query's vector, so embedding costs nothing. Timings are
+largest. The timed queries are a seeded sample of the questions (`--queries`, from every corpus);
+the two-pass recall the goals are judged by is over every question. One row more: the two-pass
+search right after another connection committed a write (20 queries), when the bit mirror it
+holds between searches is read again, as in a `kidx search` process, which opens the file anew.
+The query embedder returns the query's vector, so embedding costs nothing. Timings are
 measured here, never asserted in tests.
 """
 
@@ -94,7 +98,9 @@ def build(path: Path, matrix: np.ndarray) -> dict[str, float]:
         if db.dimensions != dims:
             sys.exit(f"connect() resolved {db.dimensions} dimensions, not {dims}")
         ex = db.conn.executemany
-        with db.atomic():
+        # (as kidx's writer: a chunk or vector row written otherwise is a host's, which the
+        # triggers of migration 16 drop, and the database was left without a vector)
+        with db.atomic(), db.writing_index():
             ex(
                 "INSERT INTO knowledge_items(id, kind, title, content, content_hash) "
                 "VALUES (?, 'note', ?, ?, ?)",
@@ -140,6 +146,12 @@ def build(path: Path, matrix: np.ndarray) -> dict[str, float]:
             )
         total = time.perf_counter() - t0
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        held = {
+            t: db.scalar(f"SELECT count(*) FROM {t}")
+            for t in ("note_chunk_embeddings", "vec_chunk_embeddings", "vec_chunk_bits")
+        }
+        if set(held.values()) != {n}:
+            sys.exit(f"the benchmark's database holds {held}, not {n} vectors each")
     finally:
         db.close()
     return {
@@ -167,7 +179,10 @@ def run_case(
     size: int, dims: int, queries: int, k: int, oversample: int, fallback_max: int, tmp: Path
 ) -> dict:
     matrix, asked = realistic(size, dims)
-    qs = asked[: queries + 1]  # the first one warms every path, untimed
+    # Timed: a seeded sample of the questions, from every corpus (the file's first fifty are
+    # all of one speech); the first warms every path, untimed. Recall: every question.
+    order = np.random.default_rng(0).permutation(len(asked))
+    qs = asked[order[: queries + 1]]
     path = tmp / f"search-{size}-{dims}.db"
     built = build(path, matrix)
     settings = EmbeddingSettings(provider="openai", model=MODEL, dimensions=dims)
@@ -177,7 +192,7 @@ def run_case(
         db.map_for_reading()  # as `kidx search` opens its connection
     embedder = QueryVectors(dims)
     two = SearchSettings(exact_below=0, oversample=oversample)
-    exact = SearchSettings(exact_below=10**12)
+    exact = SearchSettings(exact_below=10**9)  # (the setting's bound; above every size)
     vias: dict[str, set[str]] = {}
 
     def via_kidx(db: Database, name: str, tuning: SearchSettings) -> Callable:
@@ -210,6 +225,8 @@ def run_case(
                     continue
                 times[name].append(elapsed * 1000)
                 answers[name].append(got)
+        every = recall_of_every(matrix, asked, k, methods["kidx two-pass"])
+        after_write = first_after_a_write(path, settings, qs[1:21], methods["kidx two-pass"])
         held = {
             "numpy": matrix.nbytes / 1e6,
             "kidx two-pass": held_mb(with_vec),
@@ -246,9 +263,63 @@ def run_case(
             ),
             "held_mb": held.get(name, 0.0),
         }
+    rows["kidx two-pass"]["recall_all"], rows["kidx two-pass"]["same_order_all"] = every
+    rows["kidx two-pass, first after a write"] = {
+        "median_ms": statistics.median(after_write),
+        "p95_ms": float(np.percentile(after_write, 95)),
+        "ratio_to_numpy": statistics.median(after_write) / base,
+        "recall_at_k": float("nan"),
+        "same_order": float("nan"),
+        "held_mb": rows["kidx two-pass"]["held_mb"],
+    }
     for f in tmp.glob(path.name + "*"):
         f.unlink()
-    return {"size": size, "dims": dims, **built, "rows": rows}
+    return {"size": size, "dims": dims, "questions": len(asked), **built, "rows": rows}
+
+
+def recall_of_every(
+    matrix: np.ndarray, asked: np.ndarray, k: int, search: Callable[[np.ndarray], list[int]]
+) -> tuple[float, float]:
+    """Recall@k and the share of identical rankings of `search` against exact numpy, over
+    every question (untimed): a sample of 30 of one corpus said 0.987 where they are 0.977."""
+    recall, same = [], []
+    for start in range(0, len(asked), 50):  # (a block of exact answers: n x 50 scores)
+        block = asked[start : start + 50]
+        scores = matrix @ block.T
+        for j, q in enumerate(block):
+            top = np.argpartition(-scores[:, j], k - 1)[:k]
+            exact = (top[np.argsort(-scores[top, j], kind="stable")] + 1).tolist()
+            got = search(q)
+            recall.append(len(set(got) & set(exact)) / k)
+            same.append(got == exact)
+    return statistics.mean(recall), statistics.mean(same)
+
+
+def first_after_a_write(
+    path: Path,
+    settings: EmbeddingSettings,
+    qs: np.ndarray,
+    search: Callable[[np.ndarray], list[int]],
+) -> list[float]:
+    """Milliseconds of each query's search right after another connection committed a write:
+    the bit mirror held between searches (worker.hamming) is read again, as a `kidx search`
+    process, which opens the file anew, reads it at every search."""
+    other = connect(path, embedding=settings, vec=False)
+    times = []
+    try:
+        for n, q in enumerate(qs):
+            with other.atomic():
+                other.execute(
+                    "INSERT INTO index_meta(key, value) VALUES ('bench_write', ?) "
+                    "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    (str(n),),
+                )
+            t0 = time.perf_counter()
+            search(q)
+            times.append((time.perf_counter() - t0) * 1000)
+    finally:
+        other.close()
+    return times
 
 
 def machine() -> dict[str, object]:
@@ -285,7 +356,7 @@ def print_table(result: dict) -> None:
         f"oversample {result['oversample']}; realistic vectors (bench/vectors.py)"
     )
     header = (
-        f"{'size x dims':<18}{'method':<17}{'p50 ms':>9}{'p95 ms':>9}{'x numpy':>9}"
+        f"{'size x dims':<18}{'method':<35}{'p50 ms':>9}{'p95 ms':>9}{'x numpy':>9}"
         f"{'recall@k':>10}{'same order':>12}{'held MB':>9}"
     )
     print(header)
@@ -293,12 +364,18 @@ def print_table(result: dict) -> None:
     for case in result["cases"]:
         label = f"{case['size']:,} x {case['dims']}"
         for name, r in case["rows"].items():
+            recall = "" if r["recall_at_k"] != r["recall_at_k"] else f"{r['recall_at_k']:.3f}"
+            same = "" if r["same_order"] != r["same_order"] else f"{r['same_order']:.0%}"
             print(
-                f"{label:<18}{name:<17}{r['median_ms']:>9.1f}{r['p95_ms']:>9.1f}"
-                f"{r['ratio_to_numpy']:>9.2f}{r['recall_at_k']:>10.3f}{r['same_order']:>12.0%}"
-                f"{r['held_mb']:>9.0f}"
+                f"{label:<18}{name:<35}{r['median_ms']:>9.1f}{r['p95_ms']:>9.1f}"
+                f"{r['ratio_to_numpy']:>9.2f}{recall:>10}{same:>12}{r['held_mb']:>9.0f}"
             )
             label = ""
+        every = case["rows"]["kidx two-pass"]
+        print(
+            f"{'':<18}two-pass over all {case['questions']} questions: recall@k "
+            f"{every['recall_all']:.3f}, same order {every['same_order_all']:.0%}"
+        )
         print(f"{'':<18}(built in {case['build_s']:.0f} s; {case['db_mb']:,.0f} MB on disk)")
     for dims, growth in result["growth"].items():
         print(
@@ -321,7 +398,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--dims", default="384")
-    ap.add_argument("--queries", type=int, default=50)
+    ap.add_argument("--queries", type=int, default=100)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--oversample", type=int, default=SearchSettings().oversample)
     ap.add_argument("--fallback-max", type=int, default=100_000)
@@ -375,10 +452,10 @@ def main() -> None:
                 "limit": limit,
                 "min_recall": min_recall,
                 "ratio": row["ratio_to_numpy"] if row else None,
-                "recall": row["recall_at_k"] if row else None,
+                "recall": row["recall_all"] if row else None,
                 "met": None
                 if row is None
-                else row["ratio_to_numpy"] <= limit and row["recall_at_k"] >= min_recall,
+                else row["ratio_to_numpy"] <= limit and row["recall_all"] >= min_recall,
             }
         )
     result = {

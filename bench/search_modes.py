@@ -76,11 +76,14 @@ def make_db(path: Path, size: int, dims: int, rng: np.random.Generator, texts: l
     db = connect(path, embedding=settings)
     try:
         picks = rng.integers(0, len(texts), size)
-        with db.atomic():
+        with db.atomic(), db.writing_index():  # (as kidx's writer: a host's drops the vector)
             db.executemany(
                 "UPDATE note_chunks SET content = ?, end_offset = start_offset + ? WHERE id = ?",
                 ((texts[p], len(texts[p]), i + 1) for i, p in enumerate(picks)),
             )
+        vectors = db.scalar("SELECT count(*) FROM vec_chunk_embeddings")
+        if vectors != size:
+            sys.exit(f"the benchmark's database holds {vectors} vectors, not {size}")
         db.execute("DELETE FROM note_chunks_fts")
         t0 = time.perf_counter()
         sync_fts(db)
