@@ -628,19 +628,24 @@ def _unprivileged() -> list[str]:
     return [setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner", "--inh-caps=-all"]
 
 
+def _unprivileged_kidx(kidx: Kidx, *args: str) -> subprocess.CompletedProcess[str]:
+    """`kidx ARGS`, run without root's power to write what is read-only (`_unprivileged`)."""
+    return subprocess.run(
+        [*_unprivileged(), str(KIDX), *args],
+        env=kidx.env,
+        cwd=kidx.cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_a_read_only_database_is_one_line_naming_it(kidx_process, tmp_path):
     db = tmp_path / "kidx.db"
     kidx_process.ok("init")
     db.chmod(0o444)
     try:
-        result = subprocess.run(
-            [*_unprivileged(), str(KIDX), "add", "note", "--title", "T", "--text", "words"],
-            env=kidx_process.env,
-            cwd=kidx_process.cwd,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = _unprivileged_kidx(kidx_process, "add", "note", "--title", "T", "--text", "w")
     finally:
         db.chmod(0o644)
     assert "Traceback" not in result.stderr, result.stderr
@@ -657,14 +662,7 @@ def test_a_database_in_a_folder_kidx_cannot_write_names_the_folder(kidx_process,
         leftover.unlink()
     tmp_path.chmod(0o555)
     try:
-        result = subprocess.run(
-            [*_unprivileged(), str(KIDX), "status", "--json"],
-            env=kidx_process.env,
-            cwd=kidx_process.cwd,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = _unprivileged_kidx(kidx_process, "status", "--json")
     finally:
         tmp_path.chmod(0o755)
     assert "Traceback" not in result.stderr, result.stderr

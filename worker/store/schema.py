@@ -690,6 +690,9 @@ _WINDOWS_OF_OLD = (
     "AND NOT EXISTS (SELECT 1 FROM chunk_windows o WHERE o.model = w.model "
     "AND o.window_hash = w.window_hash AND o.item_id IS NOT old.id)"
 )
+_UNLINK_OLD = f"""
+    DELETE FROM chunk_boundaries WHERE (model, window_hash) IN ({_WINDOWS_OF_OLD});
+    DELETE FROM chunk_windows WHERE item_id = old.id;"""
 MIGRATIONS.append(
     (
         19,
@@ -703,16 +706,12 @@ CREATE TABLE IF NOT EXISTS chunk_windows (
 CREATE INDEX IF NOT EXISTS chunk_windows_window ON chunk_windows(model, window_hash);
 CREATE TRIGGER IF NOT EXISTS chunk_windows_item_deleted
 AFTER DELETE ON knowledge_items
-BEGIN
-    DELETE FROM chunk_boundaries WHERE (model, window_hash) IN ({_WINDOWS_OF_OLD});
-    DELETE FROM chunk_windows WHERE item_id = old.id;
+BEGIN{_UNLINK_OLD}
 END;
 CREATE TRIGGER IF NOT EXISTS chunk_windows_item_renumbered
 AFTER UPDATE OF id ON knowledge_items
 WHEN new.id IS NOT old.id
-BEGIN
-    DELETE FROM chunk_boundaries WHERE (model, window_hash) IN ({_WINDOWS_OF_OLD});
-    DELETE FROM chunk_windows WHERE item_id = old.id;
+BEGIN{_UNLINK_OLD}
 END;
 """,
     )
