@@ -12,7 +12,7 @@ import structlog
 
 from conftest import CORPUS, corpus_text
 from testkit.standin_chat import ChatReply, automatic_chunks
-from worker.bulk import index_item
+from worker.bulk import index_item, index_items
 from worker.chunking.llm import SUMMARY_MAX, units_of, windows_of
 from worker.indexers import IndexOptions
 from worker.providers.chat import ChatModel
@@ -547,3 +547,54 @@ def test_windows_an_older_kidx_cached_are_linked_by_the_item_that_uses_them(db, 
     index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
     assert _links(db, item) == 1 and _unlinked(db) == 1
     assert int(db.scalar("SELECT count(*) FROM chunk_boundaries")) == 2
+
+
+def test_windows_cached_by_a_run_that_fell_back_go_with_the_item(db, embedder, chat, standin, host):
+    """A run that cached some windows and then fell back to structure wrote no link: the
+    rows stayed for good, a deleted note's model summaries with them."""
+    text = corpus_text(CHAPTER)
+    item = add_item(db, kind="note", title="Ownership", content=text)
+    standin.chat.script = [automatic_chunks] + [ChatReply(status=400, content="no")] * 4
+    result = index_item(db, item, embedder=embedder, options=IndexOptions(chat=chat))
+    assert result.chunk_method == "structure"
+    assert db.scalar("SELECT count(*) FROM chunk_boundaries") == 1 and _links(db, item) == 1
+    host.execute("DELETE FROM knowledge_items WHERE id = ?", (item,))
+    assert db.scalar("SELECT count(*) FROM chunk_boundaries") == 0
+
+
+def test_a_copy_indexed_with_the_original_s_edit_keeps_the_windows_it_holds(
+    db, embedder, chat, standin
+):
+    """One run of an edited note and its earlier copy: the original's write unlinked the old
+    windows before the copy's write linked them (its chunking had read them from the cache),
+    and they went: the copy's next edit asked the model for every window."""
+    text = corpus_text(CHAPTER)
+    item = add_item(db, kind="note", title="Ownership", content=text)
+    options = IndexOptions(chat=chat)
+    index_item(db, item, embedder=embedder, options=options)
+    copy = add_item(db, kind="note", title="Copy", content=text)
+    update_content(db, item, "A short note now, of one window.")
+    index_items(db, [item, copy], embedder=embedder, options=options)
+    windows = len(windows_of(text, 6000))
+    assert _links(db, copy) == windows and _unlinked(db) == 0
+    held = db.scalar(
+        "SELECT count(*) FROM chunk_boundaries b JOIN chunk_windows w ON w.model = b.model "
+        "AND w.window_hash = b.window_hash WHERE w.item_id = ?",
+        (copy,),
+    )
+    assert held == windows
+    asked = standin.chat.requests
+    update_content(db, copy, text + "\n\nAn edit at the end.\n")
+    index_item(db, copy, embedder=embedder, options=options)
+    assert standin.chat.requests == asked + 1  # its last window alone
+
+
+def test_an_item_a_host_renumbers_keeps_its_windows(db, embedder, chat, standin, host):
+    text = corpus_text("ch04-03-slices.md")
+    item = add_item(db, kind="note", title="Slices", content=text)
+    options = IndexOptions(chat=chat)
+    index_item(db, item, embedder=embedder, options=options)
+    cached = db.scalar("SELECT count(*) FROM chunk_boundaries")
+    host.execute("UPDATE knowledge_items SET id = 500 WHERE id = ?", (item,))
+    assert db.scalar("SELECT count(*) FROM chunk_boundaries") == cached
+    assert _links(db, 500) == cached and _links(db, item) == 0

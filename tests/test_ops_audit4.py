@@ -92,6 +92,10 @@ def test_a_table_of_thousands_of_rows_is_printed_plain_and_safe(capsys, monkeypa
     assert title.endswith(" ".join(["long"] * 40)) and "[31mred" in title
     assert all(not line[:column].strip() for line in lines[start + 1 : end])
     assert len(lines) == 2 + len(rows) + (end - start - 1)
+    wide = "\u6771" * 40 + " " + "\u0301" * 40 + " tail"  # as many cells as characters
+    ctx.table(["item_id", "status", "title"], [*rows[:-1], (9999, "failed", wide)])
+    shown = capsys.readouterr().out
+    assert shown.count("\u6771") == 40 and "tail" in shown
 
 
 def test_a_host_s_huge_error_is_one_short_line_of_doctor_and_of_every_echo(tmp_path) -> None:

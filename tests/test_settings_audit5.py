@@ -84,5 +84,5 @@ def test_a_chunk_deadline_past_half_the_soft_time_limit_is_said_not_refused() ->
 def test_an_error_in_a_list_names_the_variable_that_holds_it() -> None:
     with pytest.raises(ConfigError) as e:
         load_settings(files={"roots": ["/srv/a", 1]})
-    assert str(e.value).startswith("invalid settings: KIDX_FILES__ROOTS: ")
+    assert str(e.value).startswith("invalid settings: KIDX_FILES__ROOTS: entry 2 ('1'): ")
     assert "__1" not in str(e.value)

@@ -1000,6 +1000,8 @@ def load_settings(**overrides: object) -> Settings:
             parts = [str(p).upper() for p in err["loc"] if not isinstance(p, int)]
             why = err["msg"].removeprefix("Value error, ")  # (pydantic's, for every ValueError)
             why = "no such setting" if err["type"] == "extra_forbidden" else why
+            if entries := [p for p in err["loc"] if isinstance(p, int)]:  # (in a list)
+                why = f"entry {entries[-1] + 1} ({str(err.get('input'))[:60]!r}): {why}"
             problems.append(f"KIDX_{'__'.join(parts)}: {why}" if parts else why)
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
     if problem := local_model_problem(settings.embedding):

@@ -376,10 +376,9 @@ def _plain_table(names: list[str], cells: list[list[Text]]) -> None:
 def _wrap(value: str, width: int) -> list[str]:
     """Free text in lines of at most `width` cells: at spaces (textwrap) when every character
     takes one cell, else at `width` cells (rich's chop_cells: wide CJK characters take two)."""
-    cells = cell_len(value)
-    if cells <= width:
+    if cell_len(value) <= width:
         return [value]
-    if cells == len(value):
+    if all(cell_len(c) == 1 for c in value):  # (a wide character and a mark: two, not one)
         return textwrap.wrap(value, width, break_on_hyphens=False) or [""]
     return chop_cells(value, width)
 

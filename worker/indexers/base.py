@@ -60,9 +60,10 @@ class Planned:
     # item's keyword rows; empty when its writer makes them.
     keyword_parts: tuple[str, ...] = ()
     target: int | None = None  # the structural target the chunks were cut at (prose only)
-    # The cached LLM windows the item's whole text was chunked from (None: not chunked whole
-    # by the model), linked to it by its write (`keep_windows`).
-    windows: tuple[tuple[str, str], ...] | None = None
+    # The cached LLM windows the item's whole text was chunked from, (model, window hash,
+    # boundaries) each (None: not chunked whole by the model), kept for it by its write
+    # (`keep_windows`).
+    windows: tuple[tuple[str, str, str], ...] | None = None
 
     @property
     def chunk_count(self) -> int:

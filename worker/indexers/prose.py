@@ -34,7 +34,7 @@ class Prose(Indexer):
     ) -> Planned:
         llm = cache = None
         if options.chat is not None and not options.structure_only:
-            cache = SqliteBoundaryCache(db)
+            cache = SqliteBoundaryCache(db, item.id)
             llm = LLMChunker(
                 options.chat,
                 cache,

@@ -682,9 +682,11 @@ MIGRATIONS.append(
     )
 )
 
-# Which items' texts hold each cached window of LLM boundaries (`chunk_windows`, written with an
-# item's index): a window goes from the cache once no item's text holds it. Every edit left the
-# old windows' rows behind, and a deleted note's model summaries stayed in the file for good.
+# Which items' texts hold each cached window of LLM boundaries (`chunk_windows`, written as a
+# window is cached for an item, and kept by the item's index): a window goes from the cache
+# once no item holds it. A renumbered item (a host's UPDATE of its id) keeps its windows.
+# Every edit left the old windows' rows behind, and a deleted note's model summaries stayed
+# in the file for good.
 _WINDOWS_OF_OLD = (
     "SELECT w.model, w.window_hash FROM chunk_windows w WHERE w.item_id = old.id "
     "AND NOT EXISTS (SELECT 1 FROM chunk_windows o WHERE o.model = w.model "
@@ -711,7 +713,8 @@ END;
 CREATE TRIGGER IF NOT EXISTS chunk_windows_item_renumbered
 AFTER UPDATE OF id ON knowledge_items
 WHEN new.id IS NOT old.id
-BEGIN{_UNLINK_OLD}
+BEGIN
+    UPDATE OR REPLACE chunk_windows SET item_id = new.id WHERE item_id = old.id;
 END;
 """,
     )
