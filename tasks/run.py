@@ -231,7 +231,8 @@ class Run:
             ids,
             self.task_id,
             t.lock_ttl,
-            keep=max(REQUEST_KEPT, t.time_limit + t.lock_ttl),  # (a soft limit of a week)
+            # (a request outlives the longest run: the limits may be set to weeks)
+            keep=max(REQUEST_KEPT, t.time_limit + t.lock_ttl),
         )
         held, busy = locks.acquire()
         asked: dict[int, str] = {}
