@@ -408,3 +408,15 @@ def test_a_backup_opens_from_read_only_storage(tmp_path: Path):
     conn = apsw.Connection(uri, flags=apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI)
     assert conn.execute("SELECT title FROM knowledge_items").fetchall() == [("kept",)]
     conn.close()
+
+
+def test_the_backup_line_shows_an_escape_in_a_path_as_text(tmp_path: Path):
+    """The success line printed the paths as given: an escape sequence in a name drove the
+    terminal (every other line of kidx shows it as U+FFFD)."""
+    source = tmp_path / "kidx.db"
+    connect(source, vec=False).close()
+    dest = tmp_path / "copy\x1b[2J.db"
+    out = _backup(source, tmp_path, str(dest))
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout and "copy\ufffd[2J.db" in out.stdout
+    assert dest.is_file()

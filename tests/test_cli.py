@@ -868,3 +868,27 @@ def test_kidx_chunk_target_sets_the_size_structural_chunking_aims_at(kidx):
     assert max(sizes[b]) <= 1500 and max(sizes[b]) > max(sizes[a])
     refused = kidx("status", env={"KIDX_CHUNK__TARGET": "100"})
     assert refused.returncode != 0 and "KIDX_CHUNK__TARGET" in refused.stderr
+
+
+def test_a_note_from_a_file_is_decoded_as_a_text_file_is(kidx, tmp_path):
+    """`add note --file` kept a UTF-8 byte-order mark at the note's start (`add file` drops
+    it), and refused a UTF-16 file with its mark as "not UTF-8"."""
+    import apsw
+
+    kidx.ok("init")
+    marked = tmp_path / "marked.md"
+    marked.write_bytes(b"\xef\xbb\xbf# Marked\n\nWords.\r\n")
+    wide = tmp_path / "wide.md"
+    wide.write_bytes("# Wide\n\nMore words.\n".encode("utf-16"))
+    binary = tmp_path / "binary.md"
+    binary.write_bytes(b"# Binary\n\x00\x01\x02")
+    ids = [kidx.add(p.stem, "--file", str(p)) for p in (marked, wide)]
+    conn = apsw.Connection(str(tmp_path / "kidx.db"))
+    texts = [
+        conn.execute("SELECT content FROM knowledge_items WHERE id = ?", (i,)).fetchone()[0]
+        for i in ids
+    ]
+    conn.close()
+    assert texts == ["# Marked\n\nWords.\n", "# Wide\n\nMore words.\n"]
+    refused = kidx("add", "note", "--title", "B", "--file", str(binary))
+    assert refused.returncode != 0 and "binary" in one_line_error(refused)

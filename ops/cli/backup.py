@@ -23,7 +23,7 @@ from pathlib import Path
 import apsw
 import click
 
-from ops.cli.base import Ctx, cli, command, sqlite_detail, sqlite_problem
+from ops.cli.base import Ctx, cli, command, printable, sqlite_detail, sqlite_problem
 from worker.errors import InvalidInput, StoreError
 from worker.regular import read_regular
 
@@ -316,9 +316,11 @@ def _backup(ctx: Ctx, dest: Path, force: bool) -> None:
     }
     ctx.emit(
         info,
-        lambda: click.echo(
-            f"backed up {source} to {dest} ({info['bytes']} bytes, "
-            f"integrity {info['integrity']}, {info['seconds']} s)"
+        lambda: click.echo(  # (the paths as given may hold an escape sequence)
+            printable(
+                f"backed up {source} to {dest} ({info['bytes']} bytes, "
+                f"integrity {info['integrity']}, {info['seconds']} s)"
+            )
         ),
     )
 

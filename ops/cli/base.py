@@ -552,8 +552,8 @@ def cli() -> None:
 
 
 def read_text(text: str | None, file: Path | None, max_bytes: int) -> str:
-    """A note's text, given or read from `file` (its line ends made `\n`, as Python reads
-    text), which may hold at most `max_bytes` (KIDX_FILES__MAX_BYTES, as `kidx add file`): a
+    """A note's text, given or read from `file` (decoded as a text file is, its line ends
+    made `\n`), which may hold at most `max_bytes` (KIDX_FILES__MAX_BYTES, as `kidx add file`): a
     1.2 GB file was read whole (2.5 GB of memory, then SQLite's "string or blob too big")."""
     if (text is None) == (file is None):
         raise InvalidInput("give exactly one of --text and --file")
@@ -570,8 +570,8 @@ def read_text(text: str | None, file: Path | None, max_bytes: int) -> str:
             f"{file} is larger than KIDX_FILES__MAX_BYTES ({max_bytes} bytes); "
             "`kidx add file` takes a file up to that size too"
         )
-    try:
-        content = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidInput(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    return content.replace("\r\n", "\n").replace("\r", "\n")
+    from worker.sources.decoding import decode_text
+
+    # As `kidx add file` reads a text file: a byte-order mark read and dropped (UTF-8's stayed
+    # at the note's start, UTF-16's failed as "not UTF-8"), NUL bytes refused as binary.
+    return decode_text(data, file)
