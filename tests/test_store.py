@@ -57,6 +57,29 @@ def test_a_writer_waits_for_another_writers_lock_up_to_the_busy_timeout(db_path)
         second.close()
 
 
+def test_what_waits_for_the_commit_all_runs_though_one_of_it_raises(db_path):
+    """A group's retries are sent after the COMMIT that reported them: the soft time limit
+    during the first send (its exception) lost every other's, whose items then ended failed
+    where their retries were due. Each runs; the first error is raised after them."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    db = Database(db_path)
+    ran: list[str] = []
+
+    def limit() -> None:
+        ran.append("first")
+        raise SoftTimeLimitExceeded()
+
+    try:
+        with pytest.raises(SoftTimeLimitExceeded), db.atomic():
+            db.on_commit(limit)
+            db.on_commit(lambda: ran.append("second"))
+            db.on_commit(lambda: ran.append("third"))
+        assert ran == ["first", "second", "third"]
+    finally:
+        db.close()
+
+
 def test_what_waits_for_the_commit_runs_after_it_and_never_after_a_rollback(db_path):
     """`on_commit` (a retry's message): after the COMMIT, when the lock is free for others;
     dropped with a transaction or a savepoint that rolls back, and with a COMMIT that fails."""

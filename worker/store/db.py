@@ -405,8 +405,17 @@ class Database:
                     log.error("rollback failed", reason=f"{type(e).__name__}: {e}")
             raise
         after, self._on_commit = self._on_commit, []
+        # Each runs, whatever the one before it raised (the first error is raised after them):
+        # a group's retries are sent here, and the soft time limit during the first send lost
+        # the others' (their items ended failed where their retries were due).
+        failed: Exception | None = None
         for _, what in after:
-            what()
+            try:
+                what()
+            except Exception as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     def map_for_reading(self, megabytes: int = 1024) -> None:
         """Read the file through a memory map (PRAGMA mmap_size): a search scans every vector
