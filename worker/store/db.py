@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -459,6 +460,18 @@ def _open_problem(e: apsw.Error, path: Path) -> str:
     if isinstance(e, apsw.ReadOnlyError):
         return f"{e} (the file, or its -wal or -shm beside it, is read-only: kidx writes to them)"
     return str(e)
+
+
+# A cursor kidx wrote: digits only (`str.isdigit` takes `²`, which int() does not).
+_CURSOR = re.compile(rb"-?[0-9]+")
+
+
+def meta_cursor(db: Database, key: str) -> int | None:
+    """An `index_meta` record that holds where a sweep's slice stopped (a key); None, to start
+    from the first, for none or a host's value (`--5`, `²`, out of range, not UTF-8)."""
+    last = db.scalar("SELECT CAST(value AS BLOB) FROM index_meta WHERE key = ?", (key,))
+    after = int(last) if isinstance(last, bytes) and _CURSOR.fullmatch(last) else None
+    return after if after is not None and -(2**63) <= after < 2**63 else None
 
 
 def set_meta(db: Database, key: str, value: str) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import apsw
 
 from worker.chunking.markdown import clip_title
-from worker.store.db import Database, set_meta
+from worker.store.db import Database, meta_cursor, set_meta
 from worker.store.text import integer_or_null, shown
 
 # The porter stemmer over unicode61 (diacritics folded): `moves` meets `move`. Measured on the
@@ -429,7 +429,6 @@ def _unlike(
 # where the last sweep stopped, round and round: `_unlike` compares a row's text only (making
 # every row's parts again costs 35 us a chunk), and a `parts` a host wrote was never mended.
 WHOLE_SLICE = 2_000
-_ID = re.compile(rb"-?[0-9]{1,19}")
 
 
 def _unlike_whole(db: Database, table: FtsTable, n: int) -> list[tuple]:
@@ -438,10 +437,7 @@ def _unlike_whole(db: Database, table: FtsTable, n: int) -> list[tuple]:
     if n <= 0:
         return []
     cursor = f"fts_compared:{table.name}"
-    last = db.scalar("SELECT CAST(value AS BLOB) FROM index_meta WHERE key = ?", (cursor,))
-    after = int(last) if isinstance(last, bytes) and _ID.fullmatch(last) else None
-    if after is not None and not -(2**63) <= after < 2**63:  # (a host's value: from the start)
-        after = None
+    after = meta_cursor(db, cursor)
     rows = db.all(
         "SELECT c.id, c.title, c.headings, c.content, CAST(f.title AS BLOB), "
         "CAST(f.headings AS BLOB), CAST(f.content AS BLOB), CAST(f.parts AS BLOB) "

@@ -8,7 +8,6 @@ in another shape, or whose shadow tables it damaged (sqlite-vec then fails, or f
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 import apsw
 
 from worker.log import KI_EMBED, get_logger
-from worker.store.db import Database
+from worker.store.db import Database, meta_cursor
 from worker.store.vec import (
     VEC_TABLES,
     VecTable,
@@ -143,7 +142,6 @@ VERIFY_SECONDS = 0.5
 VERIFY_STEP = 500
 # Orphans deleted and missing rows restored a table at most, a repair (`_sweep`).
 REPAIR_SLICE = 10_000
-_KEY = re.compile(rb"-?[0-9]+")  # a cursor kidx wrote (`str.isdigit` takes `²`: int() not)
 
 
 class _Damaged(Exception):
@@ -177,11 +175,7 @@ def _verify(db: Database, t: VecTable, dims: int, report: RepairReport, n: int) 
     are not their relational vector (a host wrote into the vec table, or a quantized row
     drifted): key checks never see them."""
     cursor = f"vec_verified:{t.name}"
-    # (a host's value, `--5`, `²`, out of range or not UTF-8: from the first key)
-    last = db.scalar("SELECT CAST(value AS BLOB) FROM index_meta WHERE key = ?", (cursor,))
-    after = int(last) if isinstance(last, bytes) and _KEY.fullmatch(last) else None
-    if after is not None and not -(2**63) <= after < 2**63:
-        after = None
+    after = meta_cursor(db, cursor)
     until = time.monotonic() + VERIFY_SECONDS
     done, ended, wrong = 0, False, 0
     while done < n and not ended:
